@@ -1,0 +1,333 @@
+//! The coarse operations one training step needs, behind one trait with two implementations:
+//! `cpu` (the reference: f32, plain loops) and, on NVIDIA GPUs, `cuda`.
+//!
+//! Conventions, shared by every op on every backend:
+//! - Arguments come in the order outputs, inputs, sizes. Every tensor is row-major; its shape is
+//!   written beside it as `[rows, cols]`.
+//! - Parameter gradients accumulate (`+=`); activation gradients and forward outputs overwrite
+//!   (`=`). Each op's doc names which of its outputs accumulate.
+//! - `T` is the number of tokens in the micro-batch (rows of the packed batch, flattened), `H` the
+//!   hidden size, `V` the vocabulary, `I` the MLP's intermediate size, `nq`/`nkv` the query and
+//!   key/value head counts, `hd` the head dimension, `Dqkv = (nq + 2 nkv) hd`.
+//! - The fused projection `qkv` stores each token's row as `[q heads | k heads | v heads]`, each
+//!   head `hd` wide; `gate_up` stores each row as `[gate (I) | up (I)]`.
+//! - Documents: `cu_seqlens[d]..cu_seqlens[d+1]` are the tokens of document `d`. A token attends
+//!   to tokens of its own document at or before it, and with a sliding window `W` only to the `W`
+//!   most recent of those (itself included), as Hugging Face's sliding-window mask does.
+//! - Token ids, positions, targets and document bounds are `i32` on every backend; a target of
+//!   [`IGNORE`] means the token is not trained.
+//!
+//! A backend stores floats in its own precision (f32 on the CPU; bf16 activations and weights
+//! with f32 gradient accumulators on a GPU), chosen by [`FloatKind`] at allocation. The trait is
+//! deliberately small: only what the decoder in `model` calls.
+
+pub mod cpu;
+
+use std::ops::Range;
+
+use crate::error::Result;
+
+/// Target value of a token that carries no loss (prompt tokens, padding, document ends).
+pub const IGNORE: i32 = -100;
+
+/// What a float buffer holds, which decides its precision on backends that have a choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatKind {
+    /// Weights, activations and their gradients: bf16 on a GPU.
+    Activation,
+    /// Weight-gradient accumulators, reductions and small tables such as RoPE frequencies: f32
+    /// everywhere.
+    Accum,
+}
+
+/// The shapes an attention call works on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Tokens in the micro-batch.
+    pub tokens: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads; divides `q_heads` (grouped-query attention).
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Number of documents described by `cu_seqlens` (which has `docs + 1` entries).
+    pub docs: usize,
+    /// Sliding window in tokens, itself included; `None` for full causal attention.
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// Width of one token's fused `qkv` row.
+    pub fn qkv_width(&self) -> usize {
+        (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// A compute device and its memory. Only the schedule in `train` drives it.
+pub trait Backend: Send + Sync {
+    /// An owned float buffer in device memory.
+    type Floats: Send;
+    /// An owned `i32` buffer in device memory.
+    type Ints: Send;
+    /// A read-only window into a float buffer.
+    type View<'a>: Copy
+    where
+        Self: 'a;
+    /// A writable window into a float buffer.
+    type ViewMut<'a>
+    where
+        Self: 'a;
+
+    /// Human-readable name for messages ("cpu", "cuda:0 NVIDIA H200").
+    fn name(&self) -> String;
+
+    // ---- memory ---------------------------------------------------------------------------
+
+    /// A zero-filled float buffer of `len` elements.
+    fn alloc(&self, len: usize, kind: FloatKind) -> Result<Self::Floats>;
+    /// A zero-filled int buffer of `len` elements.
+    fn alloc_ints(&self, len: usize) -> Result<Self::Ints>;
+    /// Number of elements in a float buffer.
+    fn len(&self, buf: &Self::Floats) -> usize;
+    fn view<'a>(&self, buf: &'a Self::Floats, range: Range<usize>) -> Self::View<'a>;
+    fn view_mut<'a>(&self, buf: &'a mut Self::Floats, range: Range<usize>) -> Self::ViewMut<'a>;
+    /// Host to device; `src.len()` must equal the view's length.
+    fn upload(&self, dst: Self::ViewMut<'_>, src: &[f32]) -> Result<()>;
+    /// Device to host; `dst.len()` must equal the view's length.
+    fn download(&self, dst: &mut [f32], src: Self::View<'_>) -> Result<()>;
+    /// Host to device for ints; `src.len()` must not exceed the buffer's length.
+    fn upload_ints(&self, dst: &mut Self::Ints, src: &[i32]) -> Result<()>;
+    fn fill_zero(&self, dst: Self::ViewMut<'_>) -> Result<()>;
+    /// `dst = src`, same length.
+    fn copy(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>) -> Result<()>;
+
+    // ---- elementwise and reductions -------------------------------------------------------
+
+    /// `out = a + b` (the residual connection), all `[n]`.
+    fn add(&self, out: Self::ViewMut<'_>, a: Self::View<'_>, b: Self::View<'_>) -> Result<()>;
+    /// `dst += src`, both `[n]` (gradients meeting at a residual fork).
+    fn add_assign(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>) -> Result<()>;
+    /// Sum of all elements, accumulated in f64 on the host side of the call.
+    fn sum(&self, src: Self::View<'_>) -> Result<f64>;
+    /// Sum of squares of all elements (the gradient-norm reduction), in f64.
+    fn sum_squares(&self, src: Self::View<'_>) -> Result<f64>;
+
+    // ---- embedding ------------------------------------------------------------------------
+
+    /// `out[t] = table[ids[t]]`. out `[T, H]`, ids `[T]`, table `[V, H]`.
+    fn embedding_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        ids: &Self::Ints,
+        table: Self::View<'_>,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()>;
+    /// `dtable[ids[t]] += dout[t]` (accumulates). dtable `[V, H]`, dout `[T, H]`.
+    fn embedding_backward(
+        &self,
+        dtable: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        ids: &Self::Ints,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()>;
+
+    // ---- matmul and bias ------------------------------------------------------------------
+
+    /// `out = inp · wᵀ`. out `[T, N]`, inp `[T, K]`, w `[N, K]` (PyTorch's `nn.Linear`).
+    fn matmul_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
+    /// dinp `[T, K]`, dw `[N, K]`, dout `[T, N]`, inp `[T, K]`, w `[N, K]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dw: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// `out[t] += bias` for every row. out `[T, N]`, bias `[N]`.
+    fn bias_forward(&self, out: Self::ViewMut<'_>, bias: Self::View<'_>, rows: usize, n: usize)
+    -> Result<()>;
+    /// `dbias += Σ_t dout[t]` (accumulates). dbias `[N]`, dout `[T, N]`.
+    fn bias_backward(
+        &self,
+        dbias: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()>;
+
+    // ---- normalisation --------------------------------------------------------------------
+
+    /// RMSNorm over the last dimension: `out = inp / sqrt(mean(inp²) + eps) * w`, and
+    /// `rstd[r] = 1 / sqrt(mean(inp[r]²) + eps)` kept for the backward.
+    /// out `[R, D]`, rstd `[R]` (Accum), inp `[R, D]`, w `[D]`.
+    /// Reference: `LlamaRMSNorm` in transformers' modeling_llama.py.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// dinp `[R, D]` (overwrites), dw `[D]` (accumulates), dout `[R, D]`, inp `[R, D]`, w `[D]`,
+    /// rstd `[R]`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dw: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        rstd: Self::View<'_>,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// Qwen3's per-head RMSNorm of the query and key heads inside a fused `qkv` row; the value
+    /// heads are copied unchanged. out and inp `[T, Dqkv]`, rstd `[T, nq + nkv]` (Accum),
+    /// w `[2 hd]` = `[q_norm (hd) | k_norm (hd)]`.
+    fn head_rmsnorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        shape: &AttentionShape,
+        eps: f32,
+    ) -> Result<()>;
+    /// dinp `[T, Dqkv]` (overwrites; value heads pass through), dw `[2 hd]` (accumulates).
+    #[allow(clippy::too_many_arguments)]
+    fn head_rmsnorm_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dw: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        rstd: Self::View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+
+    // ---- rotary position embedding --------------------------------------------------------
+
+    /// Rotates the query and key heads of `qkv` `[T, Dqkv]` in place by `pos[t] * inv_freq[i]`,
+    /// pairing element `i` with `i + hd/2` (Hugging Face's `rotate_half`). The angle is formed in
+    /// f32 as `(pos as f32) * inv_freq[i]`, as transformers does. inv_freq `[hd/2]` (Accum).
+    /// Reference: `apply_rotary_pos_emb` in modeling_llama.py.
+    fn rope_forward(
+        &self,
+        qkv: Self::ViewMut<'_>,
+        pos: &Self::Ints,
+        inv_freq: Self::View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+    /// The transpose of [`Backend::rope_forward`]: rotates the gradient in place by `-angle`.
+    fn rope_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        pos: &Self::Ints,
+        inv_freq: Self::View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+
+    // ---- attention ------------------------------------------------------------------------
+
+    /// Causal grouped-query attention within documents, scale `1/sqrt(hd)`.
+    /// out `[T, nq hd]`, lse `[T, nq]` (Accum: the log-sum-exp of each query's scaled scores),
+    /// qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
+    fn attention_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        lse: Self::ViewMut<'_>,
+        qkv: Self::View<'_>,
+        cu_seqlens: &Self::Ints,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+    /// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv, out and lse from the forward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        qkv: Self::View<'_>,
+        out: Self::View<'_>,
+        lse: Self::View<'_>,
+        cu_seqlens: &Self::Ints,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+
+    // ---- MLP ------------------------------------------------------------------------------
+
+    /// `out = silu(gate) * up`. out `[T, I]`, gate_up `[T, 2I]`.
+    fn swiglu_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        gate_up: Self::View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()>;
+    /// dgate_up `[T, 2I]` (overwrites), dout `[T, I]`, gate_up `[T, 2I]`.
+    fn swiglu_backward(
+        &self,
+        dgate_up: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        gate_up: Self::View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()>;
+
+    // ---- LM head and loss -----------------------------------------------------------------
+
+    /// Cross-entropy of the LM head's logits `x · wᵀ` against `targets`, computed a chunk of the
+    /// vocabulary or of the tokens at a time so `[T, V]` logits never exist at once.
+    /// losses `[T]` (Accum; 0 where the target is [`IGNORE`]), lse `[T]` (Accum: log-sum-exp of
+    /// each token's logits, kept for the backward), x `[T, H]`, w `[V, H]`, targets `[T]`.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_forward(
+        &self,
+        losses: Self::ViewMut<'_>,
+        lse: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        w: Self::View<'_>,
+        targets: &Self::Ints,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()>;
+    /// Gradient of `scale · Σ_t losses[t]`: dx `[T, H]` (overwrites), dw `[V, H]`
+    /// (accumulates). `scale` is 1 / (trained tokens in the whole optimizer step).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_backward(
+        &self,
+        dx: Self::ViewMut<'_>,
+        dw: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        w: Self::View<'_>,
+        lse: Self::View<'_>,
+        targets: &Self::Ints,
+        scale: f32,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()>;
+}

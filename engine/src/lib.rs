@@ -1,0 +1,22 @@
+//! Sluice's training engine: everything needed to fine-tune a decoder-only language model,
+//! with no notion of HTTP, databases, users or jobs.
+//!
+//! - [`spec`]: Hugging Face `config.json` to a resolved [`spec::ModelSpec`]; random-init presets.
+//! - [`weights`]: safetensors in (single and sharded), Hugging Face folders out.
+//! - [`data`]: dataset formats, tokenizer, chat templates, loss masks, packing.
+//! - [`backend`]: the [`backend::Backend`] trait and its CPU reference implementation.
+//! - [`model`]: parameter layout by unit and the decoder's forward and backward, generic over
+//!   the backend.
+//! - [`optim`]: AdamW, gradient clipping, learning-rate schedules.
+//! - [`train`]: the trainer loop, its configuration and its observer events.
+
+pub mod backend;
+pub mod data;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod spec;
+pub mod train;
+pub mod weights;
+
+pub use error::{Error, Result};
