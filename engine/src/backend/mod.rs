@@ -161,8 +161,13 @@ pub trait Backend: Send + Sync {
         n: usize,
     ) -> Result<()>;
     /// `out[t] += bias` for every row. out `[T, N]`, bias `[N]`.
-    fn bias_forward(&self, out: Self::ViewMut<'_>, bias: Self::View<'_>, rows: usize, n: usize)
-    -> Result<()>;
+    fn bias_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        bias: Self::View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()>;
     /// `dbias += Σ_t dout[t]` (accumulates). dbias `[N]`, dout `[T, N]`.
     fn bias_backward(
         &self,

@@ -1,1 +1,408 @@
-//! (being written)
+//! A model's shape and family behaviour, resolved once from Hugging Face's `config.json`.
+//!
+//! One decoder serves every supported family; what differs between families is data here:
+//! q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), a sliding window (mistral), RoPE scaling
+//! (llama3 and linear), tied embeddings. Every default is decided in [`ModelSpec::from_hf`] and
+//! nowhere else.
+
+mod config;
+mod preset;
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+pub use config::HfConfig;
+pub use preset::{PRESETS, preset};
+
+use crate::error::{Error, Result};
+
+/// The decoder families Sluice trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Mistral,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+
+    /// The `model_type` transformers writes.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
+        }
+    }
+
+    /// The class transformers instantiates (`architectures[0]`).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    fn from_model_type(model_type: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.model_type() == model_type)
+    }
+}
+
+/// How RoPE frequencies are rescaled for long context.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1's piecewise rescaling of low frequencies.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_positions: f64,
+    },
+}
+
+/// A validated, fully resolved model description.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSpec {
+    pub family: Family,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_positions: usize,
+    pub tie_embeddings: bool,
+    /// Bias on the q, k and v projections (qwen2; llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Per-head RMSNorm on queries and keys before RoPE (qwen3).
+    pub qk_norm: bool,
+    /// Per layer: the sliding window in tokens, or `None` for full causal attention.
+    pub windows: Vec<Option<usize>>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// The `config.json` this spec was read from, kept so an export writes back every field.
+    pub raw: Value,
+}
+
+impl ModelSpec {
+    /// Reads and resolves `DIR/config.json` (or the file itself if `path` is a file).
+    pub fn from_path(path: &Path) -> Result<ModelSpec> {
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+        let raw: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::config(&file, format!("not valid JSON: {e}")))?;
+        ModelSpec::from_hf(raw, &file)
+    }
+
+    /// Resolves a parsed `config.json`; `origin` names it in errors.
+    pub fn from_hf(raw: Value, origin: &Path) -> Result<ModelSpec> {
+        let err = |m: String| Error::config(origin, m);
+        let cfg: HfConfig = serde_json::from_value(raw.clone())
+            .map_err(|e| err(format!("unexpected field type: {e}")))?;
+        let model_type = cfg.model_type.as_deref().ok_or_else(|| err("no model_type".into()))?;
+        let family = Family::from_model_type(model_type).ok_or_else(|| {
+            err(format!(
+                "unsupported model_type {model_type:?}; supported: {}",
+                Family::ALL.map(Family::model_type).join(", ")
+            ))
+        })?;
+        let need = |v: Option<usize>, name: &str| {
+            v.filter(|&n| n > 0).ok_or_else(|| err(format!("{name} is missing or zero")))
+        };
+        let vocab = need(cfg.vocab_size, "vocab_size")?;
+        let hidden = need(cfg.hidden_size, "hidden_size")?;
+        let intermediate = need(cfg.intermediate_size, "intermediate_size")?;
+        let layers = need(cfg.num_hidden_layers, "num_hidden_layers")?;
+        let q_heads = need(cfg.num_attention_heads, "num_attention_heads")?;
+        let kv_heads = need(cfg.num_key_value_heads.or(Some(q_heads)), "num_key_value_heads")?;
+        if q_heads % kv_heads != 0 {
+            return Err(err(format!(
+                "num_attention_heads ({q_heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+            )));
+        }
+        let head_dim = match cfg.head_dim {
+            Some(d) => d,
+            None if hidden % q_heads == 0 => hidden / q_heads,
+            None => {
+                return Err(err(format!(
+                    "hidden_size ({hidden}) is not divisible by num_attention_heads ({q_heads}) and no head_dim is given"
+                )));
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(err(format!(
+                "head_dim must be even and non-zero for RoPE, got {head_dim}"
+            )));
+        }
+        match cfg.hidden_act.as_deref() {
+            None | Some("silu") | Some("swish") => {}
+            Some(other) => {
+                return Err(err(format!("hidden_act {other:?} is not supported (only silu)")));
+            }
+        }
+        if cfg.mlp_bias == Some(true) {
+            return Err(err("mlp_bias = true is not supported".into()));
+        }
+        let rms_eps = cfg.rms_norm_eps.unwrap_or(1e-6);
+        if !(rms_eps > 0.0 && rms_eps < 1.0) {
+            return Err(err(format!("rms_norm_eps must be in (0, 1), got {rms_eps}")));
+        }
+        let (rope_theta, rope_scaling) = resolve_rope(&cfg).map_err(err)?;
+        let max_positions = cfg.max_position_embeddings.unwrap_or(4096);
+        let attention_bias = cfg.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias, qk_norm) = match family {
+            Family::Llama | Family::Mistral => (attention_bias, attention_bias, false),
+            Family::Qwen2 => (true, false, false),
+            Family::Qwen3 => (attention_bias, attention_bias, true),
+        };
+        let windows = resolve_windows(&cfg, family, layers).map_err(err)?;
+        // Every supported family's config class defaults to untied embeddings.
+        let tie_embeddings = cfg.tie_word_embeddings.unwrap_or(false);
+        let ids = |v: &Option<Value>| -> Vec<u32> {
+            match v {
+                Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                Some(Value::Array(a)) => {
+                    a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()
+                }
+                _ => Vec::new(),
+            }
+        };
+        Ok(ModelSpec {
+            family,
+            vocab,
+            hidden,
+            intermediate,
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            rms_eps: rms_eps as f32,
+            rope_theta,
+            rope_scaling,
+            max_positions,
+            tie_embeddings,
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            windows,
+            bos_token_id: ids(&cfg.bos_token_id).first().copied(),
+            eos_token_ids: ids(&cfg.eos_token_id),
+            raw,
+        })
+    }
+
+    /// Width of one token's fused q, k, v projection.
+    pub fn qkv_width(&self) -> usize {
+        (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Width of the attention output (the o projection's input).
+    pub fn attn_width(&self) -> usize {
+        self.q_heads * self.head_dim
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn layer_params(&self) -> usize {
+        let h = self.hidden;
+        let mut n = 2 * h // the two RMSNorms
+            + self.qkv_width() * h
+            + h * self.attn_width()
+            + 3 * self.intermediate * h;
+        if self.qkv_bias {
+            n += self.qkv_width();
+        }
+        if self.o_bias {
+            n += h;
+        }
+        if self.qk_norm {
+            n += 2 * self.head_dim;
+        }
+        n
+    }
+
+    /// Total trainable parameters (a tied LM head counted once).
+    pub fn total_params(&self) -> usize {
+        let embed = self.vocab * self.hidden;
+        let head = if self.tie_embeddings { 0 } else { embed };
+        embed + self.layers * self.layer_params() + self.hidden + head
+    }
+
+    /// RoPE inverse frequencies `[head_dim / 2]`, computed in f32 as transformers'
+    /// `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters` and
+    /// `_compute_llama3_parameters` do (modeling_rope_utils.py).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim;
+        let base = self.rope_theta as f32;
+        let plain: Vec<f32> =
+            (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
+        match self.rope_scaling {
+            RopeScaling::None => plain,
+            RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => {
+                let factor = factor as f32;
+                let (low, high) = (low_freq_factor as f32, high_freq_factor as f32);
+                let old_len = original_max_positions as f32;
+                let low_freq_wavelen = old_len / low;
+                let high_freq_wavelen = old_len / high;
+                plain
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
+                        let medium =
+                            !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        if medium {
+                            let smooth = (old_len / wavelen - low) / (high - low);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
+                        } else {
+                            scaled
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The `config.json` to write beside exported weights: the original fields, with the
+    /// resolved values that transformers needs spelled out.
+    pub fn to_hf_config(&self) -> Value {
+        let mut out = match &self.raw {
+            Value::Object(_) => self.raw.clone(),
+            _ => json!({}),
+        };
+        if let Value::Object(map) = &mut out {
+            map.insert("model_type".into(), json!(self.family.model_type()));
+            map.insert("architectures".into(), json!([self.family.architecture()]));
+            map.insert("torch_dtype".into(), json!("float32"));
+            map.remove("dtype");
+            map.insert("tie_word_embeddings".into(), json!(self.tie_embeddings));
+        }
+        out
+    }
+}
+
+fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
+    // transformers 5 folds theta and scaling into `rope_parameters`; older configs use
+    // `rope_theta` + `rope_scaling`. Accept both, preferring the newer one.
+    let params =
+        cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref()).filter(|v| !v.is_null());
+    let theta = params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .or(cfg.rope_theta)
+        .unwrap_or(10_000.0);
+    if !(theta > 0.0) {
+        return Err(format!("rope_theta must be positive, got {theta}"));
+    }
+    let Some(p) = params else { return Ok((theta, RopeScaling::None)) };
+    let kind =
+        p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> std::result::Result<f64, String> {
+        p.get(key)
+            .and_then(Value::as_f64)
+            .filter(|x| *x > 0.0)
+            .ok_or_else(|| format!("rope scaling {kind:?} needs a positive {key}"))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "llama3" => {
+            let s = RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_positions: num("original_max_position_embeddings")?,
+            };
+            if let RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. } = s
+                && high_freq_factor <= low_freq_factor
+            {
+                return Err("llama3 rope scaling needs high_freq_factor > low_freq_factor".into());
+            }
+            s
+        }
+        other => {
+            return Err(format!(
+                "rope scaling {other:?} is not supported (supported: default, linear, llama3)"
+            ));
+        }
+    };
+    Ok((theta, scaling))
+}
+
+fn resolve_windows(
+    cfg: &HfConfig,
+    family: Family,
+    layers: usize,
+) -> std::result::Result<Vec<Option<usize>>, String> {
+    let window = match &cfg.sliding_window {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|&w| w > 0)
+                .ok_or_else(|| format!("sliding_window must be a positive integer, got {v}"))?
+                as usize,
+        ),
+    };
+    if let Some(types) = &cfg.layer_types {
+        if types.len() != layers {
+            return Err(format!(
+                "layer_types has {} entries but num_hidden_layers is {layers}",
+                types.len()
+            ));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                "full_attention" => Ok(None),
+                "sliding_attention" => window.map(Some).ok_or_else(|| {
+                    "a layer uses sliding_attention but sliding_window is not set".to_string()
+                }),
+                other => Err(format!("layer type {other:?} is not supported")),
+            })
+            .collect();
+    }
+    Ok(match family {
+        Family::Llama => vec![None; layers],
+        Family::Mistral => vec![window; layers],
+        Family::Qwen2 | Family::Qwen3 => {
+            // modeling_qwen2: sliding only when enabled, and only from max_window_layers up.
+            let from = cfg.max_window_layers.unwrap_or(layers);
+            (0..layers)
+                .map(
+                    |i| {
+                        if cfg.use_sliding_window == Some(true) && i >= from {
+                            window
+                        } else {
+                            None
+                        }
+                    },
+                )
+                .collect()
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests;

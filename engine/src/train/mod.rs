@@ -1,1 +1,106 @@
-//! (being written)
+//! Training: the loop that turns packed micro-batches into optimizer steps, its configuration,
+//! and the events it reports to an observer.
+//!
+//! The engine never blocks on its observer: events are plain values handed over synchronously,
+//! and an observer that needs to do slow work (write to a database, push to browsers) queues
+//! them itself.
+
+mod trainer;
+
+use std::time::Duration;
+
+pub use trainer::Trainer;
+
+use crate::optim::Schedule;
+
+/// Hyperparameters, one line each; defaults suit fine-tuning a pretrained model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Learning-rate shape after warmup.
+    pub schedule: Schedule,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: u64,
+    /// Optimizer steps in the run (the schedule's horizon).
+    pub total_steps: u64,
+    /// AdamW's decoupled weight decay, applied to matrices only.
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Global gradient-norm clipping threshold; `None` disables clipping.
+    pub max_grad_norm: Option<f32>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            lr: 2e-5,
+            schedule: Schedule::Cosine,
+            warmup_steps: 0,
+            total_steps: 100,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            max_grad_norm: Some(1.0),
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepMetrics {
+    /// 1-based index of the step just taken.
+    pub step: u64,
+    /// Mean cross-entropy over the step's trained tokens.
+    pub loss: f64,
+    /// Learning rate the step used.
+    pub lr: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens processed (including untrained prompt and padding tokens).
+    pub tokens: usize,
+    /// Tokens that carried loss.
+    pub trained_tokens: usize,
+    /// Wall time of the step.
+    pub elapsed: Duration,
+    /// Time in forward and backward compute.
+    pub compute_time: Duration,
+    /// Time in clipping and AdamW.
+    pub optimizer_time: Duration,
+}
+
+impl StepMetrics {
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Progress reported by a training run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The run is set up and about to take its first step.
+    Started {
+        params: usize,
+        backend: String,
+        total_steps: u64,
+    },
+    Step(StepMetrics),
+    /// A checkpoint folder was written.
+    Saved {
+        path: std::path::PathBuf,
+        step: u64,
+    },
+}
+
+/// Receives training events. Implementations must return quickly.
+pub trait Observer {
+    fn event(&mut self, event: &Event);
+}
+
+/// An observer that ignores everything.
+impl Observer for () {
+    fn event(&mut self, _: &Event) {}
+}

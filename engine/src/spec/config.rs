@@ -1,0 +1,44 @@
+//! `config.json` as Hugging Face writes it: every field optional, names as transformers spells
+//! them. Resolution into a [`super::ModelSpec`] decides each default once.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The fields of a Hugging Face decoder config that Sluice reads. Unknown fields are ignored
+/// when reading and kept verbatim by [`super::ModelSpec::to_hf_config`]'s caller when exporting.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+pub struct HfConfig {
+    pub model_type: Option<String>,
+    pub architectures: Option<Vec<String>>,
+    pub vocab_size: Option<usize>,
+    pub hidden_size: Option<usize>,
+    pub intermediate_size: Option<usize>,
+    pub num_hidden_layers: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub hidden_act: Option<String>,
+    pub max_position_embeddings: Option<usize>,
+    pub rms_norm_eps: Option<f64>,
+    pub rope_theta: Option<f64>,
+    /// Legacy (transformers 4) form of the RoPE settings.
+    pub rope_scaling: Option<Value>,
+    /// transformers 5 form: `{"rope_type": ..., "rope_theta": ..., "factor": ...}`.
+    pub rope_parameters: Option<Value>,
+    pub tie_word_embeddings: Option<bool>,
+    /// Llama: bias on q, k, v and o projections.
+    pub attention_bias: Option<bool>,
+    pub mlp_bias: Option<bool>,
+    pub sliding_window: Option<Value>,
+    /// Qwen2/Qwen3: whether `sliding_window` applies at all.
+    pub use_sliding_window: Option<bool>,
+    /// Qwen2/Qwen3: layers at or above this index use the sliding window.
+    pub max_window_layers: Option<usize>,
+    /// transformers 5: per-layer `"full_attention"` or `"sliding_attention"`.
+    pub layer_types: Option<Vec<String>>,
+    pub bos_token_id: Option<Value>,
+    pub eos_token_id: Option<Value>,
+    pub pad_token_id: Option<Value>,
+    pub torch_dtype: Option<String>,
+    pub dtype: Option<String>,
+}

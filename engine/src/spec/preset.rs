@@ -1,0 +1,102 @@
+//! Random-init shapes by name: a tiny model for demos and tests, and the shapes of well-known
+//! models for planning and benchmarks. Each preset is written as the `config.json` the real model
+//! ships, so it goes through the same resolution as a model folder.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::ModelSpec;
+use crate::error::{Error, Result};
+
+/// Preset names with a one-line description each.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("tiny", "4-layer llama-family model (~1.5M params) with the bundled 2048-token tokenizer"),
+    ("qwen2.5-0.5b", "Qwen2.5-0.5B shape (tied embeddings, q/k/v bias)"),
+    ("qwen2.5-1.5b", "Qwen2.5-1.5B shape"),
+    ("qwen2.5-3b", "Qwen2.5-3B shape"),
+    ("qwen2.5-7b", "Qwen2.5-7B shape"),
+    ("qwen2.5-14b", "Qwen2.5-14B shape"),
+    ("qwen2.5-32b", "Qwen2.5-32B shape"),
+    ("qwen2.5-72b", "Qwen2.5-72B shape"),
+    ("llama3-8b", "Llama-3.1-8B shape (llama3 RoPE scaling)"),
+    ("qwen3-8b", "Qwen3-8B shape (q/k RMSNorm)"),
+    ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
+];
+
+fn qwen2(
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    vocab: usize,
+    tied: bool,
+    eps: f64,
+) -> Value {
+    json!({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "max_position_embeddings": 32768, "rms_norm_eps": eps, "rope_theta": 1000000.0,
+        "tie_word_embeddings": tied, "use_sliding_window": false, "sliding_window": 32768,
+        "max_window_layers": layers, "bos_token_id": 151643, "eos_token_id": 151645,
+    })
+}
+
+/// The raw `config.json` of a preset, or `None` for an unknown name.
+fn preset_config(name: &str) -> Option<Value> {
+    Some(match name {
+        "tiny" => json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+            "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": true, "bos_token_id": null, "eos_token_id": 2,
+        }),
+        "qwen2.5-0.5b" => qwen2(896, 4864, 24, 14, 2, 151936, true, 1e-6),
+        "qwen2.5-1.5b" => qwen2(1536, 8960, 28, 12, 2, 151936, true, 1e-6),
+        "qwen2.5-3b" => qwen2(2048, 11008, 36, 16, 2, 151936, true, 1e-6),
+        "qwen2.5-7b" => qwen2(3584, 18944, 28, 28, 4, 152064, false, 1e-6),
+        "qwen2.5-14b" => qwen2(5120, 13824, 48, 40, 8, 152064, false, 1e-5),
+        "qwen2.5-32b" => qwen2(5120, 27648, 64, 40, 8, 152064, false, 1e-5),
+        "qwen2.5-72b" => qwen2(8192, 29568, 80, 64, 8, 152064, false, 1e-5),
+        "llama3-8b" => json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+            "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128009,
+        }),
+        "qwen3-8b" => json!({
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu",
+            "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": false, "use_sliding_window": false,
+            "bos_token_id": 151643, "eos_token_id": 151645,
+        }),
+        "mistral-7b" => json!({
+            "model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_act": "silu",
+            "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "sliding_window": 4096, "tie_word_embeddings": false,
+            "bos_token_id": 1, "eos_token_id": 2,
+        }),
+        _ => return None,
+    })
+}
+
+/// The spec of a named preset.
+pub fn preset(name: &str) -> Result<ModelSpec> {
+    let raw = preset_config(name).ok_or_else(|| {
+        Error::invalid(format!(
+            "unknown preset {name:?}; presets: {}",
+            PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    ModelSpec::from_hf(raw, Path::new(&format!("preset:{name}")))
+}

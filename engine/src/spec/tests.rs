@@ -1,0 +1,136 @@
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::*;
+
+fn check(raw: Value) -> Result<ModelSpec> {
+    ModelSpec::from_hf(raw, Path::new("test/config.json"))
+}
+
+fn base(model_type: &str) -> Value {
+    json!({
+        "model_type": model_type, "vocab_size": 97, "hidden_size": 48, "intermediate_size": 80,
+        "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+    })
+}
+
+fn message(r: Result<ModelSpec>) -> String {
+    match r {
+        Ok(s) => panic!("expected an error, got {s:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn families_differ_only_as_data() {
+    let llama = check(base("llama")).unwrap();
+    assert_eq!((llama.qkv_bias, llama.qk_norm, llama.head_dim), (false, false, 8));
+    assert_eq!(llama.windows, vec![None, None]);
+    let qwen2 = check(base("qwen2")).unwrap();
+    assert!(qwen2.qkv_bias && !qwen2.o_bias && !qwen2.qk_norm);
+    let mut q3 = base("qwen3");
+    q3["head_dim"] = json!(12);
+    let qwen3 = check(q3).unwrap();
+    assert!(qwen3.qk_norm && !qwen3.qkv_bias);
+    assert_eq!(qwen3.head_dim, 12);
+    assert_eq!(qwen3.qkv_width(), (6 + 4) * 12);
+    let mut m = base("mistral");
+    m["sliding_window"] = json!(5);
+    assert_eq!(check(m).unwrap().windows, vec![Some(5), Some(5)]);
+    let mut l = base("llama");
+    l["attention_bias"] = json!(true);
+    let l = check(l).unwrap();
+    assert!(l.qkv_bias && l.o_bias);
+}
+
+#[test]
+fn qwen_sliding_window_applies_from_max_window_layers() {
+    let mut q = base("qwen2");
+    q["use_sliding_window"] = json!(true);
+    q["sliding_window"] = json!(7);
+    q["max_window_layers"] = json!(1);
+    assert_eq!(check(q.clone()).unwrap().windows, vec![None, Some(7)]);
+    q["layer_types"] = json!(["sliding_attention", "full_attention"]);
+    assert_eq!(check(q).unwrap().windows, vec![Some(7), None]);
+}
+
+#[test]
+fn rope_scaling_both_config_generations() {
+    let mut old = base("llama");
+    old["rope_theta"] = json!(500000.0);
+    old["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let mut new = base("llama");
+    new["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let (a, b) = (check(old).unwrap(), check(new).unwrap());
+    assert_eq!(a.rope_theta, 500000.0);
+    assert_eq!(a.rope_scaling, b.rope_scaling);
+    assert_eq!(a.inv_freq(), b.inv_freq());
+    let mut lin = base("llama");
+    lin["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+    let lin = check(lin).unwrap();
+    let plain = check(base("llama")).unwrap();
+    for (s, p) in lin.inv_freq().iter().zip(plain.inv_freq()) {
+        assert_eq!(*s, p / 2.0);
+    }
+}
+
+#[test]
+fn llama3_rope_rescales_only_low_frequencies() {
+    let spec = preset("llama3-8b").unwrap();
+    let mut unscaled = spec.clone();
+    unscaled.rope_scaling = RopeScaling::None;
+    let (scaled, plain) = (spec.inv_freq(), unscaled.inv_freq());
+    assert_eq!(scaled.len(), 64);
+    // The highest frequencies (short wavelengths) are untouched, the lowest divided by 8.
+    assert_eq!(scaled[0], plain[0]);
+    assert!((scaled[63] - plain[63] / 8.0).abs() <= plain[63] * 1e-6);
+    // In between they are interpolated, so strictly between the two.
+    let mid = (0..64).find(|&i| scaled[i] != plain[i] && scaled[i] != plain[i] / 8.0);
+    assert!(mid.is_some(), "no interpolated frequency");
+}
+
+#[test]
+fn preset_parameter_counts_match_the_real_models() {
+    // Published parameter counts of the real checkpoints.
+    assert_eq!(preset("qwen2.5-0.5b").unwrap().total_params(), 494_032_768);
+    assert_eq!(preset("qwen2.5-7b").unwrap().total_params(), 7_615_616_512);
+    assert_eq!(preset("llama3-8b").unwrap().total_params(), 8_030_261_248);
+    assert_eq!(preset("qwen3-8b").unwrap().total_params(), 8_190_735_360);
+    for (name, _) in PRESETS {
+        preset(name).unwrap();
+    }
+}
+
+#[test]
+fn bad_configs_say_what_is_wrong() {
+    assert!(message(check(base("gpt2"))).contains("unsupported model_type \"gpt2\""));
+    let mut heads = base("llama");
+    heads["num_key_value_heads"] = json!(4);
+    assert!(message(check(heads)).contains("not a multiple of num_key_value_heads"));
+    let mut missing = base("qwen2");
+    missing.as_object_mut().unwrap().remove("hidden_size");
+    assert!(message(check(missing)).contains("hidden_size is missing"));
+    let mut yarn = base("llama");
+    yarn["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+    assert!(message(check(yarn)).contains("\"yarn\" is not supported"));
+    let mut odd = base("llama");
+    odd["head_dim"] = json!(7);
+    assert!(message(check(odd)).contains("even"));
+    let mut wrong_type = base("llama");
+    wrong_type["hidden_size"] = json!("big");
+    assert!(message(check(wrong_type)).contains("unexpected field type"));
+    assert!(message(check(json!({"hidden_size": 4}))).contains("no model_type"));
+    assert!(preset("nope").unwrap_err().to_string().contains("unknown preset"));
+}
+
+#[test]
+fn files_missing_or_garbled() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(ModelSpec::from_path(dir.path()).unwrap_err().to_string().contains("config.json"));
+    std::fs::write(dir.path().join("config.json"), "{\"model_type\": \"llama\",").unwrap();
+    let e = ModelSpec::from_path(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("not valid JSON"), "{e}");
+}
