@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: system packages, toolchain check, test assets, format,
+# lints, the release build and every test. Works on a fresh Debian 12 machine as root or with
+# sudo; on a machine that already has everything it installs nothing.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+started=$SECONDS
+stage() {
+  printf '\n==> [%4ds] %s\n' "$((SECONDS - started))" "$*"
+}
+
+# --- system packages -------------------------------------------------------------------------
+stage "system packages"
+missing=()
+if command -v dpkg >/dev/null 2>&1; then
+  for pkg in build-essential pkg-config ca-certificates; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+else
+  command -v cc >/dev/null 2>&1 || missing+=(build-essential)
+  command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+fi
+# node and npm may come from elsewhere (nodesource, nvm): the commands are what matters.
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
+command -v npm >/dev/null 2>&1 || missing+=(npm)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "all present"
+else
+  echo "missing: ${missing[*]}"
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "error: no apt-get here; install the equivalents of: ${missing[*]}" >&2
+    exit 1
+  fi
+  if [ "$(id -u)" -eq 0 ]; then
+    sudo=()
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo=(sudo)
+  else
+    echo "error: installing ${missing[*]} needs root; run as root or install sudo" >&2
+    exit 1
+  fi
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+# --- Rust toolchain --------------------------------------------------------------------------
+stage "Rust toolchain"
+# A fresh rustup install puts cargo in ~/.cargo/bin without touching this shell's PATH.
+if ! command -v cargo >/dev/null 2>&1 && [ -f "$HOME/.cargo/env" ]; then
+  # shellcheck source=/dev/null
+  . "$HOME/.cargo/env"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  cat >&2 <<'MSG'
+error: cargo is not installed. Install Rust through rustup, then run this script again:
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+  . "$HOME/.cargo/env"
+(rust-toolchain.toml then selects the pinned toolchain with rustfmt and clippy.)
+MSG
+  exit 1
+fi
+pinned=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
+# Under rustup, make sure the pinned toolchain and its components are installed up front rather
+# than relying on auto-install, whose default has changed between rustup versions.
+if command -v rustup >/dev/null 2>&1 && ! rustup run "$pinned" cargo --version >/dev/null 2>&1; then
+  rustup toolchain install "$pinned" --profile minimal --component rustfmt,clippy
+fi
+version=$(cargo --version)
+echo "$version"
+case "$version" in
+  "cargo ${pinned%.*}."*) ;;
+  *)
+    echo "error: need cargo $pinned (pinned in rust-toolchain.toml), found: $version" >&2
+    exit 1
+    ;;
+esac
+
+# --- test assets -----------------------------------------------------------------------------
+stage "test assets"
+bash scripts/fetch_test_assets.sh
+
+# --- format, lints, build, tests ---------------------------------------------------------------
+stage "cargo fmt --check"
+cargo fmt --all -- --check
+
+stage "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+stage "cargo build --release"
+cargo build --release
+
+# Tests run in release: `cargo test --release` builds dependencies with the release profile, so
+# it reuses everything `cargo build --release` just compiled and only adds the test harnesses.
+# A dev-profile test run would compile every dependency a second time (at opt-level 2, per
+# Cargo.toml), which on 2 cores costs far more than it saves; and the engine's numerical tests
+# (real tiny models trained on the CPU backend) run several times faster optimised. The price:
+# debug assertions and overflow checks are off in this run; `cargo test` keeps them locally.
+stage "cargo test --release"
+cargo test --workspace --release
+
+stage "all passed in $((SECONDS - started)) s"

@@ -1,0 +1,76 @@
+//! The `sluice` command line.
+//!
+//! One file per subcommand, each with an `Args` struct and a synchronous `run` (a subcommand that
+//! needs async builds its own runtime, so the engine's subcommands stay free of it). Adding a
+//! subcommand is a variant in [`Command`] and an arm in [`run`].
+
+mod serve;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Full-precision LLM fine-tuning on one GPU: web appliance and command line",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    // `sluice` alone serves, so it takes `serve`'s options too.
+    #[command(flatten)]
+    serve: serve::ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the web appliance (what `sluice` with no subcommand does).
+    Serve(serve::ServeArgs),
+}
+
+/// Parses the command line, runs the subcommand and turns its error into one line on stderr
+/// and a failing exit code. Usage errors are clap's own (exit code 2).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` prints the whole chain of causes on one line: "outer: inner: os error".
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command.unwrap_or(Command::Serve(cli.serve)) {
+        Command::Serve(args) => serve::run(args),
+    }
+}
+
+/// Logs go to stderr so that a subcommand's stdout stays machine-readable. `RUST_LOG` selects
+/// what is logged; the default is `info`.
+fn init_logging() {
+    let filter = match EnvFilter::try_from_default_env() {
+        Ok(filter) => filter,
+        Err(err) => {
+            if std::env::var_os(EnvFilter::DEFAULT_ENV).is_some() {
+                eprintln!("warning: ignoring RUST_LOG ({err}); logging at info");
+            }
+            EnvFilter::new("info")
+        }
+    };
+    // `try_init` only fails if a subscriber is already installed, which leaves logging working.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}

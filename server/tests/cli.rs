@@ -1,0 +1,150 @@
+//! Runs the built `sluice` binary and checks what a user sees: exit codes and messages.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A `sluice` command isolated from the caller's environment.
+fn sluice() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    command.env_remove("SLUICE_ADDR").env_remove("SLUICE_DATA_DIR").env("RUST_LOG", "info");
+    command
+}
+
+fn run(command: &mut Command) -> anyhow::Result<(Output, String)> {
+    let output = command.stdin(Stdio::null()).output()?;
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    Ok((output, stderr))
+}
+
+/// A failure the user can act on: exit code 1, an `error:` line, never a panic.
+fn assert_clean_failure(output: &Output, stderr: &str) {
+    assert_eq!(output.status.code(), Some(1), "stderr:\n{stderr}");
+    assert!(stderr.contains("error: "), "stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
+}
+
+#[test]
+fn bad_addr_fails_with_the_address_in_the_message() -> anyhow::Result<()> {
+    let data_dir = tempfile::tempdir()?;
+    let (output, stderr) = run(sluice()
+        .args(["serve", "--addr", "127.0.0.1:notaport", "--data-dir"])
+        .arg(data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("cannot listen on 127.0.0.1:notaport"), "stderr:\n{stderr}");
+    Ok(())
+}
+
+#[test]
+fn no_subcommand_serves_and_reads_the_environment() -> anyhow::Result<()> {
+    let data_dir = tempfile::tempdir()?;
+    let (output, stderr) = run(sluice()
+        .env("SLUICE_ADDR", "127.0.0.1:notaport")
+        .env("SLUICE_DATA_DIR", data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("cannot listen on 127.0.0.1:notaport"), "stderr:\n{stderr}");
+    Ok(())
+}
+
+#[test]
+fn address_in_use_names_the_address() -> anyhow::Result<()> {
+    let holder = TcpListener::bind("127.0.0.1:0")?;
+    let addr = holder.local_addr()?.to_string();
+    let data_dir = tempfile::tempdir()?;
+    let (output, stderr) =
+        run(sluice().args(["serve", "--addr", &addr, "--data-dir"]).arg(data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains(&format!("cannot listen on {addr}")), "stderr:\n{stderr}");
+    assert!(stderr.to_lowercase().contains("in use"), "stderr:\n{stderr}");
+    Ok(())
+}
+
+#[test]
+fn uncreatable_data_dir_is_reported() -> anyhow::Result<()> {
+    let file = tempfile::NamedTempFile::new()?;
+    let data_dir = file.path().join("data");
+    let (output, stderr) =
+        run(sluice().args(["serve", "--addr", "127.0.0.1:0", "--data-dir"]).arg(&data_dir))?;
+    assert_clean_failure(&output, &stderr);
+    let expected = format!("cannot create the data directory {}", data_dir.display());
+    assert!(stderr.contains(&expected), "stderr:\n{stderr}");
+    Ok(())
+}
+
+#[test]
+fn usage_errors_exit_with_code_2() -> anyhow::Result<()> {
+    let (output, stderr) = run(sluice().arg("--no-such-flag"))?;
+    assert_eq!(output.status.code(), Some(2), "stderr:\n{stderr}");
+    assert!(stderr.contains("--no-such-flag"), "stderr:\n{stderr}");
+    Ok(())
+}
+
+/// Kills the server if a test fails before it stops by itself.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn serves_then_stops_cleanly_on_sigterm() -> anyhow::Result<()> {
+    let data_dir = tempfile::tempdir()?;
+    let mut child = sluice()
+        .args(["serve", "--addr", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stderr = child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr pipe"))?;
+    let mut server = Server(child);
+
+    // The port is chosen by the OS; the server logs it.
+    let (lines_tx, lines_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
+    let addr = loop {
+        let line = lines_rx
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|err| anyhow::anyhow!("no 'listening on' log line ({err}); log:\n{log}"))?;
+        log.push_str(&line);
+        log.push('\n');
+        if let Some((_, rest)) = line.split_once("listening on http://") {
+            break rest.split_whitespace().next().unwrap_or_default().to_owned();
+        }
+    };
+
+    let mut stream = TcpStream::connect(&addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    assert!(response.starts_with("HTTP/1.1 200"), "response:\n{response}");
+    assert!(response.contains(r#""status":"ok""#), "response:\n{response}");
+
+    let pid = server.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status()?;
+    assert!(killed.success(), "kill -TERM {pid} failed");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = server.0.try_wait()? {
+            break status;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the server ignored SIGTERM for 10 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status {status} after SIGTERM; log:\n{log}");
+    Ok(())
+}
