@@ -1,1 +1,25 @@
-//! (being written)
+//! Weights in and out, in Hugging Face's safetensors layout.
+//!
+//! - [`TensorSource`] reads a model folder (single `model.safetensors`, or a sharded
+//!   `model.safetensors.index.json` and its shards) or one `.safetensors` file, memory-mapped,
+//!   converting BF16/F16/F32/F64 to f32. Headers are validated at open: truncated or garbled
+//!   files fail there, naming the file.
+//! - [`write_safetensors`] writes f32 tensors as F32 or BF16 (round to nearest even), sharded
+//!   and indexed as transformers does, each file atomically.
+//! - [`save_hf_folder`] writes a whole checkpoint folder (weights, `config.json`, tokenizer and
+//!   template files) that transformers loads as is, never leaving a half-written checkpoint
+//!   under its final name.
+
+mod atomic;
+mod folder;
+mod read;
+mod write;
+
+#[cfg(test)]
+mod tests;
+
+pub use folder::{CONFIG_FILE, HfFolder, save_hf_folder};
+pub use read::{Dtype, INDEX_FILE, SINGLE_FILE, TensorSource};
+pub use write::{
+    DEFAULT_MAX_SHARD_BYTES, SaveDtype, TensorRef, shard_file_name, write_safetensors,
+};

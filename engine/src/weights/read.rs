@@ -1,0 +1,382 @@
+//! Reading tensors from Hugging Face safetensors: one file, or a folder holding either
+//! `model.safetensors` or `model.safetensors.index.json` and the shards it names.
+//!
+//! Files are memory-mapped once at open and every header is checked then (offsets agree with
+//! shape and dtype, data lies inside the file), so a truncated download fails at open with a
+//! message that says so, not halfway through loading a model.
+//!
+//! File layout (reference: the safetensors format spec): an 8-byte little-endian header length
+//! `n`, `n` bytes of JSON mapping each tensor name to `{dtype, shape, data_offsets: [begin,
+//! end]}` (offsets relative to the end of the header) plus an optional `__metadata__` entry,
+//! then the data, little-endian, row-major.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+pub use safetensors::Dtype;
+
+/// The single-file weights name transformers writes and looks for first.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The index of a sharded checkpoint, mapping each tensor name to its shard file.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The little-endian u64 that opens every safetensors file.
+const HEADER_LEN_BYTES: usize = 8;
+/// The safetensors crate's own limit: a larger header length means a garbled file.
+const MAX_HEADER_BYTES: usize = 100_000_000;
+/// Elements converted per parallel task; large enough that scheduling costs nothing.
+const CONVERT_CHUNK: usize = 1 << 16;
+
+/// Read access to every tensor of a safetensors file or Hugging Face model folder.
+///
+/// The files stay memory-mapped for the life of the value; reads copy out of the mapping. The
+/// type is `Send + Sync`, so tensors can be read from several threads at once.
+pub struct TensorSource {
+    /// What was opened: the index for a sharded model, else the safetensors file. Named in
+    /// errors about a tensor's absence, since that is the file that lists the tensors.
+    origin: PathBuf,
+    files: Vec<MappedFile>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+struct MappedFile {
+    path: PathBuf,
+    map: Mmap,
+}
+
+#[derive(Debug, Clone)]
+struct TensorEntry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range within the whole file (header included), checked to lie inside it.
+    begin: usize,
+    end: usize,
+}
+
+/// One header entry as written; the dtype stays a string so an unknown one can be named.
+#[derive(Deserialize)]
+struct RawTensorInfo {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [usize; 2],
+}
+
+#[derive(Deserialize)]
+struct RawIndex {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl TensorSource {
+    /// Opens a model folder (`model.safetensors`, else `model.safetensors.index.json` and its
+    /// shards) or a single `.safetensors` file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if !meta.is_dir() {
+            return Self::open_single(path);
+        }
+        let single = path.join(SINGLE_FILE);
+        if single.is_file() {
+            return Self::open_single(&single);
+        }
+        let index = path.join(INDEX_FILE);
+        if index.is_file() {
+            return Self::open_sharded(&index);
+        }
+        Err(Error::weights(
+            path,
+            format!("no weights in this folder: looked for {SINGLE_FILE} and {INDEX_FILE}"),
+        ))
+    }
+
+    fn open_single(path: &Path) -> Result<Self> {
+        let (file, entries) = map_and_parse(path)?;
+        let tensors = entries.into_iter().map(|(name, entry)| (name, entry.in_file(0))).collect();
+        Ok(Self { origin: path.to_path_buf(), files: vec![file], tensors })
+    }
+
+    fn open_sharded(index_path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(index_path).map_err(|e| Error::io(index_path, e))?;
+        let index: RawIndex = serde_json::from_str(&text).map_err(|e| {
+            Error::weights(
+                index_path,
+                format!("garbled index (expected {{\"weight_map\": {{tensor: shard file}}}}): {e}"),
+            )
+        })?;
+        let folder = index_path.parent().unwrap_or(Path::new(""));
+
+        // Each shard is mapped once, however many tensors it holds.
+        let mut files = Vec::new();
+        let mut headers = Vec::new();
+        let mut shard_ids: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut tensors = BTreeMap::new();
+        for (name, shard) in &index.weight_map {
+            let id = match shard_ids.get(shard.as_str()) {
+                Some(&id) => id,
+                None => {
+                    let shard_path = shard_path(index_path, folder, name, shard)?;
+                    let (file, header) = map_and_parse(&shard_path)?;
+                    files.push(file);
+                    headers.push(header);
+                    shard_ids.insert(shard, files.len() - 1);
+                    files.len() - 1
+                }
+            };
+            let entry = headers.get(id).and_then(|h| h.get(name)).ok_or_else(|| {
+                let shard_path =
+                    files.get(id).map_or_else(|| folder.join(shard), |f| f.path.clone());
+                Error::weights(
+                    shard_path,
+                    format!("{INDEX_FILE} puts tensor '{name}' in this shard, but it is not there"),
+                )
+            })?;
+            tensors.insert(name.clone(), entry.clone().in_file(id));
+        }
+        Ok(Self { origin: index_path.to_path_buf(), files, tensors })
+    }
+
+    /// The tensor names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// The file or index that was opened.
+    pub fn path(&self) -> &Path {
+        &self.origin
+    }
+
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        Ok(self.entry(name)?.shape.clone())
+    }
+
+    /// The dtype stored in the file.
+    pub fn dtype(&self, name: &str) -> Result<Dtype> {
+        Ok(self.entry(name)?.dtype)
+    }
+
+    /// Number of elements (the product of the shape).
+    pub fn numel(&self, name: &str) -> Result<usize> {
+        Ok(self.entry(name)?.shape.iter().product())
+    }
+
+    /// Reads a tensor as f32. BF16, F16 and F32 convert exactly; F64 rounds to nearest.
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; self.numel(name)?];
+        self.read_f32_into(name, &mut out)?;
+        Ok(out)
+    }
+
+    /// Like [`read_f32`](Self::read_f32), into a buffer the caller owns (a slab of the host
+    /// store, say), whose length must equal the tensor's element count.
+    pub fn read_f32_into(&self, name: &str, out: &mut [f32]) -> Result<()> {
+        let entry = self.entry(name)?;
+        let file = self.file(entry)?;
+        let numel: usize = entry.shape.iter().product();
+        if out.len() != numel {
+            return Err(Error::weights(
+                &file.path,
+                format!(
+                    "tensor '{name}' has shape {:?} ({numel} elements) but the destination \
+                     holds {}",
+                    entry.shape,
+                    out.len()
+                ),
+            ));
+        }
+        let bytes = file.map.get(entry.begin..entry.end).ok_or_else(|| {
+            Error::weights(&file.path, format!("tensor '{name}': data range outside the file"))
+        })?;
+        match entry.dtype {
+            Dtype::F32 => convert::<4>(bytes, out, f32::from_le_bytes),
+            Dtype::BF16 => convert::<2>(bytes, out, |b| bf16::from_le_bytes(b).to_f32()),
+            Dtype::F16 => convert::<2>(bytes, out, |b| f16::from_le_bytes(b).to_f32()),
+            // Rounds to nearest; no model ships F64 weights that need more than f32 to train.
+            Dtype::F64 => convert::<8>(bytes, out, |b| f64::from_le_bytes(b) as f32),
+            other => {
+                return Err(Error::weights(
+                    &file.path,
+                    format!(
+                        "tensor '{name}' has dtype {other}, which cannot be read as floats \
+                         (supported: F32, BF16, F16, F64)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn entry(&self, name: &str) -> Result<&TensorEntry> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| Error::weights(&self.origin, format!("no tensor named '{name}'")))
+    }
+
+    fn file(&self, entry: &TensorEntry) -> Result<&MappedFile> {
+        self.files.get(entry.file).ok_or_else(|| {
+            Error::weights(&self.origin, format!("internal: shard {} not mapped", entry.file))
+        })
+    }
+}
+
+impl fmt::Debug for TensorSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorSource")
+            .field("origin", &self.origin)
+            .field("files", &self.files.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl TensorEntry {
+    fn in_file(self, file: usize) -> Self {
+        Self { file, ..self }
+    }
+}
+
+/// Resolves a shard named by the index, refusing names that leave the model folder.
+fn shard_path(index_path: &Path, folder: &Path, tensor: &str, shard: &str) -> Result<PathBuf> {
+    let relative = Path::new(shard);
+    if shard.is_empty() || !relative.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(Error::weights(
+            index_path,
+            format!(
+                "garbled index: tensor '{tensor}' is mapped to '{shard}', which is not a file \
+                 name in the model folder"
+            ),
+        ));
+    }
+    let path = folder.join(relative);
+    if !path.is_file() {
+        return Err(Error::weights(
+            index_path,
+            format!(
+                "index names shard '{shard}' (for tensor '{tensor}'), which does not exist: {}",
+                path.display()
+            ),
+        ));
+    }
+    Ok(path)
+}
+
+/// Maps a safetensors file and validates its header against the file's length.
+fn map_and_parse(path: &Path) -> Result<(MappedFile, BTreeMap<String, TensorEntry>)> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the mapping is read-only and lives as long as `MappedFile`. Memory-mapping is
+    // sound only while no one truncates or rewrites the file; model files are not modified in
+    // place (Sluice's writers replace files by rename, which leaves this mapping intact).
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let entries = parse_header(path, &map)?;
+    Ok((MappedFile { path: path.to_path_buf(), map }, entries))
+}
+
+fn parse_header(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, TensorEntry>> {
+    let err = |message: String| Error::weights(path, message);
+    let file_len = bytes.len();
+    let Some((len_bytes, rest)) = bytes.split_first_chunk::<HEADER_LEN_BYTES>() else {
+        return Err(err(format!(
+            "truncated: the file is {file_len} bytes, too short for the 8-byte header length"
+        )));
+    };
+    let header_len = u64::from_le_bytes(*len_bytes);
+    let header_len =
+        usize::try_from(header_len).ok().filter(|&n| n <= MAX_HEADER_BYTES).ok_or_else(|| {
+            err(format!(
+                "garbled header: it claims {header_len} bytes, over the \
+                 {MAX_HEADER_BYTES}-byte limit"
+            ))
+        })?;
+    let header = rest.get(..header_len).ok_or_else(|| {
+        err(format!(
+            "truncated: the header claims {header_len} bytes but the file has only {} after \
+             the length",
+            rest.len()
+        ))
+    })?;
+    let raw: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| err(format!("garbled header (not a JSON object): {e}")))?;
+
+    let data_start = HEADER_LEN_BYTES + header_len;
+    let mut entries = BTreeMap::new();
+    for (name, value) in raw {
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: RawTensorInfo = serde_json::from_value(value)
+            .map_err(|e| err(format!("garbled header: tensor '{name}': {e}")))?;
+        let dtype: Dtype = serde_json::from_value(serde_json::Value::String(info.dtype.clone()))
+            .map_err(|_| err(format!("tensor '{name}' has unknown dtype '{}'", info.dtype)))?;
+        let [begin, end] = info.data_offsets;
+        let expected = byte_size(dtype, &info.shape).ok_or_else(|| {
+            err(format!(
+                "garbled header: tensor '{name}': shape {:?} of {dtype} is not a whole number \
+                 of bytes or overflows",
+                info.shape
+            ))
+        })?;
+        if end < begin || end - begin != expected {
+            return Err(err(format!(
+                "garbled header: tensor '{name}': data_offsets [{begin}, {end}] do not match \
+                 shape {:?} of {dtype}, which needs {expected} bytes",
+                info.shape
+            )));
+        }
+        let abs_end = data_start.checked_add(end).filter(|&e| e <= file_len).ok_or_else(|| {
+            err(format!(
+                "truncated: tensor '{name}' ends at byte {} but the file has only {file_len} bytes",
+                data_start.saturating_add(end)
+            ))
+        })?;
+        let entry = TensorEntry {
+            file: 0,
+            dtype,
+            shape: info.shape,
+            begin: data_start + begin,
+            end: abs_end,
+        };
+        entries.insert(name, entry);
+    }
+    Ok(entries)
+}
+
+fn byte_size(dtype: Dtype, shape: &[usize]) -> Option<usize> {
+    let numel = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+    let bits = numel.checked_mul(dtype.bitsize())?;
+    bits.is_multiple_of(8).then_some(bits / 8)
+}
+
+/// Decodes little-endian `N`-byte elements into `out`, in parallel for large tensors. The
+/// caller has checked `bytes.len() == out.len() * N`.
+fn convert<const N: usize>(bytes: &[u8], out: &mut [f32], decode: impl Fn([u8; N]) -> f32 + Sync) {
+    out.par_chunks_mut(CONVERT_CHUNK).zip(bytes.par_chunks(CONVERT_CHUNK * N)).for_each(
+        |(out, bytes)| {
+            let (elements, _) = bytes.as_chunks::<N>();
+            for (o, &b) in out.iter_mut().zip(elements) {
+                *o = decode(b);
+            }
+        },
+    );
+}
