@@ -1,0 +1,367 @@
+//! Fused single-pass AdamW on f32 host tensors, with the arithmetic of PyTorch's
+//! `torch.optim.AdamW` (single-tensor path, `_single_tensor_adam` in torch/optim/adam.py, torch
+//! 2.11, CPU, float32).
+//!
+//! What torch computes, step by step, and in which precision (f64 = a Python float, f32 = a tensor
+//! op; a Python float passed to a tensor op is first rounded to f32):
+//! 1. `param.mul_(1 - lr * wd)`: the factor in f64, rounded to f32, one f32 multiply. Skipped
+//!    when `wd == 0` (multiplying by 1.0 is exact, so we always multiply).
+//! 2. `exp_avg.lerp_(grad, 1 - beta1)`: weight `w = f32(1 - beta1)`; torch's lerp is
+//!    `fma(w, g - m, m)` when `|w| < 0.5`, else `fma(w - 1, g - m, g)` (ATen's `lerp_vec`; the
+//!    scalar tail is contracted to the same FMA).
+//! 3. `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`:
+//!    `fma(f32(1 - beta2) * g, g, v * f32(beta2))`.
+//! 4. `bias_correction{1,2} = 1 - beta**step`, `step_size = lr / bias_correction1`,
+//!    `bias_correction2 ** 0.5`: all f64, with the C library's `pow` (as Rust's `powf`).
+//! 5. `denom = (exp_avg_sq.sqrt() / f32(sqrt(bc2))) + f32(eps)`: f32 ops.
+//! 6. `param.addcdiv_(exp_avg, denom, value=-step_size)`: `p + (f32(-step_size) * m) / denom`,
+//!    no FMA.
+//!
+//! The one known difference: torch's f32 `sqrt` on the CPU goes through MKL and is not correctly
+//! rounded (about 16% of results are 1 ulp off the IEEE square root, and which ones depends on
+//! the CPU), while ours is IEEE. `m` and `v` therefore match torch bit for bit, and parameters
+//! match to within an ulp or so per step (measured against torch 2.11.0 by the `adamw` golden
+//! fixture).
+//!
+//! Hyperparameters are stored as f32 but torch holds them as Python floats: `beta1 = 0.9` is the
+//! f64 nearest to 0.9, not the f32 nearest widened. Widening the f32 would shift the bias
+//! corrections by ~2e-7 relative, so we recover the decimal the user wrote (the shortest decimal
+//! that round-trips the f32) and parse it as f64; see [`as_written`].
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// AdamW hyperparameters, named as in `torch.optim.AdamW`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamW {
+    /// Peak learning rate (the schedule scales it).
+    pub lr: f32,
+    /// Decay of the first moment.
+    pub beta1: f32,
+    /// Decay of the second moment.
+    pub beta2: f32,
+    /// Added to the denominator, after the bias-corrected square root.
+    pub eps: f32,
+    /// Decoupled weight decay, applied only to tensors that [`decays`] selects.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamW {
+    /// The fine-tuning defaults: lr 1e-5, betas (0.9, 0.999), eps 1e-8, no weight decay.
+    fn default() -> Self {
+        AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+impl AdamW {
+    /// Rejects hyperparameters torch would reject (and a non-finite or negative lr or decay),
+    /// naming the offending value.
+    pub fn validate(&self) -> Result<()> {
+        check_lr(self.lr)?;
+        for (name, beta) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(Error::invalid(format!("AdamW {name} must be in [0, 1), got {beta}")));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return Err(Error::invalid(format!(
+                "AdamW eps must be finite and >= 0, got {}",
+                self.eps
+            )));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(Error::invalid(format!(
+                "AdamW weight_decay must be finite and >= 0, got {}",
+                self.weight_decay
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn check_lr(lr: f32) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("AdamW learning rate must be finite and >= 0, got {lr}")))
+    }
+}
+
+/// Whether weight decay applies to a tensor of this shape: matrices and embeddings (2 or more
+/// dimensions) decay; norm weights and biases (fewer) do not, as in the usual Hugging Face split.
+pub fn decays(shape: &[usize]) -> bool {
+    shape.len() >= 2
+}
+
+/// The f64 a Python user would have meant by this f32: the shortest decimal that round-trips the
+/// f32 (Rust's `Display`), parsed as f64. `0.9f32` gives `0.9f64`, not `0.899999976...`.
+pub fn as_written(x: f32) -> f64 {
+    format!("{x}").parse().unwrap_or(f64::from(x))
+}
+
+/// Elements per rayon task: 4 arrays of 64 KiB, small enough to balance across threads and large
+/// enough that scheduling costs nothing next to the memory traffic.
+const CHUNK: usize = 16 * 1024;
+
+/// Per-step scalars, computed once per call exactly as torch computes them (see the module doc).
+#[derive(Debug, Clone, Copy)]
+struct Coeffs {
+    /// `f32(1 - lr * wd)`, or 1.0 when decay is off (torch skips the multiply; 1.0 is exact).
+    decay: f32,
+    /// lerp coefficient: `w` when `|w| < 0.5`, else `w - 1`.
+    lerp_coeff: f32,
+    /// lerp base: `m` (false) or `g` (true), torch's choice for large weights.
+    lerp_from_grad: bool,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+impl Coeffs {
+    fn new(hp: &AdamW, lr: f32, step: u64, decay: bool) -> Result<Self> {
+        hp.validate()?;
+        check_lr(lr)?;
+        if step == 0 {
+            return Err(Error::invalid("AdamW step is 1-based; got step 0"));
+        }
+        let lr = as_written(lr);
+        let beta1 = as_written(hp.beta1);
+        let beta2 = as_written(hp.beta2);
+        let wd = as_written(hp.weight_decay);
+        // torch keeps the step count in an f32 tensor and reads it back as a Python float.
+        let t = step as f32 as f64;
+        let bc1 = 1.0 - beta1.powf(t);
+        let bc2 = 1.0 - beta2.powf(t);
+        let w = (1.0 - beta1) as f32;
+        let small = w.abs() < 0.5;
+        Ok(Coeffs {
+            decay: if decay && wd != 0.0 { (1.0 - lr * wd) as f32 } else { 1.0 },
+            lerp_coeff: if small { w } else { w - 1.0 },
+            lerp_from_grad: !small,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            bc2_sqrt: bc2.powf(0.5) as f32,
+            eps: as_written(hp.eps) as f32,
+            neg_step_size: (-(lr / bc1)) as f32,
+        })
+    }
+}
+
+/// One AdamW step on one tensor, in place: `params`, `m` (first moment) and `v` (second moment)
+/// are updated from `grads`. `step` is 1-based (the number of steps including this one), `lr` the
+/// learning rate for this step (the schedule's value; `hp.lr` is not used), `decay` whether
+/// weight decay applies (see [`decays`]). Runs on the current rayon pool.
+///
+/// Errors if the four slices differ in length, `step` is 0, or a hyperparameter is out of range;
+/// nothing is modified then.
+#[allow(clippy::too_many_arguments)] // the signature mirrors torch's per-tensor update
+pub fn adamw_step(
+    params: &mut [f32], // [n]
+    grads: &[f32],      // [n]
+    m: &mut [f32],      // [n]
+    v: &mut [f32],      // [n]
+    step: u64,
+    lr: f32,
+    hp: &AdamW,
+    decay: bool,
+) -> Result<()> {
+    let n = params.len();
+    if grads.len() != n || m.len() != n || v.len() != n {
+        return Err(Error::invalid(format!(
+            "AdamW tensor lengths differ: params {n}, grads {}, m {}, v {}",
+            grads.len(),
+            m.len(),
+            v.len()
+        )));
+    }
+    let c = Coeffs::new(hp, lr, step, decay)?;
+    params
+        .par_chunks_mut(CHUNK)
+        .zip(grads.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, &c));
+    Ok(())
+}
+
+fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &Coeffs) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+        unsafe { update_chunk_avx2_fma(p, g, m, v, c) };
+        return;
+    }
+    update_body(p, g, m, v, c);
+}
+
+/// The same body compiled with FMA available, so `mul_add` becomes one vectorised instruction
+/// instead of a call into the C library (the results are identical: both are fused).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn update_chunk_avx2_fma(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    c: &Coeffs,
+) {
+    update_body(p, g, m, v, c);
+}
+
+#[inline(always)]
+fn update_body(
+    p: &mut [f32], // [n]
+    g: &[f32],     // [n]
+    m: &mut [f32], // [n]
+    v: &mut [f32], // [n]
+    c: &Coeffs,
+) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let decayed = *p * c.decay;
+        let base = if c.lerp_from_grad { g } else { *m };
+        let m_new = c.lerp_coeff.mul_add(g - *m, base);
+        let v_new = (c.one_minus_beta2 * g).mul_add(g, *v * c.beta2);
+        let denom = v_new.sqrt() / c.bc2_sqrt + c.eps;
+        *p = decayed + (c.neg_step_size * m_new) / denom;
+        *m = m_new;
+        *v = v_new;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hp() -> AdamW {
+        AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+
+    /// Distance in units in the last place, for finite values of the same sign.
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    fn run(decay: bool, hp: &AdamW, steps: &[[f32; 3]]) -> ([f32; 3], [f32; 3], [f32; 3]) {
+        let mut p = [0.5f32, -1.25, 2.0];
+        let (mut m, mut v) = ([0.0f32; 3], [0.0f32; 3]);
+        for (i, g) in steps.iter().enumerate() {
+            adamw_step(&mut p, g, &mut m, &mut v, i as u64 + 1, hp.lr, hp, decay)
+                .expect("valid step");
+        }
+        (p, m, v)
+    }
+
+    const GRADS: [[f32; 3]; 2] = [[0.1, -0.2, 0.3], [-0.05, 0.4, 0.0]];
+
+    #[test]
+    fn two_steps_match_values_computed_by_hand() {
+        // By hand, in exact arithmetic, for element 0 (p = 0.5, g1 = 0.1, g2 = -0.05):
+        // step 1: p = 0.5 (1 - 1e-3) = 0.4995; m = 0.01; v = 5e-4;
+        //         m^ = 0.01 / 0.1 = 0.1; v^ = 5e-4 / 0.05 = 0.01; p -= 1e-2 * 0.1 / (0.1 + 1e-8)
+        //         -> p = 0.4895000001
+        // step 2: p *= 0.999 -> 0.4890105000999; m = 0.009 - 0.005 = 0.004;
+        //         v = 4.75e-4 + 1.25e-4 = 6e-4; m^ = 0.004 / 0.19; v^ = 6e-4 / 0.0975;
+        //         p -= 1e-2 m^ / (sqrt(v^) + 1e-8)
+        let (p, m, v) = run(true, &hp(), &GRADS);
+        let exact_m = 0.004f64;
+        let exact_v = 6e-4f64;
+        let m_hat = exact_m / 0.19;
+        let v_hat = exact_v / (1.0 - 0.95f64 * 0.95);
+        let exact_p = 0.4895000001f64 * 0.999 - 1e-2 * m_hat / (v_hat.sqrt() + 1e-8);
+        assert!((m[0] as f64 - exact_m).abs() < 1e-9, "m[0] = {}", m[0]);
+        assert!((v[0] as f64 - exact_v).abs() < 1e-10, "v[0] = {}", v[0]);
+        assert!((p[0] as f64 - exact_p).abs() < 1e-7, "p[0] = {} vs {exact_p}", p[0]);
+
+        // The same two steps through torch 2.11.0 (torch.optim.AdamW, foreach=False, CPU f32):
+        // m and v bit for bit; p within an ulp (torch's sqrt is not correctly rounded).
+        let torch_p = [0.4863268f32, -1.241145, 1.9792256];
+        let torch_m = [0.004f32, 0.022000002, 0.027];
+        let torch_v = [0.0006f32, 0.009900001, 0.004275];
+        for i in 0..3 {
+            assert_eq!(m[i].to_bits(), torch_m[i].to_bits(), "m[{i}] {} vs {}", m[i], torch_m[i]);
+            assert_eq!(v[i].to_bits(), torch_v[i].to_bits(), "v[{i}] {} vs {}", v[i], torch_v[i]);
+            assert!(ulps(p[i], torch_p[i]) <= 1, "p[{i}] {} vs torch {}", p[i], torch_p[i]);
+        }
+    }
+
+    #[test]
+    fn decay_off_leaves_the_decay_term_out() {
+        let no_wd = AdamW { weight_decay: 0.0, ..hp() };
+        let (p_off, m_off, v_off) = run(false, &hp(), &GRADS);
+        let (p_zero_wd, _, _) = run(true, &no_wd, &GRADS);
+        let (p_on, m_on, v_on) = run(true, &hp(), &GRADS);
+        assert_eq!(p_off, p_zero_wd, "decay = false must equal weight_decay = 0");
+        assert_eq!((m_off, v_off), (m_on, v_on), "moments do not depend on decay");
+        for i in 0..3 {
+            assert_ne!(p_off[i], p_on[i], "decay must change element {i}");
+        }
+        // Decay shrinks magnitudes: |p_on| < |p_off| for these values.
+        assert!(p_on.iter().zip(&p_off).all(|(a, b)| a.abs() < b.abs()), "{p_on:?} {p_off:?}");
+    }
+
+    #[test]
+    fn large_lerp_weight_uses_torchs_other_branch() {
+        // beta1 = 0.25 gives lerp weight 0.75 >= 0.5: torch computes g - (g - m)(1 - w) there.
+        let hp = AdamW { beta1: 0.25, ..hp() };
+        let (_, m, _) = run(true, &hp, &GRADS);
+        // Values from torch 2.11.0, bit for bit.
+        let torch_m = [-0.01875f32, 0.2625, 0.056250002];
+        for i in 0..3 {
+            assert_eq!(m[i].to_bits(), torch_m[i].to_bits(), "m[{i}] {} vs {}", m[i], torch_m[i]);
+        }
+    }
+
+    #[test]
+    fn fma_and_portable_bodies_agree_bit_for_bit() {
+        let n = 1000;
+        let g: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3).collect();
+        let p0: Vec<f32> = (0..n).map(|i| ((i * 104729 % 997) as f32 - 498.0) * 1e-2).collect();
+        let c = Coeffs::new(&hp(), 1e-2, 3, true).expect("valid");
+        let (mut p_a, mut m_a, mut v_a) = (p0.clone(), vec![0.01f32; n], vec![0.02f32; n]);
+        let (mut p_b, mut m_b, mut v_b) = (p_a.clone(), m_a.clone(), v_a.clone());
+        update_body(&mut p_a, &g, &mut m_a, &mut v_a, &c);
+        update_chunk(&mut p_b, &g, &mut m_b, &mut v_b, &c);
+        assert_eq!((p_a, m_a, v_a), (p_b, m_b, v_b));
+    }
+
+    #[test]
+    fn bad_input_is_an_error_and_changes_nothing() {
+        let mut p = [1.0f32, 2.0];
+        let (mut m, mut v) = ([0.0f32; 2], [0.0f32; 2]);
+        let err = adamw_step(&mut p, &[0.1], &mut m, &mut v, 1, 1e-3, &hp(), true)
+            .expect_err("length mismatch");
+        assert!(err.to_string().contains("grads 1"), "{err}");
+        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 0, 1e-3, &hp(), true)
+            .expect_err("step 0");
+        assert!(err.to_string().contains("1-based"), "{err}");
+        let bad = AdamW { beta2: 1.0, ..hp() };
+        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 1, 1e-3, &bad, true)
+            .expect_err("beta2 = 1");
+        assert!(err.to_string().contains("beta2"), "{err}");
+        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 1, f32::NAN, &hp(), true)
+            .expect_err("NaN lr");
+        assert!(err.to_string().contains("learning rate"), "{err}");
+        assert_eq!((p, m, v), ([1.0, 2.0], [0.0; 2], [0.0; 2]));
+    }
+
+    #[test]
+    fn decimal_hyperparameters_widen_as_written() {
+        assert_eq!(as_written(0.9), 0.9f64);
+        assert_eq!(as_written(1e-8), 1e-8f64);
+        assert_eq!(as_written(0.999), 0.999f64);
+        assert_ne!(f64::from(0.9f32), 0.9f64, "plain widening differs, hence as_written");
+    }
+
+    #[test]
+    fn decays_matrices_not_vectors() {
+        assert!(decays(&[97, 48]));
+        assert!(!decays(&[48]));
+        assert!(!decays(&[]));
+    }
+}
