@@ -72,6 +72,8 @@ impl Fixture {
             }
         }
         MicroBatch {
+            rows,
+            seq_len: seq,
             ids,
             targets,
             positions: (0..rows).flat_map(|_| 0..seq as i32).collect(),
@@ -112,15 +114,15 @@ fn trainer_config(fx: &Fixture) -> TrainConfig {
         meta.get(k).unwrap_or_else(|| panic!("fixture metadata has no {k}")).parse().expect(k)
     };
     TrainConfig {
-        lr: num("lr"),
-        schedule: Schedule::Cosine,
-        warmup_steps: num("warmup_steps") as u64,
-        total_steps: num("total_steps") as u64,
-        weight_decay: num("weight_decay"),
-        beta1: num("beta1"),
-        beta2: num("beta2"),
-        eps: num("eps"),
-        max_grad_norm: Some(num("max_grad_norm")),
+        lr: num("adamw.lr"),
+        schedule: meta["schedule"].parse::<Schedule>().expect("schedule"),
+        warmup_steps: num("schedule.warmup_steps") as u64,
+        total_steps: num("schedule.total_steps") as u64,
+        weight_decay: num("adamw.weight_decay"),
+        beta1: num("adamw.beta1"),
+        beta2: num("adamw.beta2"),
+        eps: num("adamw.eps"),
+        max_grad_norm: Some(num("clip.max_norm")),
     }
 }
 

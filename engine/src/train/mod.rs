@@ -5,10 +5,12 @@
 //! and an observer that needs to do slow work (write to a database, push to browsers) queues
 //! them itself.
 
+mod run;
 mod trainer;
 
 use std::time::Duration;
 
+pub use run::{LoadedModel, ModelSource, RunOptions, RunSummary, load_model, run, save_checkpoint};
 pub use trainer::Trainer;
 
 use crate::optim::Schedule;

@@ -15,7 +15,7 @@ use crate::backend::{Backend, FloatKind, IGNORE};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
-use crate::optim::{AdamW, adamw_step, clip_grad_norm};
+use crate::optim::{AdamW, LrSchedule, adamw_step, clip_grad_norm, sum_of_squares};
 use crate::spec::ModelSpec;
 
 /// Training state: master weights and Adam moments on the host, a working copy of every unit
@@ -289,7 +289,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 lr,
                 &hp,
                 t.decay,
-            );
+            )?;
         }
         for (dev, host) in self.weights.iter_mut().zip(&self.params.units) {
             self.b.upload(self.b.view_mut(dev, 0..host.len()), host)?;

@@ -5,6 +5,7 @@
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
 mod serve;
+mod train;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -32,6 +33,8 @@ struct Cli {
 enum Command {
     /// Run the web appliance (what `sluice` with no subcommand does).
     Serve(serve::ServeArgs),
+    /// Train a model on a dataset from the terminal and write Hugging Face checkpoints.
+    Train(train::TrainArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -52,6 +55,7 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve::run(args),
+        Command::Train(args) => train::run(args),
     }
 }
 

@@ -1,0 +1,228 @@
+//! A whole training run, from a model and a dataset on disk to checkpoint folders: what
+//! `sluice train` and the appliance's job runner both call.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use super::{Event, Observer, TrainConfig, Trainer};
+use crate::backend::Backend;
+use crate::data::{self, DataOptions, DatasetSource, MicroBatch, Stats, Tokenizer};
+use crate::error::{Error, Result};
+use crate::model::HostParams;
+use crate::spec::{self, ModelSpec};
+use crate::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder};
+
+/// Files of a model folder that travel with its weights into every checkpoint.
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A Hugging Face folder: `config.json`, safetensors weights, `tokenizer.json`.
+    Dir(PathBuf),
+    /// A random-init shape by name (see [`spec::PRESETS`]) with the bundled tokenizer.
+    Preset(String),
+}
+
+/// Everything a run needs besides the backend.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub model: ModelSource,
+    pub data: DatasetSource,
+    /// Run folder: checkpoints go to `OUT/checkpoint-<step>` and `OUT/final`.
+    pub out: PathBuf,
+    /// Tokens per packed row.
+    pub seq_len: usize,
+    /// Rows per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step (G).
+    pub grad_accum: usize,
+    /// Optimizer steps; `None` runs one pass over the data.
+    pub steps: Option<u64>,
+    /// Hyperparameters; `total_steps` is set from `steps`.
+    pub train: TrainConfig,
+    /// Seeds random initialisation and the shuffle of samples.
+    pub seed: u64,
+    /// Train on prompt tokens too, not only on assistant turns.
+    pub train_on_prompt: bool,
+    /// Save a checkpoint every this many steps (besides the final one).
+    pub save_every: Option<u64>,
+    pub save_dtype: SaveDtype,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub first_loss: f64,
+    pub last_loss: f64,
+    pub data: Stats,
+    pub final_checkpoint: PathBuf,
+}
+
+/// A model ready to train: spec, weights, tokenizer, and the files an export copies.
+pub struct LoadedModel {
+    pub spec: ModelSpec,
+    pub params: HostParams,
+    pub tokenizer: Tokenizer,
+    pub extra_files: Vec<(String, Vec<u8>)>,
+}
+
+/// Loads a model folder or builds a preset.
+pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
+    match source {
+        ModelSource::Dir(dir) => {
+            if !dir.is_dir() {
+                return Err(Error::config(dir, "not a model folder (expected config.json, weights and tokenizer.json)"));
+            }
+            let spec = ModelSpec::from_path(dir)?;
+            let tokenizer = Tokenizer::from_dir(dir)?;
+            let params = HostParams::load(&spec, &TensorSource::open(dir)?)?;
+            let mut extra_files = Vec::new();
+            for name in TOKENIZER_FILES {
+                let path = dir.join(name);
+                if path.is_file() {
+                    extra_files.push((name.to_string(), std::fs::read(&path).map_err(|e| Error::io(&path, e))?));
+                }
+            }
+            Ok(LoadedModel { spec, params, tokenizer, extra_files })
+        }
+        ModelSource::Preset(name) => {
+            let mut spec = spec::preset(name)?;
+            let tokenizer = data::tiny_tokenizer()?;
+            // The preset's config names the bundled tokenizer's special tokens, so an exported
+            // checkpoint generates and stops as it was trained to.
+            let eos = tokenizer.eos_token_id();
+            spec.eos_token_ids = vec![eos];
+            if let Value::Object(map) = &mut spec.raw {
+                map.insert("eos_token_id".into(), json!(eos));
+                map.insert("pad_token_id".into(), json!(tokenizer.pad_token_id()));
+            }
+            let params = HostParams::random(&spec, seed);
+            let extra_files = data::tiny_tokenizer_files()
+                .iter()
+                .map(|(name, bytes)| (name.to_string(), bytes.to_vec()))
+                .collect();
+            Ok(LoadedModel { spec, params, tokenizer, extra_files })
+        }
+    }
+}
+
+impl RunOptions {
+    fn validate(&self) -> Result<()> {
+        let positive = [
+            ("sequence length", self.seq_len),
+            ("micro-batch size", self.micro_batch),
+            ("gradient accumulation", self.grad_accum),
+        ];
+        for (what, n) in positive {
+            if n == 0 {
+                return Err(Error::invalid(format!("{what} must be at least 1")));
+            }
+        }
+        if self.steps == Some(0) {
+            return Err(Error::invalid("steps must be at least 1"));
+        }
+        if self.save_every == Some(0) {
+            return Err(Error::invalid("save interval must be at least 1 step"));
+        }
+        let t = &self.train;
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(Error::invalid(format!("learning rate must be positive, got {}", t.lr)));
+        }
+        if let Some(max) = t.max_grad_norm
+            && !(max.is_finite() && max > 0.0)
+        {
+            return Err(Error::invalid(format!("max grad norm must be positive, got {max}")));
+        }
+        Ok(())
+    }
+}
+
+/// Writes the current weights as a Hugging Face folder.
+pub fn save_checkpoint(
+    dir: &Path,
+    model: &LoadedModel,
+    params: &HostParams,
+    dtype: SaveDtype,
+) -> Result<()> {
+    let folder = HfFolder {
+        tensors: params.tensor_refs(),
+        dtype,
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        config: model.spec.to_hf_config(),
+        extra_files: model.extra_files.clone(),
+    };
+    save_hf_folder(dir, &folder)
+}
+
+/// Trains `options.model` on `options.data` and writes checkpoints; reports progress to
+/// `observer`. Everything is checked (options, model, every dataset record) before the first
+/// step, so a bad input fails fast and writes nothing.
+pub fn run<B: Backend>(b: &B, options: &RunOptions, observer: &mut dyn Observer) -> Result<RunSummary> {
+    options.validate()?;
+    let model = load_model(&options.model, options.seed)?;
+    if model.tokenizer.vocab_size() > model.spec.vocab {
+        return Err(Error::invalid(format!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            model.tokenizer.vocab_size(),
+            model.spec.vocab
+        )));
+    }
+    let data_options = DataOptions {
+        seq_len: options.seq_len,
+        train_on_prompt: options.train_on_prompt,
+        shuffle_seed: Some(options.seed),
+    };
+    let packed = data::load(&options.data, &model.tokenizer, &data_options)?;
+    let batches: Vec<MicroBatch> = packed.micro_batches(options.micro_batch)?;
+    if batches.is_empty() {
+        return Err(Error::invalid("the dataset produced no training rows"));
+    }
+    let per_step = options.grad_accum;
+    let steps = options.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
+
+    let mut config = options.train.clone();
+    config.total_steps = steps;
+    let max_tokens = options.micro_batch * options.seq_len;
+    let mut trainer = Trainer::new(b, &model.spec, model.params.clone(), config, max_tokens)?;
+    observer.event(&Event::Started {
+        params: model.spec.total_params(),
+        backend: b.name(),
+        total_steps: steps,
+        data: packed.stats,
+    });
+
+    let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
+    // Steps walk through the micro-batches in order and wrap around at the end of the data.
+    let mut cursor = 0usize;
+    for _ in 0..steps {
+        let step_batches: Vec<MicroBatch> = (0..per_step)
+            .map(|i| batches[(cursor + i) % batches.len()].clone())
+            .collect();
+        cursor = (cursor + per_step) % batches.len();
+        let metrics = trainer.step(&step_batches)?;
+        if metrics.step == 1 {
+            first_loss = metrics.loss;
+        }
+        last_loss = metrics.loss;
+        let step = metrics.step;
+        observer.event(&Event::Step(metrics));
+        if options.save_every.is_some_and(|n| step % n == 0 && step < steps) {
+            let dir = options.out.join(format!("checkpoint-{step}"));
+            save_checkpoint(&dir, &model, &trainer.params, options.save_dtype)?;
+            observer.event(&Event::Saved { path: dir, step });
+        }
+    }
+    let final_dir = options.out.join("final");
+    save_checkpoint(&final_dir, &model, &trainer.params, options.save_dtype)?;
+    observer.event(&Event::Saved { path: final_dir.clone(), step: trainer.step });
+    Ok(RunSummary { steps, first_loss, last_loss, data: packed.stats, final_checkpoint: final_dir })
+}
