@@ -28,7 +28,7 @@ pub use formats::{
 pub use pack::{MicroBatch, PackOptions, Packed, Row, Stats, pack};
 pub use prepare::{PrepareOptions, Prepared, Preparer, Sample};
 pub use template::{ChatTemplate, Rendered, SpecialTokens};
-pub use tokenizer::{Encoding, Tokenizer, tiny_tokenizer};
+pub use tokenizer::{Encoding, Tokenizer, tiny_tokenizer, tiny_tokenizer_files};
 
 use crate::error::{Error, Result};
 

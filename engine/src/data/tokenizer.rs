@@ -54,6 +54,11 @@ pub fn tiny_tokenizer() -> Result<Tokenizer> {
     Tokenizer::from_bytes(TINY_TOKENIZER_JSON, Some(TINY_TOKENIZER_CONFIG))
 }
 
+/// The tiny tokenizer's files by name, for writing beside a checkpoint of a preset model.
+pub fn tiny_tokenizer_files() -> [(&'static str, &'static [u8]); 2] {
+    [("tokenizer.json", TINY_TOKENIZER_JSON), ("tokenizer_config.json", TINY_TOKENIZER_CONFIG)]
+}
+
 impl Tokenizer {
     /// Loads a tokenizer folder. Only `tokenizer.json` is required.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Tokenizer> {

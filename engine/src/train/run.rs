@@ -100,7 +100,7 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
             // The preset's config names the bundled tokenizer's special tokens, so an exported
             // checkpoint generates and stops as it was trained to.
             let eos = tokenizer.eos_token_id();
-            spec.eos_token_ids = vec![eos];
+            spec.eos_token_ids = eos.into_iter().collect();
             if let Value::Object(map) = &mut spec.raw {
                 map.insert("eos_token_id".into(), json!(eos));
                 map.insert("pad_token_id".into(), json!(tokenizer.pad_token_id()));
