@@ -1,1 +1,405 @@
-//! (being written)
+//! The CPU backend: the clean, minimal reference that defines what every op computes. Plain f32
+//! loops (GEMMs through `matrixmultiply`), spread over rayon's threads where that costs no
+//! clarity; the GPU backend specialises it and is tested against it.
+//!
+//! Each op family lives in its own file as free functions `<op>_forward` / `<op>_backward`
+//! taking plain slices in the trait's argument order (outputs, inputs, sizes), each citing the
+//! transformers code it mirrors; [`Cpu`] only forwards to them. Every op checks its slice
+//! lengths, ids and document bounds before writing anything and answers `Error::Backend` naming
+//! the op and the expected versus actual value. Results do not depend on the number of threads:
+//! parallel reductions combine fixed-size partials in a fixed order.
+
+mod attention;
+mod check;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod mlp;
+mod norm;
+mod rope;
+
+#[cfg(test)]
+mod testutil;
+
+use std::ops::Range;
+
+pub use attention::{attention_backward, attention_forward};
+pub use elementwise::{add, add_assign, sum, sum_squares};
+pub use embedding::{embedding_backward, embedding_forward};
+pub use loss::{cross_entropy_backward, cross_entropy_forward};
+pub use matmul::{bias_backward, bias_forward, matmul_backward, matmul_forward};
+pub use mlp::{swiglu_backward, swiglu_forward};
+pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
+pub use rope::{rope_backward, rope_forward};
+
+use super::{AttentionShape, Backend, FloatKind};
+use crate::error::Result;
+
+/// The reference backend: host memory, f32 for every [`FloatKind`], rayon's global thread pool.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cpu;
+
+impl Cpu {
+    pub fn new() -> Self {
+        Cpu
+    }
+}
+
+impl Backend for Cpu {
+    type Floats = Vec<f32>;
+    type Ints = Vec<i32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn alloc(&self, len: usize, _kind: FloatKind) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn alloc_ints(&self, len: usize) -> Result<Vec<i32>> {
+        Ok(vec![0; len])
+    }
+
+    fn len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    /// A range outside the buffer gives an empty view (the trait's `view` cannot fail), which the
+    /// next op using it rejects for its length.
+    fn view<'a>(&self, buf: &'a Vec<f32>, range: Range<usize>) -> &'a [f32] {
+        buf.get(range).unwrap_or_default()
+    }
+
+    /// As [`Cpu::view`]: a range outside the buffer gives an empty view.
+    fn view_mut<'a>(&self, buf: &'a mut Vec<f32>, range: Range<usize>) -> &'a mut [f32] {
+        buf.get_mut(range).unwrap_or_default()
+    }
+
+    fn upload(&self, dst: &mut [f32], src: &[f32]) -> Result<()> {
+        check::len("upload", "src", src.len(), &[dst.len()])?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [f32], src: &[f32]) -> Result<()> {
+        check::len("download", "src", src.len(), &[dst.len()])?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn upload_ints(&self, dst: &mut Vec<i32>, src: &[i32]) -> Result<()> {
+        let capacity = dst.len();
+        let prefix = dst.get_mut(..src.len()).ok_or_else(|| {
+            check::err(
+                "upload_ints",
+                format!("{} ints do not fit a buffer of {capacity}", src.len()),
+            )
+        })?;
+        prefix.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn fill_zero(&self, dst: &mut [f32]) -> Result<()> {
+        dst.fill(0.0);
+        Ok(())
+    }
+
+    fn copy(&self, dst: &mut [f32], src: &[f32]) -> Result<()> {
+        check::len("copy", "src", src.len(), &[dst.len()])?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn add(&self, out: &mut [f32], a: &[f32], b: &[f32]) -> Result<()> {
+        add(out, a, b)
+    }
+
+    fn add_assign(&self, dst: &mut [f32], src: &[f32]) -> Result<()> {
+        add_assign(dst, src)
+    }
+
+    fn sum(&self, src: &[f32]) -> Result<f64> {
+        sum(src)
+    }
+
+    fn sum_squares(&self, src: &[f32]) -> Result<f64> {
+        sum_squares(src)
+    }
+
+    fn embedding_forward(
+        &self,
+        out: &mut [f32],
+        ids: &Vec<i32>,
+        table: &[f32],
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        embedding_forward(out, ids, table, tokens, hidden)
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut [f32],
+        dout: &[f32],
+        ids: &Vec<i32>,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        embedding_backward(dtable, dout, ids, tokens, hidden)
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        matmul_forward(out, inp, w, rows, k, n)
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        matmul_backward(dinp, dw, dout, inp, w, rows, k, n)
+    }
+
+    fn bias_forward(&self, out: &mut [f32], bias: &[f32], rows: usize, n: usize) -> Result<()> {
+        bias_forward(out, bias, rows, n)
+    }
+
+    fn bias_backward(&self, dbias: &mut [f32], dout: &[f32], rows: usize, n: usize) -> Result<()> {
+        bias_backward(dbias, dout, rows, n)
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut [f32],
+        rstd: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        rmsnorm_forward(out, rstd, inp, w, rows, dim, eps)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dinp: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        rmsnorm_backward(dinp, dw, dout, inp, w, rstd, rows, dim)
+    }
+
+    fn head_rmsnorm_forward(
+        &self,
+        out: &mut [f32],
+        rstd: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        shape: &AttentionShape,
+        eps: f32,
+    ) -> Result<()> {
+        head_rmsnorm_forward(out, rstd, inp, w, shape, eps)
+    }
+
+    fn head_rmsnorm_backward(
+        &self,
+        dinp: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        head_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, shape)
+    }
+
+    fn rope_forward(
+        &self,
+        qkv: &mut [f32],
+        pos: &Vec<i32>,
+        inv_freq: &[f32],
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        rope_forward(qkv, pos, inv_freq, shape)
+    }
+
+    fn rope_backward(
+        &self,
+        dqkv: &mut [f32],
+        pos: &Vec<i32>,
+        inv_freq: &[f32],
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        rope_backward(dqkv, pos, inv_freq, shape)
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut [f32],
+        lse: &mut [f32],
+        qkv: &[f32],
+        cu_seqlens: &Vec<i32>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        attention_forward(out, lse, qkv, cu_seqlens, shape)
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut [f32],
+        dout: &[f32],
+        qkv: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        cu_seqlens: &Vec<i32>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        attention_backward(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+    }
+
+    fn swiglu_forward(
+        &self,
+        out: &mut [f32],
+        gate_up: &[f32],
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        swiglu_forward(out, gate_up, rows, inter)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate_up: &mut [f32],
+        dout: &[f32],
+        gate_up: &[f32],
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        swiglu_backward(dgate_up, dout, gate_up, rows, inter)
+    }
+
+    fn cross_entropy_forward(
+        &self,
+        losses: &mut [f32],
+        lse: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        targets: &Vec<i32>,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        cross_entropy_forward(losses, lse, x, w, targets, tokens, hidden, vocab)
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        lse: &[f32],
+        targets: &Vec<i32>,
+        scale: f32,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        cross_entropy_backward(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::{rng, uniform};
+    use super::*;
+    use crate::error::Result;
+
+    #[test]
+    fn memory_ops_check_lengths() -> Result<()> {
+        let cpu = Cpu::new();
+        let mut buf = cpu.alloc(6, FloatKind::Activation)?;
+        assert_eq!(cpu.len(&buf), 6);
+        cpu.upload(cpu.view_mut(&mut buf, 2..5), &[1.0, 2.0, 3.0])?;
+        assert_eq!(buf, [0.0, 0.0, 1.0, 2.0, 3.0, 0.0]);
+        let e = cpu.upload(cpu.view_mut(&mut buf, 0..2), &[1.0]).expect_err("must be rejected");
+        assert!(e.to_string().contains("upload"), "{e}");
+        let mut host = [0.0; 2];
+        cpu.download(&mut host, cpu.view(&buf, 3..5))?;
+        assert_eq!(host, [2.0, 3.0]);
+        // A range past the end gives an empty view, which the next op rejects by its length.
+        assert!(cpu.view(&buf, 4..9).is_empty());
+        assert!(cpu.download(&mut host, cpu.view(&buf, 4..9)).is_err());
+
+        let mut ints = cpu.alloc_ints(3)?;
+        cpu.upload_ints(&mut ints, &[7, 8])?;
+        assert_eq!(ints, [7, 8, 0]);
+        let e = cpu.upload_ints(&mut ints, &[1, 2, 3, 4]).expect_err("must be rejected");
+        assert!(e.to_string().contains("upload_ints"), "{e}");
+        Ok(())
+    }
+
+    /// Reductions must not depend on how many threads ran them (exact resume relies on it).
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() -> Result<()> {
+        let (rows, k, n) = (300, 17, 40);
+        let mut rng = rng(110);
+        let (inp, w, dout) =
+            (uniform(&mut rng, rows * k), uniform(&mut rng, n * k), uniform(&mut rng, rows * n));
+        let run = || -> Result<_> {
+            let (mut dinp, mut dw, mut dbias) =
+                (vec![0.0; rows * k], vec![0.0; n * k], vec![0.0; n]);
+            matmul_backward(&mut dinp, &mut dw, &dout, &inp, &w, rows, k, n)?;
+            bias_backward(&mut dbias, &dout, rows, n)?;
+            let (mut dnorm, mut dnw) = (vec![0.0; rows * n], vec![0.0; n]);
+            rmsnorm_backward(
+                &mut dnorm,
+                &mut dnw,
+                &dout,
+                &dout,
+                &dbias,
+                &vec![0.5; rows],
+                rows,
+                n,
+            )?;
+            Ok((dinp, dw, dbias, dnorm, dnw, sum_squares(&dout)?))
+        };
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .expect("a thread pool")
+            .install(run)?;
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("a thread pool")
+            .install(run)?;
+        assert!(one == three, "results differ between 1 and 3 threads");
+        Ok(())
+    }
+}

@@ -1,0 +1,375 @@
+//! Linear layers and their bias: `out = inp · wᵀ + bias`, PyTorch's `nn.Linear` with `w` stored
+//! `[out_features, in_features]` as in Hugging Face checkpoints.
+//!
+//! The GEMMs go through `matrixmultiply::sgemm` (a packed, SIMD micro-kernel GEMM) on row blocks
+//! spread over rayon's threads. Each block contracts over the whole inner dimension, so every
+//! output element is summed in the same order however the rows are split.
+
+use rayon::prelude::*;
+
+use super::check::{self, err};
+use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
+use crate::error::Result;
+
+/// Fewest rows worth a task of their own: below this, packing the right operand again for
+/// another block costs more than the extra thread gains.
+const MIN_BLOCK_ROWS: usize = 16;
+
+/// Rows per parallel block: about two blocks per thread so a busy core does not stall the rest.
+fn block_rows(rows: usize) -> usize {
+    rows.div_ceil(2 * rayon::current_num_threads()).max(MIN_BLOCK_ROWS)
+}
+
+/// A `rows x cols` matrix read from `data` at `data[r * rs + c * cs]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl Operand<'_> {
+    /// Whether every element the strides address lies inside `data`.
+    fn fits(&self) -> bool {
+        if self.rows == 0 || self.cols == 0 {
+            return true;
+        }
+        let last = (self.rows - 1)
+            .checked_mul(self.rs)
+            .zip((self.cols - 1).checked_mul(self.cs))
+            .and_then(|(r, c)| r.checked_add(c));
+        last.is_some_and(|last| last < self.data.len())
+    }
+
+    fn strides(&self) -> Result<(isize, isize)> {
+        let rs = isize::try_from(self.rs).map_err(|_| err("gemm", "row stride overflows"))?;
+        let cs = isize::try_from(self.cs).map_err(|_| err("gemm", "column stride overflows"))?;
+        Ok((rs, cs))
+    }
+}
+
+/// `c = a · b + beta · c` for a row-major, contiguous `c` of `a.rows x b.cols`. With
+/// `beta == 0` the old contents of `c` are not read (NaN included).
+fn gemm(c: &mut [f32], a: Operand<'_>, b: Operand<'_>, beta: f32) -> Result<()> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k || Some(c.len()) != m.checked_mul(n) || !a.fits() || !b.fits() {
+        return Err(err("gemm", format!("operands do not fit: [{m}, {k}] x [{}, {n}]", b.rows)));
+    }
+    let (rsa, csa) = a.strides()?;
+    let (rsb, csb) = b.strides()?;
+    let rsc = isize::try_from(n).map_err(|_| err("gemm", "output row stride overflows"))?;
+    // SAFETY: `fits` proved that every element of A (m x k) and B (k x n) addressed through its
+    // strides lies inside its slice, and C is exactly m x n elements, row-major, so row stride n
+    // and column stride 1 address only `c`. C is a unique borrow and does not alias A or B.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.data.as_ptr(),
+            rsa,
+            csa,
+            b.data.as_ptr(),
+            rsb,
+            csb,
+            beta,
+            c.as_mut_ptr(),
+            rsc,
+            1,
+        );
+    }
+    Ok(())
+}
+
+/// `out = inp · wᵀ`, split over row blocks. Lengths must already be checked.
+/// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
+pub(crate) fn linear(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let wt = Operand { data: w, rows: k, cols: n, rs: 1, cs: k };
+    let block = block_rows(rows);
+    out.par_chunks_mut(block * n).zip(inp.par_chunks(block * k)).try_for_each(|(out, inp)| {
+        let m = out.len() / n;
+        gemm(out, Operand { data: inp, rows: m, cols: k, rs: k, cs: 1 }, wt, 0.0)
+    })
+}
+
+/// `dinp = dout · w`, split over row blocks. Lengths must already be checked.
+/// dinp `[rows, k]`, dout `[rows, n]`, w `[n, k]`.
+pub(crate) fn linear_dinp(
+    dinp: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if rows == 0 || k == 0 {
+        return Ok(());
+    }
+    if n == 0 {
+        dinp.fill(0.0);
+        return Ok(());
+    }
+    let w = Operand { data: w, rows: n, cols: k, rs: k, cs: 1 };
+    let block = block_rows(rows);
+    dinp.par_chunks_mut(block * k).zip(dout.par_chunks(block * n)).try_for_each(|(dinp, dout)| {
+        let m = dinp.len() / k;
+        gemm(dinp, Operand { data: dout, rows: m, cols: n, rs: n, cs: 1 }, w, 0.0)
+    })
+}
+
+/// `dw += doutᵀ · inp`, split over blocks of rows of `dw`; each block sums over all `rows`.
+/// Lengths must already be checked.
+/// dw `[n, k]`, dout `[rows, n]`, inp `[rows, k]`.
+pub(crate) fn linear_dw(
+    dw: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 || k == 0 {
+        return Ok(());
+    }
+    let inp = Operand { data: inp, rows, cols: k, rs: k, cs: 1 };
+    let block = block_rows(n);
+    dw.par_chunks_mut(block * k).enumerate().try_for_each(|(b, dw)| {
+        let first = b * block;
+        let m = dw.len() / k;
+        // Rows first..first+m of doutᵀ are columns of dout: start at column `first`, step 1
+        // along the block and n from one token to the next.
+        let dout_t = Operand {
+            data: dout.get(first..).unwrap_or_default(),
+            rows: m,
+            cols: rows,
+            rs: 1,
+            cs: n,
+        };
+        gemm(dw, dout_t, inp, 1.0)
+    })
+}
+
+/// `out = inp · wᵀ`. Reference: `nn.Linear` as used by every projection in modeling_llama.py.
+/// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "matmul_forward";
+    check::len(OP, "out", out.len(), &[rows, n])?;
+    check::len(OP, "inp", inp.len(), &[rows, k])?;
+    check::len(OP, "w", w.len(), &[n, k])?;
+    linear(out, inp, w, rows, k, n)
+}
+
+/// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
+/// dinp `[rows, k]`, dw `[n, k]`, dout `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: &mut [f32],
+    dw: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "matmul_backward";
+    check::len(OP, "dinp", dinp.len(), &[rows, k])?;
+    check::len(OP, "dw", dw.len(), &[n, k])?;
+    check::len(OP, "dout", dout.len(), &[rows, n])?;
+    check::len(OP, "inp", inp.len(), &[rows, k])?;
+    check::len(OP, "w", w.len(), &[n, k])?;
+    linear_dinp(dinp, dout, w, rows, k, n)?;
+    linear_dw(dw, dout, inp, rows, k, n)
+}
+
+/// `out[t] += bias` for every row.
+/// out `[rows, n]`, bias `[n]`.
+pub fn bias_forward(out: &mut [f32], bias: &[f32], rows: usize, n: usize) -> Result<()> {
+    const OP: &str = "bias_forward";
+    check::len(OP, "out", out.len(), &[rows, n])?;
+    check::len(OP, "bias", bias.len(), &[n])?;
+    if n == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(n).for_each(|row| row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b));
+    Ok(())
+}
+
+/// `dbias += Σ_t dout[t]` (accumulates), summed in f64.
+/// dbias `[n]`, dout `[rows, n]`.
+pub fn bias_backward(dbias: &mut [f32], dout: &[f32], rows: usize, n: usize) -> Result<()> {
+    const OP: &str = "bias_backward";
+    check::len(OP, "dbias", dbias.len(), &[n])?;
+    check::len(OP, "dout", dout.len(), &[rows, n])?;
+    if n == 0 {
+        return Ok(());
+    }
+    let partials: Vec<Vec<f64>> = dout
+        .par_chunks(ROWS_PER_PARTIAL * n)
+        .map(|chunk| {
+            let mut acc = vec![0.0f64; n];
+            for row in chunk.chunks(n) {
+                acc.iter_mut().zip(row).for_each(|(a, &g)| *a += f64::from(g));
+            }
+            acc
+        })
+        .collect();
+    add_partials(dbias, &partials);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::testutil::{
+        TOL, assert_close, dot, numeric_grad, rng, to_f64, uniform,
+    };
+    use crate::error::Result;
+
+    /// Double-precision twin of `matmul_forward`: out `[rows, n]` = inp `[rows, k]` · w `[n, k]`ᵀ.
+    fn linear64(inp: &[f64], w: &[f64], rows: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0; rows * n];
+        for t in 0..rows {
+            for j in 0..n {
+                out[t * n + j] = dot(&inp[t * k..(t + 1) * k], &w[j * k..(j + 1) * k]);
+            }
+        }
+        out
+    }
+
+    // 37 rows make several row blocks; k and n are odd so no SIMD width divides them.
+    const ROWS: usize = 37;
+    const K: usize = 13;
+    const N: usize = 11;
+
+    #[test]
+    fn forward_matches_twin() -> Result<()> {
+        let mut rng = rng(1);
+        let (inp, w) = (uniform(&mut rng, ROWS * K), uniform(&mut rng, N * K));
+        let mut out = vec![f32::NAN; ROWS * N];
+        matmul_forward(&mut out, &inp, &w, ROWS, K, N)?;
+        assert_close(
+            "matmul forward",
+            &out,
+            &linear64(&to_f64(&inp), &to_f64(&w), ROWS, K, N),
+            TOL,
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn backward_matches_finite_differences_and_accumulates() -> Result<()> {
+        let mut rng = rng(2);
+        let (inp, w, r) =
+            (uniform(&mut rng, ROWS * K), uniform(&mut rng, N * K), uniform(&mut rng, ROWS * N));
+        let dw0 = uniform(&mut rng, N * K);
+        let (inp64, w64, r64) = (to_f64(&inp), to_f64(&w), to_f64(&r));
+        let mut dinp = vec![f32::NAN; ROWS * K];
+        let mut dw = dw0.clone();
+        matmul_backward(&mut dinp, &mut dw, &r, &inp, &w, ROWS, K, N)?;
+
+        let want_dinp = numeric_grad(&inp64, |x| dot(&linear64(x, &w64, ROWS, K, N), &r64));
+        let grad_w = numeric_grad(&w64, |w| dot(&linear64(&inp64, w, ROWS, K, N), &r64));
+        let want_dw: Vec<f64> = grad_w.iter().zip(&dw0).map(|(g, &d)| g + f64::from(d)).collect();
+        assert_close("matmul dinp", &dinp, &want_dinp, TOL);
+        assert_close("matmul dw (accumulated onto non-zero)", &dw, &want_dw, TOL);
+        Ok(())
+    }
+
+    #[test]
+    fn weight_gradient_splits_over_many_row_blocks() -> Result<()> {
+        // n = 70 rows of dw make several blocks, checking the dout column offsets of each.
+        let (rows, k, n) = (5, 3, 70);
+        let mut rng = rng(3);
+        let (inp, dout) = (uniform(&mut rng, rows * k), uniform(&mut rng, rows * n));
+        let mut dw = vec![0.0; n * k];
+        linear_dw(&mut dw, &dout, &inp, rows, k, n)?;
+        let want: Vec<f64> = (0..n * k)
+            .map(|e| {
+                (0..rows)
+                    .map(|t| f64::from(dout[t * n + e / k]) * f64::from(inp[t * k + e % k]))
+                    .sum()
+            })
+            .collect();
+        assert_close("matmul dw blocks", &dw, &want, TOL);
+        Ok(())
+    }
+
+    #[test]
+    fn empty_inner_dimension_gives_zeros() -> Result<()> {
+        let mut out = vec![f32::NAN; 6];
+        matmul_forward(&mut out, &[], &[], 2, 0, 3)?;
+        assert_eq!(out, vec![0.0; 6]);
+        Ok(())
+    }
+
+    #[test]
+    fn bias_forward_and_backward() -> Result<()> {
+        let mut rng = rng(4);
+        let (out0, bias, dout, db0) = (
+            uniform(&mut rng, ROWS * N),
+            uniform(&mut rng, N),
+            uniform(&mut rng, ROWS * N),
+            uniform(&mut rng, N),
+        );
+        let mut out = out0.clone();
+        bias_forward(&mut out, &bias, ROWS, N)?;
+        let want: Vec<f64> =
+            (0..ROWS * N).map(|e| f64::from(out0[e]) + f64::from(bias[e % N])).collect();
+        assert_close("bias forward", &out, &want, TOL);
+
+        // The loss Σ (x + bias)·R is linear in bias; its gradient is Σ_t R[t].
+        let r64 = to_f64(&dout);
+        let mut db = db0.clone();
+        bias_backward(&mut db, &dout, ROWS, N)?;
+        let grad = numeric_grad(&to_f64(&bias), |b| {
+            (0..ROWS * N).map(|e| (f64::from(out0[e]) + b[e % N]) * r64[e]).sum()
+        });
+        let want: Vec<f64> = grad.iter().zip(&db0).map(|(g, &d)| g + f64::from(d)).collect();
+        assert_close("bias dbias (accumulated)", &db, &want, TOL);
+        Ok(())
+    }
+
+    #[test]
+    fn wrong_length_names_the_op_and_the_tensor() -> Result<()> {
+        let mut out = vec![0.0; ROWS * N];
+        let e = matmul_forward(&mut out, &vec![0.0; ROWS * K], &vec![0.0; N * K - 1], ROWS, K, N)
+            .expect_err("must be rejected");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("matmul_forward") && msg.contains("`w`") && msg.contains("142"),
+            "{msg}"
+        );
+        let mut dw = vec![0.0; N * K];
+        let e = matmul_backward(&mut out, &mut dw, &[], &[], &[], ROWS, K, N)
+            .expect_err("must be rejected");
+        assert!(e.to_string().contains("matmul_backward"), "{e}");
+        let e = bias_backward(&mut [0.0; 3], &[0.0; 7], 2, 3).expect_err("must be rejected");
+        assert!(e.to_string().contains("bias_backward"), "{e}");
+        Ok(())
+    }
+}
