@@ -96,7 +96,8 @@ fn max_rel_err(actual: &[f32], expected: &[f32]) -> (f32, usize) {
     (worst, at)
 }
 
-fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
+/// Checks `actual` against `expected` and returns the error, so each case can report its worst.
+fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) -> f32 {
     let (err, at) = max_rel_err(actual, expected);
     assert!(
         err <= tol,
@@ -105,6 +106,7 @@ fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
         expected[at],
         actual.iter().zip(expected).take(4).collect::<Vec<_>>()
     );
+    err
 }
 
 fn trainer_config(fx: &Fixture) -> TrainConfig {
@@ -138,7 +140,7 @@ fn check(case: &str) {
     // (matmul blocking, softmax reductions), a few ulps amplified through 2 layers: 1e-5 of the
     // largest logit.
     let logits = trainer.logits(&mb).expect("logits");
-    assert_close(&format!("{case} logits"), &logits, &fx.f32s("logits"), 1e-5);
+    let logits_err = assert_close(&format!("{case} logits"), &logits, &fx.f32s("logits"), 1e-5);
 
     // Loss and gradients of every parameter. Gradients pass through more reductions (attention
     // backward, weight-gradient sums over tokens), so 1e-4 of each tensor's largest entry.
@@ -149,15 +151,23 @@ fn check(case: &str) {
         "{case} loss {loss} vs {expected_loss}"
     );
     let grads = grads.to_vec();
+    let mut grad_err = 0f32;
     for (u, t) in params.layout.tensors() {
         let name = format!("grad.{}", t.name);
         assert!(fx.has(&name), "{case}: fixture lacks {name}");
-        assert_close(&format!("{case} {name}"), &grads[u][t.range.clone()], &fx.f32s(&name), 1e-4);
+        grad_err = grad_err.max(assert_close(
+            &format!("{case} {name}"),
+            &grads[u][t.range.clone()],
+            &fx.f32s(&name),
+            1e-4,
+        ));
     }
 
     // Five AdamW steps with clipping and a cosine schedule. Adam divides by sqrt(v), which
-    // amplifies the tiny gradient differences above for entries whose gradient is near zero;
-    // over 5 steps at lr 1e-2 the parameters still agree to 2e-4 of each tensor's scale.
+    // amplifies the tiny gradient differences above for entries whose gradient is near zero
+    // (an entry's update is ±lr whatever its gradient's size), and torch's f32 sqrt is not
+    // correctly rounded; the worst entry seen is 1.8e-4 of its tensor's scale, so 1e-3 leaves
+    // room for another CPU's GEMM kernel while a wrong op (errors of order 1) still fails.
     let traj_loss = fx.f32s("traj.loss");
     let traj_norm = fx.f32s("traj.grad_norm");
     let traj_lr = fx.f32s("traj.lr");
@@ -177,15 +187,21 @@ fn check(case: &str) {
             traj_lr[k]
         );
     }
+    let mut final_err = 0f32;
     for (u, t) in params.layout.tensors() {
         let name = format!("final.{}", t.name);
-        assert_close(
+        final_err = final_err.max(assert_close(
             &format!("{case} {name}"),
             &trainer.params.units[u][t.range.clone()],
             &fx.f32s(&name),
-            2e-4,
-        );
+            1e-3,
+        ));
     }
+    // Shown with --nocapture: the figures quoted for the CPU reference's agreement.
+    eprintln!(
+        "{case}: logits {logits_err:.1e}, loss {:.1e}, gradients {grad_err:.1e}, params after 5 steps {final_err:.1e} (max relative errors)",
+        (loss - expected_loss).abs() / expected_loss.abs()
+    );
 }
 
 #[test]

@@ -88,6 +88,8 @@ pub enum Event {
         params: usize,
         backend: String,
         total_steps: u64,
+        /// What the dataset turned into: records, tokens, truncation.
+        data: crate::data::Stats,
     },
     Step(StepMetrics),
     /// A checkpoint folder was written.

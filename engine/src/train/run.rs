@@ -80,7 +80,10 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
     match source {
         ModelSource::Dir(dir) => {
             if !dir.is_dir() {
-                return Err(Error::config(dir, "not a model folder (expected config.json, weights and tokenizer.json)"));
+                return Err(Error::config(
+                    dir,
+                    "not a model folder (expected config.json, weights and tokenizer.json)",
+                ));
             }
             let spec = ModelSpec::from_path(dir)?;
             let tokenizer = Tokenizer::from_dir(dir)?;
@@ -89,7 +92,10 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
             for name in TOKENIZER_FILES {
                 let path = dir.join(name);
                 if path.is_file() {
-                    extra_files.push((name.to_string(), std::fs::read(&path).map_err(|e| Error::io(&path, e))?));
+                    extra_files.push((
+                        name.to_string(),
+                        std::fs::read(&path).map_err(|e| Error::io(&path, e))?,
+                    ));
                 }
             }
             Ok(LoadedModel { spec, params, tokenizer, extra_files })
@@ -166,7 +172,11 @@ pub fn save_checkpoint(
 /// Trains `options.model` on `options.data` and writes checkpoints; reports progress to
 /// `observer`. Everything is checked (options, model, every dataset record) before the first
 /// step, so a bad input fails fast and writes nothing.
-pub fn run<B: Backend>(b: &B, options: &RunOptions, observer: &mut dyn Observer) -> Result<RunSummary> {
+pub fn run<B: Backend>(
+    b: &B,
+    options: &RunOptions,
+    observer: &mut dyn Observer,
+) -> Result<RunSummary> {
     options.validate()?;
     let model = load_model(&options.model, options.seed)?;
     if model.tokenizer.vocab_size() > model.spec.vocab {
@@ -204,9 +214,8 @@ pub fn run<B: Backend>(b: &B, options: &RunOptions, observer: &mut dyn Observer)
     // Steps walk through the micro-batches in order and wrap around at the end of the data.
     let mut cursor = 0usize;
     for _ in 0..steps {
-        let step_batches: Vec<MicroBatch> = (0..per_step)
-            .map(|i| batches[(cursor + i) % batches.len()].clone())
-            .collect();
+        let step_batches: Vec<MicroBatch> =
+            (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
         let metrics = trainer.step(&step_batches)?;
         if metrics.step == 1 {

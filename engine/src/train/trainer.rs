@@ -100,12 +100,14 @@ impl<'b, B: Backend> Trainer<'b, B> {
 
     /// The learning rate the next step will use.
     pub fn next_lr(&self) -> f32 {
-        self.config.schedule.lr_at(
-            self.config.lr,
-            self.config.warmup_steps,
-            self.config.total_steps,
-            self.step,
-        )
+        let c = &self.config;
+        let schedule = LrSchedule {
+            kind: c.schedule,
+            peak_lr: c.lr,
+            warmup_steps: c.warmup_steps,
+            total_steps: c.total_steps,
+        };
+        schedule.lr_at(self.step)
     }
 
     fn upload_batch(&mut self, mb: &MicroBatch) -> Result<()> {
@@ -240,7 +242,8 @@ impl<'b, B: Backend> Trainer<'b, B> {
             loss_sum += self.forward_backward(mb, scale)?;
         }
         for (host, dev) in self.host_grads.iter_mut().zip(&self.grads) {
-            self.b.download(host, self.b.view(dev, 0..host.len()))?;
+            let n = host.len();
+            self.b.download(host, self.b.view(dev, 0..n))?;
         }
         Ok((loss_sum / trained as f64, &self.host_grads))
     }
@@ -257,10 +260,13 @@ impl<'b, B: Backend> Trainer<'b, B> {
         }
 
         let opt_start = Instant::now();
-        let grad_norm = {
-            let mut views: Vec<&mut [f32]> =
-                self.host_grads.iter_mut().map(|g| g.as_mut_slice()).collect();
-            clip_grad_norm(&mut views, self.config.max_grad_norm)
+        let grad_norm = match self.config.max_grad_norm {
+            Some(max_norm) => {
+                let mut views: Vec<&mut [f32]> =
+                    self.host_grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+                f64::from(clip_grad_norm(&mut views, max_norm)?)
+            }
+            None => self.host_grads.iter().map(|g| sum_of_squares(g)).sum::<f64>().sqrt(),
         };
         if !grad_norm.is_finite() {
             return Err(Error::Numerical(format!(

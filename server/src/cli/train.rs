@@ -124,7 +124,8 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     let backend = Cpu::default();
     let mut printer = Printer { bar: None };
-    let summary = sluice_engine::train::run(&backend, &options, &mut printer).context("training failed")?;
+    let summary =
+        sluice_engine::train::run(&backend, &options, &mut printer).context("training failed")?;
     if let Some(bar) = printer.bar.take() {
         bar.finish_and_clear();
     }
@@ -170,8 +171,10 @@ impl Observer for Printer {
                 ));
                 let bar = ProgressBar::new(*total_steps);
                 bar.set_style(
-                    ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {elapsed} elapsed, eta {eta}")
-                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                    ProgressStyle::with_template(
+                        "{bar:40} {pos}/{len} steps  {elapsed} elapsed, eta {eta}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
                 self.bar = Some(bar);
             }
