@@ -102,6 +102,12 @@ pub enum Event {
 /// Receives training events. Implementations must return quickly.
 pub trait Observer {
     fn event(&mut self, event: &Event);
+
+    /// Asked before every step; returning `false` stops the run cleanly after saving a
+    /// checkpoint of the steps taken (how a job is cancelled).
+    fn keep_going(&mut self) -> bool {
+        true
+    }
 }
 
 /// An observer that ignores everything.

@@ -214,6 +214,9 @@ pub fn run<B: Backend>(
     // Steps walk through the micro-batches in order and wrap around at the end of the data.
     let mut cursor = 0usize;
     for _ in 0..steps {
+        if !observer.keep_going() {
+            break;
+        }
         let step_batches: Vec<MicroBatch> =
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
@@ -233,5 +236,11 @@ pub fn run<B: Backend>(
     let final_dir = options.out.join("final");
     save_checkpoint(&final_dir, &model, &trainer.params, options.save_dtype)?;
     observer.event(&Event::Saved { path: final_dir.clone(), step: trainer.step });
-    Ok(RunSummary { steps, first_loss, last_loss, data: packed.stats, final_checkpoint: final_dir })
+    Ok(RunSummary {
+        steps: trainer.step,
+        first_loss,
+        last_loss,
+        data: packed.stats,
+        final_checkpoint: final_dir,
+    })
 }
