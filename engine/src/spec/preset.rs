@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 
 /// Preset names with a one-line description each.
 pub const PRESETS: &[(&str, &str)] = &[
-    ("tiny", "4-layer llama-family model (~1.5M params) with the bundled 2048-token tokenizer"),
+    ("tiny", "4-layer llama-family model (1.0M params, tied embeddings) for demos and tests"),
     ("qwen2.5-0.5b", "Qwen2.5-0.5B shape (tied embeddings, q/k/v bias)"),
     ("qwen2.5-1.5b", "Qwen2.5-1.5B shape"),
     ("qwen2.5-3b", "Qwen2.5-3B shape"),
