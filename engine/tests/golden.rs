@@ -132,7 +132,7 @@ fn check(case: &str) {
     let (spec, params) = HostParams::load_dir(&case_dir(case)).expect("model loads");
     let fx = Fixture::open(case);
     let mb = fx.batch();
-    let cpu = Cpu::default();
+    let cpu = Cpu;
     let mut trainer = Trainer::new(&cpu, &spec, params.clone(), trainer_config(&fx), mb.ids.len())
         .expect("trainer");
 

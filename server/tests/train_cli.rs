@@ -150,9 +150,9 @@ fn bad_data_and_options_are_refused_with_a_reason() {
 }
 
 fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    std::fs::create_dir_all(to).expect("create the copy");
+    for entry in std::fs::read_dir(from).expect("read the model folder") {
+        let entry = entry.expect("read a folder entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy a file");
     }
 }

@@ -199,6 +199,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// One decoder layer: `x_out = layer(x_in)`, leaving its internals in `s`.
+    #[allow(clippy::too_many_arguments)]
     pub fn layer_forward(
         &self,
         b: &B,
@@ -542,6 +543,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Logits `[T, V]` of the head for inspection and generation (materialised; small batches).
+    #[allow(clippy::too_many_arguments)]
     pub fn logits(
         &self,
         b: &B,

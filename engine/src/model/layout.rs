@@ -181,7 +181,7 @@ impl ModelLayout {
 
         // A model always has at least one layer (the spec rejects zero), so `layer` is set; the
         // fallback only keeps this function total.
-        let layer = layer.unwrap_or_else(|| LayerRanges {
+        let layer = layer.unwrap_or(LayerRanges {
             ln1: 0..0,
             qkv_w: 0..0,
             qkv_b: None,

@@ -271,8 +271,7 @@ impl ModelSpec {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
                         let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        let medium =
-                            !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        let medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
                         if medium {
                             let smooth = (old_len / wavelen - low) / (high - low);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -313,7 +312,7 @@ fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), Strin
         .and_then(Value::as_f64)
         .or(cfg.rope_theta)
         .unwrap_or(10_000.0);
-    if !(theta > 0.0) {
+    if theta.is_nan() || theta <= 0.0 {
         return Err(format!("rope_theta must be positive, got {theta}"));
     }
     let Some(p) = params else { return Ok((theta, RopeScaling::None)) };

@@ -24,6 +24,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
 ];
 
+#[allow(clippy::too_many_arguments)]
 fn qwen2(
     hidden: usize,
     inter: usize,
