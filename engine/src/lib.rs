@@ -8,6 +8,8 @@
 //! - [`model`]: parameter layout by unit and the decoder's forward and backward, generic over
 //!   the backend.
 //! - [`optim`]: AdamW, gradient clipping, learning-rate schedules.
+//! - [`store`]: the host store, home of master weights, Adam moments and gradients.
+//! - [`schedule`]: the layer-major streaming step, generic over the backend.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
 
 pub mod backend;
@@ -15,7 +17,9 @@ pub mod data;
 pub mod error;
 pub mod model;
 pub mod optim;
+pub mod schedule;
 pub mod spec;
+pub mod store;
 pub mod train;
 pub mod weights;
 

@@ -26,6 +26,7 @@ pub mod cpu;
 use std::ops::Range;
 
 use crate::error::Result;
+use crate::store::HostSlab;
 
 /// Target value of a token that carries no loss (prompt tokens, padding, document ends).
 pub const IGNORE: i32 = -100;
@@ -38,6 +39,22 @@ pub enum FloatKind {
     /// Weight-gradient accumulators, reductions and small tables such as RoPE frequencies: f32
     /// everywhere.
     Accum,
+}
+
+/// Element type of weights on a device, and so of the host store's streaming copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+}
+
+impl WeightDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 => 2,
+        }
+    }
 }
 
 /// The shapes an attention call works on.
@@ -79,8 +96,60 @@ pub trait Backend: Send + Sync {
     where
         Self: 'a;
 
+    /// An ordered queue of device work (a CUDA stream). The CPU backend runs everything in
+    /// call order, so its streams and events are no-ops.
+    type Stream;
+    /// A point in a stream that other streams or the host can wait for.
+    type Event;
+
     /// Human-readable name for messages ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
+
+    /// The dtype of [`FloatKind::Activation`] buffers, in which weights are streamed.
+    fn weight_dtype(&self) -> WeightDtype;
+    /// Bytes per element of a float buffer of `kind` (what a host slab must hold per element
+    /// for [`Backend::upload_on`] / [`Backend::download_on`]).
+    fn elem_bytes(&self, kind: FloatKind) -> usize {
+        match kind {
+            FloatKind::Activation => self.weight_dtype().bytes(),
+            FloatKind::Accum => 4,
+        }
+    }
+
+    // ---- streams, events and asynchronous transfers (only the schedule calls these) --------
+
+    /// Page-locks a host slab so transfers can read and write it asynchronously at full speed;
+    /// not write-combined, because the CPU reads it too. A no-op on the CPU.
+    fn pin(&self, slab: &mut HostSlab) -> Result<()>;
+    fn new_stream(&self) -> Result<Self::Stream>;
+    fn new_event(&self) -> Result<Self::Event>;
+    /// Every compute op from now on is queued on `stream`.
+    fn set_compute_stream(&self, stream: &Self::Stream) -> Result<()>;
+    /// Marks the current end of `stream`'s work.
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// Work queued on `stream` after this call starts only once `event` has completed.
+    fn wait(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+    /// Blocks the calling thread until `event` has completed.
+    fn synchronize(&self, event: &Self::Event) -> Result<()>;
+    /// Queues a copy of the view's length in elements from `src` (starting `offset` bytes in,
+    /// in the buffer's own dtype) into `dst` on `stream`. `src` must stay unchanged until an
+    /// event recorded after this call on `stream` has completed.
+    fn upload_on(
+        &self,
+        stream: &Self::Stream,
+        dst: Self::ViewMut<'_>,
+        src: &HostSlab,
+        offset: usize,
+    ) -> Result<()>;
+    /// Queues a copy of `src` (in its own dtype) into `dst` at `offset` bytes on `stream`; `dst`
+    /// must not be read until an event recorded after this call has completed.
+    fn download_on(
+        &self,
+        stream: &Self::Stream,
+        dst: &mut HostSlab,
+        offset: usize,
+        src: Self::View<'_>,
+    ) -> Result<()>;
 
     // ---- memory ---------------------------------------------------------------------------
 

@@ -497,14 +497,14 @@ impl<B: Backend> Decoder<B> {
 
     /// Backward of the head for loss `scale · Σ losses`: `dx` overwritten; the final norm's and
     /// (untied) LM head's gradients accumulate into `head_grad`, a tied LM head's into
-    /// `embed_grad`. Needs the scratch of [`Decoder::head_forward`] on the same batch.
+    /// `embed_grad` (required when tied, ignored otherwise). Needs the scratch of [`Decoder::head_forward`] on the same batch.
     #[allow(clippy::too_many_arguments)]
     pub fn head_backward(
         &self,
         b: &B,
         dx: &mut B::Floats,
         head_grad: &mut B::Floats,
-        embed_grad: &mut B::Floats,
+        embed_grad: Option<&mut B::Floats>,
         s: &mut HeadScratch<B>,
         x: &B::Floats,
         head_w: &B::Floats,
@@ -514,9 +514,14 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
         let (lm, lm_range) = self.lm_weight(head_w, embed_w);
-        let d_lm = match &self.head.lm_head {
-            Some(range) => b.view_mut(head_grad, range.clone()),
-            None => b.view_mut(embed_grad, 0..v * h),
+        let d_lm = match (&self.head.lm_head, embed_grad) {
+            (Some(range), _) => b.view_mut(head_grad, range.clone()),
+            (None, Some(embed_grad)) => b.view_mut(embed_grad, 0..v * h),
+            (None, None) => {
+                return Err(crate::error::Error::invalid(
+                    "a tied LM head needs the embedding's gradient buffer",
+                ));
+            }
         };
         b.cross_entropy_backward(
             b.view_mut(&mut s.d_normed, 0..t * h),

@@ -185,7 +185,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 b,
                 &mut self.dx[0],
                 &mut rest_g[head - 1],
-                &mut embed_g[0],
+                Some(&mut embed_g[0]),
                 &mut self.head,
                 &self.checkpoints[layers],
                 &rest_w[head - 1],

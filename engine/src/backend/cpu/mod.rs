@@ -33,8 +33,28 @@ pub use mlp::{swiglu_backward, swiglu_forward};
 pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 
-use super::{AttentionShape, Backend, FloatKind};
+use super::{AttentionShape, Backend, FloatKind, WeightDtype};
 use crate::error::Result;
+use crate::store::HostSlab;
+
+/// The f32 elements `offset..offset + len * 4` bytes of a slab name, or an error.
+fn slab_range(
+    op: &str,
+    slab_bytes: usize,
+    offset: usize,
+    len: usize,
+) -> Result<std::ops::Range<usize>> {
+    let end = offset.checked_add(len * 4).filter(|&e| e <= slab_bytes && offset % 4 == 0);
+    match end {
+        Some(end) => Ok(offset / 4..end / 4),
+        None => Err(crate::error::Error::Backend {
+            backend: "cpu".into(),
+            message: format!(
+                "{op}: {len} f32 at byte {offset} do not fit a host slab of {slab_bytes} bytes"
+            ),
+        }),
+    }
+}
 
 /// The reference backend: host memory, f32 for every [`FloatKind`], rayon's global thread pool.
 #[derive(Debug, Default, Clone, Copy)]
@@ -51,9 +71,67 @@ impl Backend for Cpu {
     type Ints = Vec<i32>;
     type View<'a> = &'a [f32];
     type ViewMut<'a> = &'a mut [f32];
+    type Stream = ();
+    type Event = ();
 
     fn name(&self) -> String {
         "cpu".into()
+    }
+
+    fn weight_dtype(&self) -> WeightDtype {
+        WeightDtype::F32
+    }
+
+    fn pin(&self, _slab: &mut HostSlab) -> Result<()> {
+        Ok(())
+    }
+
+    fn new_stream(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn new_event(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn set_compute_stream(&self, _stream: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn record(&self, _event: &(), _stream: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait(&self, _stream: &(), _event: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn synchronize(&self, _event: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn upload_on(
+        &self,
+        _stream: &(),
+        dst: &mut [f32],
+        src: &HostSlab,
+        offset: usize,
+    ) -> Result<()> {
+        let range = slab_range("upload_on", src.bytes(), offset, dst.len())?;
+        dst.copy_from_slice(&src.as_f32()[range]);
+        Ok(())
+    }
+
+    fn download_on(
+        &self,
+        _stream: &(),
+        dst: &mut HostSlab,
+        offset: usize,
+        src: &[f32],
+    ) -> Result<()> {
+        let range = slab_range("download_on", dst.bytes(), offset, src.len())?;
+        dst.as_f32_mut()[range].copy_from_slice(src);
+        Ok(())
     }
 
     fn alloc(&self, len: usize, _kind: FloatKind) -> Result<Vec<f32>> {

@@ -1,0 +1,130 @@
+//! The optimizer worker: AdamW on the host, one unit at a time, on its own thread and thread
+//! pool, so it runs while the device computes. The schedule hands it a unit once the unit's
+//! gradients have landed (and, with clipping, once the global norm is known); the next step's
+//! forward waits for that unit's update through [`HostStore::wait_applied`].
+
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::model::ModelLayout;
+use crate::optim::{AdamW, adamw_step, scale};
+use crate::store::{HostStore, refresh_stream};
+
+/// One unit's update.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamJob {
+    pub unit: usize,
+    /// 1-based optimizer step this update completes.
+    pub step: u64,
+    pub lr: f32,
+    /// Clip coefficient applied to the gradients first (1.0: none).
+    pub coef: f32,
+}
+
+pub struct OptimizerWorker {
+    tx: Option<Sender<AdamJob>>,
+    handle: Option<JoinHandle<Result<()>>>,
+    busy: Arc<Mutex<Duration>>,
+}
+
+impl OptimizerWorker {
+    /// Starts the worker with `threads` threads of its own (0: rayon's default).
+    pub fn spawn(
+        store: Arc<HostStore>,
+        layout: Arc<ModelLayout>,
+        hyper: AdamW,
+        threads: usize,
+    ) -> Result<OptimizerWorker> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("sluice-adam-{i}"))
+            .build()
+            .map_err(|e| Error::invalid(format!("cannot start the optimizer threads: {e}")))?;
+        let (tx, rx) = channel::<AdamJob>();
+        let busy = Arc::new(Mutex::new(Duration::ZERO));
+        let busy_in = busy.clone();
+        let handle = std::thread::Builder::new()
+            .name("sluice-optimizer".into())
+            .spawn(move || -> Result<()> {
+                for job in rx {
+                    let start = Instant::now();
+                    let result = pool.install(|| update(&store, &layout, &hyper, job));
+                    if let Ok(mut b) = busy_in.lock() {
+                        *b += start.elapsed();
+                    }
+                    if let Err(e) = result {
+                        // Release every waiter so the schedule sees the failure instead of
+                        // blocking; the error comes back through `finish`.
+                        let _ = store.set_applied(u64::MAX);
+                        return Err(e);
+                    }
+                    store.mark_applied(job.unit, job.step)?;
+                }
+                Ok(())
+            })
+            .map_err(|e| Error::invalid(format!("cannot start the optimizer thread: {e}")))?;
+        Ok(OptimizerWorker { tx: Some(tx), handle: Some(handle), busy })
+    }
+
+    /// Queues an update; fails if the worker has stopped (its error comes from `finish`).
+    pub fn submit(&self, job: AdamJob) -> Result<()> {
+        let sent = self.tx.as_ref().map(|tx| tx.send(job).is_ok()).unwrap_or(false);
+        if sent { Ok(()) } else { Err(Error::invalid("the optimizer worker has stopped")) }
+    }
+
+    /// Time spent updating since the last call.
+    pub fn take_busy(&self) -> Duration {
+        self.busy.lock().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default()
+    }
+
+    /// Stops the worker after its queued jobs and returns its error, if it had one.
+    pub fn finish(&mut self) -> Result<()> {
+        drop(self.tx.take());
+        match self.handle.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(Error::invalid("the optimizer thread panicked")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for OptimizerWorker {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+/// Clip, AdamW every tensor of the unit (no decay on norms and biases), refresh the streaming
+/// copy.
+fn update(store: &HostStore, layout: &ModelLayout, hyper: &AdamW, job: AdamJob) -> Result<()> {
+    let dtype = store.weight_dtype();
+    let mut guard = store.lock(job.unit)?;
+    let state = &mut *guard;
+    let grad = state.grad.as_f32_mut();
+    if job.coef < 1.0 {
+        scale(grad, job.coef);
+    }
+    let unit = layout
+        .units
+        .get(job.unit)
+        .ok_or_else(|| Error::invalid(format!("no unit {}", job.unit)))?;
+    let hp = AdamW { lr: job.lr, ..*hyper };
+    for t in &unit.tensors {
+        let r = t.range.clone();
+        adamw_step(
+            &mut state.master[r.clone()],
+            &grad[r.clone()],
+            &mut state.m[r.clone()],
+            &mut state.v[r],
+            job.step,
+            job.lr,
+            &hp,
+            t.decay,
+        )?;
+    }
+    refresh_stream(state, dtype);
+    Ok(())
+}
