@@ -156,3 +156,55 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy a file");
     }
 }
+
+/// The weights of a checkpoint folder, as bits.
+fn weight_bits(dir: &Path) -> Vec<u32> {
+    let (_, params) = HostParams::load_dir(dir).expect("checkpoint loads");
+    params.units.iter().flatten().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_run_killed_mid_way_resumes_to_the_same_bits() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = tempfile::tempdir().unwrap();
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> = ["train", "--preset", "tiny", "--steps", "12", "--seq-len", "64"]
+            .iter()
+            .map(Into::into)
+            .collect();
+        a.extend(["--save-every".into(), "1".into(), "--data".into(), demo_data().into()]);
+        a.extend(["--out".into(), out.as_os_str().to_owned()]);
+        a
+    };
+    let whole = dir.path().join("whole");
+    let status = Command::new(env!("CARGO_BIN_EXE_sluice")).args(args(&whole)).output().unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+
+    let cut = dir.path().join("cut");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args(&cut))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        let step7 = line.starts_with("step ") && line.split_whitespace().nth(1) == Some("7");
+        seen.push(line);
+        if step7 {
+            child.kill().unwrap(); // SIGKILL: no chance to clean up
+            break;
+        }
+    }
+    child.wait().unwrap();
+    assert!(seen.iter().any(|l| l.starts_with("step ")), "the run printed no step: {seen:?}");
+    assert!(!cut.join("final").exists(), "the run finished before it was killed");
+
+    let (code, stdout, stderr) = train(&["--resume"], &[&cut]);
+    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("resuming after step"), "{stdout}");
+    assert_eq!(weight_bits(&cut.join("final")), weight_bits(&whole.join("final")));
+}

@@ -33,7 +33,8 @@ pub use tokenizer::{Encoding, Tokenizer, tiny_tokenizer, tiny_tokenizer_files};
 use crate::error::{Error, Result};
 
 /// Where a dataset comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DatasetSource {
     /// A JSON Lines or JSON array file.
     File(PathBuf),

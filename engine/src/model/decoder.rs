@@ -86,16 +86,25 @@ pub struct LayerScratch<B: Backend> {
     d_att: B::Floats,     // [T, nq hd]
     d_qkv: B::Floats,     // [T, Dqkv]
     d_qkv_pre: B::Floats, // [T, Dqkv]
+    /// Device bytes these buffers take.
+    pub bytes: usize,
 }
 
 impl<B: Backend> LayerScratch<B> {
     pub fn new(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
         let (t, h, i) = (tokens, spec.hidden, spec.intermediate);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
-        let act = |n: usize| b.alloc(n, FloatKind::Activation);
-        let acc = |n: usize| b.alloc(n, FloatKind::Accum);
+        let bytes = std::cell::Cell::new(0);
+        let act = |n: usize| {
+            bytes.set(bytes.get() + n * b.elem_bytes(FloatKind::Activation));
+            b.alloc(n, FloatKind::Activation)
+        };
+        let acc = |n: usize| {
+            bytes.set(bytes.get() + n * b.elem_bytes(FloatKind::Accum));
+            b.alloc(n, FloatKind::Accum)
+        };
         let qkv_pre_len = if spec.qk_norm { t * dqkv } else { 0 };
-        Ok(LayerScratch {
+        let mut scratch = LayerScratch {
             ln1: act(t * h)?,
             ln1_rstd: acc(t)?,
             qkv_pre: act(qkv_pre_len)?,
@@ -115,7 +124,10 @@ impl<B: Backend> LayerScratch<B> {
             d_att: act(t * datt)?,
             d_qkv: act(t * dqkv)?,
             d_qkv_pre: act(qkv_pre_len)?,
-        })
+            bytes: 0,
+        };
+        scratch.bytes = bytes.get();
+        Ok(scratch)
     }
 }
 
@@ -126,6 +138,8 @@ pub struct HeadScratch<B: Backend> {
     losses: B::Floats, // [T]
     lse: B::Floats,    // [T]
     d_normed: B::Floats,
+    /// Device bytes these buffers take.
+    pub bytes: usize,
 }
 
 impl<B: Backend> HeadScratch<B> {
@@ -136,6 +150,8 @@ impl<B: Backend> HeadScratch<B> {
             losses: b.alloc(tokens, FloatKind::Accum)?,
             lse: b.alloc(tokens, FloatKind::Accum)?,
             d_normed: b.alloc(tokens * spec.hidden, FloatKind::Activation)?,
+            bytes: 2 * tokens * spec.hidden * b.elem_bytes(FloatKind::Activation)
+                + 3 * tokens * b.elem_bytes(FloatKind::Accum),
         })
     }
 }

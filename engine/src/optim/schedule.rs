@@ -15,7 +15,8 @@ use super::adamw::as_written;
 use crate::error::Error;
 
 /// The shape of the schedule after warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Schedule {
     /// The peak rate for every step after warmup.
     Constant,

@@ -35,7 +35,8 @@ use crate::train::{StepMetrics, TrainConfig};
 
 /// Where the per-micro-batch layer inputs (activation checkpoints) live between the forward and
 /// the backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Tier {
     Device,
     Host,
@@ -118,6 +119,8 @@ pub struct Streamer<'b, B: Backend> {
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
+    /// Device bytes allocated at construction (nothing is allocated later).
+    pub device_bytes: usize,
 }
 
 impl<'b, B: Backend> Streamer<'b, B> {
@@ -159,7 +162,15 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
         let largest = layout.units.iter().map(|u| u.len).max().unwrap_or(0);
         let (g, t, h) = (options.grad_accum, options.max_tokens, spec.hidden);
-        let act = |n: usize| b.alloc(n, FloatKind::Activation);
+        let counted = std::cell::Cell::new(0usize);
+        let act = |n: usize| {
+            counted.set(counted.get() + n * b.elem_bytes(FloatKind::Activation));
+            b.alloc(n, FloatKind::Activation)
+        };
+        let acc = |n: usize| {
+            counted.set(counted.get() + n * b.elem_bytes(FloatKind::Accum));
+            b.alloc(n, FloatKind::Accum)
+        };
         let per_mb = |n: usize| (0..g).map(|_| act(n)).collect::<Result<Vec<_>>>();
         let (ckpt_device, ckpt_host, work) = match options.checkpoints {
             Tier::Device => {
@@ -183,7 +194,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
         };
         let tied = spec.tie_embeddings;
         let embed_len = layout.units[0].len;
-        let streamer = Streamer {
+        let scratch = LayerScratch::new(b, spec, t)?;
+        let head = HeadScratch::new(b, spec, t)?;
+        // Token ids, positions, targets and document bounds: four i32 arrays per micro-batch.
+        let batch_bytes = g * (4 * t + 1) * 4;
+        let mut streamer = Streamer {
             b,
             config,
             options,
@@ -206,19 +221,22 @@ impl<'b, B: Backend> Streamer<'b, B> {
             slot_unit: [None, None],
             next_slot: 0,
             tied_table: if tied { Some(act(embed_len)?) } else { None },
-            grad_acc: b.alloc(largest, FloatKind::Accum)?,
-            tied_grad: if tied { Some(b.alloc(embed_len, FloatKind::Accum)?) } else { None },
+            grad_acc: acc(largest)?,
+            tied_grad: if tied { Some(acc(embed_len)?) } else { None },
             ckpt_device,
             ckpt_host,
             work,
             dx: [per_mb(t * h)?, per_mb(t * h)?],
             layer_out: act(t * h)?,
-            scratch: LayerScratch::new(b, spec, t)?,
-            head: HeadScratch::new(b, spec, t)?,
+            device_bytes: 0,
+            scratch,
+            head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
             layout,
         };
+        streamer.device_bytes =
+            counted.get() + streamer.scratch.bytes + streamer.head.bytes + batch_bytes;
         b.set_compute_stream(&streamer.compute)?;
         Ok(streamer)
     }
@@ -391,6 +409,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
             elapsed,
             compute_time: self.traffic.forward + self.traffic.backward,
             optimizer_time: self.traffic.optimizer_busy,
+            optimizer_exposed: self.traffic.optimizer_exposed,
+            h2d_bytes: self.traffic.h2d_bytes,
+            d2h_bytes: self.traffic.d2h_bytes,
         };
         Ok((metrics, self.traffic))
     }
@@ -607,6 +628,41 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
         }
         Ok(())
+    }
+
+    /// Continues from a saved state: `step` optimizer steps taken, Adam moments per unit. The
+    /// master weights came in through [`Streamer::new`].
+    pub fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
+        if self.step != 0 {
+            return Err(Error::invalid("a state can only be restored before the first step"));
+        }
+        if m.len() != self.store.units() || v.len() != self.store.units() {
+            return Err(Error::invalid("the saved state has a different number of units"));
+        }
+        for (u, (m, v)) in m.iter().zip(v).enumerate() {
+            let mut unit = self.store.lock(u)?;
+            if m.len() != unit.m.len() || v.len() != unit.v.len() {
+                return Err(Error::invalid(format!(
+                    "the saved moments of unit {u} have the wrong size"
+                )));
+            }
+            unit.m.copy_from_slice(m);
+            unit.v.copy_from_slice(v);
+        }
+        self.step = step;
+        self.store.set_applied(step)
+    }
+
+    /// Waits for every submitted update and returns the Adam moments per unit.
+    pub fn moments(&mut self) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+        let (mut m, mut v) = (Vec::new(), Vec::new());
+        for u in 0..self.store.units() {
+            self.store.wait_applied(u, self.step)?;
+            let unit = self.store.lock(u)?;
+            m.push(unit.m.clone());
+            v.push(unit.v.clone());
+        }
+        Ok((m, v))
     }
 
     /// Waits for every submitted update and returns the master weights.

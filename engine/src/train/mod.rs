@@ -6,17 +6,22 @@
 //! them itself.
 
 mod run;
+mod state;
 mod trainer;
 
 use std::time::Duration;
 
-pub use run::{LoadedModel, ModelSource, RunOptions, RunSummary, load_model, run, save_checkpoint};
+pub use run::{
+    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, read_run_options, run,
+    save_checkpoint,
+};
+pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;
 
 use crate::optim::Schedule;
 
 /// Hyperparameters, one line each; defaults suit fine-tuning a pretrained model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainConfig {
     /// Peak learning rate.
     pub lr: f32,
@@ -70,8 +75,14 @@ pub struct StepMetrics {
     pub elapsed: Duration,
     /// Time in forward and backward compute.
     pub compute_time: Duration,
-    /// Time in clipping and AdamW.
+    /// Time the optimizer spent on updates (on its own threads, mostly hidden).
     pub optimizer_time: Duration,
+    /// Part of the optimizer's time the step waited for.
+    pub optimizer_exposed: Duration,
+    /// Bytes copied host to device (weights, checkpoints) and device to host (gradients,
+    /// checkpoints) during the step.
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
 }
 
 impl StepMetrics {
@@ -90,6 +101,12 @@ pub enum Event {
         total_steps: u64,
         /// What the dataset turned into: records, tokens, truncation.
         data: crate::data::Stats,
+        /// Host memory of the training state, by part.
+        host_store: crate::store::StoreBytes,
+        /// Bytes the schedule allocated on the device.
+        device_bytes: usize,
+        /// The step the run starts after (non-zero when resuming).
+        resumed_at: u64,
     },
     Step(StepMetrics),
     /// A checkpoint folder was written.

@@ -3,15 +3,22 @@
 
 use std::path::{Path, PathBuf};
 
+use std::io::Write;
+
 use serde_json::{Value, json};
 
-use super::{Event, Observer, TrainConfig, Trainer};
+use super::state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
+use super::{Event, Observer, TrainConfig};
 use crate::backend::Backend;
 use crate::data::{self, DataOptions, DatasetSource, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
+use crate::schedule::{ScheduleOptions, Streamer, Tier};
 use crate::spec::{self, ModelSpec};
-use crate::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder};
+use crate::weights::{
+    DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder,
+    write_file_atomically,
+};
 
 /// Files of a model folder that travel with its weights into every checkpoint.
 const TOKENIZER_FILES: [&str; 5] = [
@@ -23,7 +30,8 @@ const TOKENIZER_FILES: [&str; 5] = [
 ];
 
 /// Where the model comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ModelSource {
     /// A Hugging Face folder: `config.json`, safetensors weights, `tokenizer.json`.
     Dir(PathBuf),
@@ -31,8 +39,9 @@ pub enum ModelSource {
     Preset(String),
 }
 
-/// Everything a run needs besides the backend.
-#[derive(Debug, Clone)]
+/// Everything a run needs besides the backend; saved as `OUT/run.json` so `--resume OUT`
+/// continues with exactly the same options.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunOptions {
     pub model: ModelSource,
     pub data: DatasetSource,
@@ -52,9 +61,17 @@ pub struct RunOptions {
     pub seed: u64,
     /// Train on prompt tokens too, not only on assistant turns.
     pub train_on_prompt: bool,
-    /// Save a checkpoint every this many steps (besides the final one).
+    /// Save a checkpoint (and the full training state) every this many steps, besides the
+    /// final one.
     pub save_every: Option<u64>,
     pub save_dtype: SaveDtype,
+    /// Where layer inputs wait between forward and backward.
+    #[serde(default = "default_tier")]
+    pub checkpoints: Tier,
+}
+
+fn default_tier() -> Tier {
+    Tier::Device
 }
 
 /// What a finished run reports.
@@ -169,12 +186,22 @@ pub fn save_checkpoint(
     save_hf_folder(dir, &folder)
 }
 
+/// Reads the options a run folder was started with.
+pub fn read_run_options(out: &Path) -> Result<RunOptions> {
+    let path = out.join(RUN_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::invalid(format!("{}: not a run description: {e}", path.display())))
+}
+
 /// Trains `options.model` on `options.data` and writes checkpoints; reports progress to
 /// `observer`. Everything is checked (options, model, every dataset record) before the first
-/// step, so a bad input fails fast and writes nothing.
+/// step, so a bad input fails fast and writes nothing. With `resume`, continues from the
+/// training state saved in `options.out` (exactly: same data order, same updates).
 pub fn run<B: Backend>(
     b: &B,
     options: &RunOptions,
+    resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
     options.validate()?;
@@ -196,32 +223,80 @@ pub fn run<B: Backend>(
     if batches.is_empty() {
         return Err(Error::invalid("the dataset produced no training rows"));
     }
+    let fingerprint = data_fingerprint(&batches);
     let per_step = options.grad_accum;
     let steps = options.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
 
+    let state = if resume {
+        let state = TrainingState::load(&options.out.join(STATE_DIR), &model.spec)?;
+        if state.data_fingerprint != fingerprint {
+            return Err(Error::invalid(
+                "the dataset (or how it is packed) changed since the run started; cannot resume exactly",
+            ));
+        }
+        Some(state)
+    } else {
+        None
+    };
+
     let mut config = options.train.clone();
     config.total_steps = steps;
-    let max_tokens = options.micro_batch * options.seq_len;
-    let mut trainer = Trainer::new(b, &model.spec, model.params.clone(), config, max_tokens)?;
+    let schedule = ScheduleOptions {
+        max_tokens: options.micro_batch * options.seq_len,
+        grad_accum: per_step,
+        checkpoints: options.checkpoints,
+        optimizer_threads: 0,
+    };
+    let params = match &state {
+        Some(s) => s.master.clone(),
+        None => model.params.clone(),
+    };
+    let mut streamer = Streamer::new(b, &model.spec, params, config, schedule)?;
+    let mut cursor = 0usize;
+    if let Some(s) = &state {
+        streamer.restore(s.step, &s.m, &s.v)?;
+        cursor = s.cursor;
+    } else {
+        std::fs::create_dir_all(&options.out).map_err(|e| Error::io(&options.out, e))?;
+        let json = serde_json::to_vec_pretty(options)
+            .map_err(|e| Error::invalid(format!("cannot describe the run: {e}")))?;
+        write_file_atomically(&options.out.join(RUN_FILE), |w| w.write_all(&json))?;
+    }
     observer.event(&Event::Started {
         params: model.spec.total_params(),
         backend: b.name(),
         total_steps: steps,
         data: packed.stats,
+        host_store: streamer.store().bytes(),
+        device_bytes: streamer.device_bytes,
+        resumed_at: streamer.step,
     });
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
-    // Steps walk through the micro-batches in order and wrap around at the end of the data.
-    let mut cursor = 0usize;
-    for _ in 0..steps {
+    let save = |streamer: &mut Streamer<'_, B>, cursor: usize, dir: &Path| -> Result<()> {
+        let params = streamer.params()?;
+        save_checkpoint(dir, &model, &params, options.save_dtype)?;
+        let (m, v) = streamer.moments()?;
+        let state = TrainingState {
+            step: streamer.step,
+            cursor,
+            data_fingerprint: fingerprint.clone(),
+            master: params,
+            m,
+            v,
+        };
+        state.save(&options.out.join(STATE_DIR), &model.spec)
+    };
+    while streamer.step < steps {
         if !observer.keep_going() {
             break;
         }
+        // Steps walk through the micro-batches in order and wrap around at the end of the data.
         let step_batches: Vec<MicroBatch> =
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
-        let metrics = trainer.step(&step_batches)?;
-        if metrics.step == 1 {
+        let (metrics, _) = streamer.step(&step_batches)?;
+        if first_loss.is_nan() {
             first_loss = metrics.loss;
         }
         last_loss = metrics.loss;
@@ -229,15 +304,16 @@ pub fn run<B: Backend>(
         observer.event(&Event::Step(metrics));
         if options.save_every.is_some_and(|n| step % n == 0 && step < steps) {
             let dir = options.out.join(format!("checkpoint-{step}"));
-            save_checkpoint(&dir, &model, &trainer.params, options.save_dtype)?;
+            save(&mut streamer, cursor, &dir)?;
             observer.event(&Event::Saved { path: dir, step });
         }
     }
     let final_dir = options.out.join("final");
-    save_checkpoint(&final_dir, &model, &trainer.params, options.save_dtype)?;
-    observer.event(&Event::Saved { path: final_dir.clone(), step: trainer.step });
+    save(&mut streamer, cursor, &final_dir)?;
+    streamer.finish()?;
+    observer.event(&Event::Saved { path: final_dir.clone(), step: streamer.step });
     Ok(RunSummary {
-        steps: trainer.step,
+        steps: streamer.step,
         first_loss,
         last_loss,
         data: packed.stats,

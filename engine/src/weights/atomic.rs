@@ -13,7 +13,7 @@ const WRITE_BUFFER_BYTES: usize = 8 << 20;
 
 /// Writes `path` atomically with the bytes `write` produces. On failure the temporary file is
 /// removed and `path` is left as it was.
-pub(crate) fn write_file_atomically(
+pub fn write_file_atomically(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> io::Result<()>,
 ) -> Result<()> {

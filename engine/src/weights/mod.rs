@@ -11,6 +11,8 @@
 //!   under its final name.
 
 mod atomic;
+
+pub use atomic::write_file_atomically;
 mod folder;
 mod read;
 mod write;

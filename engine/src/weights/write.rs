@@ -25,7 +25,8 @@ pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
 const ENCODE_CHUNK: usize = 1 << 20;
 
 /// The dtype tensors are stored in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SaveDtype {
     /// Bit for bit the f32 values given.
     F32,

@@ -8,12 +8,24 @@ use indicatif::{ProgressBar, ProgressStyle};
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
-use sluice_engine::train::{Event, ModelSource, Observer, RunOptions, TrainConfig};
+use sluice_engine::schedule::Tier;
+use sluice_engine::train::{
+    Event, ModelSource, Observer, RunOptions, TrainConfig, read_run_options,
+};
 use sluice_engine::weights::SaveDtype;
 
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset", "resume"])))]
 pub(crate) struct TrainArgs {
+    /// Continue the run in this folder exactly where its last saved state left it, with the
+    /// options it was started with (no other option may be given).
+    #[arg(long, value_name = "OUT", conflicts_with_all = [
+        "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
+        "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
+        "save_every", "save_dtype", "checkpoints",
+    ])]
+    resume: Option<PathBuf>,
+
     /// Hugging Face model folder (config.json, safetensors weights, tokenizer.json).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
@@ -24,8 +36,8 @@ pub(crate) struct TrainArgs {
 
     /// Dataset: JSON Lines or JSON (alpaca, sharegpt, messages, prompt/completion, text), or a
     /// LLaMA-Factory dataset_info.json together with --dataset.
-    #[arg(long, value_name = "FILE")]
-    data: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "resume")]
+    data: Option<PathBuf>,
 
     /// Dataset name inside a dataset_info.json registry.
     #[arg(long, value_name = "NAME")]
@@ -86,22 +98,50 @@ pub(crate) struct TrainArgs {
     /// Precision of saved weights: f32 (the exact master weights) or bf16 (half the size).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     save_dtype: String,
+
+    /// Where layer inputs wait between forward and backward: device or host memory.
+    #[arg(long, default_value = "device", value_parser = ["device", "host"])]
+    checkpoints: String,
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let (options, resume) = match &args.resume {
+        Some(out) => (read_run_options(out).context("cannot resume")?, true),
+        None => (options(args)?, false),
+    };
+    let backend = Cpu;
+    let mut printer = Printer { bar: None };
+    let summary = sluice_engine::train::run(&backend, &options, resume, &mut printer)
+        .context("training failed")?;
+    if let Some(bar) = printer.bar.take() {
+        bar.finish_and_clear();
+    }
+    println!(
+        "done: {} steps, loss {:.4} -> {:.4}; checkpoint in {}",
+        summary.steps,
+        summary.first_loss,
+        summary.last_loss,
+        summary.final_checkpoint.display()
+    );
+    Ok(())
+}
+
+/// The run's options from the command line.
+fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
     let (model, default_out, default_lr) = match (&args.model, &args.preset) {
         (Some(dir), _) => {
             let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
             (ModelSource::Dir(dir.clone()), name, 2e-5)
         }
         (None, Some(name)) => (ModelSource::Preset(name.clone()), name.clone(), 1e-3),
-        (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
+        (None, None) => anyhow::bail!("give --model DIR, --preset NAME or --resume OUT"),
     };
+    let Some(data) = args.data.clone() else { anyhow::bail!("give --data FILE") };
     let data = match &args.dataset {
-        Some(name) => DatasetSource::Registry { registry: args.data.clone(), name: name.clone() },
-        None => DatasetSource::File(args.data.clone()),
+        Some(name) => DatasetSource::Registry { registry: data, name: name.clone() },
+        None => DatasetSource::File(data),
     };
-    let options = RunOptions {
+    Ok(RunOptions {
         model,
         data,
         out: args.out.unwrap_or_else(|| PathBuf::from("runs").join(default_out)),
@@ -121,22 +161,8 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         train_on_prompt: args.train_on_prompt,
         save_every: args.save_every,
         save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
-    };
-    let backend = Cpu;
-    let mut printer = Printer { bar: None };
-    let summary =
-        sluice_engine::train::run(&backend, &options, &mut printer).context("training failed")?;
-    if let Some(bar) = printer.bar.take() {
-        bar.finish_and_clear();
-    }
-    println!(
-        "done: {} steps, loss {:.4} -> {:.4}; checkpoint in {}",
-        summary.steps,
-        summary.first_loss,
-        summary.last_loss,
-        summary.final_checkpoint.display()
-    );
-    Ok(())
+        checkpoints: if args.checkpoints == "host" { Tier::Host } else { Tier::Device },
+    })
 }
 
 /// Prints events: a summary at the start, one line per step above a progress bar.
@@ -157,7 +183,27 @@ impl Printer {
 impl Observer for Printer {
     fn event(&mut self, event: &Event) {
         match event {
-            Event::Started { params, backend, total_steps, data } => {
+            Event::Started {
+                params,
+                backend,
+                total_steps,
+                data,
+                host_store,
+                device_bytes,
+                resumed_at,
+            } => {
+                if *resumed_at > 0 {
+                    self.line(format!("resuming after step {resumed_at}"));
+                }
+                self.line(format!(
+                    "memory: host store {:.1} MB (master {:.1}, Adam moments {:.1}, streaming copy {:.1}, gradients {:.1}), device {:.1} MB",
+                    host_store.total() as f64 / 1e6,
+                    host_store.master as f64 / 1e6,
+                    host_store.moments as f64 / 1e6,
+                    host_store.streaming as f64 / 1e6,
+                    host_store.grads as f64 / 1e6,
+                    *device_bytes as f64 / 1e6,
+                ));
                 self.line(format!(
                     "model: {:.2}M parameters on {backend}; data: {} records, {} samples, {} rows, {} tokens ({} trained), {} truncated samples ({} tokens dropped)",
                     *params as f64 / 1e6,
@@ -170,6 +216,7 @@ impl Observer for Printer {
                     data.dropped_tokens,
                 ));
                 let bar = ProgressBar::new(*total_steps);
+                bar.set_position(*resumed_at);
                 bar.set_style(
                     ProgressStyle::with_template(
                         "{bar:40} {pos}/{len} steps  {elapsed} elapsed, eta {eta}",
@@ -179,14 +226,20 @@ impl Observer for Printer {
                 self.bar = Some(bar);
             }
             Event::Step(m) => {
+                let hidden = 1.0
+                    - m.optimizer_exposed.as_secs_f64() / m.optimizer_time.as_secs_f64().max(1e-9);
                 self.line(format!(
-                    "step {:>5}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens/s {:.0}  ({:.2}s)",
+                    "step {:>5}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens/s {:.0}  ({:.2}s; h2d {:.1} MB, d2h {:.1} MB; optimizer {:.0} ms, {:.0}% hidden)",
                     m.step,
                     m.loss,
                     m.lr,
                     m.grad_norm,
                     m.tokens_per_second(),
-                    m.elapsed.as_secs_f64()
+                    m.elapsed.as_secs_f64(),
+                    m.h2d_bytes as f64 / 1e6,
+                    m.d2h_bytes as f64 / 1e6,
+                    m.optimizer_time.as_secs_f64() * 1e3,
+                    100.0 * hidden.clamp(0.0, 1.0),
                 ));
                 if let Some(bar) = &self.bar {
                     bar.set_position(m.step);
