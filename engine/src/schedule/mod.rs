@@ -408,6 +408,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             trained_tokens: trained,
             elapsed,
             compute_time: self.traffic.forward + self.traffic.backward,
+            forward_time: self.traffic.forward,
+            backward_time: self.traffic.backward,
             optimizer_time: self.traffic.optimizer_busy,
             optimizer_exposed: self.traffic.optimizer_exposed,
             h2d_bytes: self.traffic.h2d_bytes,

@@ -75,6 +75,10 @@ pub struct StepMetrics {
     pub elapsed: Duration,
     /// Time in forward and backward compute.
     pub compute_time: Duration,
+    /// Of which the forward (embedding, layers, and the head's loss and gradient).
+    pub forward_time: Duration,
+    /// And the backward through the layers and the embedding.
+    pub backward_time: Duration,
     /// Time the optimizer spent on updates (on its own threads, mostly hidden).
     pub optimizer_time: Duration,
     /// Part of the optimizer's time the step waited for.
