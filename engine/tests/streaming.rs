@@ -56,7 +56,7 @@ fn config(clip: Option<f32>) -> TrainConfig {
     }
 }
 
-fn check(case: &str, checkpoints: Tier, clip: Option<f32>) {
+fn check(case: &str, checkpoints: Tier, clip: Option<f32>, resident: Vec<usize>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case);
     let (spec, params): (ModelSpec, HostParams) = HostParams::load_dir(&dir).expect("model");
     let mut rng = ChaCha8Rng::seed_from_u64(11);
@@ -65,8 +65,13 @@ fn check(case: &str, checkpoints: Tier, clip: Option<f32>) {
     let cpu = Cpu;
     let mut reference =
         Trainer::new(&cpu, &spec, params.clone(), config(clip), 32).expect("trainer");
-    let options =
-        ScheduleOptions { max_tokens: 32, grad_accum: G, checkpoints, optimizer_threads: 2 };
+    let options = ScheduleOptions {
+        max_tokens: 32,
+        grad_accum: G,
+        checkpoints,
+        optimizer_threads: 2,
+        resident,
+    };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     for (k, micro) in steps.iter().enumerate() {
         let want = reference.step(micro).expect("reference step");
@@ -109,13 +114,21 @@ fn check(case: &str, checkpoints: Tier, clip: Option<f32>) {
 #[test]
 fn streaming_equals_reference_host_checkpoints_clipped() {
     for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
-        check(case, Tier::Host, Some(1.0));
+        check(case, Tier::Host, Some(1.0), Vec::new());
     }
 }
 
 #[test]
 fn streaming_equals_reference_device_checkpoints_unclipped() {
     for case in ["llama", "qwen2", "qwen3", "mistral"] {
-        check(case, Tier::Device, None);
+        check(case, Tier::Device, None, Vec::new());
+    }
+}
+
+#[test]
+fn resident_units_give_the_same_results_with_less_traffic() {
+    // The embedding, the first layer and the head stay on the device.
+    for case in ["llama", "qwen2"] {
+        check(case, Tier::Device, Some(1.0), vec![0, 1, 3]);
     }
 }

@@ -169,10 +169,11 @@ fn a_run_killed_mid_way_resumes_to_the_same_bits() {
 
     let dir = tempfile::tempdir().unwrap();
     let args = |out: &Path| -> Vec<std::ffi::OsString> {
-        let mut a: Vec<std::ffi::OsString> = ["train", "--preset", "tiny", "--steps", "12", "--seq-len", "64"]
-            .iter()
-            .map(Into::into)
-            .collect();
+        let mut a: Vec<std::ffi::OsString> =
+            ["train", "--preset", "tiny", "--steps", "12", "--seq-len", "64"]
+                .iter()
+                .map(Into::into)
+                .collect();
         a.extend(["--save-every".into(), "1".into(), "--data".into(), demo_data().into()]);
         a.extend(["--out".into(), out.as_os_str().to_owned()]);
         a

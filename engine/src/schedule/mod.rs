@@ -43,7 +43,7 @@ pub enum Tier {
 }
 
 /// How the streamer is laid out; the planner chooses these.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScheduleOptions {
     /// Largest micro-batch in tokens.
     pub max_tokens: usize,
@@ -52,6 +52,9 @@ pub struct ScheduleOptions {
     pub checkpoints: Tier,
     /// Threads of the optimizer worker's pool (0: one per core).
     pub optimizer_threads: usize,
+    /// Units whose weights stay on the device: uploaded once per step (after their update)
+    /// instead of once forward and once backward.
+    pub resident: Vec<usize>,
 }
 
 /// Transfer and timing figures of one step, beyond [`StepMetrics`]' basics.
@@ -79,6 +82,8 @@ struct Events<B: Backend> {
     grads_landed: B::Event,
     /// Checkpoint transfers (either direction) of the current unit have finished.
     checkpoints_moved: B::Event,
+    /// A resident unit's new weights have arrived.
+    resident_ready: B::Event,
     /// Compute has produced the activations a checkpoint copy reads.
     activations_ready: B::Event,
 }
@@ -97,10 +102,13 @@ pub struct Streamer<'b, B: Backend> {
     compute: B::Stream,
     d2h: B::Stream,
     events: Events<B>,
-    /// Double buffer of unit weights; `slot_unit` says which unit each holds.
-    slots: [B::Floats; 2],
-    slot_unit: [Option<usize>; 2],
+    /// Unit weights on the device: slots 0 and 1 are the streaming double buffer, slots from 2
+    /// on hold resident units.
+    slots: Vec<B::Floats>,
     next_slot: usize,
+    /// Per unit: its resident slot, if any, and the step whose weights that slot holds.
+    resident_slot: Vec<Option<usize>>,
+    resident_step: Vec<Option<u64>>,
     /// The embedding table kept on the device for a tied LM head.
     tied_table: Option<B::Floats>,
     /// f32 gradient accumulator of the unit being computed.
@@ -194,6 +202,19 @@ impl<'b, B: Backend> Streamer<'b, B> {
         };
         let tied = spec.tie_embeddings;
         let embed_len = layout.units[0].len;
+        let units = layout.units.len();
+        let mut slots = vec![act(largest)?, act(largest)?];
+        let mut resident_slot = vec![None; units];
+        for &u in &options.resident {
+            let unit = layout
+                .units
+                .get(u)
+                .ok_or_else(|| Error::invalid(format!("no unit {u} to keep resident")))?;
+            if resident_slot[u].is_none() {
+                resident_slot[u] = Some(slots.len());
+                slots.push(act(unit.len)?);
+            }
+        }
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;
         // Token ids, positions, targets and document bounds: four i32 arrays per micro-batch.
@@ -216,10 +237,12 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 grads_landed: b.new_event()?,
                 checkpoints_moved: b.new_event()?,
                 activations_ready: b.new_event()?,
+                resident_ready: b.new_event()?,
             },
-            slots: [act(largest)?, act(largest)?],
-            slot_unit: [None, None],
+            slots,
             next_slot: 0,
+            resident_slot,
+            resident_step: vec![None; units],
             tied_table: if tied { Some(act(embed_len)?) } else { None },
             grad_acc: acc(largest)?,
             tied_grad: if tied { Some(acc(embed_len)?) } else { None },
@@ -262,9 +285,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         .lr_at(self.step)
     }
 
-    /// Uploads unit `u`'s streaming copy into the next slot once its last update is applied.
-    /// Returns the slot.
+    /// Makes unit `u`'s current weights available to compute and returns their slot: a
+    /// resident unit is uploaded only once per step, a streamed one into the next slot of the
+    /// double buffer. Either waits for the unit's last update first.
     fn load_unit(&mut self, u: usize) -> Result<usize> {
+        if let Some(slot) = self.resident_slot[u] {
+            return self.load_resident(u, slot);
+        }
         let (b, slot) = (self.b, self.next_slot);
         self.next_slot = 1 - slot;
         let waited = self.store.wait_applied(u, self.step)?;
@@ -279,14 +306,37 @@ impl<'b, B: Backend> Streamer<'b, B> {
         b.record(&self.events.weights_ready[slot], &self.h2d)?;
         // Compute waits for the weights to arrive.
         b.wait(&self.compute, &self.events.weights_ready[slot])?;
-        self.slot_unit[slot] = Some(u);
         self.traffic.h2d_bytes += (len * self.b.weight_dtype().bytes()) as u64;
         Ok(slot)
     }
 
-    /// Marks the end of compute's use of `slot`.
+    fn load_resident(&mut self, u: usize, slot: usize) -> Result<usize> {
+        if self.resident_step[u] == Some(self.step) {
+            return Ok(slot);
+        }
+        let b = self.b;
+        self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
+        let len = self.layout.units[u].len;
+        // Compute may still read last step's weights: the upload waits for all work so far.
+        b.record(&self.events.activations_ready, &self.compute)?;
+        b.wait(&self.h2d, &self.events.activations_ready)?;
+        {
+            let unit = self.store.lock(u)?;
+            b.upload_on(&self.h2d, b.view_mut(&mut self.slots[slot], 0..len), &unit.stream, 0)?;
+        }
+        b.record(&self.events.resident_ready, &self.h2d)?;
+        b.wait(&self.compute, &self.events.resident_ready)?;
+        self.resident_step[u] = Some(self.step);
+        self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
+        Ok(slot)
+    }
+
+    /// Marks the end of compute's use of `slot` (resident slots need no mark).
     fn release_slot(&self, slot: usize) -> Result<()> {
-        self.b.record(&self.events.slot_free[slot], &self.compute)
+        match self.events.slot_free.get(slot) {
+            Some(event) => self.b.record(event, &self.compute),
+            None => Ok(()),
+        }
     }
 
     /// Copies unit `u`'s complete gradients (in `grad_acc`) into its host slab and records

@@ -246,6 +246,7 @@ pub fn run<B: Backend>(
         grad_accum: per_step,
         checkpoints: options.checkpoints,
         optimizer_threads: 0,
+        resident: Vec::new(),
     };
     let params = match &state {
         Some(s) => s.master.clone(),
