@@ -12,6 +12,7 @@
 
 mod atomic;
 mod folder;
+pub mod gguf;
 mod read;
 mod write;
 
