@@ -9,10 +9,12 @@
 //!   the backend.
 //! - [`optim`]: AdamW, gradient clipping, learning-rate schedules.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
+//! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
 
 pub mod backend;
 pub mod data;
 pub mod error;
+pub mod generate;
 pub mod model;
 pub mod optim;
 pub mod spec;
