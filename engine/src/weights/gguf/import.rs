@@ -230,8 +230,8 @@ fn map_name(gguf: &str, spec: &ModelSpec) -> Option<Mapped> {
 /// `i + hd/2`) to llama.cpp's interleaved one (row `2i` pairs with `2i + 1`): within a head,
 /// GGUF row `2i + s` is transformers row `s · hd/2 + i`. data `[heads · hd, cols]`.
 pub fn unpermute_rows(data: &[f32], heads: usize, cols: usize) -> Result<Vec<f32>> {
-    let rows = if cols == 0 { 0 } else { data.len() / cols };
-    if heads == 0 || cols == 0 || rows * cols != data.len() || rows % (2 * heads) != 0 {
+    let rows = data.len().checked_div(cols).unwrap_or(0);
+    if heads == 0 || cols == 0 || rows * cols != data.len() || !rows.is_multiple_of(2 * heads) {
         return Err(Error::invalid(format!(
             "cannot unpermute {} values as {heads} heads of rows of {cols}",
             data.len()

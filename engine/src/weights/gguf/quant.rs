@@ -118,7 +118,7 @@ fn half(b: &[u8], at: usize) -> f32 {
 /// blocks.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], elements: usize) -> Result<Vec<f32>, String> {
     let per = ty.block_elements();
-    if elements % per != 0 {
+    if !elements.is_multiple_of(per) {
         return Err(format!(
             "{elements} values are not a whole number of {} blocks of {per}",
             ty.name()
