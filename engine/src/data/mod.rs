@@ -14,6 +14,7 @@
 //! target is [`crate::backend::IGNORE`] unless the next token is in the same document and trained.
 
 pub mod formats;
+pub mod gguf_tokenizer;
 pub mod pack;
 pub mod prepare;
 pub mod template;

@@ -14,6 +14,7 @@ mod atomic;
 
 pub use atomic::write_file_atomically;
 mod folder;
+pub mod gguf;
 mod read;
 mod write;
 

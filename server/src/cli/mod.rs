@@ -4,6 +4,8 @@
 //! needs async builds its own runtime, so the engine's subcommands stay free of it). Adding a
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
+mod generate;
+mod import_gguf;
 mod serve;
 mod train;
 
@@ -35,6 +37,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Train a model on a dataset from the terminal and write Hugging Face checkpoints.
     Train(train::TrainArgs),
+    /// Convert a llama.cpp GGUF file into a Hugging Face model folder (f32 weights).
+    ImportGguf(import_gguf::ImportGgufArgs),
+    /// Generate text from a model folder on the CPU (greedy or sampled, KV-cached).
+    Generate(generate::GenerateArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -56,6 +62,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve::run(args),
         Command::Train(args) => train::run(args),
+        Command::ImportGguf(args) => import_gguf::run(args),
+        Command::Generate(args) => generate::run(args),
     }
 }
 

@@ -1,0 +1,203 @@
+//! Text generation on the CPU: a KV-cached forward that matches the training forward's logits,
+//! greedy or temperature/top-p sampling, stopping at end-of-sequence tokens.
+//!
+//! ```text
+//! let generator = Generator::load_dir(dir)?;
+//! let prompt = generator.prompt_ids("Hello", PromptStyle::Chat)?;
+//! let out = generator.generate(&prompt, &GenerateOptions::greedy(32), &mut |_id| true)?;
+//! ```
+//! [`Generator::logits`] exposes the raw forward (perplexity, checks against transformers).
+
+mod forward;
+mod sample;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+
+pub use forward::KvCache;
+pub use sample::{GenerateOptions, Sampler};
+
+use crate::data::{ChatTemplate, Message, Role, Tokenizer};
+use crate::error::{Error, Result};
+use crate::model::{HostParams, ModelLayout};
+use crate::spec::ModelSpec;
+
+/// How a prompt string becomes token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptStyle {
+    /// The text as is.
+    Plain,
+    /// One user turn in the model's chat template, with the generation prompt added.
+    Chat,
+}
+
+/// A model ready to generate: weights on the host, the tokenizer if the folder has one.
+pub struct Generator {
+    spec: ModelSpec,
+    params: HostParams,
+    inv_freq: Vec<f32>,
+    tokenizer: Option<Tokenizer>,
+}
+
+impl std::fmt::Debug for Generator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generator")
+            .field("family", &self.spec.family)
+            .field("layers", &self.spec.layers)
+            .field("tokenizer", &self.tokenizer)
+            .finish()
+    }
+}
+
+/// What [`Generator::generate`] produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// The new tokens, without the prompt (and without the stop token).
+    pub ids: Vec<u32>,
+    /// Whether generation ended on an end-of-sequence token rather than the length limit or the
+    /// callback.
+    pub stopped_at_eos: bool,
+}
+
+impl Generator {
+    /// A generator for `params` of the model `spec`, with an optional tokenizer for text.
+    pub fn new(spec: ModelSpec, params: HostParams, tokenizer: Option<Tokenizer>) -> Result<Self> {
+        let expected = ModelLayout::new(&spec);
+        let sizes_match =
+            params.units.iter().zip(&expected.units).all(|(slab, unit)| slab.len() == unit.len);
+        if *params.layout != expected || params.units.len() != expected.units.len() || !sizes_match
+        {
+            return Err(Error::invalid("parameters do not match the model spec's layout"));
+        }
+        let inv_freq = spec.inv_freq();
+        Ok(Generator { spec, params, inv_freq, tokenizer })
+    }
+
+    /// Loads a Hugging Face folder: config, weights and `tokenizer.json`.
+    pub fn load_dir(dir: &Path) -> Result<Generator> {
+        let (spec, params) = HostParams::load_dir(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        Generator::new(spec, params, Some(tokenizer))
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    fn require_tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| Error::invalid("this generator has no tokenizer"))
+    }
+
+    /// An empty cache for this model.
+    pub fn cache(&self) -> KvCache {
+        KvCache::new(self.spec.layers)
+    }
+
+    /// Runs `ids` after what `cache` holds and returns the logits `[ids.len(), V]` of every new
+    /// position.
+    pub fn logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
+        forward::forward(&self.spec, &self.params, &self.inv_freq, cache, ids, ids.len())
+    }
+
+    /// As [`Generator::logits`], returning only the last position's logits `[V]`.
+    pub fn next_logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
+        forward::forward(&self.spec, &self.params, &self.inv_freq, cache, ids, 1)
+    }
+
+    /// The token ids of a prompt, plain or as one chat turn in the model's template.
+    pub fn prompt_ids(&self, prompt: &str, style: PromptStyle) -> Result<Vec<u32>> {
+        let tokenizer = self.require_tokenizer()?;
+        let text = match style {
+            PromptStyle::Plain => prompt.to_string(),
+            PromptStyle::Chat => {
+                let template = ChatTemplate::from_tokenizer(tokenizer)?.ok_or_else(|| {
+                    Error::tokenizer(tokenizer.source(), "the model has no chat template")
+                })?;
+                let message = Message { role: Role::User, content: prompt.to_string() };
+                template.render(&[message], true)?
+            }
+        };
+        Ok(tokenizer.encode(&text)?.ids)
+    }
+
+    /// Decodes ids to text with the generator's tokenizer.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.require_tokenizer()?.decode(ids)
+    }
+
+    /// The ids that end generation: the config's eos ids and the tokenizer's eos.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids = self.spec.eos_token_ids.clone();
+        if let Some(id) = self.tokenizer.as_ref().and_then(Tokenizer::eos_token_id)
+            && !ids.contains(&id)
+        {
+            ids.push(id);
+        }
+        ids
+    }
+
+    /// Generates up to `options.max_new_tokens` tokens after `prompt`. `on_token` sees each new
+    /// token as it is chosen (for streaming) and returns false to stop early.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generated> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("the prompt has no tokens"));
+        }
+        let mut sampler = Sampler::new(options)?;
+        let stop = self.stop_ids();
+        let mut cache = self.cache();
+        let mut logits = self.next_logits(&mut cache, prompt)?;
+        let mut ids = Vec::new();
+        while ids.len() < options.max_new_tokens {
+            let next = sampler.pick(&logits)?;
+            if stop.contains(&next) {
+                return Ok(Generated { ids, stopped_at_eos: true });
+            }
+            ids.push(next);
+            if !on_token(next) || ids.len() == options.max_new_tokens {
+                break;
+            }
+            if cache.len() + 1 > self.spec.max_positions {
+                break;
+            }
+            logits = self.next_logits(&mut cache, &[next])?;
+        }
+        Ok(Generated { ids, stopped_at_eos: false })
+    }
+}
+
+/// Writes `input_ids` (I64 `[T]`) and `logits` (F32 `[T, V]`) as a safetensors file, for
+/// comparing Sluice's forward with another implementation's on the same tokens.
+pub fn write_logits(path: &Path, ids: &[u32], logits: &[f32], vocab: usize) -> Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    if vocab == 0 || logits.len() != ids.len() * vocab {
+        return Err(Error::invalid(format!(
+            "{} logits are not {} rows of {vocab}",
+            logits.len(),
+            ids.len()
+        )));
+    }
+    let id_bytes: Vec<u8> = ids.iter().flat_map(|&i| i64::from(i).to_le_bytes()).collect();
+    let logit_bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    fn view(dtype: Dtype, shape: Vec<usize>, data: &[u8]) -> Result<TensorView<'_>> {
+        TensorView::new(dtype, shape, data)
+            .map_err(|e| Error::invalid(format!("cannot describe tensor: {e}")))
+    }
+    let tensors = [
+        ("input_ids", view(Dtype::I64, vec![ids.len()], &id_bytes)?),
+        ("logits", view(Dtype::F32, vec![ids.len(), vocab], &logit_bytes)?),
+    ];
+    let bytes = safetensors::serialize(tensors, None)
+        .map_err(|e| Error::invalid(format!("cannot serialise logits: {e}")))?;
+    std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+}

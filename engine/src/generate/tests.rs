@@ -1,0 +1,178 @@
+#![allow(clippy::unwrap_used)]
+
+use serde_json::json;
+
+use super::*;
+use crate::backend::cpu::Cpu;
+use crate::data::MicroBatch;
+use crate::train::{TrainConfig, Trainer};
+
+/// A small model of `family` with the given extra config fields.
+fn spec(model_type: &str, extra: serde_json::Value) -> ModelSpec {
+    let mut raw = json!({
+        "model_type": model_type, "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": model_type != "mistral", "eos_token_id": 60,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        raw[k] = v.clone();
+    }
+    ModelSpec::from_hf(raw, Path::new("<test>")).unwrap()
+}
+
+fn specs() -> Vec<ModelSpec> {
+    vec![
+        spec("llama", json!({})),
+        spec("qwen2", json!({})),
+        spec("qwen3", json!({"head_dim": 16})),
+        spec("mistral", json!({"sliding_window": 5})),
+    ]
+}
+
+/// Random weights with non-trivial norms and biases, so every parameter matters.
+fn params(spec: &ModelSpec, seed: u64) -> HostParams {
+    let mut p = HostParams::random(spec, seed);
+    for unit in &mut p.units {
+        for (i, x) in unit.iter_mut().enumerate() {
+            if *x == 0.0 || *x == 1.0 {
+                *x += ((i * 7919 + seed as usize) % 13) as f32 * 0.01;
+            }
+        }
+    }
+    p
+}
+
+fn trainer_logits(spec: &ModelSpec, p: &HostParams, ids: &[u32]) -> Vec<f32> {
+    let cpu = Cpu::new();
+    let mut trainer =
+        Trainer::new(&cpu, spec, p.clone(), TrainConfig::default(), ids.len()).unwrap();
+    let n = ids.len() as i32;
+    let mb = MicroBatch {
+        rows: 1,
+        seq_len: ids.len(),
+        ids: ids.iter().map(|&i| i as i32).collect(),
+        targets: vec![-100; ids.len()],
+        positions: (0..n).collect(),
+        cu_seqlens: vec![0, n],
+    };
+    trainer.logits(&mb).unwrap()
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * scale,
+            "{what}: index {i}: got {g}, want {w} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn cached_logits_match_the_training_forward_for_every_family() {
+    let ids: Vec<u32> = vec![3, 17, 42, 5, 5, 59, 0, 23, 11, 8, 30];
+    for spec in specs() {
+        let p = params(&spec, 7);
+        let want = trainer_logits(&spec, &p, &ids);
+        let g = Generator::new(spec.clone(), p, None).unwrap();
+        // All at once, then split as a prompt followed by single tokens: both must agree with
+        // the uncached forward at every position.
+        let mut cache = g.cache();
+        let all = g.logits(&mut cache, &ids).unwrap();
+        assert_close(&format!("{:?} one pass", spec.family), &all, &want, 1e-5);
+        let mut cache = g.cache();
+        let mut pieces = g.logits(&mut cache, &ids[..4]).unwrap();
+        for &id in &ids[4..] {
+            pieces.extend(g.logits(&mut cache, &[id]).unwrap());
+        }
+        assert_eq!(cache.len(), ids.len());
+        assert_close(&format!("{:?} incremental", spec.family), &pieces, &want, 1e-5);
+        let mut cache = g.cache();
+        let last = g.next_logits(&mut cache, &ids).unwrap();
+        assert_close("last row", &last, &want[want.len() - spec.vocab..], 1e-5);
+    }
+}
+
+#[test]
+fn greedy_generation_follows_the_argmax_of_the_uncached_forward() {
+    let spec = spec("llama", json!({}));
+    let p = params(&spec, 3);
+    let g = Generator::new(spec.clone(), p.clone(), None).unwrap();
+    let prompt = vec![1u32, 2, 3];
+    let out = g.generate(&prompt, &GenerateOptions::greedy(6), &mut |_| true).unwrap();
+    // Recompute every step from scratch with the training forward.
+    let mut seq = prompt.clone();
+    for &id in &out.ids {
+        let logits = trainer_logits(&spec, &p, &seq);
+        let want = sample::argmax(&logits[logits.len() - spec.vocab..]);
+        assert_eq!(id, want, "after {seq:?}");
+        seq.push(id);
+    }
+    if !out.stopped_at_eos {
+        assert_eq!(out.ids.len(), 6);
+    }
+}
+
+#[test]
+fn sampling_is_reproducible_for_a_seed_and_respects_top_p() {
+    let spec = spec("llama", json!({}));
+    let g = Generator::new(spec.clone(), params(&spec, 5), None).unwrap();
+    let opts = GenerateOptions { max_new_tokens: 8, temperature: 1.5, top_p: 0.9, seed: 11 };
+    let a = g.generate(&[4, 9], &opts, &mut |_| true).unwrap();
+    let b = g.generate(&[4, 9], &opts, &mut |_| true).unwrap();
+    assert_eq!(a, b);
+
+    // A tiny nucleus keeps only the most likely token: sampling becomes greedy.
+    let mut s = Sampler::new(&GenerateOptions { top_p: 1e-6, ..opts.clone() }).unwrap();
+    let logits = [0.1f32, 3.0, 2.9, -1.0];
+    for _ in 0..20 {
+        assert_eq!(s.pick(&logits).unwrap(), 1);
+    }
+    // A wide one draws the second token too.
+    let mut s = Sampler::new(&GenerateOptions { top_p: 1.0, temperature: 1.0, ..opts }).unwrap();
+    let picks: Vec<u32> = (0..200).map(|_| s.pick(&logits).unwrap()).collect();
+    assert!(picks.contains(&1) && picks.contains(&2), "{picks:?}");
+}
+
+#[test]
+fn stops_at_eos_and_when_the_callback_says_so() {
+    let spec = spec("llama", json!({}));
+    let p = params(&spec, 3);
+    let g = Generator::new(spec.clone(), p, None).unwrap();
+    let free = g.generate(&[1, 2], &GenerateOptions::greedy(3), &mut |_| true).unwrap();
+    let first = free.ids[0];
+    // Make the first greedy token the eos: generation stops before emitting anything.
+    let mut spec_eos = spec.clone();
+    spec_eos.eos_token_ids = vec![first];
+    let g2 = Generator::new(spec_eos, g.params.clone(), None).unwrap();
+    let stopped = g2.generate(&[1, 2], &GenerateOptions::greedy(3), &mut |_| true).unwrap();
+    assert_eq!(stopped, Generated { ids: vec![], stopped_at_eos: true });
+    let mut seen = 0;
+    let cut = g
+        .generate(&[1, 2], &GenerateOptions::greedy(5), &mut |_| {
+            seen += 1;
+            seen < 2
+        })
+        .unwrap();
+    assert_eq!(cut.ids.len(), 2);
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let spec = spec("llama", json!({}));
+    let g = Generator::new(spec.clone(), params(&spec, 1), None).unwrap();
+    let mut cache = g.cache();
+    assert!(g.logits(&mut cache, &[]).is_err());
+    let err = g.logits(&mut cache, &[61]).unwrap_err().to_string();
+    assert!(err.contains("61"), "{err}");
+    let long = vec![1u32; 65];
+    let err = g.logits(&mut g.cache(), &long).unwrap_err().to_string();
+    assert!(err.contains("context of 64"), "{err}");
+    let err = Sampler::new(&GenerateOptions { temperature: -1.0, ..GenerateOptions::greedy(1) });
+    assert!(err.is_err());
+    assert!(g.prompt_ids("hi", PromptStyle::Plain).is_err());
+    let other = self::spec("qwen2", json!({}));
+    assert!(Generator::new(other, params(&spec, 1), None).is_err());
+}
