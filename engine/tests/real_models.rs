@@ -15,6 +15,7 @@ use sluice_engine::data::{DatasetSource, Tokenizer};
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
+use sluice_engine::schedule::Tier;
 use sluice_engine::train::{Event, ModelSource, Observer, RunOptions, TrainConfig};
 use sluice_engine::weights::SaveDtype;
 use sluice_engine::weights::gguf::{GgufFile, MetaValue, import_gguf};
@@ -374,9 +375,11 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
         train_on_prompt: false,
         save_every: None,
         save_dtype: SaveDtype::Bf16,
+        checkpoints: Tier::Device,
     };
     let mut losses = Losses(Vec::new());
-    let summary = sluice_engine::train::run(&Cpu::new(), &options, &mut losses).expect("trains");
+    let summary =
+        sluice_engine::train::run(&Cpu::new(), &options, false, &mut losses).expect("trains");
     let l = &losses.0;
     println!("champ fine-tune losses: {l:?} over {} rows", summary.data.rows);
     assert_eq!(l.len(), 4);
