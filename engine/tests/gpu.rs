@@ -7,7 +7,10 @@
 //! rounding (bf16 outputs: 2^-9 of each element, ~3 decimal digits) and f32 summation order.
 //! Outputs are poisoned with NaN beforehand, so an element a kernel forgets to write fails.
 //! Errors are `max |gpu - cpu| / max |cpu|` over the tensor (relative to its scale); each
-//! tolerance is stated where it is used.
+//! tolerance is stated where it is used. One rounding to bf16 moves an element by at most half
+//! an ulp, 2^-8 = 3.9e-3 of the tensor's scale: hence 4e-3 for ops computed exactly in f32 and
+//! rounded once, 5e-3 where transcendental functions (exp, sin, cos) differ by an f32 ulp
+//! between the GPU and the host and can tip a rounding.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -52,13 +55,17 @@ fn rel_err(got: &[f32], want: &[f32]) -> (f64, usize) {
     (worst, at)
 }
 
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    let (err, at) = rel_err(got, want);
+/// Prints and records an error for the final table.
+fn record(what: &str, err: f64, tol: f64) {
     println!("{what:<48} max rel err {err:.3e} (tol {tol:.0e})");
     let mut t = table().lock().expect("table");
     let e = t.entry(what.to_string()).or_insert((0.0, tol));
     e.0 = e.0.max(err);
-    drop(t);
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let (err, at) = rel_err(got, want);
+    record(what, err, tol);
     assert!(
         err <= tol,
         "{what}: max relative error {err:.3e} > {tol:.0e} at {at}: gpu {} cpu {} (first pairs {:?})",
@@ -427,12 +434,12 @@ fn rope_and_swiglu() {
         let (dinv, dpos) = (put(g, &inv, Accum), ints(g, &pos));
         let mut q = put(g, &x, Activation);
         g.rope_forward(all_mut(g, &mut q), &dpos, all(g, &dinv), &shape).expect("gpu");
-        check(&format!("rope_forward hd={hd}"), &get(g, &q), &want, 4e-3);
+        check(&format!("rope_forward hd={hd}"), &get(g, &q), &want, 5e-3);
         let mut want_b = x.clone();
         c.rope_backward(&mut want_b, &pos, &inv, &shape).expect("cpu");
         let mut dq = put(g, &x, Activation);
         g.rope_backward(all_mut(g, &mut dq), &dpos, all(g, &dinv), &shape).expect("gpu");
-        check(&format!("rope_backward hd={hd}"), &get(g, &dq), &want_b, 4e-3);
+        check(&format!("rope_backward hd={hd}"), &get(g, &dq), &want_b, 5e-3);
     }
     let gu = round_bf16(&uniform(&mut r, T * 2 * I, 4.0));
     let mut want = vec![0.0; T * I];
@@ -440,7 +447,7 @@ fn rope_and_swiglu() {
     let dgu_in = put(g, &gu, Activation);
     let mut out = nan(g, T * I, Activation);
     g.swiglu_forward(all_mut(g, &mut out), all(g, &dgu_in), T, I).expect("gpu");
-    check("swiglu_forward", &get(g, &out), &want, 4e-3);
+    check("swiglu_forward", &get(g, &out), &want, 5e-3);
     let dout = round_bf16(&uniform(&mut r, T * I, 1.0));
     let mut want = vec![0.0; T * 2 * I];
     c.swiglu_backward(&mut want, &dout, &gu, T, I).expect("cpu");
@@ -453,7 +460,7 @@ fn rope_and_swiglu() {
         I,
     )
     .expect("gpu");
-    check("swiglu_backward", &get(g, &d), &want, 4e-3);
+    check("swiglu_backward", &get(g, &d), &want, 5e-3);
 }
 
 // ---- attention ----------------------------------------------------------------------------
@@ -476,7 +483,7 @@ fn attention_case(hd: usize, window: Option<usize>, nkv: usize, seed: u64) {
         .expect("gpu");
     let out_h = get(g, &out);
     // f32 math, one bf16 rounding of the output.
-    check(&format!("attention_forward out {name}"), &out_h, &want, 4e-3);
+    check(&format!("attention_forward out {name}"), &out_h, &want, 5e-3);
     check(&format!("attention_forward lse {name}"), &get(g, &lse), &want_lse, 1e-5);
 
     // The backward from the GPU's own (bf16) forward output, as training runs it.
@@ -733,18 +740,31 @@ fn training_step_case(name: &str, spec: &ModelSpec, p: HostParams, batches: &[Mi
     let gg = gg.to_vec();
     // The loss is a mean over tokens of log-sum-exps: bf16 activations move it by ~1e-3.
     check(&format!("train step {name}: loss"), &[lg as f32], &[lc as f32], 5e-3);
-    let mut worst = 0f64;
-    for (u, t) in p.layout.tensors() {
-        let r = t.range.clone();
-        let (e, _) = rel_err(&gg[u][r.clone()], &gc[u][r]);
-        worst = worst.max(e);
-    }
-    let all_g: Vec<f32> = gg.iter().flatten().copied().collect();
-    let all_c: Vec<f32> = gc.iter().flatten().copied().collect();
     // Gradients pass through every layer's bf16 activations backwards: 5e-2 of each tensor's
     // scale (a wrong op gives errors of order 1).
-    check(&format!("train step {name}: worst tensor gradient"), &[worst as f32], &[0.0], 5e-2);
-    check(&format!("train step {name}: all gradients"), &all_g, &all_c, 5e-2);
+    let tol = 5e-2;
+    let (mut worst, mut worst_name) = (0f64, String::new());
+    let max_abs = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+    for (u, t) in p.layout.tensors() {
+        let r = t.range.clone();
+        let (mut e, at) = rel_err(&gg[u][r.clone()], &gc[u][r.clone()]);
+        if let Some(layer) = t.name.strip_suffix("k_proj.bias") {
+            // A key bias shifts every score of a query by nearly the same amount (exactly the
+            // same but for RoPE's rotation), which the softmax ignores: its gradient is a sum
+            // of terms that nearly cancel, so bf16 rounding noise dominates it. Measure that
+            // noise against the scale of the same layer's query-bias gradient instead.
+            let q = p.layout.tensors().find(|(_, q)| q.name == format!("{layer}q_proj.bias"));
+            let (qu, qt) = q.expect("a layer with a key bias has a query bias");
+            let scale = max_abs(&gc[qu][qt.range.clone()]).max(1e-30);
+            let diff: Vec<f32> = gg[u][r.clone()].iter().zip(&gc[u][r.clone()]).map(|(a, b)| a - b).collect();
+            e = max_abs(&diff) / scale;
+        }
+        assert!(e <= tol, "{name}: gradient of {} off by {e:.3e} at {at}", t.name);
+        if e >= worst {
+            (worst, worst_name) = (e, t.name.clone());
+        }
+    }
+    record(&format!("train step {name}: worst gradient ({worst_name})"), worst, tol);
     for step in 0..3 {
         let mc = tc.step(batches).expect("cpu step");
         let mg = tg.step(batches).expect("gpu step");
@@ -819,4 +839,56 @@ fn zzz_parity_table() {
     for (what, (err, tol)) in t.iter() {
         println!("| {what} | {err:.2e} | {tol:.0e} |");
     }
+}
+
+/// Not a parity check: the speed of the attention kernels and of a cuBLASLt GEMM at a
+/// Qwen2.5-7B layer's shapes (4 documents of 1024 tokens), printed for planning.
+#[test]
+fn speed_at_7b_layer_shapes() {
+    let g = gpu();
+    let (t, nq, nkv, hd, h, inter) = (4096, 28, 4, 128, 3584, 18944);
+    let shape = AttentionShape { tokens: t, q_heads: nq, kv_heads: nkv, head_dim: hd, docs: 4, window: None };
+    let cu = ints(g, &[0, 1024, 2048, 3072, 4096]);
+    let mut r = rng(60);
+    let qkv = put(g, &uniform(&mut r, t * shape.qkv_width(), 1.0), Activation);
+    let dout = put(g, &uniform(&mut r, t * nq * hd, 1.0), Activation);
+    let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
+    let mut dqkv = nan(g, t * shape.qkv_width(), Activation);
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        g.synchronize().expect("sync");
+        let start = std::time::Instant::now();
+        for _ in 0..3 {
+            f();
+        }
+        g.synchronize().expect("sync");
+        start.elapsed().as_secs_f64() / 3.0
+    };
+    // Causal within 1024-token documents: 4 x 1024² / 2 query-key pairs per head.
+    let pairs = 4.0 * 1024.0 * 1024.0 / 2.0 * nq as f64;
+    let fwd = time(&mut || {
+        g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv), &cu, &shape).expect("fwd")
+    });
+    let bwd = time(&mut || {
+        g.attention_backward(all_mut(g, &mut dqkv), all(g, &dout), all(g, &qkv), all(g, &out), all(g, &lse), &cu, &shape)
+            .expect("bwd")
+    });
+    println!(
+        "attention 4x1024 tokens, 28/4 heads, hd 128: forward {:.2} ms ({:.1} TFLOPS), backward {:.2} ms ({:.1} TFLOPS)",
+        fwd * 1e3,
+        4.0 * pairs * hd as f64 / fwd / 1e12,
+        bwd * 1e3,
+        10.0 * pairs * hd as f64 / bwd / 1e12
+    );
+    let x = put(g, &uniform(&mut r, t * h, 1.0), Activation);
+    let w = put(g, &uniform(&mut r, 2 * inter * h, 0.02), Activation);
+    let mut y = nan(g, t * 2 * inter, Activation);
+    let mm = time(&mut || {
+        g.matmul_forward(all_mut(g, &mut y), all(g, &x), all(g, &w), t, h, 2 * inter).expect("gemm")
+    });
+    println!(
+        "GEMM [4096 x 3584] x [37888 x 3584]^T: {:.2} ms ({:.0} TFLOPS)",
+        mm * 1e3,
+        2.0 * (t * h * 2 * inter) as f64 / mm / 1e12
+    );
 }

@@ -142,36 +142,39 @@ impl Lt {
             })?;
         }
         let pref = cublas("preference", lt::create_matmul_pref())?;
-        let ws = Self::WORKSPACE as u64;
-        let attrs = [
-            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws),
+        // MAX_WORKSPACE_BYTES is a uint64_t, the MIN_ALIGNMENT ones uint32_t.
+        let ws = (Self::WORKSPACE as u64).to_le_bytes();
+        let align = key.align.map(u32::to_le_bytes);
+        let attrs: [(sys::cublasLtMatmulPreferenceAttributes_t, &[u8]); 5] = [
+            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws),
             (
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                u64::from(key.align[0]),
+                &align[0],
             ),
             (
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                u64::from(key.align[1]),
+                &align[1],
             ),
             (
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                u64::from(key.align[2]),
+                &align[2],
             ),
             (
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                u64::from(key.align[2]),
+                &align[2],
             ),
         ];
         let mut result = Ok(());
         for (attr, value) in attrs {
             if result.is_ok() {
-                // SAFETY: the preference is live; these attributes are 64-bit integers.
+                // SAFETY: the preference is live; `value` holds the attribute's native-endian
+                // integer of the size cuBLASLt expects for it.
                 result = cublas("preference attribute", unsafe {
                     lt::set_matmul_pref_attribute(
                         pref,
                         attr,
-                        (&value as *const u64).cast::<c_void>(),
-                        std::mem::size_of::<u64>(),
+                        value.as_ptr().cast::<c_void>(),
+                        value.len(),
                     )
                 });
             }
