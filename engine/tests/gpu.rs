@@ -756,7 +756,8 @@ fn training_step_case(name: &str, spec: &ModelSpec, p: HostParams, batches: &[Mi
             let q = p.layout.tensors().find(|(_, q)| q.name == format!("{layer}q_proj.bias"));
             let (qu, qt) = q.expect("a layer with a key bias has a query bias");
             let scale = max_abs(&gc[qu][qt.range.clone()]).max(1e-30);
-            let diff: Vec<f32> = gg[u][r.clone()].iter().zip(&gc[u][r.clone()]).map(|(a, b)| a - b).collect();
+            let diff: Vec<f32> =
+                gg[u][r.clone()].iter().zip(&gc[u][r.clone()]).map(|(a, b)| a - b).collect();
             e = max_abs(&diff) / scale;
         }
         assert!(e <= tol, "{name}: gradient of {} off by {e:.3e} at {at}", t.name);
@@ -847,7 +848,14 @@ fn zzz_parity_table() {
 fn speed_at_7b_layer_shapes() {
     let g = gpu();
     let (t, nq, nkv, hd, h, inter) = (4096, 28, 4, 128, 3584, 18944);
-    let shape = AttentionShape { tokens: t, q_heads: nq, kv_heads: nkv, head_dim: hd, docs: 4, window: None };
+    let shape = AttentionShape {
+        tokens: t,
+        q_heads: nq,
+        kv_heads: nkv,
+        head_dim: hd,
+        docs: 4,
+        window: None,
+    };
     let cu = ints(g, &[0, 1024, 2048, 3072, 4096]);
     let mut r = rng(60);
     let qkv = put(g, &uniform(&mut r, t * shape.qkv_width(), 1.0), Activation);
@@ -867,11 +875,20 @@ fn speed_at_7b_layer_shapes() {
     // Causal within 1024-token documents: 4 x 1024² / 2 query-key pairs per head.
     let pairs = 4.0 * 1024.0 * 1024.0 / 2.0 * nq as f64;
     let fwd = time(&mut || {
-        g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv), &cu, &shape).expect("fwd")
+        g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv), &cu, &shape)
+            .expect("fwd")
     });
     let bwd = time(&mut || {
-        g.attention_backward(all_mut(g, &mut dqkv), all(g, &dout), all(g, &qkv), all(g, &out), all(g, &lse), &cu, &shape)
-            .expect("bwd")
+        g.attention_backward(
+            all_mut(g, &mut dqkv),
+            all(g, &dout),
+            all(g, &qkv),
+            all(g, &out),
+            all(g, &lse),
+            &cu,
+            &shape,
+        )
+        .expect("bwd")
     });
     println!(
         "attention 4x1024 tokens, 28/4 heads, hd 128: forward {:.2} ms ({:.1} TFLOPS), backward {:.2} ms ({:.1} TFLOPS)",

@@ -215,11 +215,10 @@ impl Lt {
         }
         let key = Key { gemm: g, align: [alignment(a), alignment(b), alignment(c)] };
         let mut plans = self.plans.lock().map_err(|_| err("cuBLASLt plan cache poisoned"))?;
-        if !plans.contains_key(&key) {
-            let plan = self.plan(&key)?;
-            plans.insert(key, plan);
-        }
-        let plan = plans.get(&key).ok_or_else(|| err("cuBLASLt plan cache lost a plan"))?;
+        let plan = match plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(&key)?),
+        };
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = base_ptr(&self.workspace, &self.stream);
         // SAFETY: the plan describes this product; the pointers are device addresses of buffers

@@ -245,10 +245,10 @@ pub fn cached_cubin(k: &KernelSource, arch: &str, driver_version: i32) -> Result
         &minor.to_le_bytes(),
     ]);
     let file = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", k.name)));
-    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
-        if !bytes.is_empty() {
-            return Ok(bytes);
-        }
+    if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok())
+        && !bytes.is_empty()
+    {
+        return Ok(bytes);
     }
     let compiled = compile(k.name, &source, arch, false)?;
     if let Some(file) = file {

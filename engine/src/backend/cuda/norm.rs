@@ -28,6 +28,7 @@ fn threads(dim: usize) -> u32 {
 }
 
 impl Cuda {
+    #[allow(clippy::too_many_arguments)]
     fn norm_forward(
         &self,
         op: &str,
