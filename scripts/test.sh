@@ -83,6 +83,33 @@ esac
 stage "test assets"
 bash scripts/fetch_test_assets.sh
 
+# --- NVRTC for the kernel compile check --------------------------------------------------------
+# engine/tests/kernels_compile.rs compiles every CUDA kernel for each supported GPU architecture
+# without a GPU; it needs only libnvrtc, which NVIDIA publishes as a Python wheel. Downloaded once
+# into .cache/nvrtc and named in SLUICE_NVRTC_LIB (the test fails without it).
+stage "NVRTC for the kernel compile check"
+nvrtc_dir="$root/.cache/nvrtc"
+nvrtc_lib="$nvrtc_dir/unpacked/nvidia/cu13/lib/libnvrtc.so.13"
+if [ ! -f "$nvrtc_lib" ]; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    echo "error: python3 with pip is needed to download NVRTC (Debian: apt-get install python3-pip)" >&2
+    exit 1
+  fi
+  arch=$(uname -m)
+  rm -rf "$nvrtc_dir/wheels" "$nvrtc_dir/unpacked"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform "manylinux_2_28_$arch" --platform "manylinux_2_17_$arch" \
+    --platform "manylinux2014_$arch" --platform "manylinux_2_12_$arch" \
+    --platform "manylinux2010_$arch" \
+    -d "$nvrtc_dir/wheels" nvidia-cuda-nvrtc==13.0.88
+  for wheel in "$nvrtc_dir"/wheels/*.whl; do
+    python3 -m zipfile -e "$wheel" "$nvrtc_dir/unpacked"
+  done
+  [ -f "$nvrtc_lib" ] || { echo "error: the NVRTC wheel holds no $nvrtc_lib" >&2; exit 1; }
+fi
+export SLUICE_NVRTC_LIB="$nvrtc_lib"
+echo "SLUICE_NVRTC_LIB=$SLUICE_NVRTC_LIB"
+
 # --- format, lints, build, tests ---------------------------------------------------------------
 stage "cargo fmt --check"
 cargo fmt --all -- --check

@@ -22,6 +22,7 @@
 //! deliberately small: only what the decoder in `model` calls.
 
 pub mod cpu;
+pub mod cuda;
 
 use std::ops::Range;
 

@@ -1,0 +1,371 @@
+//! Residual additions, reductions, bias, SwiGLU, RoPE and the embedding: the CPU twins are in
+//! `backend/cpu/{elementwise,matmul,mlp,rope,embedding}.rs`.
+
+use cudarc::driver::LaunchConfig;
+
+use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
+use super::{Cuda, Ints, View, ViewMut, check};
+use crate::backend::AttentionShape;
+use crate::error::Result;
+
+/// Elements per partial sum of `sum`/`sum_squares`: fixed, so the result does not depend on the
+/// GPU's size.
+const SUM_CHUNK: usize = 1 << 16;
+
+/// Row chunks of a column reduction: at most this many partial rows, then one ordered pass.
+pub(super) const COLUMN_CHUNKS: usize = 256;
+
+impl Cuda {
+    pub(super) fn add_op(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
+        check::len("add", "a", a.len, &[out.len])?;
+        check::len("add", "b", b.len, &[out.len])?;
+        let o = out.as_view();
+        self.launch(
+            "add",
+            grid_1d(o.len),
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::I32(o.is_f32()),
+                Arg::Ptr(self.ptr(&a)),
+                Arg::I32(a.is_f32()),
+                Arg::Ptr(self.ptr(&b)),
+                Arg::I32(b.is_f32()),
+                Arg::I64(o.len as i64),
+            ],
+        )
+    }
+
+    pub(super) fn add_assign_op(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        check::len("add_assign", "src", src.len, &[dst.len])?;
+        let d = dst.as_view();
+        self.launch(
+            "add_assign",
+            grid_1d(d.len),
+            &[
+                Arg::Ptr(self.ptr(&d)),
+                Arg::I32(d.is_f32()),
+                Arg::Ptr(self.ptr(&src)),
+                Arg::I32(src.is_f32()),
+                Arg::I64(d.len as i64),
+            ],
+        )
+    }
+
+    /// `Σ src` or `Σ src²`: one f64 partial per fixed chunk on the device, added in chunk order
+    /// on the host.
+    pub(super) fn reduce(&self, op: &str, src: View<'_>, squares: bool) -> Result<f64> {
+        if src.len == 0 {
+            return Ok(0.0);
+        }
+        let chunks = src.len.div_ceil(SUM_CHUNK);
+        let partials = scratch::<f64>(&self.compute, chunks)?;
+        self.launch(
+            "sum_partials",
+            LaunchConfig {
+                grid_dim: (chunks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(base_ptr(&partials, &self.compute)),
+                Arg::Ptr(self.ptr(&src)),
+                Arg::I32(src.is_f32()),
+                Arg::I64(src.len as i64),
+                Arg::I64(SUM_CHUNK as i64),
+                Arg::I32(i32::from(squares)),
+            ],
+        )?;
+        let host = drv(op, self.compute.clone_dtoh(&partials))?;
+        Ok(host.iter().sum())
+    }
+
+    /// `dst[j] += Σ_r src[r, j]` in a fixed order: partial sums over row chunks, then one pass
+    /// that adds the chunks in order. dst `[n]`, src `[rows, n]`.
+    pub(super) fn column_sum(
+        &self,
+        dst: &ViewMut<'_>,
+        src: &View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        let rows_per = rows.div_ceil(COLUMN_CHUNKS.min(rows));
+        let chunks = rows.div_ceil(rows_per);
+        let partials = scratch::<f32>(&self.compute, chunks * n)?;
+        let pp = base_ptr(&partials, &self.compute);
+        self.launch(
+            "colsum_partials",
+            LaunchConfig {
+                grid_dim: (n.div_ceil(256) as u32, chunks as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(pp),
+                Arg::Ptr(self.ptr(src)),
+                Arg::I32(src.is_f32()),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(rows_per as i64),
+            ],
+        )?;
+        self.finish_columns(dst, pp, chunks, n)
+    }
+
+    /// `dst[j] += Σ_c partials[c, j]`, chunks in order. partials `[chunks, n]` (f32).
+    pub(super) fn finish_columns(
+        &self,
+        dst: &ViewMut<'_>,
+        partials: cudarc::driver::sys::CUdeviceptr,
+        chunks: usize,
+        n: usize,
+    ) -> Result<()> {
+        let d = dst.as_view();
+        self.launch(
+            "colsum_finish",
+            grid_1d(n),
+            &[
+                Arg::Ptr(self.ptr(&d)),
+                Arg::I32(d.is_f32()),
+                Arg::Ptr(partials),
+                Arg::I64(chunks as i64),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub(super) fn bias_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        bias: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "bias_forward";
+        check::len(OP, "out", out.len, &[rows, n])?;
+        check::len(OP, "bias", bias.len, &[n])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let o = out.as_view();
+        self.launch(
+            OP,
+            grid_1d(o.len),
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::I32(o.is_f32()),
+                Arg::Ptr(self.ptr(&bias)),
+                Arg::I32(bias.is_f32()),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub(super) fn bias_backward_op(
+        &self,
+        dbias: ViewMut<'_>,
+        dout: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "bias_backward";
+        check::len(OP, "dbias", dbias.len, &[n])?;
+        check::len(OP, "dout", dout.len, &[rows, n])?;
+        self.column_sum(&dbias, &dout, rows, n)
+    }
+
+    pub(super) fn swiglu_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        gu: View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_forward";
+        check::len(OP, "out", out.len, &[rows, inter])?;
+        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
+        let o = out.as_view();
+        self.launch(
+            OP,
+            grid_1d(o.len),
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::I32(o.is_f32()),
+                Arg::Ptr(self.ptr(&gu)),
+                Arg::I32(gu.is_f32()),
+                Arg::I64(rows as i64),
+                Arg::I64(inter as i64),
+            ],
+        )
+    }
+
+    pub(super) fn swiglu_backward_op(
+        &self,
+        dgu: ViewMut<'_>,
+        dout: View<'_>,
+        gu: View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        check::len(OP, "dgate_up", dgu.len, &[rows, 2, inter])?;
+        check::len(OP, "dout", dout.len, &[rows, inter])?;
+        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
+        let d = dgu.as_view();
+        self.launch(
+            OP,
+            grid_1d(dout.len),
+            &[
+                Arg::Ptr(self.ptr(&d)),
+                Arg::I32(d.is_f32()),
+                Arg::Ptr(self.ptr(&dout)),
+                Arg::I32(dout.is_f32()),
+                Arg::Ptr(self.ptr(&gu)),
+                Arg::I32(gu.is_f32()),
+                Arg::I64(rows as i64),
+                Arg::I64(inter as i64),
+            ],
+        )
+    }
+
+    pub(super) fn rope_op(
+        &self,
+        op: &str,
+        qkv: ViewMut<'_>,
+        pos: &Ints,
+        inv_freq: View<'_>,
+        shape: &AttentionShape,
+        sign: f32,
+    ) -> Result<()> {
+        let width = check::attention_shape(op, shape)?;
+        let hd = shape.head_dim;
+        if !hd.is_multiple_of(2) {
+            return Err(check::err(op, format!("head_dim {hd} must be even for rotary embedding")));
+        }
+        check::len(op, "qkv", qkv.len, &[shape.tokens, width])?;
+        check::len(op, "inv_freq", inv_freq.len, &[hd / 2])?;
+        check::ints(op, "pos", &pos.host, shape.tokens)?;
+        let heads = shape.q_heads + shape.kv_heads;
+        let q = qkv.as_view();
+        self.launch(
+            "rope",
+            grid_1d(shape.tokens * heads * (hd / 2)),
+            &[
+                Arg::Ptr(self.ptr(&q)),
+                Arg::I32(q.is_f32()),
+                Arg::Ptr(self.ints_ptr(pos)),
+                Arg::Ptr(self.ptr(&inv_freq)),
+                Arg::I32(inv_freq.is_f32()),
+                Arg::I64(shape.tokens as i64),
+                Arg::I64(width as i64),
+                Arg::I32(check::int(op, "heads", heads)?),
+                Arg::I32(check::int(op, "head_dim", hd)?),
+                Arg::F32(sign),
+            ],
+        )
+    }
+
+    pub(super) fn embedding_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        ids: &Ints,
+        table: View<'_>,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_forward";
+        let vocab = table_rows(OP, table.len, hidden)?;
+        check::len(OP, "out", out.len, &[tokens, hidden])?;
+        let host = check::ints(OP, "ids", &ids.host, tokens)?;
+        check::ids(OP, "ids", host, vocab)?;
+        let o = out.as_view();
+        self.launch(
+            OP,
+            grid_1d(o.len),
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::I32(o.is_f32()),
+                Arg::Ptr(self.ints_ptr(ids)),
+                Arg::Ptr(self.ptr(&table)),
+                Arg::I32(table.is_f32()),
+                Arg::I64(tokens as i64),
+                Arg::I64(hidden as i64),
+            ],
+        )
+    }
+
+    /// Deterministic without atomics: the tokens are grouped by id on the host (stable, so each
+    /// row sums its tokens in token order, as the CPU reference does), and one block owns each
+    /// row.
+    pub(super) fn embedding_backward_op(
+        &self,
+        dtable: ViewMut<'_>,
+        dout: View<'_>,
+        ids: &Ints,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_backward";
+        let vocab = table_rows(OP, dtable.len, hidden)?;
+        check::len(OP, "dout", dout.len, &[tokens, hidden])?;
+        let host = check::ints(OP, "ids", &ids.host, tokens)?;
+        check::ids(OP, "ids", host, vocab)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        check::int(OP, "tokens", tokens)?;
+        let mut order: Vec<i32> = (0..tokens as i32).collect();
+        order.sort_by_key(|&t| host[t as usize]);
+        let (mut starts, mut rows) = (Vec::new(), Vec::new());
+        for (k, &t) in order.iter().enumerate() {
+            let id = host[t as usize];
+            if rows.last() != Some(&id) {
+                starts.push(k as i32);
+                rows.push(id);
+            }
+        }
+        starts.push(tokens as i32);
+        self.bind()?;
+        let order = drv(OP, self.compute.clone_htod(&order))?;
+        let starts = drv(OP, self.compute.clone_htod(&starts))?;
+        let groups = rows.len();
+        let rows = drv(OP, self.compute.clone_htod(&rows))?;
+        let d = dtable.as_view();
+        self.launch(
+            OP,
+            LaunchConfig {
+                grid_dim: (groups as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&d)),
+                Arg::I32(d.is_f32()),
+                Arg::Ptr(self.ptr(&dout)),
+                Arg::I32(dout.is_f32()),
+                Arg::Ptr(base_ptr(&order, &self.compute)),
+                Arg::Ptr(base_ptr(&starts, &self.compute)),
+                Arg::Ptr(base_ptr(&rows, &self.compute)),
+                Arg::I64(hidden as i64),
+            ],
+        )?;
+        // The host vectors were copied from pageable memory; the device copies live until the
+        // kernel has run (freed in stream order when dropped).
+        Ok(())
+    }
+}
+
+/// Rows of a `[V, hidden]` table, whose length must be a whole number of rows.
+fn table_rows(op: &str, len: usize, hidden: usize) -> Result<usize> {
+    check::nonzero(op, "hidden", hidden)?;
+    if !len.is_multiple_of(hidden) {
+        return Err(check::err(
+            op,
+            format!("table has {len} elements, not a whole number of rows of {hidden}"),
+        ));
+    }
+    Ok(len / hidden)
+}

@@ -1,0 +1,69 @@
+// Shared by every kernel file. Header-free on purpose: NVRTC 13 ships no headers, so bf16 is
+// carried as `unsigned short` and converted with the PTX `cvt` instruction (sm_80+); all math is
+// f32. A float buffer's precision is chosen at allocation (`FloatKind`), so elementwise kernels
+// take each buffer with a flag `f32` (1: float, 0: bf16) instead of one instantiation per mix.
+
+typedef unsigned short bf16;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+// Round to nearest even, as the host's `half::bf16::from_f32` does.
+__device__ __forceinline__ bf16 f2bf(float f) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+__device__ __forceinline__ float ld(const void* p, int f32, long long i) {
+  return f32 ? ((const float*)p)[i] : bf2f(((const bf16*)p)[i]);
+}
+
+__device__ __forceinline__ void st(void* p, int f32, long long i, float v) {
+  if (f32) {
+    ((float*)p)[i] = v;
+  } else {
+    ((bf16*)p)[i] = f2bf(v);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024) in a fixed order;
+// every thread gets the result. `red` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < warps ? red[lane] : 0.0f;
+  return warp_sum(t);
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < warps ? red[lane] : NEG_INF;
+  return warp_max(t);
+}

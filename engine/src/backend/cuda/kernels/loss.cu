@@ -1,0 +1,44 @@
+// The cross-entropy half of the chunked LM head: the logits of a chunk of tokens ([C, V] in f32,
+// made by a cuBLASLt GEMM) are reduced here one row per block. Reference: ForCausalLMLoss /
+// fixed_cross_entropy in transformers' loss_utils.py (f32, ignore_index −100); the derivation
+// is in the CPU twin (backend/cpu/loss.rs).
+
+#define IGNORE_INDEX (-100)
+
+// lse[c] = log Σ_v exp(z_cv); losses[c] = lse[c] − z_{c, y_c}, or 0 where y_c is IGNORE.
+// losses, lse [C] (f32), logits [C, V] (f32), targets [C]. One block per row.
+extern "C" __global__ void cross_entropy_rows(float* losses, float* lse, const float* logits,
+                                              const int* targets, long long vocab) {
+  __shared__ float red[32];
+  const long long row = blockIdx.x;
+  const float* z = logits + row * vocab;
+  float mx = NEG_INF;
+  for (long long v = threadIdx.x; v < vocab; v += blockDim.x) mx = fmaxf(mx, z[v]);
+  mx = block_max(mx, red);
+  float sum = 0.0f;
+  for (long long v = threadIdx.x; v < vocab; v += blockDim.x) sum += expf(z[v] - mx);
+  sum = block_sum(sum, red);
+  if (threadIdx.x == 0) {
+    const float L = mx + logf(sum);
+    const int y = targets[row];
+    lse[row] = L;
+    losses[row] = y == IGNORE_INDEX ? 0.0f : L - z[y];
+  }
+}
+
+// G_cv = scale (softmax(z_c)_v − [v = y_c]), 0 on ignored rows; written as the bf16 operand of
+// the two backward GEMMs. grad [C, V] (bf16), logits [C, V] (f32), lse [C], targets [C].
+extern "C" __global__ void cross_entropy_grad_rows(bf16* grad, const float* logits,
+                                                   const float* lse, const int* targets,
+                                                   float scale, long long vocab) {
+  const long long row = blockIdx.x;
+  const int y = targets[row];
+  const float L = lse[row];
+  const float* z = logits + row * vocab;
+  bf16* gr = grad + row * vocab;
+  for (long long v = threadIdx.x; v < vocab; v += blockDim.x) {
+    float gv = 0.0f;
+    if (y != IGNORE_INDEX) gv = expf(z[v] - L) * scale - (v == y ? scale : 0.0f);
+    gr[v] = f2bf(gv);
+  }
+}

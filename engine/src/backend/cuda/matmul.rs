@@ -1,0 +1,106 @@
+//! `nn.Linear` through cuBLASLt; the CPU twin is `backend/cpu/matmul.rs`.
+//!
+//! Row-major `[r, c]` is column-major `[c, r]` with leading dimension `c`, so each row-major
+//! product is written as its transpose:
+//! - forward `out[T,N] = inp[T,K] · w[N,K]ᵀ`: `outᵀ = w · inpᵀ` → `gemm(T, N, m=N, n=T, k=K,
+//!   A=w (ld K), B=inp (ld K), C=out (ld N))`;
+//! - `dinp[T,K] = dout[T,N] · w[N,K]`: `dinpᵀ = wᵀ · doutᵀ` → `gemm(N, N, m=K, n=T, k=N,
+//!   A=w (ld K), B=dout (ld N), C=dinp (ld K))`;
+//! - `dw[N,K] += dout[T,N]ᵀ · inp[T,K]`: `dwᵀ += inpᵀ · dout` → `gemm(N, T, m=K, n=N, k=T,
+//!   A=inp (ld K), B=dout (ld N), C=dw (ld K), beta=1)`.
+
+use super::blas::Gemm;
+use super::{Cuda, View, ViewMut, check};
+use crate::backend::FloatKind;
+use crate::error::Result;
+
+impl Cuda {
+    /// `out = a · bᵀ`-style products on row-major views: see the module doc for the mapping.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        op: &str,
+        (trans_a, trans_b): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        a: (&View<'_>, usize),
+        b: (&View<'_>, usize),
+        c: (&View<'_>, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        check::kind(op, "the first GEMM operand", a.0, FloatKind::Activation)?;
+        check::kind(op, "the second GEMM operand", b.0, FloatKind::Activation)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            // An empty sum: the product is zero.
+            return if accumulate { Ok(()) } else { self.zero_view(c.0) };
+        }
+        self.bind()?;
+        let g = Gemm {
+            trans_a,
+            trans_b,
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            lda: a.1 as i64,
+            ldb: b.1 as i64,
+            ldc: c.1 as i64,
+            c_f32: c.0.kind() == FloatKind::Accum,
+            accumulate,
+        };
+        self.lt.gemm(g, self.ptr(a.0), self.ptr(b.0), self.ptr(c.0))
+    }
+
+    pub(super) fn zero_view(&self, v: &View<'_>) -> Result<()> {
+        if v.len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let bytes = v.len * v.buf.elem_bytes();
+        // SAFETY: the view's `bytes` bytes lie inside its buffer, which the caller holds mutably.
+        super::device::drv("zeroing a GEMM output", unsafe {
+            cudarc::driver::result::memset_d8_async(self.ptr(v), 0, bytes, self.compute.cu_stream())
+        })
+    }
+
+    pub(super) fn matmul_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "matmul_forward";
+        check::len(OP, "out", out.len, &[rows, n])?;
+        check::len(OP, "inp", inp.len, &[rows, k])?;
+        check::len(OP, "w", w.len, &[n, k])?;
+        let o = out.as_view();
+        self.gemm(OP, (true, false), (n, rows, k), (&w, k), (&inp, k), (&o, n), false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_backward_op(
+        &self,
+        dinp: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        dout: View<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "matmul_backward";
+        check::len(OP, "dinp", dinp.len, &[rows, k])?;
+        check::len(OP, "dw", dw.len, &[n, k])?;
+        check::len(OP, "dout", dout.len, &[rows, n])?;
+        check::len(OP, "inp", inp.len, &[rows, k])?;
+        check::len(OP, "w", w.len, &[n, k])?;
+        let (di, dwv) = (dinp.as_view(), dw.as_view());
+        self.gemm(OP, (false, false), (k, rows, n), (&w, k), (&dout, n), (&di, k), false)?;
+        self.gemm(OP, (false, true), (k, n, rows), (&inp, k), (&dout, n), (&dwv, k), true)
+    }
+}

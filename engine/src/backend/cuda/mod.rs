@@ -1,0 +1,569 @@
+//! The CUDA backend: the CPU reference's ops on an NVIDIA GPU (sm_80 and newer), with bf16
+//! storage for activations and weights, f32 for gradient accumulators, and f32 math everywhere.
+//!
+//! Built on cudarc with dynamic loading, so the binary links no CUDA library: it builds and
+//! starts on machines without CUDA, and [`Cuda::new`] answers an `Err` that says what is missing
+//! (no NVIDIA driver, no GPU, no libcublasLt, no libnvrtc). Kernels are CUDA C compiled by NVRTC
+//! for the device's own architecture at start and cached on disk (`compile`); GEMMs go through
+//! cuBLASLt (`blas`).
+//!
+//! Streams: `h2d`, `compute` and `d2h` are created at start for the schedule, which orders them
+//! with its own events (cudarc's per-buffer event tracking is off). Every op here runs on
+//! `compute`; `upload` and `download` are synchronous. Ops that need scratch take it from the
+//! stream-ordered memory pool, whose release threshold is raised so that costs no system call.
+//!
+//! Determinism: every reduction runs in a fixed order (no float atomics), and cuBLASLt uses one
+//! algorithm per shape, so two identical runs give identical bits.
+
+mod attention;
+mod blas;
+mod check;
+pub mod compile;
+mod device;
+mod elementwise;
+mod loss;
+mod matmul;
+mod memory;
+mod norm;
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+pub use device::{PinnedBuffer, probe};
+
+use super::{AttentionShape, Backend, FloatKind};
+use crate::error::Result;
+use device::{Kernels, drv, err};
+
+/// A float buffer in device memory, in the precision its [`FloatKind`] chose.
+pub enum Floats {
+    /// Activations and weights: bf16 bit patterns.
+    Bf16(CudaSlice<u16>),
+    /// Gradient accumulators and small tables.
+    F32(CudaSlice<f32>),
+}
+
+impl Floats {
+    pub fn len(&self) -> usize {
+        match self {
+            Floats::Bf16(s) => s.len(),
+            Floats::F32(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn kind(&self) -> FloatKind {
+        match self {
+            Floats::Bf16(_) => FloatKind::Activation,
+            Floats::F32(_) => FloatKind::Accum,
+        }
+    }
+
+    fn elem_bytes(&self) -> usize {
+        match self {
+            Floats::Bf16(_) => 2,
+            Floats::F32(_) => 4,
+        }
+    }
+
+    fn base(&self, stream: &CudaStream) -> CUdeviceptr {
+        match self {
+            Floats::Bf16(s) => device::base_ptr(s, stream),
+            Floats::F32(s) => device::base_ptr(s, stream),
+        }
+    }
+}
+
+/// An `i32` buffer in device memory and a host copy of what was uploaded, so ops check ids,
+/// targets and document bounds without reading the device.
+pub struct Ints {
+    dev: CudaSlice<i32>,
+    host: Vec<i32>,
+}
+
+/// A read-only window `start..start + len` of a float buffer.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    buf: &'a Floats,
+    start: usize,
+    len: usize,
+}
+
+/// A writable window of a float buffer.
+pub struct ViewMut<'a> {
+    buf: &'a mut Floats,
+    start: usize,
+    len: usize,
+}
+
+impl View<'_> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn kind(&self) -> FloatKind {
+        self.buf.kind()
+    }
+    fn is_f32(&self) -> i32 {
+        i32::from(self.kind() == FloatKind::Accum)
+    }
+}
+
+impl<'a> ViewMut<'a> {
+    fn as_view(&self) -> View<'_> {
+        View { buf: self.buf, start: self.start, len: self.len }
+    }
+}
+
+/// An NVIDIA GPU.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    /// Host-to-device copies (the schedule's weight prefetches).
+    pub h2d: Arc<CudaStream>,
+    /// Every op of this backend.
+    pub compute: Arc<CudaStream>,
+    /// Device-to-host copies (gradients).
+    pub d2h: Arc<CudaStream>,
+    kernels: Kernels,
+    lt: blas::Lt,
+    name: String,
+    arch: String,
+    /// Pinned staging for the synchronous `upload`/`download`, grown on demand.
+    staging: Mutex<PinnedBuffer>,
+    /// Most logits the chunked cross-entropy holds at once (see `loss`).
+    loss_chunk_logits: AtomicUsize,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cuda").field("name", &self.name).field("arch", &self.arch).finish()
+    }
+}
+
+impl Cuda {
+    /// Opens GPU `ordinal`: checks the driver, the device and the libraries, creates the context
+    /// and the three streams, and loads every kernel (compiled for this GPU, or from the cache).
+    pub fn new(ordinal: usize) -> Result<Cuda> {
+        let count = probe()?;
+        if ordinal >= count {
+            return Err(err(format!("no GPU {ordinal}: the driver sees {count}")));
+        }
+        let ctx = drv("creating the CUDA context", CudaContext::new(ordinal))?;
+        // SAFETY: called before any buffer exists; the schedule orders streams with its own
+        // events, and every op here runs on the one compute stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = drv("compute capability", ctx.compute_capability())?;
+        let gpu = drv("device name", ctx.name())?;
+        if major < 8 {
+            return Err(err(format!(
+                "{gpu} has compute capability {major}.{minor}; Sluice needs 8.0 (Ampere) or newer \
+                 for bf16"
+            )));
+        }
+        device::raise_pool_threshold(&ctx)?;
+        let new_stream = |what: &str| drv(what, ctx.new_stream());
+        let (h2d, compute, d2h) = (
+            new_stream("creating the h2d stream")?,
+            new_stream("creating the compute stream")?,
+            new_stream("creating the d2h stream")?,
+        );
+        let arch = format!("sm_{major}{minor}");
+        let kernels = Kernels::load(&ctx, &arch, device::driver_version()?)?;
+        let lt = blas::Lt::new(compute.clone())?;
+        let staging = Mutex::new(PinnedBuffer::new(&ctx, 0)?);
+        Ok(Cuda {
+            name: format!("cuda:{ordinal} {gpu}"),
+            arch,
+            ctx,
+            h2d,
+            compute,
+            d2h,
+            kernels,
+            lt,
+            staging,
+            loss_chunk_logits: AtomicUsize::new(loss::LOGITS_BUDGET),
+        })
+    }
+
+    /// Caps the logits the chunked cross-entropy materialises at once (default 2^26, 256 MiB of
+    /// f32): the chunk is `max(1, n / vocab)` tokens. Results do not depend on it beyond
+    /// rounding of the weight gradient's sum over chunks.
+    pub fn set_loss_chunk_logits(&self, n: usize) {
+        self.loss_chunk_logits.store(n.max(1), Ordering::Relaxed);
+    }
+
+    fn loss_chunk_tokens(&self, tokens: usize, vocab: usize) -> usize {
+        let budget = self.loss_chunk_logits.load(Ordering::Relaxed);
+        (budget / vocab.max(1)).clamp(1, tokens.max(1))
+    }
+
+    /// The architecture the kernels were compiled for, e.g. `sm_90`.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Page-locked host memory for the host store: PORTABLE, not write-combined.
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
+        PinnedBuffer::new(&self.ctx, bytes)
+    }
+
+    /// Waits for every op issued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        drv("synchronizing the compute stream", self.compute.synchronize())
+    }
+
+    /// The device address of a view's first element.
+    fn ptr(&self, v: &View<'_>) -> CUdeviceptr {
+        v.buf.base(&self.compute) + (v.start * v.buf.elem_bytes()) as u64
+    }
+
+    fn ptr_mut(&self, v: &ViewMut<'_>) -> CUdeviceptr {
+        self.ptr(&v.as_view())
+    }
+
+    fn ints_ptr(&self, i: &Ints) -> CUdeviceptr {
+        device::base_ptr(&i.dev, &self.compute)
+    }
+
+    fn bind(&self) -> Result<()> {
+        drv("binding the CUDA context", self.ctx.bind_to_thread())
+    }
+
+    fn launch(
+        &self,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &[device::Arg],
+    ) -> Result<()> {
+        self.bind()?;
+        device::launch(&self.compute, self.kernels.get(name)?, name, cfg, args)
+    }
+}
+
+fn clamp_range(range: Range<usize>, len: usize) -> (usize, usize) {
+    if range.start <= range.end && range.end <= len {
+        (range.start, range.end - range.start)
+    } else {
+        (0, 0)
+    }
+}
+
+impl Backend for Cuda {
+    type Floats = Floats;
+    type Ints = Ints;
+    type View<'a> = View<'a>;
+    type ViewMut<'a> = ViewMut<'a>;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn alloc(&self, len: usize, kind: FloatKind) -> Result<Floats> {
+        self.bind()?;
+        let what = format!("allocating {len} floats on {}", self.name);
+        Ok(match kind {
+            FloatKind::Activation => Floats::Bf16(drv(&what, self.compute.alloc_zeros(len))?),
+            FloatKind::Accum => Floats::F32(drv(&what, self.compute.alloc_zeros(len))?),
+        })
+    }
+
+    fn alloc_ints(&self, len: usize) -> Result<Ints> {
+        self.bind()?;
+        let dev = drv(&format!("allocating {len} ints"), self.compute.alloc_zeros(len))?;
+        Ok(Ints { dev, host: vec![0; len] })
+    }
+
+    fn len(&self, buf: &Floats) -> usize {
+        buf.len()
+    }
+
+    /// A range outside the buffer gives an empty view (the trait's `view` cannot fail), which the
+    /// next op using it rejects for its length.
+    fn view<'a>(&self, buf: &'a Floats, range: Range<usize>) -> View<'a> {
+        let (start, len) = clamp_range(range, buf.len());
+        View { buf, start, len }
+    }
+
+    /// As [`Cuda::view`].
+    fn view_mut<'a>(&self, buf: &'a mut Floats, range: Range<usize>) -> ViewMut<'a> {
+        let (start, len) = clamp_range(range, buf.len());
+        ViewMut { buf, start, len }
+    }
+
+    fn upload(&self, dst: ViewMut<'_>, src: &[f32]) -> Result<()> {
+        self.upload_floats(dst, src)
+    }
+
+    fn download(&self, dst: &mut [f32], src: View<'_>) -> Result<()> {
+        self.download_floats(dst, src)
+    }
+
+    fn upload_ints(&self, dst: &mut Ints, src: &[i32]) -> Result<()> {
+        self.upload_int_values(dst, src)
+    }
+
+    fn fill_zero(&self, dst: ViewMut<'_>) -> Result<()> {
+        self.zero(&dst)
+    }
+
+    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        self.copy_floats(dst, src)
+    }
+
+    fn add(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
+        self.add_op(out, a, b)
+    }
+
+    fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        self.add_assign_op(dst, src)
+    }
+
+    fn sum(&self, src: View<'_>) -> Result<f64> {
+        self.reduce("sum", src, false)
+    }
+
+    fn sum_squares(&self, src: View<'_>) -> Result<f64> {
+        self.reduce("sum_squares", src, true)
+    }
+
+    fn embedding_forward(
+        &self,
+        out: ViewMut<'_>,
+        ids: &Ints,
+        table: View<'_>,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        self.embedding_forward_op(out, ids, table, tokens, hidden)
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: ViewMut<'_>,
+        dout: View<'_>,
+        ids: &Ints,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        self.embedding_backward_op(dtable, dout, ids, tokens, hidden)
+    }
+
+    fn matmul_forward(
+        &self,
+        out: ViewMut<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.matmul_forward_op(out, inp, w, rows, k, n)
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        dout: View<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.matmul_backward_op(dinp, dw, dout, inp, w, rows, k, n)
+    }
+
+    fn bias_forward(&self, out: ViewMut<'_>, bias: View<'_>, rows: usize, n: usize) -> Result<()> {
+        self.bias_forward_op(out, bias, rows, n)
+    }
+
+    fn bias_backward(
+        &self,
+        dbias: ViewMut<'_>,
+        dout: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.bias_backward_op(dbias, dout, rows, n)
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.rmsnorm_forward_op(out, rstd, inp, w, rows, dim, eps)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dinp: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        dout: View<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rstd: View<'_>,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        self.rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, rows, dim)
+    }
+
+    fn head_rmsnorm_forward(
+        &self,
+        out: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        shape: &AttentionShape,
+        eps: f32,
+    ) -> Result<()> {
+        self.head_rmsnorm_forward_op(out, rstd, inp, w, shape, eps)
+    }
+
+    fn head_rmsnorm_backward(
+        &self,
+        dinp: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        dout: View<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        rstd: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.head_rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, shape)
+    }
+
+    fn rope_forward(
+        &self,
+        qkv: ViewMut<'_>,
+        pos: &Ints,
+        inv_freq: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.rope_op("rope_forward", qkv, pos, inv_freq, shape, 1.0)
+    }
+
+    fn rope_backward(
+        &self,
+        dqkv: ViewMut<'_>,
+        pos: &Ints,
+        inv_freq: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.rope_op("rope_backward", dqkv, pos, inv_freq, shape, -1.0)
+    }
+
+    fn attention_forward(
+        &self,
+        out: ViewMut<'_>,
+        lse: ViewMut<'_>,
+        qkv: View<'_>,
+        cu_seqlens: &Ints,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.attention_forward_op(out, lse, qkv, cu_seqlens, shape)
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: ViewMut<'_>,
+        dout: View<'_>,
+        qkv: View<'_>,
+        out: View<'_>,
+        lse: View<'_>,
+        cu_seqlens: &Ints,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.attention_backward_op(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+    }
+
+    fn swiglu_forward(
+        &self,
+        out: ViewMut<'_>,
+        gate_up: View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        self.swiglu_forward_op(out, gate_up, rows, inter)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate_up: ViewMut<'_>,
+        dout: View<'_>,
+        gate_up: View<'_>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        self.swiglu_backward_op(dgate_up, dout, gate_up, rows, inter)
+    }
+
+    fn cross_entropy_forward(
+        &self,
+        losses: ViewMut<'_>,
+        lse: ViewMut<'_>,
+        x: View<'_>,
+        w: View<'_>,
+        targets: &Ints,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        self.cross_entropy_forward_op(losses, lse, x, w, targets, tokens, hidden, vocab)
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        x: View<'_>,
+        w: View<'_>,
+        lse: View<'_>,
+        targets: &Ints,
+        scale: f32,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        self.cross_entropy_backward_op(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a GPU (CI), opening one is an error that says what is missing, not a panic.
+    #[test]
+    fn opening_a_gpu_fails_clearly_or_succeeds() {
+        match Cuda::new(0) {
+            Ok(gpu) => assert!(gpu.name().starts_with("cuda:0 ")),
+            Err(e) => {
+                let m = e.to_string();
+                let known =
+                    ["no NVIDIA driver", "no GPU", "libcublasLt not found", "libnvrtc not found"];
+                assert!(known.iter().any(|k| m.contains(k)), "unclear error: {m}");
+            }
+        }
+    }
+}

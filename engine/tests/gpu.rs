@@ -1,0 +1,911 @@
+//! The CUDA backend against the CPU reference, on the GPU machine (declared `test = false`: CI
+//! has no GPU). Run: `cargo test --release -p sluice-engine --test gpu -- --test-threads 1
+//! --nocapture`; the last test prints the largest relative error of every op.
+//!
+//! Method: fresh random inputs with odd sizes; inputs the GPU stores in bf16 are rounded to bf16
+//! first and the CPU op runs on the same rounded values, so the difference is the GPU's own
+//! rounding (bf16 outputs: 2^-9 of each element, ~3 decimal digits) and f32 summation order.
+//! Outputs are poisoned with NaN beforehand, so an element a kernel forgets to write fails.
+//! Errors are `max |gpu - cpu| / max |cpu|` over the tensor (relative to its scale); each
+//! tolerance is stated where it is used. One rounding to bf16 moves an element by at most half
+//! an ulp, 2^-8 = 3.9e-3 of the tensor's scale: hence 4e-3 for ops computed exactly in f32 and
+//! rounded once, 5e-3 where transcendental functions (exp, sin, cos) differ by an f32 ulp
+//! between the GPU and the host and can tip a rounding.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::backend::{AttentionShape, Backend, FloatKind, IGNORE};
+use sluice_engine::data::MicroBatch;
+use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerScratch};
+use sluice_engine::spec::{ModelSpec, preset};
+use sluice_engine::train::{TrainConfig, Trainer};
+
+use FloatKind::{Accum, Activation};
+
+fn gpu() -> &'static Cuda {
+    static GPU: OnceLock<Cuda> = OnceLock::new();
+    GPU.get_or_init(|| Cuda::new(0).unwrap_or_else(|e| panic!("opening the GPU: {e}")))
+}
+
+/// Largest error per check, printed by the last test.
+fn table() -> &'static Mutex<BTreeMap<String, (f64, f64)>> {
+    static TABLE: OnceLock<Mutex<BTreeMap<String, (f64, f64)>>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+/// `max |got - want| / max |want|`; a NaN anywhere counts as infinite.
+fn rel_err(got: &[f32], want: &[f32]) -> (f64, usize) {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    let scale = want.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs())).max(1e-30);
+    let (mut worst, mut at) = (0f64, 0);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let d = (f64::from(g) - f64::from(w)).abs() / scale;
+        let d = if d.is_nan() { f64::INFINITY } else { d };
+        if d > worst {
+            (worst, at) = (d, i);
+        }
+    }
+    (worst, at)
+}
+
+/// Prints and records an error for the final table.
+fn record(what: &str, err: f64, tol: f64) {
+    println!("{what:<48} max rel err {err:.3e} (tol {tol:.0e})");
+    let mut t = table().lock().expect("table");
+    let e = t.entry(what.to_string()).or_insert((0.0, tol));
+    e.0 = e.0.max(err);
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let (err, at) = rel_err(got, want);
+    record(what, err, tol);
+    assert!(
+        err <= tol,
+        "{what}: max relative error {err:.3e} > {tol:.0e} at {at}: gpu {} cpu {} (first pairs {:?})",
+        got[at],
+        want[at],
+        got.iter().zip(want).take(4).collect::<Vec<_>>()
+    );
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn uniform(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-scale..scale)).collect()
+}
+
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// What a buffer of `kind` holds after an upload of `v`.
+fn stored(v: &[f32], kind: FloatKind) -> Vec<f32> {
+    if kind == Activation { round_bf16(v) } else { v.to_vec() }
+}
+
+fn put<B: Backend>(b: &B, v: &[f32], kind: FloatKind) -> B::Floats {
+    let mut buf = b.alloc(v.len(), kind).expect("alloc");
+    b.upload(b.view_mut(&mut buf, 0..v.len()), v).expect("upload");
+    buf
+}
+
+fn nan<B: Backend>(b: &B, n: usize, kind: FloatKind) -> B::Floats {
+    put(b, &vec![f32::NAN; n], kind)
+}
+
+fn get<B: Backend>(b: &B, buf: &B::Floats) -> Vec<f32> {
+    let n = b.len(buf);
+    let mut host = vec![0.0; n];
+    b.download(&mut host, b.view(buf, 0..n)).expect("download");
+    host
+}
+
+fn ints<B: Backend>(b: &B, v: &[i32]) -> B::Ints {
+    let mut i = b.alloc_ints(v.len()).expect("alloc_ints");
+    b.upload_ints(&mut i, v).expect("upload_ints");
+    i
+}
+
+fn all<'a, B: Backend>(b: &B, buf: &'a B::Floats) -> B::View<'a> {
+    b.view(buf, 0..b.len(buf))
+}
+
+fn all_mut<'a, B: Backend>(b: &B, buf: &'a mut B::Floats) -> B::ViewMut<'a> {
+    let n = b.len(buf);
+    b.view_mut(buf, 0..n)
+}
+
+// The odd sizes every op check uses.
+const T: usize = 37;
+const H: usize = 96;
+const V: usize = 1001;
+const I: usize = 80;
+/// Four documents, one of them empty.
+const CU: [i32; 5] = [0, 10, 10, 25, 37];
+
+fn positions() -> Vec<i32> {
+    let mut p = Vec::new();
+    for w in CU.windows(2) {
+        p.extend(0..w[1] - w[0]);
+    }
+    p
+}
+
+// ---- elementwise, reductions, memory ------------------------------------------------------
+
+#[test]
+fn add_copy_and_reductions() {
+    let g = gpu();
+    let mut r = rng(1);
+    let n = 3 * 65536 + 77;
+    let (a, b) = (uniform(&mut r, n, 2.0), uniform(&mut r, n, 2.0));
+    for (ka, kb, ko) in [
+        (Activation, Activation, Activation),
+        (Activation, Accum, Accum),
+        (Accum, Activation, Activation),
+    ] {
+        let (sa, sb) = (stored(&a, ka), stored(&b, kb));
+        let want: Vec<f32> = sa.iter().zip(&sb).map(|(x, y)| x + y).collect();
+        let (da, db) = (put(g, &a, ka), put(g, &b, kb));
+        let mut out = nan(g, n, ko);
+        g.add(all_mut(g, &mut out), all(g, &da), all(g, &db)).expect("add");
+        // One rounding of the sum to the output's precision: 2^-9 of an element in bf16.
+        let tol = if ko == Activation { 4e-3 } else { 1e-6 };
+        check(&format!("add {ka:?}+{kb:?}->{ko:?}"), &get(g, &out), &want, tol);
+        let mut acc = put(g, &a, ko);
+        g.add_assign(all_mut(g, &mut acc), all(g, &db)).expect("add_assign");
+        let want: Vec<f32> = stored(&a, ko).iter().zip(&sb).map(|(x, y)| x + y).collect();
+        check(&format!("add_assign {ko:?}+={kb:?}"), &get(g, &acc), &want, tol);
+    }
+    // Casts through `copy`: f32 -> bf16 rounds to nearest even exactly as the host does.
+    let src = put(g, &a, Accum);
+    let mut dst = nan(g, n, Activation);
+    g.copy(all_mut(g, &mut dst), all(g, &src)).expect("copy");
+    check("copy f32->bf16 (cast)", &get(g, &dst), &round_bf16(&a), 0.0);
+    let mut back = nan(g, n, Accum);
+    g.copy(all_mut(g, &mut back), all(g, &dst)).expect("copy");
+    check("copy bf16->f32 (cast)", &get(g, &back), &round_bf16(&a), 0.0);
+    g.fill_zero(g.view_mut(&mut back, 5..n - 3)).expect("fill_zero");
+    let got = get(g, &back);
+    assert!(got[5..n - 3].iter().all(|&x| x == 0.0) && got[4] == round_bf16(&a)[4]);
+    // Sums: f64 partials over fixed chunks on both sides; only the order differs (1e-12).
+    let sa = round_bf16(&a);
+    let want_sum: f64 = sa.iter().map(|&x| f64::from(x)).sum();
+    let want_sq: f64 = sa.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    let (s, sq) =
+        (g.sum(all(g, &dst)).expect("sum"), g.sum_squares(all(g, &dst)).expect("sum_squares"));
+    check("sum", &[s as f32], &[want_sum as f32], 1e-6);
+    check("sum_squares", &[sq as f32], &[want_sq as f32], 1e-6);
+    assert!(((sq - want_sq) / want_sq).abs() < 1e-12, "sum_squares {sq} vs {want_sq}");
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let g = gpu();
+    let a = nan(g, 10, Activation);
+    let mut o = nan(g, 9, Activation);
+    let e = g.add(all_mut(g, &mut o), all(g, &a), all(g, &a)).expect_err("length mismatch");
+    assert!(e.to_string().contains("add"), "{e}");
+    let table = nan(g, 4 * 3, Activation);
+    let mut out = nan(g, 2 * 3, Activation);
+    let ids = ints(g, &[1, 4]);
+    let e =
+        g.embedding_forward(all_mut(g, &mut out), &ids, all(g, &table), 2, 3).expect_err("id 4");
+    assert!(e.to_string().contains("`ids`[1] = 4"), "{e}");
+    let shape =
+        AttentionShape { tokens: 3, q_heads: 2, kv_heads: 1, head_dim: 64, docs: 1, window: None };
+    let qkv = nan(g, 3 * 4 * 64, Activation);
+    let (mut o, mut l) = (nan(g, 3 * 2 * 64, Activation), nan(g, 6, Accum));
+    let e = g
+        .attention_forward(
+            all_mut(g, &mut o),
+            all_mut(g, &mut l),
+            all(g, &qkv),
+            &ints(g, &[0, 2]),
+            &shape,
+        )
+        .expect_err("cu_seqlens must end at 3");
+    assert!(e.to_string().contains("cu_seqlens"), "{e}");
+    let mut l16 = nan(g, 6, Activation);
+    let e = g
+        .attention_forward(
+            all_mut(g, &mut o),
+            all_mut(g, &mut l16),
+            all(g, &qkv),
+            &ints(g, &[0, 3]),
+            &shape,
+        )
+        .expect_err("lse must be f32");
+    assert!(e.to_string().contains("`lse`"), "{e}");
+}
+
+// ---- embedding, matmul, bias --------------------------------------------------------------
+
+#[test]
+fn embedding() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(2);
+    let table = round_bf16(&uniform(&mut r, V * H, 1.0));
+    // Repeated ids: their gradient rows must add up, in token order.
+    let ids: Vec<i32> =
+        (0..T).map(|t| if t % 5 == 0 { 7 } else { r.random_range(0..V as i32) }).collect();
+    let mut want = vec![0.0; T * H];
+    c.embedding_forward(&mut want, &ids, &table, T, H).expect("cpu");
+    let (dt, di) = (put(g, &table, Activation), ints(g, &ids));
+    let mut out = nan(g, T * H, Activation);
+    g.embedding_forward(all_mut(g, &mut out), &di, all(g, &dt), T, H).expect("gpu");
+    check("embedding_forward (a copy: exact)", &get(g, &out), &want, 0.0);
+
+    let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let d0 = uniform(&mut r, V * H, 0.1);
+    let mut want = d0.clone();
+    c.embedding_backward(&mut want, &dout, &ids, T, H).expect("cpu");
+    let mut dtab = put(g, &d0, Accum);
+    g.embedding_backward(all_mut(g, &mut dtab), all(g, &put(g, &dout, Activation)), &di, T, H)
+        .expect("gpu");
+    // Same f32 additions in the same order as the CPU: exact.
+    check("embedding_backward (f32, accumulates)", &get(g, &dtab), &want, 0.0);
+}
+
+#[test]
+fn matmul_and_bias() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(3);
+    let (k, n) = (H, 3 * 67);
+    let (inp, w) =
+        (round_bf16(&uniform(&mut r, T * k, 1.0)), round_bf16(&uniform(&mut r, n * k, 0.2)));
+    let mut want = vec![0.0; T * n];
+    c.matmul_forward(&mut want, &inp, &w, T, k, n).expect("cpu");
+    let (di, dw) = (put(g, &inp, Activation), put(g, &w, Activation));
+    for kind in [Activation, Accum] {
+        let mut out = nan(g, T * n, kind);
+        g.matmul_forward(all_mut(g, &mut out), all(g, &di), all(g, &dw), T, k, n).expect("gpu");
+        // f32 accumulation on both sides; a bf16 output adds its rounding (2^-9 per element).
+        let tol = if kind == Activation { 4e-3 } else { 1e-5 };
+        check(&format!("matmul_forward -> {kind:?}"), &get(g, &out), &want, tol);
+    }
+    let dout = round_bf16(&uniform(&mut r, T * n, 1.0));
+    let dw0 = uniform(&mut r, n * k, 1.0);
+    let (mut want_dinp, mut want_dw) = (vec![0.0; T * k], dw0.clone());
+    c.matmul_backward(&mut want_dinp, &mut want_dw, &dout, &inp, &w, T, k, n).expect("cpu");
+    let mut ddinp = nan(g, T * k, Activation);
+    let mut ddw = put(g, &dw0, Accum);
+    g.matmul_backward(
+        all_mut(g, &mut ddinp),
+        all_mut(g, &mut ddw),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &di),
+        all(g, &dw),
+        T,
+        k,
+        n,
+    )
+    .expect("gpu");
+    check("matmul_backward dinp (bf16)", &get(g, &ddinp), &want_dinp, 4e-3);
+    // f32 accumulator with beta = 1: summation order only.
+    check("matmul_backward dw (f32, accumulates)", &get(g, &ddw), &want_dw, 1e-5);
+
+    // A view that starts at an odd element offset (alignment 2 bytes) must work too.
+    let mut big = nan(g, 1 + T * n, Activation);
+    g.matmul_forward(g.view_mut(&mut big, 1..1 + T * n), all(g, &di), all(g, &dw), T, k, n)
+        .expect("unaligned");
+    check("matmul_forward (unaligned output view)", &get(g, &big)[1..], &want, 4e-3);
+
+    let bias = round_bf16(&uniform(&mut r, n, 1.0));
+    let base = round_bf16(&uniform(&mut r, T * n, 1.0));
+    let mut want = base.clone();
+    c.bias_forward(&mut want, &bias, T, n).expect("cpu");
+    let mut out = put(g, &base, Activation);
+    g.bias_forward(all_mut(g, &mut out), all(g, &put(g, &bias, Activation)), T, n).expect("gpu");
+    check("bias_forward", &get(g, &out), &want, 4e-3);
+    let db0 = uniform(&mut r, n, 1.0);
+    let mut want = db0.clone();
+    c.bias_backward(&mut want, &dout, T, n).expect("cpu");
+    let mut db = put(g, &db0, Accum);
+    g.bias_backward(all_mut(g, &mut db), all(g, &put(g, &dout, Activation)), T, n).expect("gpu");
+    check("bias_backward (f32, accumulates)", &get(g, &db), &want, 1e-6);
+}
+
+// ---- norms, rope, swiglu ------------------------------------------------------------------
+
+#[test]
+fn rmsnorm() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(4);
+    let eps = 1e-6;
+    let x = round_bf16(&uniform(&mut r, T * H, 2.0));
+    let w = round_bf16(&uniform(&mut r, H, 1.0).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
+    let (mut want, mut want_r) = (vec![0.0; T * H], vec![0.0; T]);
+    c.rmsnorm_forward(&mut want, &mut want_r, &x, &w, T, H, eps).expect("cpu");
+    let (dx, dw) = (put(g, &x, Activation), put(g, &w, Activation));
+    let (mut out, mut rstd) = (nan(g, T * H, Activation), nan(g, T, Accum));
+    g.rmsnorm_forward(
+        all_mut(g, &mut out),
+        all_mut(g, &mut rstd),
+        all(g, &dx),
+        all(g, &dw),
+        T,
+        H,
+        eps,
+    )
+    .expect("gpu");
+    check("rmsnorm_forward out (bf16)", &get(g, &out), &want, 4e-3);
+    check("rmsnorm_forward rstd (f32)", &get(g, &rstd), &want_r, 1e-5);
+
+    let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let dw0 = uniform(&mut r, H, 1.0);
+    let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
+    c.rmsnorm_backward(&mut want_dx, &mut want_dw, &dout, &x, &w, &want_r, T, H).expect("cpu");
+    let (mut ddx, mut ddw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
+    g.rmsnorm_backward(
+        all_mut(g, &mut ddx),
+        all_mut(g, &mut ddw),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &dx),
+        all(g, &dw),
+        all(g, &rstd),
+        T,
+        H,
+    )
+    .expect("gpu");
+    // dx is a difference of two terms of similar size: 2 bf16 ulps of the scale.
+    check("rmsnorm_backward dinp (bf16)", &get(g, &ddx), &want_dx, 8e-3);
+    check("rmsnorm_backward dw (f32, accumulates)", &get(g, &ddw), &want_dw, 1e-5);
+
+    // Qwen3's per-head norm, value heads passing through.
+    for hd in [64, 128] {
+        let shape = AttentionShape {
+            tokens: T,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: hd,
+            docs: 4,
+            window: None,
+        };
+        let width = shape.qkv_width();
+        let x = round_bf16(&uniform(&mut r, T * width, 2.0));
+        let w = round_bf16(&uniform(&mut r, 2 * hd, 1.0));
+        let (mut want, mut want_r) = (vec![0.0; T * width], vec![0.0; T * 8]);
+        c.head_rmsnorm_forward(&mut want, &mut want_r, &x, &w, &shape, eps).expect("cpu");
+        let (dx, dw) = (put(g, &x, Activation), put(g, &w, Activation));
+        let (mut out, mut rstd) = (nan(g, T * width, Activation), nan(g, T * 8, Accum));
+        g.head_rmsnorm_forward(
+            all_mut(g, &mut out),
+            all_mut(g, &mut rstd),
+            all(g, &dx),
+            all(g, &dw),
+            &shape,
+            eps,
+        )
+        .expect("gpu");
+        check(&format!("head_rmsnorm_forward out hd={hd}"), &get(g, &out), &want, 4e-3);
+        check(&format!("head_rmsnorm_forward rstd hd={hd}"), &get(g, &rstd), &want_r, 1e-5);
+        let dout = round_bf16(&uniform(&mut r, T * width, 1.0));
+        let dw0 = uniform(&mut r, 2 * hd, 1.0);
+        let (mut want_dx, mut want_dw) = (vec![0.0; T * width], dw0.clone());
+        c.head_rmsnorm_backward(&mut want_dx, &mut want_dw, &dout, &x, &w, &want_r, &shape)
+            .expect("cpu");
+        let (mut ddx, mut ddw) = (nan(g, T * width, Activation), put(g, &dw0, Accum));
+        g.head_rmsnorm_backward(
+            all_mut(g, &mut ddx),
+            all_mut(g, &mut ddw),
+            all(g, &put(g, &dout, Activation)),
+            all(g, &dx),
+            all(g, &dw),
+            all(g, &rstd),
+            &shape,
+        )
+        .expect("gpu");
+        check(&format!("head_rmsnorm_backward dinp hd={hd}"), &get(g, &ddx), &want_dx, 8e-3);
+        check(&format!("head_rmsnorm_backward dw hd={hd}"), &get(g, &ddw), &want_dw, 1e-5);
+    }
+}
+
+#[test]
+fn rope_and_swiglu() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(5);
+    for hd in [64, 128] {
+        let shape = AttentionShape {
+            tokens: T,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: hd,
+            docs: 4,
+            window: None,
+        };
+        let width = shape.qkv_width();
+        let inv: Vec<f32> =
+            (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect();
+        // Positions up to a few thousand, as in long documents: the angle is formed in f32.
+        let pos: Vec<i32> = positions().iter().map(|p| p * 97).collect();
+        let x = round_bf16(&uniform(&mut r, T * width, 1.0));
+        let mut want = x.clone();
+        c.rope_forward(&mut want, &pos, &inv, &shape).expect("cpu");
+        let (dinv, dpos) = (put(g, &inv, Accum), ints(g, &pos));
+        let mut q = put(g, &x, Activation);
+        g.rope_forward(all_mut(g, &mut q), &dpos, all(g, &dinv), &shape).expect("gpu");
+        check(&format!("rope_forward hd={hd}"), &get(g, &q), &want, 5e-3);
+        let mut want_b = x.clone();
+        c.rope_backward(&mut want_b, &pos, &inv, &shape).expect("cpu");
+        let mut dq = put(g, &x, Activation);
+        g.rope_backward(all_mut(g, &mut dq), &dpos, all(g, &dinv), &shape).expect("gpu");
+        check(&format!("rope_backward hd={hd}"), &get(g, &dq), &want_b, 5e-3);
+    }
+    let gu = round_bf16(&uniform(&mut r, T * 2 * I, 4.0));
+    let mut want = vec![0.0; T * I];
+    c.swiglu_forward(&mut want, &gu, T, I).expect("cpu");
+    let dgu_in = put(g, &gu, Activation);
+    let mut out = nan(g, T * I, Activation);
+    g.swiglu_forward(all_mut(g, &mut out), all(g, &dgu_in), T, I).expect("gpu");
+    check("swiglu_forward", &get(g, &out), &want, 5e-3);
+    let dout = round_bf16(&uniform(&mut r, T * I, 1.0));
+    let mut want = vec![0.0; T * 2 * I];
+    c.swiglu_backward(&mut want, &dout, &gu, T, I).expect("cpu");
+    let mut d = nan(g, T * 2 * I, Activation);
+    g.swiglu_backward(
+        all_mut(g, &mut d),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &dgu_in),
+        T,
+        I,
+    )
+    .expect("gpu");
+    check("swiglu_backward", &get(g, &d), &want, 5e-3);
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+fn attention_case(hd: usize, window: Option<usize>, nkv: usize, seed: u64) {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(seed);
+    let nq = 6;
+    let shape =
+        AttentionShape { tokens: T, q_heads: nq, kv_heads: nkv, head_dim: hd, docs: 4, window };
+    let width = shape.qkv_width();
+    let name = format!("hd={hd} nkv={nkv} window={window:?}");
+    // Scaled up so some softmax rows are far from uniform.
+    let qkv = round_bf16(&uniform(&mut r, T * width, 2.5));
+    let (mut want, mut want_lse) = (vec![0.0; T * nq * hd], vec![0.0; T * nq]);
+    c.attention_forward(&mut want, &mut want_lse, &qkv, &CU.to_vec(), &shape).expect("cpu");
+    let (dqkv_in, cu) = (put(g, &qkv, Activation), ints(g, &CU));
+    let (mut out, mut lse) = (nan(g, T * nq * hd, Activation), nan(g, T * nq, Accum));
+    g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &dqkv_in), &cu, &shape)
+        .expect("gpu");
+    let out_h = get(g, &out);
+    // f32 math, one bf16 rounding of the output.
+    check(&format!("attention_forward out {name}"), &out_h, &want, 5e-3);
+    check(&format!("attention_forward lse {name}"), &get(g, &lse), &want_lse, 1e-5);
+
+    // The backward from the GPU's own (bf16) forward output, as training runs it.
+    let dout = round_bf16(&uniform(&mut r, T * nq * hd, 1.0));
+    let mut want_d = vec![0.0; T * width];
+    let lse_h = get(g, &lse);
+    c.attention_backward(&mut want_d, &dout, &qkv, &out_h, &lse_h, &CU.to_vec(), &shape)
+        .expect("cpu");
+    let mut d = nan(g, T * width, Activation);
+    g.attention_backward(
+        all_mut(g, &mut d),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &dqkv_in),
+        all(g, &out),
+        all(g, &lse),
+        &cu,
+        &shape,
+    )
+    .expect("gpu");
+    // Sums of products over many keys, then a bf16 rounding: 1e-2 of the scale.
+    check(&format!("attention_backward dqkv {name}"), &get(g, &d), &want_d, 1e-2);
+}
+
+#[test]
+fn attention_head_dims_and_masks() {
+    attention_case(64, None, 2, 10);
+    attention_case(64, Some(7), 2, 11);
+    attention_case(128, None, 2, 12);
+    attention_case(128, Some(5), 1, 13);
+    attention_case(80, Some(9), 3, 14);
+    attention_case(96, None, 6, 15);
+    attention_case(256, Some(11), 2, 16);
+}
+
+// ---- LM head and loss ---------------------------------------------------------------------
+
+#[test]
+fn cross_entropy() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(6);
+    let x = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let w = round_bf16(&uniform(&mut r, V * H, 0.3));
+    // Tokens 8..16 are all ignored: with 8-token chunks one chunk carries no loss.
+    let targets: Vec<i32> =
+        (0..T)
+            .map(|t| {
+                if (8..16).contains(&t) || t % 7 == 3 {
+                    IGNORE
+                } else {
+                    r.random_range(0..V as i32)
+                }
+            })
+            .collect();
+    let (mut want_l, mut want_lse) = (vec![0.0; T], vec![0.0; T]);
+    c.cross_entropy_forward(&mut want_l, &mut want_lse, &x, &w, &targets, T, H, V).expect("cpu");
+    let dw0 = uniform(&mut r, V * H, 0.1);
+    let scale = 1.0 / targets.iter().filter(|&&y| y != IGNORE).count() as f32;
+    let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
+    c.cross_entropy_backward(
+        &mut want_dx,
+        &mut want_dw,
+        &x,
+        &w,
+        &want_lse,
+        &targets,
+        scale,
+        T,
+        H,
+        V,
+    )
+    .expect("cpu");
+    let (dx_in, dw_in, dt) = (put(g, &x, Activation), put(g, &w, Activation), ints(g, &targets));
+    for (chunk, label) in [(1 << 26, "one chunk"), (8 * V, "8-token chunks")] {
+        g.set_loss_chunk_logits(chunk);
+        let (mut l, mut lse) = (nan(g, T, Accum), nan(g, T, Accum));
+        g.cross_entropy_forward(
+            all_mut(g, &mut l),
+            all_mut(g, &mut lse),
+            all(g, &dx_in),
+            all(g, &dw_in),
+            &dt,
+            T,
+            H,
+            V,
+        )
+        .expect("gpu");
+        // f32 logits from a bf16 GEMM, f32 softmax: 1e-5 of the scale.
+        check(&format!("cross_entropy_forward losses ({label})"), &get(g, &l), &want_l, 1e-5);
+        check(&format!("cross_entropy_forward lse ({label})"), &get(g, &lse), &want_lse, 1e-5);
+        let (mut dx, mut dw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
+        g.cross_entropy_backward(
+            all_mut(g, &mut dx),
+            all_mut(g, &mut dw),
+            all(g, &dx_in),
+            all(g, &dw_in),
+            all(g, &lse),
+            &dt,
+            scale,
+            T,
+            H,
+            V,
+        )
+        .expect("gpu");
+        // The logits' gradient is rounded to bf16 (2^-9 relative) before both GEMMs.
+        check(&format!("cross_entropy_backward dx ({label})"), &get(g, &dx), &want_dx, 8e-3);
+        check(&format!("cross_entropy_backward dw ({label})"), &get(g, &dw), &want_dw, 4e-3);
+    }
+    g.set_loss_chunk_logits(1 << 26);
+}
+
+// ---- a decoder layer and whole training steps ---------------------------------------------
+
+fn spec_from(json: serde_json::Value) -> ModelSpec {
+    ModelSpec::from_hf(json, &PathBuf::from("gpu-test")).expect("spec")
+}
+
+/// Odd-sized one-layer models of three families: biases on q/k/v and o (llama with
+/// attention_bias), q/k norm with head_dim 128 (qwen3), a sliding window (mistral).
+fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
+    let base = |mt: &str| {
+        serde_json::json!({
+            "model_type": mt, "vocab_size": V, "hidden_size": H, "intermediate_size": I,
+            "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2,
+            "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "max_position_embeddings": 4096,
+        })
+    };
+    let mut llama = base("llama");
+    llama["attention_bias"] = true.into();
+    let mut qwen3 = base("qwen3");
+    qwen3["head_dim"] = 128.into();
+    let mut mistral = base("mistral");
+    mistral["sliding_window"] = 7.into();
+    vec![
+        ("llama+bias", spec_from(llama)),
+        ("qwen3 hd=128", spec_from(qwen3)),
+        ("mistral window=7", spec_from(mistral)),
+    ]
+}
+
+/// Every parameter rounded to bf16, as the GPU stores them, so both backends see the same model.
+fn bf16_params(spec: &ModelSpec, seed: u64) -> HostParams {
+    let mut p = HostParams::random(spec, seed);
+    // Larger than transformers' init (0.02) so the layer's branches matter against the residual.
+    let mut r = rng(seed);
+    for u in &mut p.units {
+        for x in u.iter_mut() {
+            if *x != 0.0 && *x != 1.0 {
+                *x *= 5.0;
+            } else if *x == 1.0 {
+                *x += r.random_range(-0.1..0.1);
+            }
+            *x = bf16::from_f32(*x).to_f32();
+        }
+    }
+    p
+}
+
+struct LayerResult {
+    out: Vec<f32>,
+    dx_in: Vec<f32>,
+    grad: Vec<f32>,
+}
+
+fn run_layer<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    p: &HostParams,
+    x: &[f32],
+    dx_out: &[f32],
+) -> LayerResult {
+    let layout = p.layout.clone();
+    let dec = Decoder::new(b, spec, layout.layer.clone(), layout.head.clone()).expect("decoder");
+    let w = put(b, &p.units[1], Activation);
+    let mut grad = b.alloc(p.units[1].len(), Accum).expect("grad");
+    let x_in = put(b, x, Activation);
+    let dxo = put(b, dx_out, Activation);
+    let mut out = nan(b, T * H, Activation);
+    let mut dx_in = nan(b, T * H, Activation);
+    let mut batch = DeviceBatch::new(b, T).expect("batch");
+    let ids: Vec<i32> = (0..T as i32).collect();
+    batch.upload(b, &ids, &positions(), &ids, &CU).expect("batch upload");
+    let mut s = LayerScratch::new(b, spec, T).expect("scratch");
+    dec.layer_forward(b, &mut out, &x_in, &w, &mut s, &batch, 0).expect("layer forward");
+    dec.layer_backward(b, &mut dx_in, &mut grad, &dxo, &x_in, &w, &mut s, &batch, 0)
+        .expect("layer backward");
+    LayerResult { out: get(b, &out), dx_in: get(b, &dx_in), grad: get(b, &grad) }
+}
+
+#[test]
+fn decoder_layer_forward_and_backward() {
+    for (name, spec) in layer_specs() {
+        let p = bf16_params(&spec, 20);
+        let mut r = rng(21);
+        let x = round_bf16(&uniform(&mut r, T * H, 1.0));
+        let dx_out = round_bf16(&uniform(&mut r, T * H, 1.0));
+        let want = run_layer(&Cpu::new(), &spec, &p, &x, &dx_out);
+        let got = run_layer(gpu(), &spec, &p, &x, &dx_out);
+        // bf16 intermediates through ~10 ops (norms, 4 GEMMs, attention): a few bf16 ulps.
+        check(&format!("decoder layer {name}: output"), &got.out, &want.out, 2e-2);
+        check(&format!("decoder layer {name}: dx_in"), &got.dx_in, &want.dx_in, 3e-2);
+        for (u, t) in p.layout.tensors().filter(|(u, _)| *u == 1) {
+            let _ = u;
+            let r = t.range.clone();
+            check(
+                &format!("decoder layer {name}: grad {}", t.name),
+                &got.grad[r.clone()],
+                &want.grad[r],
+                3e-2,
+            );
+        }
+    }
+}
+
+fn random_batch(vocab: usize, rows: usize, seq: usize, seed: u64) -> MicroBatch {
+    let mut r = rng(seed);
+    let t = rows * seq;
+    let ids: Vec<i32> = (0..t).map(|_| r.random_range(0..vocab as i32)).collect();
+    // Two documents per row (split at a random point); the first 3 tokens of each row are
+    // prompt (no loss), and the last token of each document has no target.
+    let mut cu = vec![0i32];
+    let mut positions = Vec::new();
+    let mut targets = vec![IGNORE; t];
+    for row in 0..rows {
+        let split = r.random_range(2..seq - 2);
+        for (a, b) in [(0, split), (split, seq)] {
+            let (a, b) = (row * seq + a, row * seq + b);
+            positions.extend(0..(b - a) as i32);
+            for i in a..b - 1 {
+                if i - row * seq >= 3 {
+                    targets[i] = ids[i + 1];
+                }
+            }
+            cu.push(b as i32);
+        }
+    }
+    MicroBatch { rows, seq_len: seq, ids, targets, positions, cu_seqlens: cu }
+}
+
+fn config() -> TrainConfig {
+    TrainConfig { lr: 1e-3, total_steps: 10, max_grad_norm: Some(1.0), ..TrainConfig::default() }
+}
+
+/// Loss, every gradient and a 3-step trajectory of the GPU trainer against the CPU trainer on
+/// the same bf16-rounded model and batches.
+fn training_step_case(name: &str, spec: &ModelSpec, p: HostParams, batches: &[MicroBatch]) {
+    let max_tokens = batches.iter().map(|b| b.ids.len()).max().unwrap_or(1);
+    let cpu = Cpu::new();
+    let mut tc = Trainer::new(&cpu, spec, p.clone(), config(), max_tokens).expect("cpu trainer");
+    let mut tg = Trainer::new(gpu(), spec, p.clone(), config(), max_tokens).expect("gpu trainer");
+    let (lc, gc) = tc.loss_and_grads(batches).expect("cpu grads");
+    let gc = gc.to_vec();
+    let (lg, gg) = tg.loss_and_grads(batches).expect("gpu grads");
+    let gg = gg.to_vec();
+    // The loss is a mean over tokens of log-sum-exps: bf16 activations move it by ~1e-3.
+    check(&format!("train step {name}: loss"), &[lg as f32], &[lc as f32], 5e-3);
+    // Gradients pass through every layer's bf16 activations backwards: 5e-2 of each tensor's
+    // scale (a wrong op gives errors of order 1).
+    let tol = 5e-2;
+    let (mut worst, mut worst_name) = (0f64, String::new());
+    let max_abs = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+    for (u, t) in p.layout.tensors() {
+        let r = t.range.clone();
+        let (mut e, at) = rel_err(&gg[u][r.clone()], &gc[u][r.clone()]);
+        if let Some(layer) = t.name.strip_suffix("k_proj.bias") {
+            // A key bias shifts every score of a query by nearly the same amount (exactly the
+            // same but for RoPE's rotation), which the softmax ignores: its gradient is a sum
+            // of terms that nearly cancel, so bf16 rounding noise dominates it. Measure that
+            // noise against the scale of the same layer's query-bias gradient instead.
+            let q = p.layout.tensors().find(|(_, q)| q.name == format!("{layer}q_proj.bias"));
+            let (qu, qt) = q.expect("a layer with a key bias has a query bias");
+            let scale = max_abs(&gc[qu][qt.range.clone()]).max(1e-30);
+            let diff: Vec<f32> =
+                gg[u][r.clone()].iter().zip(&gc[u][r.clone()]).map(|(a, b)| a - b).collect();
+            e = max_abs(&diff) / scale;
+        }
+        assert!(e <= tol, "{name}: gradient of {} off by {e:.3e} at {at}", t.name);
+        if e >= worst {
+            (worst, worst_name) = (e, t.name.clone());
+        }
+    }
+    record(&format!("train step {name}: worst gradient ({worst_name})"), worst, tol);
+    for step in 0..3 {
+        let mc = tc.step(batches).expect("cpu step");
+        let mg = tg.step(batches).expect("gpu step");
+        check(
+            &format!("train step {name}: loss after {step} updates"),
+            &[mg.loss as f32],
+            &[mc.loss as f32],
+            1e-2,
+        );
+        check(
+            &format!("train step {name}: grad norm step {step}"),
+            &[mg.grad_norm as f32],
+            &[mc.grad_norm as f32],
+            5e-2,
+        );
+    }
+}
+
+#[test]
+fn training_step_tiny_preset() {
+    let spec = preset("tiny").expect("tiny preset");
+    let p = bf16_params(&spec, 30);
+    let batches = [random_batch(spec.vocab, 2, 48, 31), random_batch(spec.vocab, 3, 19, 32)];
+    training_step_case("tiny preset", &spec, p, &batches);
+}
+
+/// The golden fixtures' folder: `tests/golden` under the working directory (the repository
+/// root on the GPU machine), else beside this crate.
+fn golden_dir(case: &str) -> PathBuf {
+    let here = PathBuf::from("tests/golden").join(case);
+    if here.is_dir() {
+        return here;
+    }
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case);
+    assert!(built.is_dir(), "no tests/golden/{case}: run from the repository root");
+    built
+}
+
+#[test]
+fn training_step_every_family() {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
+        let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
+        for u in &mut p.units {
+            u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        }
+        let batches = [random_batch(spec.vocab, 2, 13, 40), random_batch(spec.vocab, 1, 29, 41)];
+        training_step_case(case, &spec, p, &batches);
+    }
+}
+
+#[test]
+fn two_runs_give_identical_bits() {
+    let spec = preset("tiny").expect("tiny preset");
+    let p = bf16_params(&spec, 50);
+    let batches = [random_batch(spec.vocab, 2, 48, 51)];
+    let run = || {
+        let mut t = Trainer::new(gpu(), &spec, p.clone(), config(), 96).expect("trainer");
+        let losses: Vec<u64> =
+            (0..2).map(|_| t.step(&batches).expect("step").loss.to_bits()).collect();
+        (losses, t.params.units.clone())
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a.0, b.0, "losses differ between identical runs");
+    assert!(a.1 == b.1, "weights differ between identical runs");
+    println!("two identical runs: identical losses and weights after 2 steps");
+}
+
+#[test]
+fn zzz_parity_table() {
+    let t = table().lock().expect("table");
+    println!("\n| check | largest relative error | tolerance |\n| --- | --- | --- |");
+    for (what, (err, tol)) in t.iter() {
+        println!("| {what} | {err:.2e} | {tol:.0e} |");
+    }
+}
+
+/// Not a parity check: the speed of the attention kernels and of a cuBLASLt GEMM at a
+/// Qwen2.5-7B layer's shapes (4 documents of 1024 tokens), printed for planning.
+#[test]
+fn speed_at_7b_layer_shapes() {
+    let g = gpu();
+    let (t, nq, nkv, hd, h, inter) = (4096, 28, 4, 128, 3584, 18944);
+    let shape = AttentionShape {
+        tokens: t,
+        q_heads: nq,
+        kv_heads: nkv,
+        head_dim: hd,
+        docs: 4,
+        window: None,
+    };
+    let cu = ints(g, &[0, 1024, 2048, 3072, 4096]);
+    let mut r = rng(60);
+    let qkv = put(g, &uniform(&mut r, t * shape.qkv_width(), 1.0), Activation);
+    let dout = put(g, &uniform(&mut r, t * nq * hd, 1.0), Activation);
+    let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
+    let mut dqkv = nan(g, t * shape.qkv_width(), Activation);
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        g.synchronize().expect("sync");
+        let start = std::time::Instant::now();
+        for _ in 0..3 {
+            f();
+        }
+        g.synchronize().expect("sync");
+        start.elapsed().as_secs_f64() / 3.0
+    };
+    // Causal within 1024-token documents: 4 x 1024² / 2 query-key pairs per head.
+    let pairs = 4.0 * 1024.0 * 1024.0 / 2.0 * nq as f64;
+    let fwd = time(&mut || {
+        g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv), &cu, &shape)
+            .expect("fwd")
+    });
+    let bwd = time(&mut || {
+        g.attention_backward(
+            all_mut(g, &mut dqkv),
+            all(g, &dout),
+            all(g, &qkv),
+            all(g, &out),
+            all(g, &lse),
+            &cu,
+            &shape,
+        )
+        .expect("bwd")
+    });
+    println!(
+        "attention 4x1024 tokens, 28/4 heads, hd 128: forward {:.2} ms ({:.1} TFLOPS), backward {:.2} ms ({:.1} TFLOPS)",
+        fwd * 1e3,
+        4.0 * pairs * hd as f64 / fwd / 1e12,
+        bwd * 1e3,
+        10.0 * pairs * hd as f64 / bwd / 1e12
+    );
+    let x = put(g, &uniform(&mut r, t * h, 1.0), Activation);
+    let w = put(g, &uniform(&mut r, 2 * inter * h, 0.02), Activation);
+    let mut y = nan(g, t * 2 * inter, Activation);
+    let mm = time(&mut || {
+        g.matmul_forward(all_mut(g, &mut y), all(g, &x), all(g, &w), t, h, 2 * inter).expect("gemm")
+    });
+    println!(
+        "GEMM [4096 x 3584] x [37888 x 3584]^T: {:.2} ms ({:.0} TFLOPS)",
+        mm * 1e3,
+        2.0 * (t * h * 2 * inter) as f64 / mm / 1e12
+    );
+}
