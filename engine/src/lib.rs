@@ -7,7 +7,9 @@
 //! - [`backend`]: the [`backend::Backend`] trait and its CPU reference implementation.
 //! - [`model`]: parameter layout by unit and the decoder's forward and backward, generic over
 //!   the backend.
-//! - [`optim`]: AdamW, gradient clipping, learning-rate schedules.
+//! - [`optim`]: AdamW (plain and fused with its own thread pool), gradient clipping,
+//!   learning-rate schedules.
+//! - [`plan`]: the memory-hierarchy planner: placement, per-tier budgets, predicted step time.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
 
 pub mod backend;
@@ -15,6 +17,7 @@ pub mod data;
 pub mod error;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod spec;
 pub mod train;
 pub mod weights;

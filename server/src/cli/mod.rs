@@ -4,6 +4,8 @@
 //! needs async builds its own runtime, so the engine's subcommands stay free of it). Adding a
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
+mod bench;
+mod plan;
 mod serve;
 mod train;
 
@@ -35,6 +37,11 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Train a model on a dataset from the terminal and write Hugging Face checkpoints.
     Train(train::TrainArgs),
+    /// Plan a training job: memory per tier, placement and predicted step time, or why it does
+    /// not fit.
+    Plan(plan::PlanArgs),
+    /// Measure parts of the engine on this machine.
+    Bench(bench::BenchArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -56,6 +63,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve::run(args),
         Command::Train(args) => train::run(args),
+        Command::Plan(args) => plan::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
 
