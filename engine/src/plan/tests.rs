@@ -217,7 +217,8 @@ fn tight_gpu_streams_the_rest_through_two_slots() {
     let plan = fits(check("qwen2.5-7b", (1024, 8, 8), (40 * GIB, 125 * GIB), true));
     let pl = &plan.placement;
     assert!(pl.streamed_units > 0 && !pl.resident_units.is_empty(), "{plan}");
-    // The embedding is resident before any layer (same use, larger), the head never adds value.
+    // The embedding is resident before any layer (same saving per byte, larger unit); the head
+    // saves no traffic and only takes what room is left.
     assert!(pl.resident_units.contains(&0), "{plan}");
     // The slots hold the largest streamed unit: the untied head (norm + LM head).
     let head = QWEN7.hidden + QWEN7.vocab * QWEN7.hidden;
