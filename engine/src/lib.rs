@@ -7,9 +7,11 @@
 //! - [`backend`]: the [`backend::Backend`] trait and its CPU reference implementation.
 //! - [`model`]: parameter layout by unit and the decoder's forward and backward, generic over
 //!   the backend.
-//! - [`optim`]: AdamW, gradient clipping, learning-rate schedules.
+//! - [`optim`]: AdamW (plain and fused with its own thread pool), gradient clipping,
+//!   learning-rate schedules.
 //! - [`store`]: the host store, home of master weights, Adam moments and gradients.
 //! - [`schedule`]: the layer-major streaming step, generic over the backend.
+//! - [`plan`]: the memory-hierarchy planner: placement, per-tier budgets, predicted step time.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
 //! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
 
@@ -19,6 +21,7 @@ pub mod error;
 pub mod generate;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod schedule;
 pub mod spec;
 pub mod store;

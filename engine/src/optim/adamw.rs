@@ -28,8 +28,11 @@
 //! corrections by ~2e-7 relative, so we recover the decimal the user wrote (the shortest decimal
 //! that round-trips the f32) and parse it as f64; see [`as_written`].
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
+use super::pool::AdamPool;
 use crate::error::{Error, Result};
 
 /// AdamW hyperparameters, named as in `torch.optim.AdamW`.
@@ -234,6 +237,323 @@ fn update_body(
     }
 }
 
+/// One unit's optimizer state, updated in place by [`adamw_fused`]: all slices have the unit's
+/// length.
+#[derive(Debug)]
+pub struct UnitState<'a> {
+    /// fp32 master weights.
+    pub master: &'a mut [f32], // [n]
+    /// First moment.
+    pub m: &'a mut [f32], // [n]
+    /// Second moment.
+    pub v: &'a mut [f32], // [n]
+    /// The bf16 streaming copy (raw bits), overwritten with the new master rounded to nearest
+    /// even.
+    pub bf16: &'a mut [u16], // [n]
+}
+
+/// The per-step arguments of [`adamw_fused`].
+#[derive(Debug, Clone, Copy)]
+pub struct FusedStep<'a> {
+    /// 1-based step count, including this step.
+    pub step: u64,
+    /// This step's learning rate (the schedule's value; `hp.lr` is not used).
+    pub lr: f32,
+    pub hp: AdamW,
+    /// Global-norm clipping factor from [`super::clip_coef`]; 1.0 when clipping is off or did
+    /// not trigger. The gradient is multiplied by it before use, exactly as [`super::scale`]
+    /// would have done in a separate pass.
+    pub clip_coef: f32,
+    /// Element ranges that get weight decay (the unit's matrices, see [`decays`]), sorted and
+    /// disjoint. Everything else (norms, biases, alignment padding) is updated without decay.
+    pub decayed: &'a [Range<usize>],
+}
+
+/// Which instruction set the fused body is compiled for. Every variant computes the same IEEE
+/// operations (multiply, add, divide, square root, fused multiply-add) element by element, so
+/// the results are bit-identical; only the width of the registers differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+    Portable,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Portable
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "avx512",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => "avx2+fma",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+/// The instruction set [`adamw_fused`] uses on this CPU ("avx512", "avx2+fma" or "portable").
+pub fn fused_isa() -> &'static str {
+    Isa::detect().name()
+}
+
+/// Elements per task of the fused update: 64 KiB of each f32 array.
+const FUSED_CHUNK: usize = 16 * 1024;
+
+/// The fused AdamW update of one unit, in one pass over memory on `pool`: reads `grad`, m, v and
+/// master; writes m, v, master and the bf16 streaming copy. Per element the arithmetic is
+/// exactly [`adamw_step`]'s on the gradient multiplied by `args.clip_coef`, so the result is
+/// bit-identical to `scale` + `adamw_step` per tensor + a bf16 rounding pass, and does not
+/// depend on the pool's size.
+///
+/// Errors (and changes nothing) if the slices differ in length, a decay range is out of bounds
+/// or out of order, the clip coefficient is not finite and non-negative, `step` is 0, or a
+/// hyperparameter is out of range.
+pub fn adamw_fused(
+    pool: &AdamPool,
+    state: UnitState<'_>,
+    grad: &[f32], // [n]
+    args: &FusedStep<'_>,
+) -> Result<()> {
+    let (plain, decayed) = check_fused(&state, grad, args)?;
+    let isa = Isa::detect();
+    let UnitState { master, m, v, bf16 } = state;
+    pool.install(|| {
+        master
+            .par_chunks_mut(FUSED_CHUNK)
+            .zip(grad.par_chunks(FUSED_CHUNK))
+            .zip(m.par_chunks_mut(FUSED_CHUNK))
+            .zip(v.par_chunks_mut(FUSED_CHUNK))
+            .zip(bf16.par_chunks_mut(FUSED_CHUNK))
+            .enumerate()
+            .for_each(|(i, ((((p, g), m), v), out))| {
+                let chunk = Chunk { p, g, m, v, out };
+                for_each_span(chunk, i * FUSED_CHUNK, args.decayed, |c, decay| {
+                    let coeffs = if decay { &decayed } else { &plain };
+                    fused_chunk(isa, c, coeffs, args.clip_coef);
+                });
+            });
+    });
+    Ok(())
+}
+
+/// The same update on the calling thread with plain scalar code (no parallelism, no vector
+/// instructions asked for): the baseline the benchmark compares [`adamw_fused`] against.
+pub fn adamw_fused_scalar(
+    state: UnitState<'_>,
+    grad: &[f32], // [n]
+    args: &FusedStep<'_>,
+) -> Result<()> {
+    let (plain, decayed) = check_fused(&state, grad, args)?;
+    let UnitState { master, m, v, bf16 } = state;
+    let chunk = Chunk { p: master, g: grad, m, v, out: bf16 };
+    for_each_span(chunk, 0, args.decayed, |c, decay| {
+        let coeffs = if decay { &decayed } else { &plain };
+        fused_scalar(c, coeffs, args.clip_coef);
+    });
+    Ok(())
+}
+
+/// Validates the arguments and returns the coefficients without and with decay.
+fn check_fused(
+    state: &UnitState<'_>,
+    grad: &[f32],
+    args: &FusedStep<'_>,
+) -> Result<(Coeffs, Coeffs)> {
+    let n = state.master.len();
+    if grad.len() != n || state.m.len() != n || state.v.len() != n || state.bf16.len() != n {
+        return Err(Error::invalid(format!(
+            "fused AdamW slice lengths differ: master {n}, grad {}, m {}, v {}, bf16 {}",
+            grad.len(),
+            state.m.len(),
+            state.v.len(),
+            state.bf16.len()
+        )));
+    }
+    let mut end = 0;
+    for r in args.decayed {
+        if r.start < end || r.start > r.end || r.end > n {
+            return Err(Error::invalid(format!(
+                "fused AdamW decay range {r:?} is out of order or outside 0..{n}"
+            )));
+        }
+        end = r.end;
+    }
+    if !(args.clip_coef.is_finite() && args.clip_coef >= 0.0) {
+        return Err(Error::invalid(format!(
+            "clip coefficient must be finite and >= 0, got {}",
+            args.clip_coef
+        )));
+    }
+    let plain = Coeffs::new(&args.hp, args.lr, args.step, false)?;
+    let decayed = Coeffs::new(&args.hp, args.lr, args.step, true)?;
+    Ok((plain, decayed))
+}
+
+/// Matching windows of the five arrays.
+struct Chunk<'a> {
+    p: &'a mut [f32],
+    g: &'a [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    out: &'a mut [u16],
+}
+
+impl<'a> Chunk<'a> {
+    /// Splits off the first `k` elements.
+    fn split(self, k: usize) -> (Chunk<'a>, Chunk<'a>) {
+        let (p0, p1) = self.p.split_at_mut(k);
+        let (g0, g1) = self.g.split_at(k);
+        let (m0, m1) = self.m.split_at_mut(k);
+        let (v0, v1) = self.v.split_at_mut(k);
+        let (o0, o1) = self.out.split_at_mut(k);
+        (
+            Chunk { p: p0, g: g0, m: m0, v: v0, out: o0 },
+            Chunk { p: p1, g: g1, m: m1, v: v1, out: o1 },
+        )
+    }
+}
+
+/// Calls `f` on the consecutive pieces of `chunk` (which starts at element `offset` of the unit)
+/// with whether each piece lies inside a decayed range. `decayed` is sorted and disjoint.
+fn for_each_span(
+    chunk: Chunk<'_>,
+    offset: usize,
+    decayed: &[Range<usize>],
+    mut f: impl FnMut(Chunk<'_>, bool),
+) {
+    let end = offset + chunk.p.len();
+    let first = decayed.partition_point(|r| r.end <= offset);
+    let mut rest = chunk;
+    let mut at = offset;
+    for r in decayed.get(first..).unwrap_or(&[]) {
+        if r.start >= end {
+            break;
+        }
+        let (start, stop) = (r.start.max(at), r.end.min(end));
+        if start > at {
+            let (plain, tail) = rest.split(start - at);
+            f(plain, false);
+            rest = tail;
+        }
+        if stop > start {
+            let (dec, tail) = rest.split(stop - start);
+            f(dec, true);
+            rest = tail;
+        }
+        at = stop.max(at);
+    }
+    if !rest.p.is_empty() {
+        f(rest, false);
+    }
+}
+
+fn fused_chunk(isa: Isa, c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::detect` returned Avx512 only after checking AVX-512F and FMA.
+        Isa::Avx512 => unsafe { fused_avx512(c, coeffs, clip) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::detect` returned Avx2Fma only after checking AVX2 and FMA.
+        Isa::Avx2Fma => unsafe { fused_avx2_fma(c, coeffs, clip) },
+        Isa::Portable => fused_body(c, coeffs, clip),
+    }
+}
+
+/// The fused body compiled for AVX-512 (16 lanes), auto-vectorised by the compiler.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn fused_avx512(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    fused_body(c, coeffs, clip);
+}
+
+/// The fused body compiled for AVX2 with FMA (8 lanes).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fused_avx2_fma(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    fused_body(c, coeffs, clip);
+}
+
+/// One element of the update; [`update_body`]'s arithmetic on the clipped gradient.
+#[inline(always)]
+fn fused_element(
+    p: &mut f32,
+    g: f32,
+    m: &mut f32,
+    v: &mut f32,
+    out: &mut u16,
+    c: &Coeffs,
+    clip: f32,
+) {
+    let g = g * clip;
+    let decayed = *p * c.decay;
+    let base = if c.lerp_from_grad { g } else { *m };
+    let m_new = c.lerp_coeff.mul_add(g - *m, base);
+    let v_new = (c.one_minus_beta2 * g).mul_add(g, *v * c.beta2);
+    let denom = v_new.sqrt() / c.bc2_sqrt + c.eps;
+    let p_new = decayed + (c.neg_step_size * m_new) / denom;
+    *p = p_new;
+    *m = m_new;
+    *v = v_new;
+    *out = bf16_bits(p_new);
+}
+
+#[inline(always)]
+fn fused_body(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    let Chunk { p, g, m, v, out } = c;
+    let n = p.len();
+    // Equal lengths let the compiler drop the bounds checks and vectorise the loop.
+    let (g, m, v, out) = (&g[..n], &mut m[..n], &mut v[..n], &mut out[..n]);
+    for i in 0..n {
+        fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut out[i], coeffs, clip);
+    }
+}
+
+/// The scalar baseline: the same element function, kept out of line of any vectorisation by
+/// handing every element through `black_box`.
+fn fused_scalar(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    let Chunk { p, g, m, v, out } = c;
+    for ((((p, &g), m), v), out) in
+        p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(out.iter_mut())
+    {
+        fused_element(p, std::hint::black_box(g), m, v, out, coeffs, clip);
+    }
+}
+
+/// f32 to bf16 bits, rounding to nearest even (as `half::bf16::from_f32` and torch's `.to(
+/// torch.bfloat16)`); NaN stays a quiet NaN of the same sign. Branch-free so it vectorises.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x0040;
+    (if x.is_nan() { nan } else { rounded }) as u16
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -363,5 +683,201 @@ mod tests {
         assert!(decays(&[97, 48]));
         assert!(!decays(&[48]));
         assert!(!decays(&[]));
+    }
+
+    /// A unit-shaped problem: `n` elements with varied values, and decay on two ranges.
+    struct Unit {
+        master: Vec<f32>,
+        grad: Vec<f32>,
+        m: Vec<f32>,
+        v: Vec<f32>,
+        bf16: Vec<u16>,
+    }
+
+    impl Unit {
+        fn new(n: usize) -> Unit {
+            // A cheap deterministic generator spanning several magnitudes and both signs.
+            let val = |i: usize, k: u64| {
+                let x = (i as u64).wrapping_mul(6364136223846793005).wrapping_add(k);
+                let x = (x >> 33) as f32 / (1u64 << 31) as f32 - 0.5;
+                x * 10f32.powi((i % 7) as i32 - 4)
+            };
+            Unit {
+                master: (0..n).map(|i| val(i, 1)).collect(),
+                grad: (0..n).map(|i| val(i, 2)).collect(),
+                m: (0..n).map(|i| val(i, 3) * 1e-2).collect(),
+                v: (0..n).map(|i| val(i, 4).abs() * 1e-3).collect(),
+                bf16: vec![0; n],
+            }
+        }
+
+        /// The mutable state and the gradient, borrowed together.
+        fn parts(&mut self) -> (UnitState<'_>, &[f32]) {
+            let state = UnitState {
+                master: &mut self.master,
+                m: &mut self.m,
+                v: &mut self.v,
+                bf16: &mut self.bf16,
+            };
+            (state, &self.grad)
+        }
+
+        fn bits(&self) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u16>) {
+            let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            (b(&self.master), b(&self.m), b(&self.v), self.bf16.clone())
+        }
+    }
+
+    fn fused_on(pool: &AdamPool, u: &mut Unit, args: &FusedStep<'_>) -> Result<()> {
+        let (state, grad) = u.parts();
+        adamw_fused(pool, state, grad, args)
+    }
+
+    fn fused_args(decayed: &[Range<usize>], clip_coef: f32) -> FusedStep<'_> {
+        FusedStep { step: 3, lr: 1e-2, hp: hp(), clip_coef, decayed }
+    }
+
+    #[test]
+    fn fused_equals_scale_then_adamw_step_per_tensor_then_rounding() {
+        // Ranges straddle the 16 Ki-element task boundary and leave undecayed gaps.
+        let n = 3 * FUSED_CHUNK + 123;
+        let decayed = [10..FUSED_CHUNK + 5, 2 * FUSED_CHUNK..2 * FUSED_CHUNK + 700, n - 50..n];
+        let coef = 0.37;
+        let pool = AdamPool::new(2).expect("pool");
+        let mut fused = Unit::new(n);
+        let mut want = Unit::new(n);
+        fused_on(&pool, &mut fused, &fused_args(&decayed, coef)).expect("valid");
+
+        // The unfused path, tensor by tensor: decayed ranges and the gaps between them.
+        let mut g = want.grad.clone();
+        crate::optim::scale(&mut g, coef);
+        let mut cuts = vec![0];
+        for r in &decayed {
+            cuts.extend([r.start, r.end]);
+        }
+        cuts.push(n);
+        for (k, w) in cuts.windows(2).enumerate() {
+            let r = w[0]..w[1];
+            let decay = k % 2 == 1;
+            adamw_step(
+                &mut want.master[r.clone()],
+                &g[r.clone()],
+                &mut want.m[r.clone()],
+                &mut want.v[r.clone()],
+                3,
+                1e-2,
+                &hp(),
+                decay,
+            )
+            .expect("valid");
+        }
+        want.bf16 = want.master.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+        assert_eq!(fused.bits(), want.bits());
+        // The test means something: decay and clipping both changed the result.
+        let mut undecayed = Unit::new(n);
+        fused_on(&pool, &mut undecayed, &fused_args(&[], coef)).expect("valid");
+        assert_ne!(undecayed.master[20], fused.master[20]);
+        assert_eq!(undecayed.master[5], fused.master[5]);
+    }
+
+    #[test]
+    fn fused_result_does_not_depend_on_thread_count_or_instruction_set() {
+        let n = 5 * FUSED_CHUNK + 7;
+        let decayed = vec![100..4 * FUSED_CHUNK, 4 * FUSED_CHUNK + 1..4 * FUSED_CHUNK + 9];
+        let run = |threads: usize| {
+            let pool = AdamPool::new(threads).expect("pool");
+            let mut u = Unit::new(n);
+            fused_on(&pool, &mut u, &fused_args(&decayed, 1.0)).expect("valid");
+            u.bits()
+        };
+        let one = run(1);
+        assert_eq!(one, run(3));
+        assert_eq!(one, run(8));
+
+        let mut scalar = Unit::new(n);
+        {
+            let (st, g) = scalar.parts();
+            adamw_fused_scalar(st, g, &fused_args(&decayed, 1.0))
+        }
+        .expect("valid");
+        assert_eq!(one, scalar.bits(), "scalar baseline");
+
+        // Every instruction set this CPU has, against the portable body.
+        let c = Coeffs::new(&hp(), 1e-2, 3, true).expect("valid");
+        let mut isas = vec![Isa::Portable, Isa::detect()];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            isas.push(Isa::Avx2Fma);
+        }
+        let mut results = Vec::new();
+        for isa in isas {
+            let mut u = Unit::new(n);
+            let g = u.grad.clone();
+            let chunk =
+                Chunk { p: &mut u.master, g: &g, m: &mut u.m, v: &mut u.v, out: &mut u.bf16 };
+            fused_chunk(isa, chunk, &c, 0.5);
+            results.push((isa, u.bits()));
+        }
+        for (isa, r) in &results[1..] {
+            assert!(*r == results[0].1, "{isa:?} differs from the portable body");
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_like_half() {
+        let samples = [
+            0.0f32,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            1.0 + 3.0 * f32::EPSILON,
+            -2.5e-41,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            std::f32::consts::PI,
+            -1e30,
+        ];
+        for x in samples.into_iter().chain((0..100_000).map(|i| f32::from_bits(i * 42_943 + 7))) {
+            assert_eq!(
+                bf16_bits(x),
+                half::bf16::from_f32(x).to_bits(),
+                "{x:e} ({:#x})",
+                x.to_bits()
+            );
+        }
+        // Ties: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7 and goes to the even one, 1.
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3F80);
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3F82);
+        let nan = bf16_bits(f32::NAN);
+        assert!(half::bf16::from_bits(nan).is_nan());
+    }
+
+    #[test]
+    fn fused_rejects_bad_input_and_changes_nothing() {
+        let pool = AdamPool::new(1).expect("pool");
+        let mut u = Unit::new(8);
+        let before = u.bits();
+        let g = u.grad.clone();
+        let short = &g[..7];
+        let err =
+            adamw_fused(&pool, u.parts().0, short, &fused_args(&[], 1.0)).expect_err("length");
+        assert!(err.to_string().contains("grad 7"), "{err}");
+        let err = adamw_fused(&pool, u.parts().0, &g, &fused_args(&[4..9, 9..9], 1.0))
+            .expect_err("bounds");
+        assert!(err.to_string().contains("4..9"), "{err}");
+        let err = adamw_fused(&pool, u.parts().0, &g, &fused_args(&[4..6, 2..3], 1.0))
+            .expect_err("order");
+        assert!(err.to_string().contains("2..3"), "{err}");
+        let err =
+            adamw_fused(&pool, u.parts().0, &g, &fused_args(&[], f32::NAN)).expect_err("coef");
+        assert!(err.to_string().contains("clip coefficient"), "{err}");
+        let bad = FusedStep { step: 0, ..fused_args(&[], 1.0) };
+        let err = adamw_fused(&pool, u.parts().0, &g, &bad).expect_err("step 0");
+        assert!(err.to_string().contains("1-based"), "{err}");
+        assert_eq!(u.bits(), before);
     }
 }

@@ -9,14 +9,20 @@
 //! One optimizer step, in order: sum the squares of every gradient ([`sum_of_squares`]), turn the
 //! norm into a factor ([`clip_coef`]), [`scale`] the gradients, then [`adamw_step`] each tensor
 //! with the rate [`LrSchedule::lr_at`] gives for the steps already taken, decaying only tensors
-//! that [`decays`] selects.
+//! that [`decays`] selects. The streaming trainer does the last two in one pass per unit with
+//! [`adamw_fused`] on its own [`AdamPool`], which also writes the unit's bf16 streaming copy.
 
 pub mod adamw;
 pub mod clip;
+pub mod pool;
 pub mod schedule;
 
-pub use adamw::{AdamW, adamw_step, as_written, decays};
+pub use adamw::{
+    AdamW, FusedStep, UnitState, adamw_fused, adamw_fused_scalar, adamw_step, as_written,
+    bf16_bits, decays, fused_isa,
+};
 pub use clip::{clip_coef, clip_grad_norm, scale, sum_of_squares};
+pub use pool::AdamPool;
 pub use schedule::{LrSchedule, Schedule};
 
 #[cfg(test)]

@@ -4,8 +4,10 @@
 //! needs async builds its own runtime, so the engine's subcommands stay free of it). Adding a
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
+mod bench;
 mod generate;
 mod import_gguf;
+mod plan;
 mod serve;
 mod train;
 
@@ -41,6 +43,11 @@ enum Command {
     ImportGguf(import_gguf::ImportGgufArgs),
     /// Generate text from a model folder on the CPU (greedy or sampled, KV-cached).
     Generate(generate::GenerateArgs),
+    /// Plan a training job: memory per tier, placement and predicted step time, or why it does
+    /// not fit.
+    Plan(plan::PlanArgs),
+    /// Measure parts of the engine on this machine.
+    Bench(bench::BenchArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -64,6 +71,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::ImportGguf(args) => import_gguf::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Plan(args) => plan::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
 

@@ -1,0 +1,265 @@
+//! Bytes per memory tier for one placement, part by part.
+
+use serde::Serialize;
+
+use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};
+use super::{CheckpointTier, GradientTier};
+
+/// Device memory kept back for the CUDA context's allocations after start-up, cuBLAS workspaces
+/// and allocator slack: the schedule allocates every buffer at job start, so fragmentation is
+/// bounded, but the libraries allocate on their own.
+pub const DEVICE_RESERVE: u64 = 1 << 30;
+/// Alignment of every unit's slab in the host store (DMA bursts start on a page).
+pub const SLAB_ALIGN: u64 = 4096;
+
+/// The three places bytes can live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TierName {
+    Device,
+    PinnedHost,
+    PageableHost,
+}
+
+impl TierName {
+    pub fn label(self) -> &'static str {
+        match self {
+            TierName::Device => "device",
+            TierName::PinnedHost => "pinned host",
+            TierName::PageableHost => "pageable host",
+        }
+    }
+}
+
+/// One named buffer (or group of buffers) and its size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Part {
+    pub name: String,
+    pub bytes: u64,
+}
+
+/// One tier's capacity, use and breakdown. Pinned and pageable host memory share the host's
+/// RAM: each one's capacity is what the other leaves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Tier {
+    pub tier: TierName,
+    pub capacity: u64,
+    pub used: u64,
+    pub parts: Vec<Part>,
+}
+
+impl Tier {
+    fn new(tier: TierName, parts: Vec<(String, u64)>) -> Tier {
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .filter(|(_, b)| *b > 0)
+            .map(|(name, bytes)| Part { name, bytes })
+            .collect();
+        let used = parts.iter().map(|p| p.bytes).sum();
+        Tier { tier, capacity: 0, used, parts }
+    }
+
+    /// Bytes of the part whose name starts with `prefix` (0 if absent).
+    pub fn part(&self, prefix: &str) -> u64 {
+        self.parts.iter().filter(|p| p.name.starts_with(prefix)).map(|p| p.bytes).sum()
+    }
+}
+
+/// Memory per tier for one plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Budget {
+    pub device: Tier,
+    pub pinned_host: Tier,
+    pub pageable_host: Tier,
+    /// Host RAM available to the job (pinned and pageable together).
+    pub host_capacity: u64,
+}
+
+impl Budget {
+    /// Pinned plus pageable bytes.
+    pub fn host_used(&self) -> u64 {
+        self.pinned_host.used + self.pageable_host.used
+    }
+
+    /// Bytes by which the device overflows (0 if it fits).
+    pub fn device_over(&self) -> u64 {
+        self.device.used.saturating_sub(self.device.capacity)
+    }
+
+    /// Bytes by which host RAM overflows (0 if it fits).
+    pub fn host_over(&self) -> u64 {
+        self.host_used().saturating_sub(self.host_capacity)
+    }
+
+    pub fn fits(&self) -> bool {
+        self.device_over() == 0 && self.host_over() == 0
+    }
+
+    pub fn tiers(&self) -> [&Tier; 3] {
+        [&self.device, &self.pinned_host, &self.pageable_host]
+    }
+}
+
+/// The choices a budget depends on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    pub checkpoints: CheckpointTier,
+    pub interval: usize,
+    pub gradients: GradientTier,
+    /// Per unit: whether its bf16 weights stay on the device.
+    pub resident: Vec<bool>,
+}
+
+impl Layout {
+    pub fn embedding_resident(&self) -> bool {
+        self.resident.first().copied().unwrap_or(false)
+    }
+
+    /// Checkpointed unit inputs per micro-batch: every K-th layer's input and the head's.
+    pub fn checkpoint_count(&self, s: &Sizes) -> u64 {
+        s.layers.div_ceil(self.interval.max(1)) as u64 + 1
+    }
+
+    /// Largest parameter count a weight slot must hold (0 when nothing streams).
+    pub fn slot_params(&self, s: &Sizes) -> u64 {
+        let emb = self.embedding_resident();
+        (0..s.units.len())
+            .filter(|&u| !self.resident.get(u).copied().unwrap_or(false))
+            .map(|u| s.visit_params(u, emb))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Device bytes that do not depend on which units are resident.
+pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
+    let g = s.batch.grad_accum as u64;
+    let largest = |skip_embedding: bool| {
+        s.units
+            .iter()
+            .enumerate()
+            .filter(|(u, _)| !(skip_embedding && *u == 0))
+            .map(|(_, x)| x.params)
+            .max()
+            .unwrap_or(0)
+    };
+    let mut parts = Vec::new();
+    match l.gradients {
+        GradientTier::DeviceStore => parts.push((
+            "gradient store (fp32, every unit, waits for the global norm)".to_string(),
+            s.params * F32,
+        )),
+        GradientTier::HostStore | GradientTier::HostRing => {
+            // A tied LM head accumulates into the embedding's gradient, which then stays live
+            // through the whole backward; the double buffer serves the other units.
+            parts.push((
+                "gradient accumulators (2 x largest unit, fp32)".to_string(),
+                2 * largest(s.tied) * F32,
+            ));
+            if s.tied {
+                parts.push((
+                    "tied embedding gradient (fp32, live from the head to the embedding)"
+                        .to_string(),
+                    s.vocab * s.hidden * F32,
+                ));
+            }
+        }
+    }
+    parts.push(("layer scratch (one micro-batch)".to_string(), s.layer_scratch));
+    parts.push(("head: final norm and chunked cross-entropy".to_string(), s.head_workspace));
+    parts.push((
+        "current unit's activations or their gradients, in and out (2 x G micro-batches, bf16)"
+            .to_string(),
+        2 * s.activation_set(),
+    ));
+    match l.checkpoints {
+        CheckpointTier::Device => {
+            parts.push((
+                format!(
+                    "checkpoints ({} unit inputs x {g} micro-batches, bf16)",
+                    l.checkpoint_count(s)
+                ),
+                l.checkpoint_count(s) * s.activation_set(),
+            ));
+            if l.interval > 1 {
+                parts.push((
+                    format!(
+                        "recomputed segment ({} layer inputs x {g} micro-batches)",
+                        l.interval - 1
+                    ),
+                    (l.interval as u64 - 1) * s.activation_set(),
+                ));
+            }
+        }
+        CheckpointTier::Host => parts.push((
+            "checkpoint prefetch (2 micro-batches, bf16)".to_string(),
+            2 * s.activation_one(),
+        )),
+    }
+    parts.push((
+        format!("token batches ({g} micro-batches, i32)"),
+        s.batch.step_tokens() * TOKEN_ARRAYS * 4 + g * 4,
+    ));
+    parts.push(("runtime reserve (CUDA context, cuBLAS workspace)".to_string(), DEVICE_RESERVE));
+    parts
+}
+
+/// Device bytes for the weights: the two streaming slots and the resident units.
+pub fn device_weights(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
+    let resident: u64 =
+        s.units.iter().zip(&l.resident).filter(|(_, r)| **r).map(|(u, _)| u.params * BF16).sum();
+    let count = l.resident.iter().filter(|r| **r).count();
+    vec![
+        ("weight slots (2 x largest streamed unit, bf16)".to_string(), 2 * l.slot_params(s) * BF16),
+        (format!("resident weights ({count} units, bf16)"), resident),
+    ]
+}
+
+/// The whole budget of a layout against the machine's capacities.
+pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget {
+    let mut dev = device_weights(s, l);
+    dev.extend(device_base(s, l));
+    let mut device = Tier::new(TierName::Device, dev);
+    device.capacity = gpu_bytes;
+
+    let p = s.params;
+    let units = s.units.len() as u64;
+    let largest = s.units.iter().map(|u| u.params).max().unwrap_or(0);
+    let g = s.batch.grad_accum as u64;
+    let mut pinned = vec![("bf16 streaming copy".to_string(), p * BF16)];
+    match l.gradients {
+        GradientTier::HostStore => {
+            pinned.push(("gradient store (fp32, waits for the global norm)".to_string(), p * F32))
+        }
+        GradientTier::DeviceStore | GradientTier::HostRing => pinned.push((
+            "gradient landing ring (2 x largest unit, fp32)".to_string(),
+            2 * largest * F32,
+        )),
+    }
+    if l.checkpoints == CheckpointTier::Host {
+        pinned.push((
+            format!(
+                "checkpoints ({} unit inputs x {g} micro-batches, bf16)",
+                l.checkpoint_count(s)
+            ),
+            l.checkpoint_count(s) * s.activation_set(),
+        ));
+    }
+    pinned.push((
+        format!("token staging ({g} micro-batches, i32)"),
+        s.batch.step_tokens() * TOKEN_ARRAYS * 4 + g * 4,
+    ));
+    pinned.push(("slab alignment (4 KiB per unit)".to_string(), units * SLAB_ALIGN));
+    let mut pinned = Tier::new(TierName::PinnedHost, pinned);
+
+    let pageable = vec![
+        ("fp32 master weights".to_string(), p * F32),
+        ("Adam first moment m (fp32)".to_string(), p * F32),
+        ("Adam second moment v (fp32)".to_string(), p * F32),
+        ("slab alignment (4 KiB per unit per array)".to_string(), 3 * units * SLAB_ALIGN),
+    ];
+    let mut pageable = Tier::new(TierName::PageableHost, pageable);
+    pinned.capacity = host_bytes.saturating_sub(pageable.used);
+    pageable.capacity = host_bytes.saturating_sub(pinned.used);
+    Budget { device, pinned_host: pinned, pageable_host: pageable, host_capacity: host_bytes }
+}

@@ -1,0 +1,531 @@
+//! The memory-hierarchy planner: given a model, a batch shape and a machine, decides where every
+//! buffer of the streaming step lives and predicts what a step costs, or refuses with the reason
+//! and what would fit. One implementation serves `sluice plan`, the web form and the trainer
+//! (which refuses a plan that does not fit before it allocates anything).
+//!
+//! The step it plans (DESIGN.md §3): units (embedding, each decoder layer, head) stream through
+//! the device in layer-major order over G micro-batches. Weights cross PCIe as bf16 twice per
+//! step (forward, backward; once for a resident unit), fp32 gradients come back once. The host
+//! holds 14 bytes per parameter (fp32 master, m, v; bf16 streaming copy) plus the gradient store
+//! or landing ring, host checkpoints and staging.
+//!
+//! How it decides: every combination of checkpoint tier (device or host), checkpoint interval K
+//! (1, or up to about sqrt(L) on the device) and, with clipping on, gradient tier (device store
+//! or host store) is a candidate. Each candidate then keeps as many units' weights resident as
+//! spare device memory allows, most-used first. Candidates that fit are timed by a
+//! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
+//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device).
+
+pub mod budget;
+pub mod rates;
+mod report;
+pub mod sizes;
+pub mod timing;
+
+use serde::Serialize;
+
+pub use budget::{Budget, Part, Tier, TierName};
+pub use rates::{H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
+pub use sizes::BatchShape;
+
+use crate::error::{Error, Result};
+use crate::spec::ModelSpec;
+use budget::Layout;
+use sizes::Sizes;
+use timing::StepCost;
+
+/// Where unit-input checkpoints live between the forward and the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointTier {
+    Device,
+    /// Pinned host memory: each checkpoint goes down in the forward and back up in the backward.
+    Host,
+}
+
+/// Where weight gradients wait before the optimizer uses them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientTier {
+    /// Clipping on: every unit's fp32 gradients stay on the device until the global norm is
+    /// known, then ship in forward order.
+    DeviceStore,
+    /// Clipping on: gradients ship as each unit finishes and wait in a pinned host store.
+    HostStore,
+    /// Clipping off: gradients land in a two-slot pinned ring and are consumed at once.
+    HostRing,
+}
+
+/// When the CPU AdamW runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerMode {
+    /// After the global norm is known, unit by unit in forward order, overlapped with the next
+    /// step's forward (each unit's update must finish before the forward needs it).
+    AfterNorm,
+    /// As each unit's gradients land, overlapped with the rest of the backward.
+    AsGradientsLand,
+}
+
+/// What a step spends most of its time on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bottleneck {
+    Pcie,
+    GpuCompute,
+    CpuAdam,
+}
+
+/// The problem: a model, a batch shape, clipping and a machine.
+#[derive(Debug, Clone)]
+pub struct PlanInput<'a> {
+    pub spec: &'a ModelSpec,
+    pub batch: BatchShape,
+    /// Whether global-norm gradient clipping is on (gradients then wait for the norm).
+    pub clipping: bool,
+    pub memory: MachineMemory,
+    pub rates: MachineRates,
+}
+
+/// The model as the plan describes it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSummary {
+    pub family: String,
+    pub params: u64,
+    pub layers: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    pub tied_embeddings: bool,
+    /// Units in streaming order: embedding, layers, head.
+    pub units: usize,
+}
+
+/// Where things live.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Placement {
+    /// Unit indices (0 = embedding, 1..=L the layers, L+1 the head) whose bf16 weights stay on
+    /// the device; they cross PCIe once per step (the updated copy) instead of per visit.
+    pub resident_units: Vec<usize>,
+    /// The same, readable: "embedding, layers 0-27".
+    pub resident_summary: String,
+    pub streamed_units: usize,
+    pub checkpoints: CheckpointTier,
+    /// K: one checkpoint every K layers (K - 1 layers recomputed from it in a separate pass).
+    pub checkpoint_interval: usize,
+    pub gradients: GradientTier,
+    pub optimizer: OptimizerMode,
+}
+
+/// Predicted cost of one steady-state step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepTime {
+    /// Seconds per optimizer step.
+    pub total_s: f64,
+    /// GPU busy time: GEMMs (forward, recompute, backward) plus attention.
+    pub compute_s: f64,
+    pub gemm_s: f64,
+    pub attention_s: f64,
+    /// FLOPs per step, GEMMs and attention.
+    pub flops: f64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    /// Seconds the host-to-device and device-to-host copy engines are busy (they run
+    /// concurrently with each other and with compute).
+    pub h2d_s: f64,
+    pub d2h_s: f64,
+    /// CPU AdamW seconds per step, how much of it overlaps GPU work and how much the step
+    /// waits for (the step's time with the optimizer minus without it).
+    pub adam_s: f64,
+    pub adam_hidden_s: f64,
+    pub adam_exposed_s: f64,
+    /// Step time the GPU does not compute.
+    pub gpu_idle_s: f64,
+    /// The busiest resource.
+    pub bottleneck: Bottleneck,
+    pub tokens_per_s: f64,
+    /// `6 x params x tokens / step time`, the figure peers report.
+    pub model_tflops: f64,
+}
+
+/// A configuration that fits, with its budget and predicted step time.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    pub model: ModelSummary,
+    pub batch: BatchShape,
+    pub tokens_per_step: u64,
+    pub clipping: bool,
+    pub memory: MachineMemory,
+    pub rates: MachineRates,
+    pub placement: Placement,
+    pub budget: Budget,
+    pub time: StepTime,
+}
+
+/// Which memory overflowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Memory {
+    Device,
+    /// Host RAM: pinned and pageable together.
+    Host,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Overflow {
+    pub memory: Memory,
+    pub needed: u64,
+    pub capacity: u64,
+    pub over_by: u64,
+}
+
+/// A change that would make the job fit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Suggestion {
+    /// The largest micro-batch that fits with the other settings unchanged.
+    MicroBatch(usize),
+    /// The largest number of micro-batches per step that fits.
+    GradAccum(usize),
+    /// Host RAM the job needs as asked.
+    HostMemory(u64),
+    /// GPU memory the job needs as asked (with nothing resident).
+    GpuMemory(u64),
+}
+
+/// Why a job does not fit, and what would.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Refusal {
+    /// One sentence naming the tier that overflows and by how much.
+    pub reason: String,
+    pub overflows: Vec<Overflow>,
+    /// The budget of the placement that came closest.
+    pub budget: Budget,
+    pub fits: Vec<Suggestion>,
+    pub model: ModelSummary,
+    pub batch: BatchShape,
+    pub memory: MachineMemory,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    Fits(Box<Plan>),
+    Refused(Box<Refusal>),
+}
+
+impl Verdict {
+    /// The plan, or the refusal as an error (for the trainer, before it allocates anything).
+    pub fn into_plan(self) -> Result<Plan> {
+        match self {
+            Verdict::Fits(plan) => Ok(*plan),
+            Verdict::Refused(r) => Err(Error::invalid(format!("the job does not fit: {r}"))),
+        }
+    }
+}
+
+/// Plans a job. Errors only for invalid input (zero sizes, a sequence longer than the model's
+/// positions, non-positive rates); a job that does not fit is [`Verdict::Refused`].
+pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
+    input.batch.validate(input.spec)?;
+    input.rates.validate()?;
+    let sizes = Sizes::new(input.spec, input.batch);
+    let model = ModelSummary {
+        family: input.spec.family.model_type().to_string(),
+        params: sizes.params,
+        layers: sizes.layers,
+        hidden: input.spec.hidden,
+        vocab: input.spec.vocab,
+        tied_embeddings: sizes.tied,
+        units: sizes.units.len(),
+    };
+    match search(&sizes, input) {
+        Some(best) => {
+            let placement = placement(&sizes, &best.layout, input.clipping);
+            let time = step_time(&sizes, &best, input);
+            Ok(Verdict::Fits(Box::new(Plan {
+                model,
+                batch: input.batch,
+                tokens_per_step: input.batch.step_tokens(),
+                clipping: input.clipping,
+                memory: input.memory.clone(),
+                rates: input.rates,
+                placement,
+                budget: best.budget,
+                time,
+            })))
+        }
+        None => Ok(Verdict::Refused(Box::new(refusal(&sizes, input, model)))),
+    }
+}
+
+/// A candidate after residency was filled in.
+struct Evaluated {
+    layout: Layout,
+    budget: Budget,
+    rank: usize,
+    cost: StepCost,
+}
+
+/// The candidate layouts (nothing resident yet), each with its preference rank (lower is
+/// simpler): device checkpoints with K = 1, then host checkpoints, then growing K; gradients on
+/// the device before the host.
+fn candidates(s: &Sizes, clipping: bool) -> Vec<(Layout, usize)> {
+    let max_k = ((s.layers as f64).sqrt().ceil() as usize).max(1);
+    let mut ckpts = vec![(CheckpointTier::Device, 1, 0), (CheckpointTier::Host, 1, 1)];
+    ckpts.extend((2..=max_k).map(|k| (CheckpointTier::Device, k, k)));
+    let grads: &[(GradientTier, usize)] = if clipping {
+        &[(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)]
+    } else {
+        &[(GradientTier::HostRing, 0)]
+    };
+    let mut out = Vec::new();
+    for &(checkpoints, interval, ck_rank) in &ckpts {
+        for &(gradients, g_rank) in grads {
+            let layout =
+                Layout { checkpoints, interval, gradients, resident: vec![false; s.units.len()] };
+            out.push((layout, 2 * ck_rank + g_rank));
+        }
+    }
+    out
+}
+
+/// Keeps units resident, most-used first, while the device has room. A streamed unit crosses
+/// PCIe once per visit, a resident one once per step, so the saving per byte is (visits - 1):
+/// two for a tied embedding (its own two visits and the head's), one for layers and an untied
+/// embedding (two with K > 1, whose recompute pass is a third visit), none for the head. Ties go
+/// to the larger unit, whose residency also shrinks the streaming slots.
+fn fill_resident(s: &Sizes, layout: &mut Layout, gpu: u64, host: u64) {
+    let visits = |u: usize| -> usize {
+        match u {
+            0 if s.tied => 3,
+            0 => 2,
+            u if u == s.head() => 1,
+            _ if layout.interval > 1 => 3,
+            _ => 2,
+        }
+    };
+    let mut order: Vec<usize> = (0..s.units.len()).collect();
+    order.sort_by_key(|&u| {
+        (std::cmp::Reverse(visits(u)), std::cmp::Reverse(s.units[u].params), std::cmp::Reverse(u))
+    });
+    for u in order {
+        layout.resident[u] = true;
+        if budget::budget(s, layout, gpu, host).device_over() > 0 {
+            layout.resident[u] = false;
+        }
+    }
+}
+
+/// The best fitting layout, or the closest one when none fits.
+fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<Evaluated> {
+    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
+    let mut fitting = Vec::new();
+    for (mut layout, rank) in candidates(s, input.clipping) {
+        fill_resident(s, &mut layout, gpu, host);
+        let b = budget::budget(s, &layout, gpu, host);
+        if b.fits() {
+            let cost = timing::simulate(s, &layout, &input.rates, 1.0);
+            fitting.push(Evaluated { layout, budget: b, rank, cost });
+        }
+    }
+    let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
+    fitting.into_iter().filter(|e| e.cost.step <= fastest * 1.01).min_by_key(|e| e.rank)
+}
+
+fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
+    let resident: Vec<usize> = (0..s.units.len()).filter(|&u| l.resident[u]).collect();
+    Placement {
+        resident_summary: report::unit_ranges(s, &resident),
+        streamed_units: s.units.len() - resident.len(),
+        resident_units: resident,
+        checkpoints: l.checkpoints,
+        checkpoint_interval: l.interval,
+        gradients: l.gradients,
+        optimizer: if clipping { OptimizerMode::AfterNorm } else { OptimizerMode::AsGradientsLand },
+    }
+}
+
+fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
+    let c = &e.cost;
+    let without_adam = timing::simulate(s, &e.layout, &input.rates, 0.0).step;
+    let exposed = (c.step - without_adam).clamp(0.0, c.adam);
+    let compute = c.gemm + c.attention;
+    let pcie = c.h2d.max(c.d2h);
+    let bottleneck = if pcie >= compute && pcie >= c.adam {
+        Bottleneck::Pcie
+    } else if c.adam > compute {
+        Bottleneck::CpuAdam
+    } else {
+        Bottleneck::GpuCompute
+    };
+    let tokens = s.batch.step_tokens() as f64;
+    StepTime {
+        total_s: c.step,
+        compute_s: compute,
+        gemm_s: c.gemm,
+        attention_s: c.attention,
+        flops: c.gemm * input.rates.gemm_flops + c.attention * input.rates.attention_flops,
+        h2d_bytes: c.h2d_bytes,
+        d2h_bytes: c.d2h_bytes,
+        h2d_s: c.h2d,
+        d2h_s: c.d2h,
+        adam_s: c.adam,
+        adam_hidden_s: c.adam - exposed,
+        adam_exposed_s: exposed,
+        gpu_idle_s: (c.step - compute).max(0.0),
+        bottleneck,
+        tokens_per_s: tokens / c.step,
+        model_tflops: 6.0 * s.params as f64 * tokens / c.step / 1e12,
+    }
+}
+
+/// The leanest budgets when nothing fits: nothing resident, every candidate.
+struct Leanest {
+    /// The budget to show: the least host among candidates whose device fits, else the least
+    /// device among those whose host fits, else the least total overflow.
+    shown: Budget,
+    /// Least device memory any candidate needs, and least host memory.
+    device_min: u64,
+    host_min: u64,
+    /// Host memory needed with a device that fits (the HostMemory suggestion), and device
+    /// memory needed with a host that fits.
+    host_needed: u64,
+    device_needed: u64,
+}
+
+fn leanest(s: &Sizes, input: &PlanInput<'_>) -> Leanest {
+    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
+    let budgets: Vec<Budget> = candidates(s, input.clipping)
+        .into_iter()
+        .map(|(l, _)| budget::budget(s, &l, gpu, host))
+        .collect();
+    let device_min = budgets.iter().map(|b| b.device.used).min().unwrap_or(0);
+    let host_min = budgets.iter().map(Budget::host_used).min().unwrap_or(0);
+    let device_fits = budgets.iter().filter(|b| b.device_over() == 0).min_by_key(|b| b.host_used());
+    let host_fits = budgets.iter().filter(|b| b.host_over() == 0).min_by_key(|b| b.device.used);
+    let closest = budgets.iter().min_by_key(|b| b.device_over() + b.host_over());
+    let shown = device_fits
+        .or(host_fits)
+        .or(closest)
+        .cloned()
+        .unwrap_or_else(|| budget::budget(s, &candidates(s, input.clipping)[0].0, gpu, host));
+    Leanest {
+        host_needed: device_fits.map_or(host_min, Budget::host_used),
+        device_needed: host_fits.map_or(device_min, |b| b.device.used),
+        shown,
+        device_min,
+        host_min,
+    }
+}
+
+fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
+    let lean = leanest(s, input);
+    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
+    let mut overflows = Vec::new();
+    // A memory is named only when no placement fits it: then it is the reason.
+    if lean.device_min > gpu {
+        overflows.push(Overflow {
+            memory: Memory::Device,
+            needed: lean.device_min,
+            capacity: gpu,
+            over_by: lean.device_min - gpu,
+        });
+    }
+    if lean.host_min > host {
+        overflows.push(Overflow {
+            memory: Memory::Host,
+            needed: lean.host_min,
+            capacity: host,
+            over_by: lean.host_min - host,
+        });
+    }
+    if overflows.is_empty() {
+        // Each memory fits some placement, but no placement fits both.
+        let b = &lean.shown;
+        overflows.push(if b.device_over() > 0 {
+            Overflow {
+                memory: Memory::Device,
+                needed: b.device.used,
+                capacity: gpu,
+                over_by: b.device_over(),
+            }
+        } else {
+            Overflow {
+                memory: Memory::Host,
+                needed: b.host_used(),
+                capacity: host,
+                over_by: b.host_over(),
+            }
+        });
+    }
+    let reason = overflows
+        .iter()
+        .map(|o| match o.memory {
+            Memory::Device => format!(
+                "device memory: needs {} of {} (over by {})",
+                report::gib(o.needed),
+                report::gib(o.capacity),
+                report::gib(o.over_by)
+            ),
+            Memory::Host => format!(
+                "host memory (pinned + pageable): needs {} of {} (over by {})",
+                report::gib(o.needed),
+                report::gib(o.capacity),
+                report::gib(o.over_by)
+            ),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    Refusal {
+        reason,
+        fits: suggestions(input, &lean),
+        overflows,
+        budget: lean.shown.clone(),
+        model,
+        batch: input.batch,
+        memory: input.memory.clone(),
+    }
+}
+
+/// Whether a batch shape fits (any candidate).
+fn fits_with(input: &PlanInput<'_>, batch: BatchShape) -> bool {
+    let s = Sizes::new(input.spec, batch);
+    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
+    candidates(&s, input.clipping)
+        .into_iter()
+        .any(|(l, _)| budget::budget(&s, &l, gpu, host).fits())
+}
+
+/// The largest `n` in `1..limit` with `fits(n)`, assuming fitting is monotone (memory grows with
+/// every batch dimension).
+fn largest_fitting(limit: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    let (mut lo, mut hi) = (0usize, limit);
+    // Invariant: lo fits (or is 0), hi does not.
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) { lo = mid } else { hi = mid }
+    }
+    (lo > 0).then_some(lo)
+}
+
+fn suggestions(input: &PlanInput<'_>, lean: &Leanest) -> Vec<Suggestion> {
+    let b = input.batch;
+    let mut out = Vec::new();
+    let micro =
+        largest_fitting(b.micro_batch, |m| fits_with(input, BatchShape { micro_batch: m, ..b }));
+    out.extend(micro.map(Suggestion::MicroBatch));
+    let accum =
+        largest_fitting(b.grad_accum, |g| fits_with(input, BatchShape { grad_accum: g, ..b }));
+    out.extend(accum.map(Suggestion::GradAccum));
+    if lean.host_needed > input.memory.host_bytes {
+        out.push(Suggestion::HostMemory(lean.host_needed));
+    }
+    if lean.device_needed > input.memory.gpu_bytes {
+        out.push(Suggestion::GpuMemory(lean.device_needed));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,208 @@
+//! The plan as text for a terminal: placement, the budget of each tier part by part, the step
+//! time and its bottleneck, or the refusal and what would fit.
+
+use std::fmt;
+
+use super::sizes::Sizes;
+use super::{
+    Bottleneck, Budget, CheckpointTier, GradientTier, MemorySource, OptimizerMode, Plan, Refusal,
+    Suggestion,
+};
+
+/// Bytes as GiB with two decimals ("13.27 GiB"); small sizes in MiB.
+pub fn gib(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
+/// Resident units as ranges: "embedding, layers 0-27, head".
+pub(super) fn unit_ranges(s: &Sizes, units: &[usize]) -> String {
+    let head = s.head();
+    let mut parts = Vec::new();
+    if units.contains(&0) {
+        parts.push("embedding".to_string());
+    }
+    let layers: Vec<usize> = units.iter().filter(|&&u| u > 0 && u < head).map(|u| u - 1).collect();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            format!("layer {}", layers[i])
+        } else {
+            format!("layers {}-{}", layers[i], layers[j])
+        });
+        i = j + 1;
+    }
+    if units.contains(&head) {
+        parts.push("head".to_string());
+    }
+    if parts.is_empty() { "none".to_string() } else { parts.join(", ") }
+}
+
+fn source(s: &MemorySource) -> &'static str {
+    match s {
+        MemorySource::Given => "given",
+        MemorySource::Measured => "read from this machine",
+        MemorySource::AssumedH200 => "no GPU could be read: assuming an H200",
+    }
+}
+
+fn write_budget(f: &mut fmt::Formatter<'_>, b: &Budget) -> fmt::Result {
+    for tier in b.tiers() {
+        writeln!(
+            f,
+            "  {:<14} {:>11} used of {:>11}",
+            tier.tier.label(),
+            gib(tier.used),
+            gib(tier.capacity)
+        )?;
+        for p in &tier.parts {
+            writeln!(f, "    {:>11}  {}", gib(p.bytes), p.name)?;
+        }
+    }
+    writeln!(f, "  host total     {:>11} used of {:>11}", gib(b.host_used()), gib(b.host_capacity))
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.model;
+        let b = &self.batch;
+        writeln!(
+            f,
+            "model: {} family, {:.2}B parameters, {} layers, hidden {}, vocab {}",
+            m.family,
+            m.params as f64 / 1e9,
+            m.layers,
+            m.hidden,
+            m.vocab
+        )?;
+        writeln!(
+            f,
+            "batch: {} micro-batches x {} rows x {} tokens = {} tokens per step; clipping {}",
+            b.grad_accum,
+            b.micro_batch,
+            b.seq_len,
+            self.tokens_per_step,
+            if self.clipping { "on" } else { "off" }
+        )?;
+        writeln!(
+            f,
+            "machine: GPU {} ({}), host {} ({})",
+            gib(self.memory.gpu_bytes),
+            source(&self.memory.gpu_source),
+            gib(self.memory.host_bytes),
+            source(&self.memory.host_source)
+        )?;
+        let p = &self.placement;
+        writeln!(f, "placement:")?;
+        writeln!(
+            f,
+            "  resident units: {} ({} of {}; {} stream)",
+            p.resident_summary,
+            p.resident_units.len(),
+            m.units,
+            p.streamed_units
+        )?;
+        writeln!(
+            f,
+            "  checkpoints: {}, every {} layer(s)",
+            match p.checkpoints {
+                CheckpointTier::Device => "on the device",
+                CheckpointTier::Host => "in pinned host memory",
+            },
+            p.checkpoint_interval
+        )?;
+        writeln!(
+            f,
+            "  gradients: {}; optimizer {}",
+            match p.gradients {
+                GradientTier::DeviceStore => "wait for the norm on the device",
+                GradientTier::HostStore => "wait for the norm in the host store",
+                GradientTier::HostRing => "land in a host ring",
+            },
+            match p.optimizer {
+                OptimizerMode::AfterNorm => "after the norm, overlapped with the next forward",
+                OptimizerMode::AsGradientsLand => "as gradients land, overlapped with the backward",
+            }
+        )?;
+        writeln!(f, "memory:")?;
+        write_budget(f, &self.budget)?;
+        let t = &self.time;
+        writeln!(
+            f,
+            "step: {:.3} s predicted, {:.0} tokens/s, {:.0} TFLOPS by 6 x params x tokens",
+            t.total_s, t.tokens_per_s, t.model_tflops
+        )?;
+        writeln!(
+            f,
+            "  GPU compute   {:>8.3} s  (GEMM {:.3} s incl. recompute, attention {:.3} s; idle {:.3} s)",
+            t.compute_s, t.gemm_s, t.attention_s, t.gpu_idle_s
+        )?;
+        writeln!(
+            f,
+            "  PCIe h2d      {:>8.3} s  ({}); d2h {:.3} s ({})",
+            t.h2d_s,
+            gib(t.h2d_bytes),
+            t.d2h_s,
+            gib(t.d2h_bytes)
+        )?;
+        writeln!(
+            f,
+            "  CPU AdamW     {:>8.3} s  ({:.3} s hidden behind GPU work, {:.3} s exposed)",
+            t.adam_s, t.adam_hidden_s, t.adam_exposed_s
+        )?;
+        write!(
+            f,
+            "  bottleneck: {}",
+            match t.bottleneck {
+                Bottleneck::Pcie => "PCIe",
+                Bottleneck::GpuCompute => "GPU compute",
+                Bottleneck::CpuAdam => "CPU AdamW",
+            }
+        )
+    }
+}
+
+impl fmt::Display for Suggestion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Suggestion::MicroBatch(m) => write!(f, "--micro-batch {m}"),
+            Suggestion::GradAccum(g) => write!(f, "--grad-accum {g}"),
+            Suggestion::HostMemory(b) => write!(f, "{} of host RAM", gib(*b)),
+            Suggestion::GpuMemory(b) => write!(f, "{} of GPU memory", gib(*b)),
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.reason)?;
+        if !self.fits.is_empty() {
+            let fits: Vec<String> = self.fits.iter().map(|s| s.to_string()).collect();
+            write!(f, "; would fit with {}", fits.join(", or "))?;
+        }
+        Ok(())
+    }
+}
+
+impl Refusal {
+    /// The refusal with the closest placement's budget, for a terminal.
+    pub fn details(&self) -> String {
+        struct Details<'a>(&'a Refusal);
+        impl fmt::Display for Details<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                writeln!(f, "does not fit: {}", self.0)?;
+                writeln!(f, "memory of the closest placement:")?;
+                write_budget(f, &self.0.budget)
+            }
+        }
+        Details(self).to_string()
+    }
+}

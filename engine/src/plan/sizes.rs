@@ -1,0 +1,195 @@
+//! What the model and the batch shape imply, before any placement is chosen: parameters per
+//! unit, FLOPs per unit visit, and the byte size of every buffer the schedule allocates.
+//!
+//! Units are indexed as in `model::layout`: 0 is the embedding, 1..=L the decoder layers, L+1
+//! the head. Buffers on the device hold activations in bf16 (2 bytes) and reductions and
+//! gradient accumulators in fp32 (4 bytes), as the CUDA backend allocates them.
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::spec::ModelSpec;
+
+/// bf16 bytes per element.
+pub const BF16: u64 = 2;
+/// fp32 bytes per element.
+pub const F32: u64 = 4;
+/// Tokens whose logits the head materialises at once on the device (`[chunk, V]`, f32 logits
+/// plus their bf16 gradient): large enough for full-speed GEMMs, small enough that a 152k
+/// vocabulary costs under 1 GB.
+pub const CE_CHUNK_TOKENS: u64 = 1024;
+/// The `i32` arrays each micro-batch keeps on the device: ids, positions, targets and document
+/// bounds (at most one per token, plus one).
+pub const TOKEN_ARRAYS: u64 = 4;
+
+/// Sequence length, rows per micro-batch and micro-batches per optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BatchShape {
+    pub seq_len: usize,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+}
+
+impl BatchShape {
+    /// Tokens in one micro-batch (`M x S`).
+    pub fn micro_tokens(&self) -> u64 {
+        self.micro_batch as u64 * self.seq_len as u64
+    }
+
+    /// Tokens in one optimizer step (`G x M x S`).
+    pub fn step_tokens(&self) -> u64 {
+        self.grad_accum as u64 * self.micro_tokens()
+    }
+
+    /// Rejects zero sizes and a sequence longer than the model's positions.
+    pub fn validate(&self, spec: &ModelSpec) -> Result<()> {
+        for (name, n) in [
+            ("seq_len", self.seq_len),
+            ("micro_batch", self.micro_batch),
+            ("grad_accum", self.grad_accum),
+        ] {
+            if n == 0 {
+                return Err(Error::invalid(format!("{name} must be at least 1")));
+            }
+        }
+        if self.seq_len > spec.max_positions {
+            return Err(Error::invalid(format!(
+                "seq_len {} exceeds the model's max_position_embeddings {}",
+                self.seq_len, spec.max_positions
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One unit's size and work.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UnitInfo {
+    pub name: String,
+    /// Trainable parameters the unit owns (a tied LM head belongs to the embedding).
+    pub params: u64,
+    /// Parameters that are GEMM operands in this unit's compute (the tied LM head counts here,
+    /// in the head; an embedding lookup is not a GEMM).
+    pub gemm_params: u64,
+}
+
+/// Everything the placement search needs, derived once from the spec and the batch shape.
+#[derive(Debug, Clone)]
+pub struct Sizes {
+    pub units: Vec<UnitInfo>,
+    pub layers: usize,
+    pub hidden: u64,
+    pub vocab: u64,
+    pub tied: bool,
+    pub params: u64,
+    pub batch: BatchShape,
+    /// Device bytes of one layer's scratch for one micro-batch.
+    pub layer_scratch: u64,
+    /// Device bytes of the head's norm and chunked cross-entropy workspace.
+    pub head_workspace: u64,
+    /// Attention FLOPs of one layer's forward over the whole step (all micro-batches).
+    pub attention_fwd_flops: f64,
+}
+
+impl Sizes {
+    pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
+        let (h, v, i) = (spec.hidden as u64, spec.vocab as u64, spec.intermediate as u64);
+        let layer_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64 + 3 * i) * h;
+        let mut units = vec![UnitInfo { name: "embedding".into(), params: v * h, gemm_params: 0 }];
+        for l in 0..spec.layers {
+            units.push(UnitInfo {
+                name: format!("layer {l}"),
+                params: spec.layer_params() as u64,
+                gemm_params: layer_gemm,
+            });
+        }
+        let head_params = h + if spec.tie_embeddings { 0 } else { v * h };
+        units.push(UnitInfo { name: "head".into(), params: head_params, gemm_params: v * h });
+        let params = units.iter().map(|u| u.params).sum();
+        Sizes {
+            units,
+            layers: spec.layers,
+            hidden: h,
+            vocab: v,
+            tied: spec.tie_embeddings,
+            params,
+            batch,
+            layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
+            head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
+            attention_fwd_flops: attention_fwd_flops(spec, batch),
+        }
+    }
+
+    pub fn head(&self) -> usize {
+        self.units.len() - 1
+    }
+
+    /// Bytes of one unit-boundary activation for all micro-batches: `G x [M S, H]` in bf16.
+    pub fn activation_set(&self) -> u64 {
+        self.batch.step_tokens() * self.hidden * BF16
+    }
+
+    /// Bytes of one unit-boundary activation for one micro-batch.
+    pub fn activation_one(&self) -> u64 {
+        self.batch.micro_tokens() * self.hidden * BF16
+    }
+
+    /// Parameters that must be on the device while unit `u` computes: its own, plus the tied
+    /// embedding table for the head.
+    pub fn visit_params(&self, u: usize, embedding_resident: bool) -> u64 {
+        let own = self.units.get(u).map_or(0, |x| x.params);
+        if u == self.head() && self.tied && !embedding_resident {
+            own + self.vocab * self.hidden
+        } else {
+            own
+        }
+    }
+}
+
+/// `LayerScratch` in `model::decoder`, for `t` tokens: every activation buffer in bf16, the
+/// norms' reciprocal RMS and attention's log-sum-exp in f32, plus the attention backward's
+/// row sums `D = rowsum(dO * O)` (`[T, nq]`, f32) that a fused kernel keeps.
+pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
+    let (h, i) = (spec.hidden as u64, spec.intermediate as u64);
+    let (dqkv, datt) = (spec.qkv_width() as u64, spec.attn_width() as u64);
+    let qk = u64::from(spec.qk_norm);
+    let nq = spec.q_heads as u64;
+    // ln1, x1, ln2, tmp_h, d_x1 | qkv, d_qkv (+ qkv_pre, d_qkv_pre) | att, d_att |
+    // gate_up, d_gate_up (2I each), act, d_act
+    let bf16_elems = t * (5 * h + (2 + 2 * qk) * dqkv + 2 * datt + 6 * i);
+    // ln1_rstd, ln2_rstd | qk_rstd | lse | D
+    let f32_elems = t * (2 + qk * (nq + spec.kv_heads as u64) + 2 * nq);
+    bf16_elems * BF16 + f32_elems * F32
+}
+
+/// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in
+/// f32) plus one chunk of logits: `[chunk, V]` f32 and its bf16 gradient.
+pub fn head_workspace_bytes(spec: &ModelSpec, t: u64) -> u64 {
+    let (h, v) = (spec.hidden as u64, spec.vocab as u64);
+    let chunk = t.min(CE_CHUNK_TOKENS);
+    2 * t * h * BF16 + 3 * t * F32 + chunk * v * (F32 + BF16)
+}
+
+/// Query-key pairs a causal sequence of `s` tokens computes with an optional sliding window
+/// `w` (token `i` sees `min(i + 1, w)` keys). One document per row: packed documents only
+/// lower it, so this is the upper bound.
+pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
+    let full = s * (s + 1) / 2;
+    match window {
+        Some(w) if w < s => w * (w + 1) / 2 + (s - w) * w,
+        _ => full,
+    }
+}
+
+/// Forward attention FLOPs of every layer summed, averaged per layer, for the whole step:
+/// `QK^T` and `PV` are `2 x hd` FLOPs per head per query-key pair each.
+fn attention_fwd_flops(spec: &ModelSpec, batch: BatchShape) -> f64 {
+    let rows = (batch.grad_accum * batch.micro_batch) as f64;
+    let per_pair = 4.0 * (spec.head_dim * spec.q_heads) as f64;
+    let total: f64 = spec
+        .windows
+        .iter()
+        .map(|w| causal_pairs(batch.seq_len as u64, w.map(|w| w as u64)) as f64)
+        .sum();
+    rows * per_pair * total / spec.layers.max(1) as f64
+}

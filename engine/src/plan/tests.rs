@@ -1,0 +1,377 @@
+//! The planner against budgets computed by hand from the published model shapes.
+
+use super::*;
+use crate::spec::preset;
+
+const GIB: u64 = 1 << 30;
+/// The H200 test machine: 139 GiB of GPU memory, 125 GiB of host RAM.
+const H200: (u64, u64) = (139 * GIB, 125 * GIB);
+
+fn check(name: &str, batch: (usize, usize, usize), mem: (u64, u64), clipping: bool) -> Verdict {
+    let spec = preset(name).expect("preset");
+    let (seq_len, micro_batch, grad_accum) = batch;
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len, micro_batch, grad_accum },
+        clipping,
+        memory: MachineMemory {
+            gpu_bytes: mem.0,
+            gpu_source: MemorySource::Given,
+            host_bytes: mem.1,
+            host_source: MemorySource::Given,
+        },
+        rates: MachineRates::default(),
+    };
+    plan(&input).expect("valid input")
+}
+
+fn fits(v: Verdict) -> Plan {
+    match v {
+        Verdict::Fits(p) => *p,
+        Verdict::Refused(r) => panic!("refused: {}", r.details()),
+    }
+}
+
+fn refused(v: Verdict) -> Refusal {
+    match v {
+        Verdict::Refused(r) => *r,
+        Verdict::Fits(p) => panic!("expected a refusal, got\n{p}"),
+    }
+}
+
+/// The shapes by hand (config.json of each model), independent of `ModelSpec`'s arithmetic.
+struct Shape {
+    vocab: u64,
+    hidden: u64,
+    inter: u64,
+    layers: u64,
+    q_heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    qkv_bias: bool,
+}
+
+impl Shape {
+    fn qkv(&self) -> u64 {
+        (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+    fn att(&self) -> u64 {
+        self.q_heads * self.head_dim
+    }
+    fn layer(&self) -> u64 {
+        let h = self.hidden;
+        2 * h
+            + self.qkv() * h
+            + h * self.att()
+            + 3 * self.inter * h
+            + if self.qkv_bias { self.qkv() } else { 0 }
+    }
+    /// Untied: embedding + layers + final norm + LM head.
+    fn params(&self) -> u64 {
+        2 * self.vocab * self.hidden + self.layers * self.layer() + self.hidden
+    }
+}
+
+const QWEN7: Shape = Shape {
+    vocab: 152064,
+    hidden: 3584,
+    inter: 18944,
+    layers: 28,
+    q_heads: 28,
+    kv_heads: 4,
+    head_dim: 128,
+    qkv_bias: true,
+};
+const LLAMA8: Shape = Shape {
+    vocab: 128256,
+    hidden: 4096,
+    inter: 14336,
+    layers: 32,
+    q_heads: 32,
+    kv_heads: 8,
+    head_dim: 128,
+    qkv_bias: false,
+};
+const QWEN14: Shape = Shape {
+    vocab: 152064,
+    hidden: 5120,
+    inter: 13824,
+    layers: 48,
+    q_heads: 40,
+    kv_heads: 8,
+    head_dim: 128,
+    qkv_bias: true,
+};
+const QWEN72: Shape = Shape {
+    vocab: 152064,
+    hidden: 8192,
+    inter: 29568,
+    layers: 80,
+    q_heads: 64,
+    kv_heads: 8,
+    head_dim: 128,
+    qkv_bias: true,
+};
+
+#[test]
+fn hand_shapes_match_the_published_parameter_counts() {
+    // Hugging Face model cards: 7.62B, 8.03B, 14.8B, 72.7B.
+    assert_eq!(QWEN7.params(), 7_615_616_512);
+    assert_eq!(LLAMA8.params(), 8_030_261_248);
+    assert_eq!(QWEN14.params(), 14_770_033_664);
+    assert_eq!(QWEN72.params(), 72_706_203_648);
+}
+
+/// Host bytes by hand: 14 per parameter, plus the gradient ring (two slots of the largest unit
+/// in fp32: the untied head, its norm and LM head) or the 4-byte gradient store, token staging (4 i32 arrays per token
+/// and one bound per micro-batch) and one 4 KiB alignment page per unit per array (4 arrays).
+fn host_by_hand(s: &Shape, grads_on_host: bool, tokens: u64, g: u64) -> (u64, u64) {
+    let p = s.params();
+    let units = s.layers + 2;
+    let grads = if grads_on_host { 4 * p } else { 2 * (s.vocab * s.hidden + s.hidden) * 4 };
+    let pinned = 2 * p + grads + tokens * 16 + g * 4 + units * 4096;
+    let pageable = 12 * p + 3 * units * 4096;
+    (pinned, pageable)
+}
+
+#[test]
+fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
+    for (name, shape) in [("qwen2.5-7b", &QWEN7), ("llama3-8b", &LLAMA8)] {
+        let plan = fits(check(name, (1024, 8, 8), H200, true));
+        let p = shape.params();
+        assert_eq!(plan.model.params, p, "{name}");
+        let (t, g, h) = (8 * 1024u64, 8u64, shape.hidden);
+        let b = &plan.budget;
+
+        // Host: 14 bytes per parameter plus the stated extras, exactly.
+        let on_host = plan.placement.gradients == GradientTier::HostStore;
+        let (pinned, pageable) = host_by_hand(shape, on_host, g * t, g);
+        assert_eq!(b.pinned_host.used, pinned, "{name} pinned\n{plan}");
+        assert_eq!(b.pageable_host.used, pageable, "{name} pageable\n{plan}");
+        assert_eq!(b.host_used(), pinned + pageable);
+        assert!(b.host_used() <= 125 * GIB);
+
+        // Device: with 139 GiB every unit stays resident and the gradients wait on the device.
+        assert_eq!(plan.placement.streamed_units, 0, "{name}\n{plan}");
+        assert_eq!(plan.placement.gradients, GradientTier::DeviceStore, "{name}");
+        assert_eq!(plan.placement.checkpoints, CheckpointTier::Device, "{name}");
+        assert_eq!(plan.placement.checkpoint_interval, 1, "{name}");
+        let scratch = t * (5 * h + 2 * shape.qkv() + 2 * shape.att() + 6 * shape.inter) * 2
+            + t * (2 + 2 * shape.q_heads) * 4;
+        let head = 2 * t * h * 2 + 3 * t * 4 + 1024 * shape.vocab * 6;
+        let device = 2 * p // resident bf16 weights
+            + 4 * p // gradient store
+            + scratch
+            + head
+            + 2 * g * t * h * 2 // activations in and out
+            + (shape.layers + 1) * g * t * h * 2 // checkpoints
+            + g * t * 16 + g * 4 // token batches
+            + GIB; // runtime reserve
+        assert_eq!(b.device.part("layer scratch"), scratch, "{name}");
+        assert_eq!(b.device.part("checkpoints"), (shape.layers + 1) * g * t * h * 2, "{name}");
+        assert_eq!(b.device.used, device, "{name}\n{plan}");
+        assert_eq!(b.device.part("weight slots"), 0, "nothing streams: no slots");
+    }
+}
+
+#[test]
+fn fourteen_b_needs_more_host_than_the_h200_machine_has_and_fits_with_it() {
+    // 14 x 14.77e9 = 206.8 GB = 192.6 GiB of training state alone: more than 125 GiB.
+    let r = refused(check("qwen2.5-14b", (1024, 8, 8), H200, true));
+    assert_eq!(r.overflows.len(), 1, "{r}");
+    assert_eq!(r.overflows[0].memory, Memory::Host);
+    let (pinned, pageable) = host_by_hand(&QWEN14, false, 8 * 8 * 1024, 8);
+    assert_eq!(r.overflows[0].needed, pinned + pageable, "{r}");
+    assert_eq!(r.overflows[0].over_by, pinned + pageable - 125 * GIB);
+    assert!(r.fits.contains(&Suggestion::HostMemory(pinned + pageable)), "{r}");
+    assert!(r.reason.contains("host memory"), "{}", r.reason);
+
+    // With that much host RAM it fits, and its budget is still 14 bytes/param plus extras.
+    let plan = fits(check("qwen2.5-14b", (1024, 8, 8), (139 * GIB, pinned + pageable), true));
+    assert_eq!(plan.budget.host_used(), pinned + pageable);
+    assert!(plan.placement.resident_units.len() > 1, "{plan}");
+}
+
+#[test]
+fn seventy_two_b_is_refused_for_host_memory_with_what_it_needs() {
+    let r = refused(check("qwen2.5-72b", (1024, 8, 8), H200, true));
+    let p = QWEN72.params();
+    assert!(14 * p > 125 * GIB, "the premise: 14 bytes/param exceeds the host");
+    let host = r.overflows.iter().find(|o| o.memory == Memory::Host).expect("host overflows");
+    // The leanest host placement keeps gradients on the device (a two-slot ring on the host),
+    // but 4 bytes/param of gradients (291 GB) do not fit 139 GiB, so RAM for the host store
+    // is what it takes.
+    let (lean_pinned, lean_pageable) = host_by_hand(&QWEN72, false, 8 * 8 * 1024, 8);
+    assert_eq!(host.needed, lean_pinned + lean_pageable);
+    assert_eq!(host.over_by, lean_pinned + lean_pageable - 125 * GIB);
+    let (pinned, pageable) = host_by_hand(&QWEN72, true, 8 * 8 * 1024, 8);
+    assert!(r.fits.contains(&Suggestion::HostMemory(pinned + pageable)), "{:?}", r.fits);
+    let text = r.to_string();
+    assert!(text.contains("host memory") && text.contains("over by"), "{text}");
+    // No batch change rescues it.
+    assert!(!r.fits.iter().any(|s| matches!(s, Suggestion::MicroBatch(_))), "{text}");
+}
+
+#[test]
+fn tight_gpu_streams_the_rest_through_two_slots() {
+    let plan = fits(check("qwen2.5-7b", (1024, 8, 8), (40 * GIB, 125 * GIB), true));
+    let pl = &plan.placement;
+    assert!(pl.streamed_units > 0 && !pl.resident_units.is_empty(), "{plan}");
+    // The embedding is resident before any layer (same saving per byte, larger unit); the head
+    // saves no traffic and only takes what room is left.
+    assert!(pl.resident_units.contains(&0), "{plan}");
+    // The slots hold the largest streamed unit: the untied head (norm + LM head).
+    let head = QWEN7.hidden + QWEN7.vocab * QWEN7.hidden;
+    let largest_layer = QWEN7.layer();
+    let streamed_head = !pl.resident_units.contains(&(QWEN7.layers as usize + 1));
+    let slot = if streamed_head { head } else { largest_layer };
+    assert_eq!(plan.budget.device.part("weight slots"), 2 * 2 * slot, "{plan}");
+    assert!(plan.budget.device.used <= 40 * GIB);
+}
+
+#[test]
+fn pcie_traffic_by_hand_and_independent_of_grad_accum() {
+    // Clipping off at 40 GiB: streamed units go up twice (layers, embedding) or once (head),
+    // resident ones once; every gradient comes down once.
+    let p = QWEN7.params();
+    for g in [1, 4] {
+        let plan = fits(check("qwen2.5-7b", (1024, 4, g), (40 * GIB, 125 * GIB), false));
+        let pl = &plan.placement;
+        assert_eq!(pl.gradients, GradientTier::HostRing);
+        assert_eq!(pl.optimizer, OptimizerMode::AsGradientsLand);
+        let head_unit = QWEN7.layers as usize + 1;
+        let unit_params = |u: usize| match u {
+            0 => QWEN7.vocab * QWEN7.hidden,
+            u if u == head_unit => QWEN7.hidden + QWEN7.vocab * QWEN7.hidden,
+            _ => QWEN7.layer(),
+        };
+        let h2d: u64 = (0..=head_unit)
+            .map(|u| {
+                let visits = if pl.resident_units.contains(&u) || u == head_unit { 1 } else { 2 };
+                visits * 2 * unit_params(u)
+            })
+            .sum();
+        assert_eq!(plan.time.h2d_bytes, h2d, "G = {g}\n{plan}");
+        assert_eq!(plan.time.d2h_bytes, 4 * p, "G = {g}");
+    }
+}
+
+#[test]
+fn long_context_moves_checkpoints_to_the_host() {
+    // A machine with less GPU memory and plenty of RAM: 32k-token rows, 16 micro-batches.
+    let mem = (80 * GIB, 500 * GIB);
+    let short = fits(check("qwen2.5-7b", (1024, 1, 16), mem, true));
+    assert_eq!(short.placement.checkpoints, CheckpointTier::Device, "{short}");
+    let long = fits(check("qwen2.5-7b", (32768, 1, 16), mem, true));
+    assert_eq!(long.placement.checkpoints, CheckpointTier::Host, "{long}");
+    let ckpt = (QWEN7.layers + 1) * 16 * 32768 * QWEN7.hidden * 2;
+    assert_eq!(long.budget.pinned_host.part("checkpoints"), ckpt, "{long}");
+    assert_eq!(long.budget.device.part("checkpoints"), 0);
+    // They go down once and come back once (the head's input is used where it is made).
+    assert!(long.time.h2d_bytes >= ckpt - 16 * 32768 * QWEN7.hidden * 2);
+
+    // On the H200 machine the host has no room for them: the device keeps every K-th input.
+    let h200 = fits(check("qwen2.5-7b", (32768, 1, 16), H200, true));
+    assert_eq!(h200.placement.checkpoints, CheckpointTier::Device, "{h200}");
+    assert!(h200.placement.checkpoint_interval > 1, "{h200}");
+}
+
+#[test]
+fn bottleneck_moves_to_compute_as_tokens_per_step_grow() {
+    // A 7B model fully resident moves 2 bytes/param up and 4 down per step (0.30 s + 0.61 s at
+    // 50 GB/s) while the CPU AdamW takes 1.52 s at 5 Gparam/s: with few tokens per step the
+    // optimizer is the busiest resource on the H200 machine.
+    let small = fits(check("qwen2.5-7b", (1024, 1, 1), H200, true));
+    assert_eq!(small.time.bottleneck, Bottleneck::CpuAdam, "{small}");
+    let large = fits(check("qwen2.5-7b", (1024, 8, 8), H200, true));
+    assert_eq!(large.time.bottleneck, Bottleneck::GpuCompute, "{large}");
+    // The same bytes cross PCIe either way: traffic does not grow with the batch.
+    assert_eq!(small.time.h2d_bytes, large.time.h2d_bytes);
+    assert!(large.time.tokens_per_s > 10.0 * small.time.tokens_per_s);
+
+    // With a CPU four times faster and a GPU too small to keep units resident, PCIe is the
+    // limit for short steps, and compute again for long ones.
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let run = |micro_batch, grad_accum| {
+        let input = PlanInput {
+            spec: &spec,
+            batch: BatchShape { seq_len: 1024, micro_batch, grad_accum },
+            clipping: false,
+            memory: MachineMemory::detect(Some(24 * GIB), Some(H200.1)).expect("given"),
+            rates: MachineRates { adam_params: 20e9, ..MachineRates::default() },
+        };
+        fits(plan(&input).expect("valid"))
+    };
+    let small = run(1, 1);
+    assert_eq!(small.time.bottleneck, Bottleneck::Pcie, "{small}");
+    let large = run(4, 16);
+    assert_eq!(large.time.bottleneck, Bottleneck::GpuCompute, "{large}");
+}
+
+#[test]
+fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
+    let plan = fits(check("qwen2.5-7b", (4096, 2, 4), H200, true));
+    let n = (4096 * 2 * 4) as f64;
+    let s = &QWEN7;
+    let gemm_params = s.layers * (s.qkv() + s.att() + 3 * s.inter) * s.hidden + s.vocab * s.hidden;
+    let gemm = 8.0 * gemm_params as f64 * n / 700e12;
+    // Causal: 4096 * 4097 / 2 query-key pairs per row, 4 hd FLOPs per head per pair forward;
+    // forward + recompute + 2.5 x forward for the backward.
+    let pairs = 4096.0 * 4097.0 / 2.0;
+    let attn = 4.5 * s.layers as f64 * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64 / 450e12;
+    let t = &plan.time;
+    assert!((t.gemm_s - gemm).abs() < 1e-9 * gemm, "{} vs {gemm}", t.gemm_s);
+    assert!((t.attention_s - attn).abs() < 1e-9 * attn, "{} vs {attn}", t.attention_s);
+    // The step can't beat its busiest resource, and the optimizer splits into hidden + exposed.
+    assert!(t.total_s >= t.compute_s.max(t.h2d_s).max(t.d2h_s).max(t.adam_s) - 1e-9);
+    assert!((t.adam_hidden_s + t.adam_exposed_s - t.adam_s).abs() < 1e-9);
+    assert!((t.adam_s - s.params() as f64 / 5e9).abs() < 1e-9);
+}
+
+#[test]
+fn a_micro_batch_too_large_for_the_device_is_refused_with_the_largest_that_fits() {
+    let r = refused(check("qwen2.5-7b", (32768, 16, 8), H200, true));
+    assert_eq!(r.overflows[0].memory, Memory::Device, "{r}");
+    let m = r
+        .fits
+        .iter()
+        .find_map(|s| if let Suggestion::MicroBatch(m) = s { Some(*m) } else { None })
+        .expect("a micro-batch that fits");
+    fits(check("qwen2.5-7b", (32768, m, 8), H200, true));
+    refused(check("qwen2.5-7b", (32768, m + 1, 8), H200, true));
+    assert!(r.to_string().contains(&format!("--micro-batch {m}")), "{r}");
+}
+
+#[test]
+fn invalid_input_is_an_error() {
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let mut input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len: 0, micro_batch: 1, grad_accum: 1 },
+        clipping: true,
+        memory: MachineMemory::detect(Some(H200.0), Some(H200.1)).expect("given"),
+        rates: MachineRates::default(),
+    };
+    let err = plan(&input).expect_err("seq_len 0");
+    assert!(err.to_string().contains("seq_len"), "{err}");
+    input.batch.seq_len = 1 << 20;
+    let err = plan(&input).expect_err("too long");
+    assert!(err.to_string().contains("max_position_embeddings 32768"), "{err}");
+    input.batch.seq_len = 1024;
+    input.rates.pcie_h2d = f64::NAN;
+    let err = plan(&input).expect_err("NaN rate");
+    assert!(err.to_string().contains("pcie_h2d"), "{err}");
+}
+
+#[test]
+fn verdict_serialises_for_the_web_form_and_refusal_becomes_an_error() {
+    let json = serde_json::to_value(check("qwen2.5-7b", (1024, 8, 8), H200, true)).expect("json");
+    assert_eq!(json["verdict"], "fits");
+    assert_eq!(json["placement"]["checkpoints"], "device");
+    assert_eq!(json["budget"]["device"]["tier"], "device");
+    assert!(json["time"]["total_s"].as_f64().is_some_and(|t| t > 0.0));
+    let v = check("qwen2.5-72b", (1024, 8, 8), H200, true);
+    assert_eq!(serde_json::to_value(&v).expect("json")["verdict"], "refused");
+    let err = v.into_plan().expect_err("refused");
+    assert!(err.to_string().contains("does not fit: host memory"), "{err}");
+}

@@ -1,0 +1,237 @@
+//! Predicted step time: a small discrete-event model of the layer-major schedule.
+//!
+//! Four resources run in parallel, each working through its queue in issue order: the GPU's
+//! compute stream, the host-to-device copy engine, the device-to-host copy engine and the CPU
+//! optimizer pool. Every task waits for what it depends on (weights uploaded, a slot freed,
+//! gradients landed, the global norm known), exactly the events the schedule waits on. Several
+//! steps are simulated and the steady-state period between two steps' starts is the step time,
+//! so the optimizer's overlap with the next forward is counted as it happens.
+//!
+//! Compute per unit visit, with `N` tokens per step and `p` GEMM parameters: a layer's forward
+//! is `2 p N` GEMM FLOPs plus its attention; its backward recomputes the forward and then runs
+//! `4 p N` (both input and weight gradients) plus 2.5 forward attentions (FlashAttention-2's
+//! backward is five matmuls to the forward's two). The head runs forward, loss and backward in
+//! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`. The embedding
+//! is a lookup and a scatter-add, no GEMM: free next to the layers.
+
+use super::budget::Layout;
+use super::rates::MachineRates;
+use super::sizes::{BF16, F32, Sizes};
+use super::{CheckpointTier, GradientTier};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Res {
+    Gpu = 0,
+    H2d = 1,
+    D2h = 2,
+    Cpu = 3,
+}
+
+/// The task graph as it is built: each task's end time, and when each resource frees up.
+struct Graph {
+    end: Vec<f64>,
+    start: Vec<f64>,
+    free: [f64; 4],
+    busy: [f64; 4],
+}
+
+impl Graph {
+    fn task(&mut self, res: Res, secs: f64, deps: &[Option<usize>]) -> usize {
+        let ready = deps.iter().flatten().map(|&d| self.end[d]).fold(0.0, f64::max);
+        let start = ready.max(self.free[res as usize]);
+        self.free[res as usize] = start + secs;
+        self.busy[res as usize] += secs;
+        self.start.push(start);
+        self.end.push(start + secs);
+        self.end.len() - 1
+    }
+}
+
+/// What one steady-state step costs.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepCost {
+    /// Seconds between the starts of two consecutive steps.
+    pub step: f64,
+    pub gemm: f64,
+    pub attention: f64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub h2d: f64,
+    pub d2h: f64,
+    pub adam: f64,
+}
+
+/// Steps simulated; the period is measured between the starts of the last two, after the
+/// pipeline has filled.
+const STEPS: usize = 4;
+
+/// Simulates the schedule for `layout`; `adam_scale` multiplies the optimizer's durations (0
+/// to measure how much of it is exposed).
+pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> StepCost {
+    let n = s.batch.step_tokens() as f64;
+    let units = s.units.len();
+    let head = s.head();
+    let attn = s.attention_fwd_flops / r.attention_flops;
+    let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
+    let fwd_secs = |u: usize| match u {
+        0 => 0.0,
+        u if u == head => 8.0 * gemm(u),
+        u => 2.0 * gemm(u) + attn,
+    };
+    let bwd_secs = |u: usize| if u == 0 { 0.0 } else { 6.0 * gemm(u) + 3.5 * attn };
+    let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
+    let emb_resident = l.embedding_resident();
+    let host_ckpt = l.checkpoints == CheckpointTier::Host;
+    // With K > 1 a streamed layer is uploaded once more, for the segment's recompute pass.
+    let bwd_uploads = |u: usize| if l.interval > 1 && u != 0 { 2 } else { 1 };
+
+    let mut g = Graph { end: Vec::new(), start: Vec::new(), free: [0.0; 4], busy: [0.0; 4] };
+    let mut adam_done: Vec<Option<usize>> = vec![None; units];
+    let mut slot_users: Vec<usize> = Vec::new();
+    let mut step_starts = Vec::new();
+    let mut cost = StepCost::default();
+    let adam = |u: usize| adam_scale * s.units[u].params as f64 / r.adam_params;
+    let as_they_land = l.gradients == GradientTier::HostRing;
+
+    for _ in 0..STEPS {
+        let busy_before = g.busy;
+        let (mut h2d_bytes, mut d2h_bytes) = (0u64, 0u64);
+        // The two weight slots alternate between streamed visits: a slot is free once the
+        // visit two back has finished computing.
+        let slot_free = |users: &Vec<usize>| users.len().checked_sub(2).map(|k| users[k]);
+        // Gradient-accumulator users in order (head, then the backward visits), their landings
+        // on the host and, when updates run as gradients land, the updates that free the ring.
+        let mut acc_users: Vec<usize> = Vec::new();
+        let mut landings: Vec<usize> = Vec::new();
+        let mut ring_adams: Vec<usize> = Vec::new();
+        // Ships unit `u`'s gradients after `visit`; when updates run as gradients land, starts
+        // the update too (a landing slot frees when the update two back is done).
+        let mut ship_grads =
+            |g: &mut Graph, u: usize, visit: usize| -> (u64, usize, Option<usize>) {
+                let bytes = s.units[u].params * F32;
+                let ring_free = if as_they_land {
+                    ring_adams.len().checked_sub(2).map(|k| ring_adams[k])
+                } else {
+                    None
+                };
+                let landed = g.task(Res::D2h, bytes as f64 / r.pcie_d2h, &[Some(visit), ring_free]);
+                let update = as_they_land.then(|| g.task(Res::Cpu, adam(u), &[Some(landed)]));
+                ring_adams.extend(update);
+                (bytes, landed, update)
+            };
+
+        // Forward: each unit's updated weights go up (after its update), then it computes
+        // every micro-batch; the head also runs its loss and backward in the same visit.
+        for u in 0..units {
+            let weights = if resident(u) {
+                g.task(Res::H2d, (s.units[u].params * BF16) as f64 / r.pcie_h2d, &[adam_done[u]])
+            } else {
+                let table = (u == head && s.tied && !emb_resident).then_some(adam_done[0]);
+                let bytes = s.visit_params(u, emb_resident) * BF16;
+                h2d_bytes += bytes;
+                let deps = [adam_done[u], slot_free(&slot_users), table.flatten()];
+                g.task(Res::H2d, bytes as f64 / r.pcie_h2d, &deps)
+            };
+            if resident(u) {
+                h2d_bytes += s.units[u].params * BF16;
+            }
+            let visit = g.task(Res::Gpu, fwd_secs(u), &[Some(weights)]);
+            if u == 0 {
+                step_starts.push(g.start[visit]);
+            }
+            if !resident(u) {
+                slot_users.push(visit);
+            }
+            if host_ckpt && u < head {
+                // This unit's output is the next one's checkpointed input.
+                d2h_bytes += s.activation_set();
+                g.task(Res::D2h, s.activation_set() as f64 / r.pcie_d2h, &[Some(visit)]);
+            }
+            if u == head {
+                acc_users.push(visit);
+                if l.gradients != GradientTier::DeviceStore {
+                    let (bytes, landed, update) = ship_grads(&mut g, u, visit);
+                    d2h_bytes += bytes;
+                    landings.push(landed);
+                    if update.is_some() {
+                        adam_done[u] = update;
+                    }
+                }
+            }
+        }
+
+        // Backward, last layer first: recompute from the checkpoint, then the gradients.
+        let mut last_visit = None;
+        for u in (0..head).rev() {
+            let weights = (!resident(u)).then(|| {
+                let bytes = bwd_uploads(u) * s.units[u].params * BF16;
+                h2d_bytes += bytes;
+                g.task(Res::H2d, bytes as f64 / r.pcie_h2d, &[slot_free(&slot_users)])
+            });
+            let ckpt = (host_ckpt && u > 0).then(|| {
+                h2d_bytes += s.activation_set();
+                g.task(Res::H2d, s.activation_set() as f64 / r.pcie_h2d, &[])
+            });
+            // Double-buffered accumulators: the one two visits back must have shipped.
+            let acc_free = match l.gradients {
+                GradientTier::DeviceStore => None,
+                _ => acc_users.len().checked_sub(2).and_then(|k| landings.get(k).copied()),
+            };
+            let visit = g.task(Res::Gpu, bwd_secs(u), &[weights, ckpt, acc_free, last_visit]);
+            if !resident(u) {
+                slot_users.push(visit);
+            }
+            last_visit = Some(visit);
+            acc_users.push(visit);
+            if l.gradients != GradientTier::DeviceStore {
+                let (bytes, landed, update) = ship_grads(&mut g, u, visit);
+                d2h_bytes += bytes;
+                landings.push(landed);
+                if update.is_some() {
+                    adam_done[u] = update;
+                }
+            }
+        }
+
+        match l.gradients {
+            GradientTier::HostRing => {}
+            GradientTier::HostStore => {
+                // The norm is known once the embedding's gradients (the last) have landed;
+                // the updates then run in forward order, overlapped with the next forward.
+                let all_landed = landings.last().copied();
+                for (u, done) in adam_done.iter_mut().enumerate() {
+                    *done = Some(g.task(Res::Cpu, adam(u), &[all_landed, last_visit]));
+                }
+            }
+            GradientTier::DeviceStore => {
+                // Gradients wait on the device until the norm is known after the embedding's
+                // backward, then ship in forward order through a landing ring of two slots.
+                let mut adams: Vec<usize> = Vec::new();
+                for (u, done) in adam_done.iter_mut().enumerate() {
+                    let bytes = s.units[u].params * F32;
+                    d2h_bytes += bytes;
+                    let ring_free = u.checked_sub(2).map(|j| adams[j]);
+                    let landed =
+                        g.task(Res::D2h, bytes as f64 / r.pcie_d2h, &[last_visit, ring_free]);
+                    let a = g.task(Res::Cpu, adam(u), &[Some(landed)]);
+                    adams.push(a);
+                    *done = Some(a);
+                }
+            }
+        }
+
+        cost = StepCost {
+            step: 0.0,
+            gemm: (0..units).map(|u| 8.0 * gemm(u)).sum(),
+            attention: s.layers as f64 * 4.5 * attn,
+            h2d_bytes,
+            d2h_bytes,
+            h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],
+            d2h: g.busy[Res::D2h as usize] - busy_before[Res::D2h as usize],
+            adam: g.busy[Res::Cpu as usize] - busy_before[Res::Cpu as usize],
+        };
+    }
+    let k = step_starts.len();
+    cost.step = (step_starts[k - 1] - step_starts[k - 3]) / 2.0;
+    cost
+}
