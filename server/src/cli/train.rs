@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
 use sluice_engine::schedule::Tier;
@@ -99,20 +100,38 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     save_dtype: String,
 
+    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+
     /// Where layer inputs wait between forward and backward: device or host memory.
     #[arg(long, default_value = "device", value_parser = ["device", "host"])]
     checkpoints: String,
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let device = args.device.clone();
     let (options, resume) = match &args.resume {
         Some(out) => (read_run_options(out).context("cannot resume")?, true),
         None => (options(args)?, false),
     };
-    let backend = Cpu;
     let mut printer = Printer { bar: None };
-    let summary = sluice_engine::train::run(&backend, &options, resume, &mut printer)
-        .context("training failed")?;
+    let summary = match device.as_str() {
+        "cpu" => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
+        other => {
+            let ordinal = match other.strip_prefix("cuda") {
+                Some("") => 0,
+                Some(n) => n
+                    .trim_start_matches(':')
+                    .parse()
+                    .with_context(|| format!("--device {other}: expected cpu, cuda or cuda:N"))?,
+                None => anyhow::bail!("--device {other}: expected cpu, cuda or cuda:N"),
+            };
+            let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
+            sluice_engine::train::run(&cuda, &options, resume, &mut printer)
+        }
+    }
+    .context("training failed")?;
     if let Some(bar) = printer.bar.take() {
         bar.finish_and_clear();
     }
