@@ -122,7 +122,7 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         save_every: args.save_every,
         save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
     };
-    let backend = Cpu::default();
+    let backend = Cpu;
     let mut printer = Printer { bar: None };
     let summary =
         sluice_engine::train::run(&backend, &options, &mut printer).context("training failed")?;
