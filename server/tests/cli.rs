@@ -9,7 +9,11 @@ use std::time::{Duration, Instant};
 /// A `sluice` command isolated from the caller's environment.
 fn sluice() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    command.env_remove("SLUICE_ADDR").env_remove("SLUICE_DATA_DIR").env("RUST_LOG", "info");
+    command
+        .env_remove("SLUICE_ADDR")
+        .env_remove("SLUICE_DATA_DIR")
+        .env_remove("SLUICE_CONFIG")
+        .env("RUST_LOG", "info");
     command
 }
 
@@ -146,5 +150,37 @@ fn serves_then_stops_cleanly_on_sigterm() -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "exit status {status} after SIGTERM; log:\n{log}");
+    Ok(())
+}
+
+#[test]
+fn config_file_is_read_and_flags_win() -> anyhow::Result<()> {
+    let data_dir = tempfile::tempdir()?;
+    let config = data_dir.path().join("sluice.toml");
+    std::fs::write(&config, "addr = \"127.0.0.1:fromfile\"\nmax_upload_mb = 1\n")?;
+    // DATA_DIR/sluice.toml is read without --config.
+    let (output, stderr) = run(sluice().args(["serve", "--data-dir"]).arg(data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("cannot listen on 127.0.0.1:fromfile"), "stderr:\n{stderr}");
+    // A flag overrides the file.
+    let (output, stderr) = run(sluice()
+        .args(["serve", "--addr", "127.0.0.1:fromflag", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("cannot listen on 127.0.0.1:fromflag"), "stderr:\n{stderr}");
+    Ok(())
+}
+
+#[test]
+fn config_file_with_an_unknown_key_is_refused() -> anyhow::Result<()> {
+    let data_dir = tempfile::tempdir()?;
+    let config = data_dir.path().join("custom.toml");
+    std::fs::write(&config, "adress = \"127.0.0.1:1\"\n")?;
+    let (output, stderr) =
+        run(sluice().arg("--config").arg(&config).arg("--data-dir").arg(data_dir.path()))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("bad config file") && stderr.contains("adress"), "stderr:\n{stderr}");
     Ok(())
 }

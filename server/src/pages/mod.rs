@@ -1,5 +1,5 @@
-//! HTML pages. Until the appliance's own pages exist, `/` is a static placeholder that points to
-//! the command line.
+//! HTML pages (owned by the pages' author, who replaces these insides). Until the appliance's own
+//! pages exist, `/` is a static placeholder that points to the command line.
 
 use axum::Router;
 use axum::http::StatusCode;
@@ -8,10 +8,10 @@ use axum::routing::get;
 
 use crate::AppState;
 
-const PLACEHOLDER: &str = include_str!("../../web/templates/placeholder.html");
-const NOT_FOUND: &str = include_str!("../../web/templates/not_found.html");
+const PLACEHOLDER: &str = include_str!("../../../web/templates/placeholder.html");
+const NOT_FOUND: &str = include_str!("../../../web/templates/not_found.html");
 
-pub(crate) fn router() -> Router<AppState> {
+pub fn router() -> Router<AppState> {
     Router::new().route("/", get(placeholder))
 }
 
