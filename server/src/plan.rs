@@ -1,10 +1,9 @@
 //! `POST /api/plan`: will it fit, how is memory split across tiers, how long is a step.
 //!
-//! [`plan_verdict`] is a stand-in computed from the parameter count and the shapes until the
-//! engine's planner lands; it is the one function to replace. Its numbers are coarse on purpose:
-//! host memory is what the optimizer state needs (parameters × 16 bytes on the CPU backend, × 14
-//! when a GPU streams the layers), activations are counted at f32, and step time assumes a flat
-//! throughput per device.
+//! On a GPU, [`plan_verdict`] is the engine's planner (`sluice_engine::plan`: placement, device
+//! / pinned / pageable budgets, predicted step time and bottleneck), translated to the API's
+//! shape. On the CPU, where nothing streams, it is a coarse estimate from the parameter count:
+//! host memory for weights, gradients and Adam moments plus activations, and a flat throughput.
 
 use axum::extract::State;
 use axum::routing::post;
@@ -63,11 +62,12 @@ pub struct Part {
 
 /// Rough sustained throughput of the CPU backend (FLOP/s).
 const CPU_FLOPS: f64 = 2e10;
-/// Rough sustained throughput of a GPU on bf16 GEMMs (FLOP/s).
-const GPU_FLOPS: f64 = 2e14;
 
-/// The stand-in planner (see the module comment).
+/// The verdict for a job (see the module comment).
 pub fn plan_verdict(input: &PlanInput) -> Verdict {
+    if input.device.id != "cpu" {
+        return engine_verdict(input);
+    }
     let spec = input.spec;
     let n = spec.total_params() as u64;
     let tokens = (input.micro_batch * input.seq_len) as u64;
@@ -81,50 +81,16 @@ pub fn plan_verdict(input: &PlanInput) -> Verdict {
             + (input.micro_batch * spec.q_heads * input.seq_len * input.seq_len) as u64 * f32b,
     };
     let logits = Part { name: "logits".into(), bytes: 2 * tokens * spec.vocab as u64 * f32b };
-    let on_gpu = input.device.id != "cpu";
-    let mut tiers = Vec::new();
-    if on_gpu {
-        let layer = spec.layer_params() as u64;
-        let gpu_parts = vec![
-            Part {
-                name: "streamed layers (2 in flight, bf16 weights and grads)".into(),
-                bytes: 2 * layer * 2 * 2,
-            },
-            Part {
-                name: "embeddings and head (bf16)".into(),
-                bytes: 2 * (spec.vocab * spec.hidden) as u64 * 2,
-            },
-            activations,
-            logits,
-        ];
-        tiers.push(tier("gpu", input.device.memory_total, gpu_parts));
-        let host_parts = vec![
-            Part { name: "fp32 master weights".into(), bytes: 4 * n },
-            Part { name: "bf16 gradients".into(), bytes: 2 * n },
-            Part { name: "Adam moments (fp32)".into(), bytes: 8 * n },
-        ];
-        tiers.push(tier("host", input.host_memory, host_parts));
-    } else {
-        let host_parts = vec![
-            Part { name: "fp32 weights".into(), bytes: 4 * n },
-            Part { name: "fp32 gradients".into(), bytes: 4 * n },
-            Part { name: "Adam moments (fp32)".into(), bytes: 8 * n },
-            activations,
-            logits,
-        ];
-        tiers.push(tier("host", input.host_memory, host_parts));
-    }
-
+    let host_parts = vec![
+        Part { name: "fp32 weights".into(), bytes: 4 * n },
+        Part { name: "fp32 gradients".into(), bytes: 4 * n },
+        Part { name: "Adam moments (fp32)".into(), bytes: 8 * n },
+        activations,
+        logits,
+    ];
+    let tiers = vec![tier("host", input.host_memory, host_parts)];
     let flops = 6.0 * n as f64 * tokens as f64 * input.grad_accum as f64;
-    let (step_time_s, bottleneck) = if on_gpu {
-        let compute = flops / GPU_FLOPS;
-        // bf16 weights cross twice per micro-batch (forward, recomputing backward), grads once.
-        let bytes = (2 * 2 * n * input.grad_accum as u64 + 2 * n) as f64;
-        let transfer = bytes / pcie_bytes_per_s(input.device.pcie.as_deref());
-        if transfer > compute { (transfer, "pcie") } else { (compute, "compute") }
-    } else {
-        (flops / CPU_FLOPS, "compute")
-    };
+    let (step_time_s, bottleneck) = (flops / CPU_FLOPS, "compute");
 
     let over: Vec<&Tier> = tiers.iter().filter(|t| t.used > t.capacity).collect();
     let fits = over.is_empty();
@@ -144,32 +110,74 @@ pub fn plan_verdict(input: &PlanInput) -> Verdict {
     Verdict { fits, reason, tiers, step_time_s: Some(step_time_s), bottleneck: bottleneck.into() }
 }
 
+/// The engine's planner for a GPU job.
+fn engine_verdict(input: &PlanInput) -> Verdict {
+    use sluice_engine::plan::{self, BatchShape, MachineMemory, MachineRates, MemorySource};
+    let request = plan::PlanInput {
+        spec: input.spec,
+        batch: BatchShape {
+            seq_len: input.seq_len,
+            micro_batch: input.micro_batch,
+            grad_accum: input.grad_accum,
+        },
+        clipping: true,
+        memory: MachineMemory {
+            gpu_bytes: input.device.memory_total.saturating_sub(input.device.memory_used),
+            gpu_source: MemorySource::Measured,
+            host_bytes: input.host_memory,
+            host_source: MemorySource::Measured,
+        },
+        rates: MachineRates::default(),
+    };
+    let convert = |t: &plan::Tier| Tier {
+        name: t.tier.label().into(),
+        capacity: t.capacity,
+        used: t.used,
+        parts: t.parts.iter().map(|p| Part { name: p.name.clone(), bytes: p.bytes }).collect(),
+    };
+    match plan::plan(&request) {
+        Ok(plan::Verdict::Fits(p)) => {
+            let b = &p.budget;
+            Verdict {
+                fits: true,
+                reason: format!(
+                    "fits: {} units resident, checkpoints {:?}, {:.2} s per step predicted",
+                    p.placement.resident_units.len(),
+                    p.placement.checkpoints,
+                    p.time.total_s
+                )
+                .to_lowercase(),
+                tiers: vec![convert(&b.device), convert(&b.pinned_host), convert(&b.pageable_host)],
+                step_time_s: Some(p.time.total_s),
+                bottleneck: format!("{:?}", p.time.bottleneck).to_lowercase(),
+            }
+        }
+        Ok(plan::Verdict::Refused(r)) => {
+            let b = &r.budget;
+            Verdict {
+                fits: false,
+                reason: r.reason.clone(),
+                tiers: vec![convert(&b.device), convert(&b.pinned_host), convert(&b.pageable_host)],
+                step_time_s: None,
+                bottleneck: String::new(),
+            }
+        }
+        Err(e) => Verdict {
+            fits: false,
+            reason: e.to_string(),
+            tiers: Vec::new(),
+            step_time_s: None,
+            bottleneck: String::new(),
+        },
+    }
+}
+
 fn tier(name: &str, capacity: u64, parts: Vec<Part>) -> Tier {
     Tier { name: name.into(), capacity, used: parts.iter().map(|p| p.bytes).sum(), parts }
 }
 
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-/// Usable bytes/s of a PCIe link given as "Gen5 x16"; Gen4 x16 when unknown.
-fn pcie_bytes_per_s(link: Option<&str>) -> f64 {
-    let parse = |link: &str| -> Option<(u32, u32)> {
-        let (generation, width) = link.split_once(' ')?;
-        Some((
-            generation.strip_prefix("Gen")?.parse().ok()?,
-            width.strip_prefix('x')?.parse().ok()?,
-        ))
-    };
-    let (generation, width) = link.and_then(parse).unwrap_or((4, 16));
-    let per_lane = match generation {
-        0..=3 => 0.985e9,
-        4 => 1.969e9,
-        5 => 3.938e9,
-        _ => 7.563e9,
-    };
-    // About 80% of the raw link rate survives protocol overhead.
-    per_lane * f64::from(width.max(1)) * 0.8
 }
 
 #[derive(Debug, Deserialize)]
