@@ -27,18 +27,12 @@ async fn get(path: &str) -> anyhow::Result<Reply> {
 }
 
 #[tokio::test]
-async fn root_serves_the_placeholder_with_the_training_command() -> anyhow::Result<()> {
+async fn root_serves_the_dashboard_shell() -> anyhow::Result<()> {
     let reply = get("/").await?;
     assert_eq!(reply.status, StatusCode::OK);
     assert!(reply.content_type.starts_with("text/html"), "content-type {}", reply.content_type);
-    assert!(reply.body.contains("<title>Sluice</title>"), "{}", reply.body);
-    assert!(
-        reply.body.contains(
-            "sluice train --preset tiny --data datasets/demo-alpaca.jsonl --steps 30 --out runs/demo"
-        ),
-        "the placeholder must show the command-line training example:\n{}",
-        reply.body
-    );
+    assert!(reply.body.contains("<title>Dashboard · Sluice</title>"), "{}", reply.body);
+    assert!(reply.body.contains("/static/js/pages/dashboard.js"), "{}", reply.body);
     Ok(())
 }
 
