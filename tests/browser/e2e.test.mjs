@@ -99,18 +99,22 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
 
   await t.test('upload the demo dataset', async () => {
     await page.click('nav a[href="/datasets"]');
+    await page.waitForSelector('#datasets table, #datasets .empty');
     await page.setInputFiles('#file', DEMO);
+    await page.fill('#name', 'my upload');
     await page.click('#upload-button');
-    await page.waitForSelector('#upload-ok:visible');
-    const row = page.locator('#datasets-table tbody tr').first();
-    await row.waitFor();
-    datasetId = Number(await row.getAttribute('data-dataset'));
+    const link = page.locator('#upload-ok a[href^="/datasets/"]');
+    await link.waitFor();
+    datasetId = Number((await link.getAttribute('href')).split('/').pop());
     assert.ok(Number.isInteger(datasetId) && datasetId > 0, `dataset id ${datasetId}`);
-    assert.match(await row.innerText(), /1,000/);
+    const row = page.locator(`#datasets-table tr[data-dataset="${datasetId}"]`);
+    await row.waitFor();
+    assert.match(await row.innerText(), /my upload[\s\S]*1,000/);
     noErrorsSoFar();
   });
 
   await t.test('a malformed dataset is refused with its line numbers', async () => {
+    const rows = await page.locator('#datasets-table tbody tr').count();
     const bad = path.join(server.dataDir, 'bad.jsonl');
     const good = readFileSync(DEMO, 'utf8').split('\n')[0];
     writeFileSync(bad, `${good}\n{"instruction": "no output"\n${good}\n`);
@@ -119,11 +123,13 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const alert = page.locator('#upload-error');
     await alert.waitFor({ state: 'visible' });
     assert.match(await alert.innerText(), /line 2/);
-    assert.equal(await page.locator('#datasets-table tbody tr').count(), 1, 'the refused file was kept');
+    await page.reload();
+    await page.waitForSelector('#datasets-table');
+    assert.equal(await page.locator('#datasets-table tbody tr').count(), rows, 'the refused file was kept');
   });
 
   await t.test('the preview shows trained tokens, statistics and a histogram', async () => {
-    await page.click(`#datasets-table tr[data-dataset="${datasetId}"] a[href="/datasets/${datasetId}"] >> nth=0`);
+    await page.click(`#datasets-table tr[data-dataset="${datasetId}"] td:first-child a`);
     await page.waitForURL(url(`/datasets/${datasetId}`));
     await page.waitForSelector('.sample .trained');
     await page.waitForSelector('.histogram > div');
@@ -251,7 +257,7 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForSelector('#jobs .empty');
     assert.equal(await page.locator(`[data-job="${jobId}"]`).count(), 0);
     await page.goto(url('/datasets'));
-    await page.waitForSelector('#datasets .empty');
+    await page.waitForSelector('#datasets table, #datasets .empty');
     assert.equal(await page.locator(`[data-dataset="${datasetId}"]`).count(), 0);
     await page.goto(url(`/jobs/${jobId}`));
     await page.waitForSelector('#error:visible');
@@ -261,7 +267,8 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForSelector('#error:visible');
     assert.equal(await page.locator('.sample').count(), 0);
     await page.goto(url('/jobs/new'));
-    await page.waitForSelector('#dataset-hint a[href="/datasets"]');
+    await page.waitForSelector('#plan-fits, #plan .alert');
+    assert.equal(await page.locator(`#dataset option[value="${datasetId}"]`).count(), 0);
   });
 
   await t.test("the second user's direct API requests for them answer 404", async () => {
@@ -271,8 +278,9 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     }
     const jobs = await (await page.request.get(url('/api/jobs'))).json();
     assert.deepEqual(jobs, []);
+    // Only the bundled, shared datasets (no owner) remain visible.
     const datasets = await (await page.request.get(url('/api/datasets'))).json();
-    assert.deepEqual(datasets, []);
+    assert.deepEqual(datasets.filter((d) => d.id === datasetId || d.owner !== null), []);
     const session = await (await page.request.get(url('/api/session'))).json();
     const cancel = await page.request.post(url(`/api/jobs/${jobId}/cancel`), { headers: { 'X-CSRF-Token': session.csrf } });
     assert.equal(cancel.status(), 404);

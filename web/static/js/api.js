@@ -54,6 +54,11 @@ export async function request(method, path, body) {
   } catch {
     throw new ApiError(0, 'Cannot reach the Sluice server. Is it still running?');
   }
+  if (response.status === 401 && !['/api/login', '/api/setup'].includes(path) && location.pathname !== '/login') {
+    // The session expired (or the server restarted with new keys): log in again, then come back.
+    location.href = `/login?next=${encodeURIComponent(location.pathname + location.search)}`;
+    return new Promise(() => {});
+  }
   if (!response.ok) throw await errorFrom(response);
   if (response.status === 204) return null;
   const type = response.headers.get('Content-Type') || '';

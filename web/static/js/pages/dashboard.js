@@ -1,7 +1,7 @@
 // Dashboard: every job the user may see, and the GPUs with their memory in use.
 import { get, requireUser } from '../api.js';
 import { $, bar, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, ownerName, showError, statusBadge } from '../ui.js';
-import { jobProgress, queuePosition } from './job_fields.js';
+import { jobProgress, modelLabel, placeInLine, queuePosition } from './job_fields.js';
 
 const user = await requireUser();
 const admin = user.role === 'admin';
@@ -10,13 +10,13 @@ function jobRow(job) {
   const { step, steps, fraction } = jobProgress(job);
   const position = queuePosition(job);
   let detail = '';
-  if (job.status === 'queued' && position !== null) detail = position === 0 ? 'next in line' : `${position} ahead in line`;
+  if (job.status === 'queued') detail = placeInLine(position);
   else if (job.status === 'running' && typeof job.eta_s === 'number') detail = `about ${fmtDuration(job.eta_s)} left`;
   else if (job.status === 'failed' && job.error) detail = job.error;
   return el('tr', { dataset: { job: job.id } },
     el('td', {}, el('a', { href: `/jobs/${job.id}` }, `#${job.id}`)),
-    el('td', {}, job.model_name || job.model || '—'),
-    el('td', {}, job.dataset_name || job.dataset || '—'),
+    el('td', {}, modelLabel(job.model)),
+    el('td', {}, job.dataset_name || `#${job.dataset}`),
     admin ? el('td', {}, ownerName(job.owner)) : null,
     el('td', {}, statusBadge(job.status)),
     el('td', {}, el('div', { class: 'progress-line' }, bar(fraction),
@@ -56,8 +56,9 @@ function renderGpus(gpus) {
       el('div', { class: 'meta' }, meta),
       hasMemory ? bar(used / total, { title: 'memory in use' }) : null,
       el('div', { class: 'small muted', style: { marginTop: '0.3rem' } },
-        hasMemory ? `${fmtBytes(used)} of ${fmtBytes(total)} memory in use`
-          : gpu.id === 'cpu' ? 'Trains on the processor: fine for the tiny demo model.' : ''));
+        hasMemory ? `${fmtBytes(used)} of ${fmtBytes(total)} in use`
+          : ''),
+      gpu.id === 'cpu' ? el('div', { class: 'small muted' }, 'host memory; trains small models such as the tiny preset') : null);
   }));
 }
 

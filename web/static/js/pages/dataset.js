@@ -3,7 +3,7 @@
 import { del, get, requireUser } from '../api.js';
 import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
 
-await requireUser();
+const me = await requireUser();
 const id = idFromPath();
 const error = $('#error');
 
@@ -16,8 +16,11 @@ function renderSamples(samples) {
     fill($('#samples'), el('p', { class: 'empty' }, 'This dataset has no examples.'));
     return;
   }
-  fill($('#samples'), samples.map((sample, i) => el('pre', { class: 'sample', dataset: { sample: i } },
-    (sample.segments || []).map((seg) => el('span', { class: seg.trained ? 'trained' : 'prompt' }, seg.text)))));
+  fill($('#samples'), samples.map((sample, i) => el('div', {},
+    el('div', { class: 'small muted sample-head' }, [typeof sample.line === 'number' ? `line ${sample.line}` : `example ${i + 1}`,
+      typeof sample.tokens === 'number' ? `${fmtInt(sample.tokens)} tokens` : null].filter(Boolean).join(' · ')),
+    el('pre', { class: 'sample', dataset: { sample: i } },
+      (sample.segments || []).map((seg) => el('span', { class: seg.trained ? 'trained' : 'prompt' }, seg.text))))));
 }
 
 function renderStats(stats) {
@@ -29,10 +32,14 @@ function renderStats(stats) {
     fact('Trained tokens', fmtInt(stats.trained_tokens), 'trained_tokens'),
     fact('Mean length', records > 0 && typeof tokens === 'number' ? fmtInt(Math.round(tokens / records)) : '—', 'mean'),
     fact('Cut short', fmtInt(stats.truncated), 'truncated'));
-  if (stats.truncated > 0) {
-    $('#stats').after(el('p', { class: 'small muted' },
-      `${fmtInt(stats.truncated)} examples are longer than the sequence length and lose their ends in training.`));
+  const notes = [];
+  if (typeof stats.measured === 'number' && typeof records === 'number' && stats.measured < records) {
+    notes.push(`Counted over the first ${fmtInt(stats.measured)} examples.`);
   }
+  if (stats.truncated > 0) {
+    notes.push(`${fmtInt(stats.truncated)} examples are longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens (the sequence length)` : 'the sequence length'} and lose their ends in training.`);
+  }
+  fill($('#stats-notes'), notes.join(' '));
 }
 
 /** Buckets may come as plain counts or as objects with a count and bounds. */
@@ -98,6 +105,7 @@ async function main() {
   $('#subtitle').textContent = [dataset.format, `${fmtInt(dataset.records)} examples`, fmtBytes(dataset.size_bytes)]
     .filter(Boolean).join(' · ');
   $('#train-link').href = `/jobs/new?dataset=${id}`;
+  $('#delete').hidden = !(me.role === 'admin' || dataset.owner === me.username);
 
   const select = $('#model');
   fill(select, models.map((m) => el('option', { value: m.id }, `${m.name || m.id}${m.kind === 'preset' ? ' (preset)' : ''}`)));

@@ -16,15 +16,17 @@ function render(datasets) {
     el('thead', {}, el('tr', {}, ['Name', 'Format', 'Examples', 'Size', admin ? 'Owner' : null, 'Added', '']
       .filter((h) => h !== null).map((h) => el('th', {}, h)))),
     el('tbody', {}, sorted.map((d) => el('tr', { dataset: { dataset: d.id } },
-      el('td', {}, el('a', { href: `/datasets/${d.id}` }, d.name || `Dataset ${d.id}`)),
+      el('td', {}, el('a', { href: `/datasets/${d.id}` }, d.name || `Dataset ${d.id}`),
+        d.owner === null ? el('span', { class: 'badge', title: 'Bundled with Sluice; everyone can train on it' }, 'shared') : null),
       el('td', {}, d.format || '—'),
       el('td', { class: 'num' }, fmtInt(d.records)),
       el('td', { class: 'num' }, fmtBytes(d.size_bytes)),
-      admin ? el('td', {}, ownerName(d.owner)) : null,
+      admin ? el('td', {}, d.owner === null ? 'shared' : ownerName(d.owner)) : null,
       el('td', { class: 'small muted' }, fmtDate(d.created_at)),
       el('td', { class: 'actions' },
         el('a', { class: 'btn small', href: `/datasets/${d.id}` }, 'Preview'), ' ',
-        el('button', { type: 'button', class: 'small danger', onclick: () => remove(d) }, 'Delete')))))));
+        admin || d.owner === user.username
+          ? el('button', { type: 'button', class: 'small danger', onclick: () => remove(d) }, 'Delete') : null))))));
 }
 
 async function refresh() {

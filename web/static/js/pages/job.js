@@ -4,9 +4,9 @@ import { ApiError, get, post, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
-import { jobProgress, queuePosition } from './job_fields.js';
+import { canResume, jobProgress, modelLabel, placeInLine, queuePosition } from './job_fields.js';
 
-await requireUser();
+const me = await requireUser();
 const id = idFromPath();
 const error = $('#error');
 const TERMINAL = new Set(['completed', 'failed', 'cancelled', 'interrupted']);
@@ -69,10 +69,10 @@ function renderJob() {
   document.title = `Job ${id} · Sluice`;
   $('#title').textContent = `Job #${id}`;
   fill($('#status'), statusBadge(job.status));
-  $('#subtitle').textContent = [job.model_name || job.model, job.dataset_name || job.dataset, job.gpu, job.created_at ? `started ${fmtDate(job.created_at)}` : null]
+  $('#subtitle').textContent = [modelLabel(job.model), job.dataset_name, job.gpu, me.role === 'admin' && job.owner ? `owner ${job.owner}` : null, `created ${fmtDate(job.created_at)}`]
     .filter(Boolean).join(' · ');
   $('#cancel').hidden = !(job.status === 'queued' || job.status === 'running');
-  $('#resume').hidden = !(job.status === 'interrupted' || job.status === 'cancelled');
+  $('#resume').hidden = !canResume(job);
   const failure = $('#job-failure');
   if (job.error && (job.status === 'failed' || job.status === 'interrupted')) {
     failure.textContent = job.error;
@@ -94,7 +94,7 @@ function renderSummary() {
   const position = queuePosition(job);
   let eta = '—';
   if (job.status === 'running') eta = typeof job.eta_s === 'number' ? fmtDuration(job.eta_s) : 'measuring…';
-  else if (job.status === 'queued') eta = position === null ? 'waiting' : position === 0 ? 'next in line' : `${position} ahead in line`;
+  else if (job.status === 'queued') eta = placeInLine(position);
   else if (job.status === 'completed') eta = 'done';
   const lossPoint = [...sorted].reverse().find((p) => typeof p.loss === 'number');
   const evalPoint = [...sorted].reverse().find((p) => typeof p.eval_loss === 'number');

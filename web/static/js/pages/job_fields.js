@@ -1,23 +1,37 @@
-// Reading a job as `GET /api/jobs` and `GET /api/jobs/{id}` send it. The contract names the
-// facts (status, queue position, progress, eta_s) but leaves some field names open, so each
-// reader accepts the plausible spellings in one place.
+// Reading a job as `GET /api/jobs` and `GET /api/jobs/{id}` send it, in one place.
 
-/** `{step, steps, fraction}`; fraction is 0..1. */
+/** `{step, steps, fraction}`; fraction is 0..1. `total_steps` is 0 until a one-pass job starts. */
 export function jobProgress(job) {
-  const p = job.progress;
-  const step = num(p && typeof p === 'object' ? p.step : undefined) ?? num(job.step) ?? num(job.current_step) ?? 0;
-  const steps = num(p && typeof p === 'object' ? (p.steps ?? p.total_steps) : undefined)
-    ?? num(job.steps) ?? num(job.total_steps) ?? num(job.config && job.config.steps) ?? 0;
-  let fraction = typeof p === 'number' ? p : (steps > 0 ? step / steps : 0);
-  if (fraction > 1.0001 && fraction <= 100) fraction /= 100;
+  const step = num(job.step) ?? 0;
+  const steps = num(job.total_steps) || num(job.config && job.config.steps) || 0;
+  let fraction = num(job.progress) ?? (steps > 0 ? step / steps : 0);
   if (job.status === 'completed') fraction = 1;
-  return { step: typeof p === 'number' && steps ? Math.round(p * steps) : step, steps, fraction };
+  return { step, steps, fraction: Math.max(0, Math.min(1, fraction)) };
 }
 
-/** Jobs ahead of this one in its GPU's line (0 = next), or null when not queued. */
+/** The 1-based place in the device's line while queued, or null. */
 export function queuePosition(job) {
-  const value = num(job.position) ?? num(job.queue_position);
-  return value === undefined ? null : value;
+  return job.status === 'queued' ? (num(job.position) ?? null) : null;
+}
+
+/** "next in line", "3rd in line". */
+export function placeInLine(position) {
+  if (position === null) return 'waiting';
+  if (position <= 1) return 'next in line';
+  const suffix = position % 10 === 2 && position % 100 !== 12 ? 'nd' : position % 10 === 3 && position % 100 !== 13 ? 'rd' : 'th';
+  return `${position}${suffix} in line`;
+}
+
+/** `preset:tiny` -> "tiny", `local:Qwen3-8B` -> "Qwen3-8B". */
+export function modelLabel(id) {
+  if (typeof id !== 'string') return '—';
+  return id.replace(/^(preset|local):/, '');
+}
+
+/** Whether the job can be resumed (the server says so when it knows). */
+export function canResume(job) {
+  if (typeof job.resumable === 'boolean') return job.resumable;
+  return job.status === 'interrupted' || job.status === 'cancelled';
 }
 
 function num(value) {

@@ -20,6 +20,7 @@ const PRESETS = {
   },
 };
 const FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'schedule', 'warmup', 'weight_decay', 'max_grad_norm', 'save_every', 'seed'];
+const TIER_LABELS = { host: 'Host memory (RAM)', gpu: 'GPU memory' };
 const PART_COLORS = ['#4c8be0', '#36a87a', '#d08a2e', '#9a6bd1', '#d05a7a', '#3fb0c0', '#8a8f3a', '#7a7f8c'];
 
 let models = [];
@@ -69,7 +70,8 @@ function readForm() {
     warmup: number('warmup') ?? 0,
     weight_decay: number('weight_decay') ?? 0,
     max_grad_norm: number('max_grad_norm') ?? 0,
-    save_every: number('save_every') ?? 0,
+    // 0 or empty: save only at the end (the API's "none").
+    save_every: number('save_every') || null,
     seed: number('seed') ?? 0,
   };
 }
@@ -91,7 +93,7 @@ function renderTier(tier) {
   const barNode = parts.length ? el('div', { class: 'bar tall' }, segments) : bar(capacity > 0 ? used / capacity : 0, { tall: true });
   return el('div', { class: 'tier', dataset: { tier: tier.name } },
     el('div', { class: 'tier-head' },
-      el('strong', {}, tier.name),
+      el('strong', {}, TIER_LABELS[tier.name] || tier.name),
       el('span', { class: over ? 'num' : 'num muted', style: over ? { color: 'var(--danger)', fontWeight: 600 } : {} },
         capacity > 0 ? `${fmtBytes(used)} of ${fmtBytes(capacity)}${over ? ' — too much' : ''}` : fmtBytes(used))),
     barNode,
@@ -164,7 +166,8 @@ function renderGpus(gpus) {
       el('div', { class: 'meta' }, [gpu.id, gpu.pcie ? `PCIe ${gpu.pcie}` : null].filter(Boolean).join(' · ')),
       hasMemory ? bar(gpu.memory_used / gpu.memory_total) : null,
       el('div', { class: 'small muted', style: { marginTop: '0.3rem' } },
-        hasMemory ? `${fmtBytes(gpu.memory_total - gpu.memory_used)} free of ${fmtBytes(gpu.memory_total)}` : 'the processor; slow, fine for the tiny preset'));
+        hasMemory ? `${fmtBytes(gpu.memory_total - gpu.memory_used)} free of ${fmtBytes(gpu.memory_total)}${gpu.id === 'cpu' ? ' RAM' : ''}` : ''),
+      gpu.id === 'cpu' ? el('div', { class: 'small muted' }, 'slow; fine for the tiny preset') : null);
   }));
 }
 
