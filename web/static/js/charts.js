@@ -13,6 +13,15 @@ function cssVar(name, fallback) {
 
 const isNum = (v) => typeof v === 'number' && Number.isFinite(v);
 
+/** Axis labels, with more digits when close ticks would otherwise read the same. */
+function tickLabels(ticks, format) {
+  let labels = ticks.map((t) => format(t));
+  for (let digits = 2; digits <= 5 && new Set(labels).size < labels.length; digits += 1) {
+    labels = ticks.map((t) => format(t, digits));
+  }
+  return labels;
+}
+
 export class MetricChart {
   /**
    * `spec`: `{key, title, series: [{field, label, sparse?}], format(value) -> string}`.
@@ -52,7 +61,7 @@ export class MetricChart {
       cursor: { drag: { x: true, y: false } },
       axes: [
         { ...axisStyle, size: 34, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? String(t) : '')) },
-        { ...axisStyle, size: 62, values: (u, ticks) => ticks.map((t) => format(t)) },
+        { ...axisStyle, size: 64, values: (u, ticks) => tickLabels(ticks, format) },
       ],
       series: [
         { label: 'step', value: (u, v) => (v === null || v === undefined ? '—' : String(v)) },

@@ -53,7 +53,8 @@ export function showError(container, err) {
   container.hidden = false;
 }
 
-export function fmtBytes(bytes) {
+/** `digits` forces the decimals (chart axes need more when ticks are close together). */
+export function fmtBytes(bytes, digits = null) {
   if (typeof bytes !== 'number' || !Number.isFinite(bytes)) return '—';
   const units = ['B', 'KB', 'MB', 'GB', 'TB', 'PB'];
   let value = bytes;
@@ -62,8 +63,8 @@ export function fmtBytes(bytes) {
     value /= 1024;
     unit += 1;
   }
-  const digits = unit === 0 ? 0 : value >= 100 ? 0 : value >= 10 ? 1 : 2;
-  return `${value.toFixed(digits)} ${units[unit]}`;
+  const shown = digits !== null ? digits : unit === 0 ? 0 : value >= 100 ? 0 : value >= 10 ? 1 : 2;
+  return `${value.toFixed(shown)} ${units[unit]}`;
 }
 
 /** 1_500_000 -> "1.5M", 7_000_000_000 -> "7.0B". */
