@@ -1,24 +1,77 @@
 //! The Sluice appliance: the HTTP application and the command line.
 //!
-//! [`app`] builds the whole router from an [`AppState`]; tests drive it with
-//! `tower::ServiceExt::oneshot`, with no socket. [`cli`] parses the command line and runs a
-//! subcommand (`serve` binds a socket and serves [`app`]).
+//! [`app`] builds the whole router from an [`AppState`] (opened with [`AppState::open`]); tests
+//! drive it with `tower::ServiceExt::oneshot`, with no socket. [`cli`] parses the command line
+//! and runs a subcommand (`serve` binds a socket and serves [`app`]).
+//!
+//! Invariants: HTTP handlers never train (training runs on one OS thread per device, see
+//! [`jobs::runner`]); every 4xx body is `{"error": ...}`; another user's dataset, job or
+//! checkpoint answers 404.
 
+pub mod auth;
+mod checkpoints;
 pub mod cli;
+pub mod config;
+mod datasets;
+pub mod db;
+pub mod error;
+pub mod gpus;
 mod health;
+pub mod jobs;
+mod metrics;
+pub mod models;
 mod pages;
+mod paths;
+pub mod plan;
 mod state;
+mod users;
 
-pub use state::AppState;
+pub use config::Config;
+pub use state::{AppState, JobMessage};
 
 use axum::Router;
+use axum::middleware;
+use tower_http::compression::CompressionLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::trace::TraceLayer;
 
 /// The whole HTTP application. Each area contributes its own router; they are merged here and
 /// nowhere else.
 pub fn app(state: AppState) -> Router {
-    Router::new()
+    // A hard ceiling on every body; uploads check the configured limit themselves first, so
+    // they get the API's JSON 413 rather than this layer's.
+    let ceiling = state.config().max_upload_bytes.saturating_add(16 << 20);
+    let ceiling = usize::try_from(ceiling).unwrap_or(usize::MAX);
+    let compressed = Router::new()
         .merge(pages::router())
         .merge(health::router())
-        .fallback(pages::not_found)
+        .merge(auth::router())
+        .merge(users::router())
+        .merge(datasets::router())
+        .merge(models::router())
+        .merge(gpus::router())
+        .merge(plan::router())
+        .merge(jobs::router())
+        .merge(metrics::router())
+        // SSE is left uncompressed by the default predicate, so events are not held back.
+        .layer(CompressionLayer::new());
+    Router::new()
+        .merge(compressed)
+        // Downloads are not compressed: ranges must address the file's own bytes.
+        .merge(checkpoints::router())
+        .fallback(fallback)
+        .layer(middleware::from_fn_with_state(state.clone(), auth::session::csrf_guard))
+        .layer(RequestBodyLimitLayer::new(ceiling))
+        .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Unknown `/api/` paths get a JSON 404; everything else the 404 page.
+async fn fallback(uri: axum::http::Uri) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if uri.path().starts_with("/api/") {
+        error::ApiError::not_found(format!("no API route {}", uri.path())).into_response()
+    } else {
+        pages::not_found().await.into_response()
+    }
 }

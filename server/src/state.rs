@@ -1,6 +1,28 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use anyhow::Context;
+use sqlx::SqlitePool;
+use tokio::sync::broadcast;
+
+use crate::config::Config;
+use crate::gpus::Gpus;
+use crate::jobs::{self, Queue};
+use crate::{datasets, db};
+
+/// Live job news for SSE viewers: one broadcast channel for all jobs, filtered per viewer.
+#[derive(Debug, Clone)]
+pub struct JobMessage {
+    pub job_id: i64,
+    /// "metric", "status" or "log": the SSE event name.
+    pub kind: &'static str,
+    /// JSON for metric and status, text for log.
+    pub data: String,
+}
+
+/// Messages a viewer may fall behind by before it loses the oldest.
+const BROADCAST_CAPACITY: usize = 4096;
+
 /// What every handler can reach. Cheap to clone: handlers get a copy per request.
 #[derive(Clone, Debug)]
 pub struct AppState {
@@ -9,17 +31,81 @@ pub struct AppState {
 
 #[derive(Debug)]
 struct Inner {
-    data_dir: PathBuf,
+    config: Config,
+    pool: SqlitePool,
+    gpus: Gpus,
+    queue: Queue,
+    events: broadcast::Sender<JobMessage>,
 }
 
 impl AppState {
-    /// `data_dir` must already exist; the `serve` subcommand creates it.
-    pub fn new(data_dir: PathBuf) -> Self {
-        Self { inner: Arc::new(Inner { data_dir }) }
+    /// Opens the appliance in `config.data_dir` with the GPUs NVML finds.
+    pub async fn open(config: Config) -> anyhow::Result<AppState> {
+        Self::open_with(config, Gpus::detect()).await
+    }
+
+    /// Creates the data directory's layout, opens and migrates the database, marks jobs left
+    /// running as interrupted, registers the demo dataset (once) and starts a job runner per
+    /// device. Must be called inside a tokio runtime.
+    pub async fn open_with(config: Config, gpus: Gpus) -> anyhow::Result<AppState> {
+        for dir in [
+            config.data_dir.clone(),
+            config.data_dir.join("datasets"),
+            config.data_dir.join("runs"),
+        ] {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+        }
+        let pool = db::open(&config.database_path()).await?;
+        jobs::runner::mark_interrupted(&pool).await?;
+        let queue = Queue::new(&gpus.device_ids());
+        let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
+        let state = AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events }) };
+        datasets::register_demo(&state).await?;
+        jobs::runner::start(&state);
+        Ok(state)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
     }
 
     /// Where the appliance keeps its database, uploads and runs.
     pub fn data_dir(&self) -> &Path {
-        &self.inner.data_dir
+        &self.inner.config.data_dir
+    }
+
+    pub fn datasets_dir(&self) -> PathBuf {
+        self.data_dir().join("datasets")
+    }
+
+    pub fn runs_dir(&self) -> PathBuf {
+        self.data_dir().join("runs")
+    }
+
+    /// Local Hugging Face model folders, one per subfolder.
+    pub fn models_dir(&self) -> PathBuf {
+        self.data_dir().join("models")
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.inner.pool
+    }
+
+    pub fn gpus(&self) -> &Gpus {
+        &self.inner.gpus
+    }
+
+    pub fn queue(&self) -> &Queue {
+        &self.inner.queue
+    }
+
+    /// Sends news of a job to whoever watches; nobody watching is fine.
+    pub fn publish(&self, job_id: i64, kind: &'static str, data: String) {
+        let _ = self.inner.events.send(JobMessage { job_id, kind, data });
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<JobMessage> {
+        self.inner.events.subscribe()
     }
 }

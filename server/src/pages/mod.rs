@@ -36,7 +36,7 @@ macro_rules! page {
 
 static SETUP: Page = page!("Welcome", "setup", Nav::None);
 static LOGIN: Page = page!("Log in", "login", Nav::None);
-static DASHBOARD: Page = page!("Dashboard", "dashboard", Nav::Dashboard);
+static DASHBOARD: Page = page!("", "dashboard", Nav::Dashboard);
 static DATASETS: Page = page!("Datasets", "datasets", Nav::Datasets);
 static DATASET: Page = page!("Dataset", "dataset", Nav::Datasets);
 static MODELS: Page = page!("Models", "models", Nav::Models);

@@ -23,6 +23,7 @@ pub(crate) enum Nav {
 /// under `/static/js/pages/` that brings it to life.
 #[derive(Debug)]
 pub(crate) struct Page {
+    /// Shown before " · Sluice" in the window title; empty for the home page, titled "Sluice".
     pub title: &'static str,
     pub body: &'static str,
     pub script: &'static str,
@@ -49,8 +50,13 @@ impl Page {
             (String::new(), String::new())
         };
         let nav = if self.nav == Nav::None { String::new() } else { nav_html(self.nav) };
+        let title = if self.title.is_empty() {
+            "Sluice".to_owned()
+        } else {
+            format!("{} · Sluice", self.title)
+        };
         LAYOUT
-            .replace("{{title}}", self.title)
+            .replace("{{title}}", &title)
             .replace("{{chart_css}}", &chart_css)
             .replace("{{chart_js}}", &chart_js)
             .replace("{{nav}}", &nav)
@@ -105,6 +111,8 @@ mod tests {
         let html = page(Nav::Datasets, true).render();
         assert!(!html.contains("{{"), "unfilled placeholder in {html}");
         assert!(html.contains("<title>T · Sluice</title>"));
+        let home = Page { title: "", ..page(Nav::Dashboard, false) };
+        assert!(home.render().contains("<title>Sluice</title>"));
         assert!(html.contains("<p id=b>body</p>"));
         assert!(html.contains(r#"src="/static/js/pages/x.js""#));
         assert!(html.contains(&format!("uplot-{UPLOT_VERSION}/uPlot.iife.min.js")));

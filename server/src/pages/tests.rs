@@ -27,7 +27,7 @@ async fn pages_are_html_with_a_strict_script_policy() {
         // Every script a page loads must be one the binary serves.
         let script = format!("js/pages/{}.js", page.script);
         assert_eq!(asset(&script, HeaderMap::new()).await.status(), StatusCode::OK, "{script}");
-        assert!(html.contains(&format!("/static/{script}")), "{}", page.title);
+        assert!(html.contains(&format!("/static/{script}")), "{}", page.script);
     }
 }
 

@@ -1,0 +1,176 @@
+//! Checkpoint folders of a job: listed, downloaded file by file (with HTTP ranges, so a broken
+//! download of a large shard resumes), or whole as a tar streamed while it is written.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use tokio_util::io::{ReaderStream, SyncIoBridge};
+use tower::ServiceExt;
+use tower_http::services::ServeFile;
+use tracing::warn;
+
+use crate::AppState;
+use crate::auth::CurrentUser;
+use crate::error::{ApiError, ApiPath, ApiResult};
+use crate::jobs::{runner, store};
+use crate::paths::is_plain_name;
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/api/jobs/{id}/checkpoints", get(list))
+        .route("/api/jobs/{id}/checkpoints/{name}/files/{file}", get(file))
+        .route("/api/jobs/{id}/checkpoints/{name}/archive", get(archive))
+}
+
+#[derive(Debug, Serialize)]
+struct Checkpoint {
+    name: String,
+    step: i64,
+    files: Vec<FileEntry>,
+}
+
+#[derive(Debug, Serialize)]
+struct FileEntry {
+    name: String,
+    size: u64,
+}
+
+#[derive(sqlx::FromRow)]
+struct Row {
+    name: String,
+    step: i64,
+}
+
+/// The plain files of a folder, sorted by name.
+fn files_of(dir: &std::path::Path) -> std::io::Result<Vec<FileEntry>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        if meta.is_file() {
+            files.push(FileEntry {
+                name: entry.file_name().to_string_lossy().into_owned(),
+                size: meta.len(),
+            });
+        }
+    }
+    files.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(files)
+}
+
+/// `GET /api/jobs/{id}/checkpoints`: in step order; folders missing on disk are left out.
+async fn list(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Vec<Checkpoint>>> {
+    store::visible(&state, &user, id).await?;
+    let rows: Vec<Row> =
+        sqlx::query_as("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step, name")
+            .bind(id)
+            .fetch_all(state.pool())
+            .await?;
+    let run_dir = runner::run_dir(&state, id);
+    let checkpoints = tokio::task::spawn_blocking(move || {
+        rows.into_iter()
+            .filter_map(|row| match files_of(&run_dir.join(&row.name)) {
+                Ok(files) => Some(Checkpoint { name: row.name, step: row.step, files }),
+                Err(err) => {
+                    warn!("job {id}: checkpoint {}: {err}", row.name);
+                    None
+                }
+            })
+            .collect::<Vec<_>>()
+    })
+    .await?;
+    Ok(Json(checkpoints))
+}
+
+/// The folder of checkpoint `name` of a job `user` may see; 404 for anything else.
+async fn checkpoint_dir(
+    state: &AppState,
+    user: &crate::auth::User,
+    id: i64,
+    name: &str,
+) -> ApiResult<std::path::PathBuf> {
+    store::visible(state, user, id).await?;
+    let missing = || ApiError::not_found(format!("job {id} has no checkpoint {name:?}"));
+    if !is_plain_name(name) {
+        return Err(missing());
+    }
+    let known: Option<String> =
+        sqlx::query_scalar("SELECT name FROM checkpoints WHERE job_id = ? AND name = ?")
+            .bind(id)
+            .bind(name)
+            .fetch_optional(state.pool())
+            .await?;
+    let dir = runner::run_dir(state, id).join(name);
+    if known.is_none() || !dir.is_dir() {
+        return Err(missing());
+    }
+    Ok(dir)
+}
+
+/// One file of a checkpoint; `Range` requests get 206 with the asked bytes.
+async fn file(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath((id, name, file)): ApiPath<(i64, String, String)>,
+    request: Request,
+) -> ApiResult<Response> {
+    let dir = checkpoint_dir(&state, &user, id, &name).await?;
+    let path = dir.join(&file);
+    if !is_plain_name(&file) || !path.is_file() {
+        return Err(ApiError::not_found(format!("checkpoint {name} has no file {file:?}")));
+    }
+    let response = ServeFile::new(&path).oneshot(request).await.map_err(ApiError::internal)?;
+    let mut response = response.map(Body::new);
+    if let Ok(value) =
+        HeaderValue::from_str(&format!("attachment; filename=\"{}\"", file.replace('"', "")))
+    {
+        response.headers_mut().insert(header::CONTENT_DISPOSITION, value);
+    }
+    Ok(response)
+}
+
+/// The whole folder as `<name>/...` in a tar, written on a blocking thread into a pipe whose
+/// other end is the response body: memory stays at the pipe's size whatever the checkpoint's.
+async fn archive(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath((id, name)): ApiPath<(i64, String)>,
+) -> ApiResult<Response> {
+    let dir = checkpoint_dir(&state, &user, id, &name).await?;
+    let (reader, writer) = tokio::io::duplex(256 << 10);
+    let writer = SyncIoBridge::new(writer);
+    let folder = name.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut builder = tar::Builder::new(writer);
+        builder.follow_symlinks(false);
+        let result = builder
+            .append_dir_all(&folder, &dir)
+            .and_then(|()| builder.into_inner())
+            .and_then(|mut bridge| {
+                use std::io::Write;
+                bridge.flush()?;
+                bridge.shutdown()
+            });
+        // A client that hangs up closes the pipe; that ends the archive early and is no fault.
+        if let Err(err) = result {
+            warn!("job {id}: archive of {folder} stopped: {err}");
+        }
+    });
+    let disposition = format!("attachment; filename=\"job-{id}-{}.tar\"", name.replace('"', ""));
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/x-tar".to_string()),
+            (header::CONTENT_DISPOSITION, disposition),
+        ],
+        Body::from_stream(ReaderStream::new(reader)),
+    )
+        .into_response())
+}

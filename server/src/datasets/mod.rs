@@ -1,0 +1,209 @@
+//! Datasets: upload (streamed to disk, linted by the engine), list, show, delete, preview.
+//!
+//! A dataset belongs to the user who uploaded it. The demo dataset that ships with Sluice is
+//! registered at first start with no owner: every user sees it and can train on it, and only an
+//! admin can delete it (it is not registered again after that).
+
+mod preview;
+mod upload;
+
+use std::path::PathBuf;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use sluice_engine::data::{DatasetSource, Layout};
+use sqlx::FromRow;
+use tracing::{info, warn};
+
+use crate::AppState;
+use crate::auth::{CurrentUser, User};
+use crate::db::now;
+use crate::error::{ApiError, ApiPath, ApiResult};
+
+/// The demo dataset compiled into the binary, so a fresh install can train at once.
+const DEMO_NAME: &str = "demo-alpaca";
+const DEMO_FILE: &str = "demo-alpaca.jsonl";
+const DEMO_BYTES: &[u8] = include_bytes!("../../../datasets/demo-alpaca.jsonl");
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/api/datasets", get(list).post(upload::upload))
+        .route("/api/datasets/{id}", get(show).delete(remove))
+        .route("/api/datasets/{id}/preview", get(preview::preview))
+        // Uploads count their own bytes against the configured limit while streaming.
+        .layer(axum::extract::DefaultBodyLimit::disable())
+}
+
+#[derive(Debug, Clone, Serialize, FromRow)]
+pub struct Dataset {
+    pub id: i64,
+    pub name: String,
+    pub format: String,
+    pub records: i64,
+    pub size_bytes: i64,
+    pub created_at: i64,
+    /// The owner's username; `null` for a dataset shared with everyone (the demo).
+    pub owner: Option<String>,
+    #[serde(skip)]
+    pub owner_id: Option<i64>,
+    #[serde(skip)]
+    pub file_name: String,
+}
+
+const SELECT: &str = "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
+        u.username AS owner, d.owner_id, d.file_name
+    FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
+
+impl Dataset {
+    pub fn path(&self, state: &AppState) -> PathBuf {
+        state.datasets_dir().join(&self.file_name)
+    }
+}
+
+/// The dataset `id` if `user` may see it (theirs, shared, or any for an admin); 404 otherwise.
+pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<Dataset> {
+    let dataset: Option<Dataset> = sqlx::query_as(&format!("{SELECT} WHERE d.id = ?"))
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?;
+    match dataset {
+        Some(d) if user.is_admin() || d.owner_id.is_none() || d.owner_id == Some(user.id) => Ok(d),
+        _ => Err(ApiError::not_found(format!("no dataset {id}"))),
+    }
+}
+
+async fn list(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+) -> ApiResult<Json<Vec<Dataset>>> {
+    let datasets = if user.is_admin() {
+        sqlx::query_as(&format!("{SELECT} ORDER BY d.id")).fetch_all(state.pool()).await?
+    } else {
+        sqlx::query_as(&format!(
+            "{SELECT} WHERE d.owner_id = ? OR d.owner_id IS NULL ORDER BY d.id"
+        ))
+        .bind(user.id)
+        .fetch_all(state.pool())
+        .await?
+    };
+    Ok(Json(datasets))
+}
+
+async fn show(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Dataset>> {
+    Ok(Json(visible(&state, &user, id).await?))
+}
+
+/// `DELETE /api/datasets/{id}`: 204; 403 for a non-admin on the shared demo; 409 while a queued
+/// or running job uses it. Finished jobs keep their checkpoints but can no longer be resumed.
+async fn remove(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<StatusCode> {
+    let dataset = visible(&state, &user, id).await?;
+    if dataset.owner_id.is_none() && !user.is_admin() {
+        return Err(ApiError::Forbidden("only an admin can delete a shared dataset".into()));
+    }
+    let active: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE dataset_id = ? AND status IN ('queued', 'running')",
+    )
+    .bind(id)
+    .fetch_one(state.pool())
+    .await?;
+    if active > 0 {
+        return Err(ApiError::conflict(format!(
+            "{active} queued or running jobs use this dataset; cancel them first"
+        )));
+    }
+    sqlx::query("DELETE FROM datasets WHERE id = ?").bind(id).execute(state.pool()).await?;
+    if let Err(err) = tokio::fs::remove_file(dataset.path(&state)).await {
+        warn!("dataset {id}: cannot remove {}: {err}", dataset.path(&state).display());
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// What the lint found in a file that is good enough to keep.
+pub struct Linted {
+    pub format: String,
+    pub records: usize,
+    pub layout: Layout,
+}
+
+/// Reads `path` with the engine. A file with any bad record, or none usable, is refused with 422
+/// and one line per problem (the first 100).
+pub fn lint(path: PathBuf) -> ApiResult<Linted> {
+    let parsed = DatasetSource::File(path).read().map_err(|err| ApiError::Unprocessable {
+        message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
+        problems: Vec::new(),
+    })?;
+    let mut problems = parsed.problem_lines();
+    if !problems.is_empty() {
+        let total = problems.len();
+        problems.truncate(100);
+        if total > problems.len() {
+            problems.push(format!("... and {} more", total - problems.len()));
+        }
+        return Err(ApiError::Unprocessable {
+            message: format!("the dataset has {total} bad records; fix them and upload again"),
+            problems,
+        });
+    }
+    let Some(format) = parsed.format else {
+        return Err(ApiError::unprocessable("no record is in a known format"));
+    };
+    Ok(Linted {
+        format: format.name().to_string(),
+        records: parsed.entries.len(),
+        layout: parsed.layout,
+    })
+}
+
+/// Engine errors name the file; the server-chosen name means nothing to the user.
+fn strip_path(message: &str) -> String {
+    match message.split_once(": ") {
+        Some((head, rest)) if head.contains('/') => rest.to_string(),
+        _ => message.to_string(),
+    }
+}
+
+/// Registers the bundled demo dataset once per installation.
+pub async fn register_demo(state: &AppState) -> anyhow::Result<()> {
+    let done: Option<String> =
+        sqlx::query_scalar("SELECT value FROM meta WHERE key = 'demo_dataset_registered'")
+            .fetch_optional(state.pool())
+            .await?;
+    if done.is_some() {
+        return Ok(());
+    }
+    let path = state.datasets_dir().join(DEMO_FILE);
+    tokio::fs::write(&path, DEMO_BYTES).await?;
+    let linted = tokio::task::spawn_blocking(move || lint(path))
+        .await?
+        .map_err(|err| anyhow::anyhow!("the bundled demo dataset does not lint: {err:?}"))?;
+    let mut tx = state.pool().begin().await?;
+    sqlx::query(
+        "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at)
+         VALUES (NULL, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(DEMO_NAME)
+    .bind(DEMO_FILE)
+    .bind(&linted.format)
+    .bind(linted.records as i64)
+    .bind(DEMO_BYTES.len() as i64)
+    .bind(now())
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("INSERT INTO meta (key, value) VALUES ('demo_dataset_registered', '1')")
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    info!("registered the demo dataset ({} records)", linted.records);
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! `GET /api/datasets/{id}/preview`: the first records as the model will see them (its chat
+//! template applied, trained text marked) and token statistics over the dataset.
+
+use axum::Json;
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+use sluice_engine::data::{DatasetSource, PrepareOptions, Preparer, Sample, Tokenizer};
+
+use super::visible;
+use crate::AppState;
+use crate::auth::CurrentUser;
+use crate::error::{ApiError, ApiPath, ApiQuery, ApiResult};
+use crate::models;
+
+/// Records tokenized for the statistics; past this the numbers describe a prefix of the file.
+const STATS_RECORDS: usize = 10_000;
+const MAX_LIMIT: usize = 50;
+/// Histogram buckets below `seq_len` (one more counts the samples that get truncated).
+const BUCKETS: usize = 8;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PreviewQuery {
+    model: String,
+    #[serde(default = "default_limit")]
+    limit: usize,
+    #[serde(default = "crate::plan::default_seq_len")]
+    seq_len: usize,
+    #[serde(default)]
+    train_on_prompt: bool,
+}
+
+fn default_limit() -> usize {
+    5
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct Preview {
+    samples: Vec<PreviewSample>,
+    stats: PreviewStats,
+}
+
+#[derive(Debug, Serialize)]
+struct PreviewSample {
+    /// Line (JSON Lines) or record number (JSON array) in the file.
+    line: usize,
+    tokens: usize,
+    segments: Vec<Segment>,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+struct Segment {
+    text: String,
+    trained: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct PreviewStats {
+    records: usize,
+    /// Records the statistics cover (all, up to 10,000).
+    measured: usize,
+    /// Tokens kept after truncation to `seq_len`.
+    tokens: usize,
+    trained_tokens: usize,
+    /// Samples longer than `seq_len`, which lose their end.
+    truncated: usize,
+    seq_len: usize,
+    lengths: Vec<Bucket>,
+}
+
+/// Samples whose token count lies in `min..=max`.
+#[derive(Debug, Serialize)]
+struct Bucket {
+    min: usize,
+    max: usize,
+    count: usize,
+}
+
+pub(super) async fn preview(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+    ApiQuery(query): ApiQuery<PreviewQuery>,
+) -> ApiResult<Json<Preview>> {
+    let dataset = visible(&state, &user, id).await?;
+    if query.seq_len == 0 || query.seq_len > state.config().limits.max_seq_len {
+        return Err(ApiError::bad_request(format!(
+            "seq_len must be between 1 and {}",
+            state.config().limits.max_seq_len
+        )));
+    }
+    let path = dataset.path(&state);
+    let preview = tokio::task::spawn_blocking(move || -> ApiResult<Preview> {
+        let model = models::resolve(&state, &query.model)?;
+        let tokenizer = model.tokenizer().map_err(|e| {
+            ApiError::unprocessable(format!("cannot load the model's tokenizer: {e}"))
+        })?;
+        build(&tokenizer, &path, &query)
+    })
+    .await??;
+    Ok(Json(preview))
+}
+
+fn build(
+    tokenizer: &Tokenizer,
+    path: &std::path::Path,
+    query: &PreviewQuery,
+) -> ApiResult<Preview> {
+    let refuse = |e: sluice_engine::Error| ApiError::unprocessable(e.to_string());
+    let parsed = DatasetSource::File(path.to_path_buf()).read().map_err(refuse)?;
+    let preparer =
+        Preparer::new(tokenizer, PrepareOptions { train_on_prompt: query.train_on_prompt })
+            .map_err(refuse)?;
+    let seq_len = query.seq_len;
+    let limit = query.limit.min(MAX_LIMIT);
+
+    let mut samples = Vec::new();
+    let mut lengths = Vec::new();
+    let (mut tokens, mut trained_tokens, mut truncated) = (0, 0, 0);
+    for (index, entry) in parsed.entries.iter().take(STATS_RECORDS).enumerate() {
+        let sample = preparer
+            .sample(&entry.record)
+            .map_err(|e| ApiError::unprocessable(format!("line {}: {e}", entry.line)))?;
+        let len = sample.ids.len();
+        lengths.push(len);
+        tokens += len.min(seq_len);
+        trained_tokens += sample.trained.iter().take(seq_len).filter(|&&t| t).count();
+        truncated += usize::from(len > seq_len);
+        if index < limit {
+            samples.push(PreviewSample {
+                line: entry.line,
+                tokens: len,
+                segments: segments(tokenizer, &sample).map_err(refuse)?,
+            });
+        }
+    }
+    let stats = PreviewStats {
+        records: parsed.entries.len(),
+        measured: lengths.len(),
+        tokens,
+        trained_tokens,
+        truncated,
+        seq_len,
+        lengths: histogram(&lengths, seq_len),
+    };
+    Ok(Preview { samples, stats })
+}
+
+/// Runs of tokens with the same trained flag, decoded to text. Each run is the difference of
+/// two decoded prefixes, so a character split across tokens of two runs is not garbled.
+fn segments(tokenizer: &Tokenizer, sample: &Sample) -> sluice_engine::Result<Vec<Segment>> {
+    let mut out: Vec<Segment> = Vec::new();
+    let mut previous = String::new();
+    let mut start = 0;
+    while start < sample.ids.len() {
+        let trained = sample.trained.get(start).copied().unwrap_or(false);
+        let mut end = start + 1;
+        while end < sample.ids.len() && sample.trained.get(end).copied().unwrap_or(false) == trained
+        {
+            end += 1;
+        }
+        let text = tokenizer.decode(&sample.ids[..end])?;
+        let piece = match text.strip_prefix(previous.as_str()) {
+            Some(rest) => rest.to_string(),
+            None => tokenizer.decode(&sample.ids[start..end])?,
+        };
+        out.push(Segment { text: piece, trained });
+        previous = text;
+        start = end;
+    }
+    Ok(out)
+}
+
+/// `BUCKETS` equal buckets over `1..=seq_len`, then one for longer samples if there are any.
+fn histogram(lengths: &[usize], seq_len: usize) -> Vec<Bucket> {
+    let width = seq_len.div_ceil(BUCKETS).max(1);
+    let mut buckets: Vec<Bucket> = (0..BUCKETS)
+        .map(|i| Bucket { min: i * width + 1, max: ((i + 1) * width).min(seq_len), count: 0 })
+        .filter(|b| b.min <= b.max)
+        .collect();
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let mut over = Bucket { min: seq_len + 1, max: longest, count: 0 };
+    for &len in lengths {
+        if len > seq_len {
+            over.count += 1;
+        } else if let Some(bucket) = buckets.get_mut(len.saturating_sub(1) / width) {
+            bucket.count += 1;
+        }
+    }
+    if over.count > 0 {
+        buckets.push(over);
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::histogram;
+
+    #[test]
+    fn histogram_covers_every_length_once() {
+        let lengths = [1, 8, 9, 16, 64, 65, 300];
+        let buckets = histogram(&lengths, 64);
+        assert_eq!(buckets.len(), 9);
+        assert_eq!(buckets.iter().map(|b| b.count).sum::<usize>(), lengths.len());
+        assert_eq!((buckets[0].min, buckets[0].max, buckets[0].count), (1, 8, 2));
+        assert_eq!((buckets[1].min, buckets[1].max, buckets[1].count), (9, 16, 2));
+        assert_eq!((buckets[7].min, buckets[7].max, buckets[7].count), (57, 64, 1));
+        assert_eq!((buckets[8].min, buckets[8].max, buckets[8].count), (65, 300, 2));
+    }
+}

@@ -1,0 +1,196 @@
+//! Job rows: the queries the handlers and the runners share, and the JSON a job is shown as.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sqlx::FromRow;
+
+use crate::AppState;
+use crate::auth::User;
+use crate::db::{now, now_f64};
+use crate::error::{ApiError, ApiResult};
+
+/// The hyperparameters of a job as accepted (stored as JSON in `jobs.config`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobConfig {
+    /// `None`: one pass over the data.
+    pub steps: Option<u64>,
+    pub seq_len: usize,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub lr: f32,
+    pub schedule: String,
+    pub warmup: u64,
+    pub weight_decay: f32,
+    /// 0 turns clipping off.
+    pub max_grad_norm: f32,
+    pub save_every: Option<u64>,
+    pub seed: u64,
+    pub train_on_prompt: bool,
+}
+
+#[derive(Debug, Clone, FromRow)]
+pub struct JobRow {
+    pub id: i64,
+    pub owner_id: i64,
+    pub model: String,
+    pub dataset_id: Option<i64>,
+    pub device: String,
+    pub config: String,
+    pub status: String,
+    pub queue_seq: i64,
+    pub error: Option<String>,
+    pub total_steps: i64,
+    pub step: i64,
+    pub start_step: i64,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<i64>,
+    pub resume_from: Option<String>,
+    pub created_at: i64,
+}
+
+pub const COLUMNS: &str = "id, owner_id, model, dataset_id, device, config, status, queue_seq, \
+    error, total_steps, step, start_step, started_at, finished_at, resume_from, created_at";
+
+impl JobRow {
+    pub fn config(&self) -> ApiResult<JobConfig> {
+        serde_json::from_str(&self.config)
+            .map_err(|e| ApiError::internal(anyhow::anyhow!("job {} config: {e}", self.id)))
+    }
+
+    pub fn is_resumable(&self) -> bool {
+        matches!(self.status.as_str(), "cancelled" | "interrupted")
+    }
+
+    /// Seconds left, from the pace of the steps since the latest start.
+    pub fn eta_s(&self) -> Option<f64> {
+        if self.status != "running" || self.total_steps <= 0 {
+            return None;
+        }
+        let done = self.step - self.start_step;
+        let started = self.started_at?;
+        if done <= 0 {
+            return None;
+        }
+        let per_step = (now_f64() - started).max(0.0) / done as f64;
+        Some(per_step * (self.total_steps - self.step).max(0) as f64)
+    }
+
+    /// What SSE `status` events carry.
+    pub fn status_json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "status": self.status,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "error": self.error,
+        })
+    }
+}
+
+pub async fn get(state: &AppState, id: i64) -> ApiResult<Option<JobRow>> {
+    Ok(sqlx::query_as(&format!("SELECT {COLUMNS} FROM jobs WHERE id = ?"))
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?)
+}
+
+/// The job if `user` owns it or is an admin; 404 otherwise, so ids do not leak.
+pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<JobRow> {
+    match get(state, id).await? {
+        Some(job) if user.is_admin() || job.owner_id == user.id => Ok(job),
+        _ => Err(ApiError::not_found(format!("no job {id}"))),
+    }
+}
+
+/// The job as the API shows it.
+pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
+    let owner: Option<String> = sqlx::query_scalar("SELECT username FROM users WHERE id = ?")
+        .bind(job.owner_id)
+        .fetch_optional(state.pool())
+        .await?;
+    let dataset_name: Option<String> = match job.dataset_id {
+        Some(id) => {
+            sqlx::query_scalar("SELECT name FROM datasets WHERE id = ?")
+                .bind(id)
+                .fetch_optional(state.pool())
+                .await?
+        }
+        None => None,
+    };
+    let position: Option<i64> = if job.status == "queued" {
+        Some(
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM jobs WHERE device = ? AND status = 'queued' AND queue_seq <= ?",
+            )
+            .bind(&job.device)
+            .bind(job.queue_seq)
+            .fetch_one(state.pool())
+            .await?,
+        )
+    } else {
+        None
+    };
+    let config: Value = serde_json::from_str(&job.config).unwrap_or(Value::Null);
+    let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
+    Ok(json!({
+        "id": job.id,
+        "owner": owner,
+        "model": job.model,
+        "dataset": job.dataset_id,
+        "dataset_name": dataset_name,
+        "gpu": job.device,
+        "status": job.status,
+        "position": position,
+        "error": job.error,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "progress": progress,
+        "eta_s": job.eta_s(),
+        "resumable": job.is_resumable(),
+        "config": config,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+    }))
+}
+
+/// Appends a line to the job's log and sends it to live viewers.
+pub async fn log(state: &AppState, job_id: i64, line: &str) {
+    let stored = sqlx::query("INSERT INTO job_logs (job_id, t, line) VALUES (?, ?, ?)")
+        .bind(job_id)
+        .bind(now_f64())
+        .bind(line)
+        .execute(state.pool())
+        .await;
+    if let Err(err) = stored {
+        tracing::error!("job {job_id}: cannot store a log line: {err}");
+    }
+    state.publish(job_id, "log", line.to_string());
+}
+
+/// Sets a final status and tells live viewers.
+pub async fn finish(
+    state: &AppState,
+    job_id: i64,
+    status: &str,
+    error: Option<&str>,
+) -> ApiResult<()> {
+    sqlx::query(
+        "UPDATE jobs SET status = ?, error = ?, finished_at = ?, resume_from = NULL WHERE id = ?",
+    )
+    .bind(status)
+    .bind(error)
+    .bind(now())
+    .bind(job_id)
+    .execute(state.pool())
+    .await?;
+    publish_status(state, job_id).await
+}
+
+/// Sends the job's current status to live viewers.
+pub async fn publish_status(state: &AppState, job_id: i64) -> ApiResult<()> {
+    if let Some(job) = get(state, job_id).await? {
+        state.publish(job_id, "status", job.status_json().to_string());
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! User management, for admins only.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{delete, get};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use sqlx::FromRow;
+
+use crate::AppState;
+use crate::auth::AdminUser;
+use crate::auth::password;
+use crate::db::now;
+use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/api/users", get(list).post(create))
+        .route("/api/users/{id}", delete(remove))
+}
+
+#[derive(Debug, Serialize, FromRow)]
+struct UserView {
+    id: i64,
+    username: String,
+    role: String,
+    created_at: i64,
+}
+
+async fn list(State(state): State<AppState>, _admin: AdminUser) -> ApiResult<Json<Vec<UserView>>> {
+    let users = sqlx::query_as("SELECT id, username, role, created_at FROM users ORDER BY id")
+        .fetch_all(state.pool())
+        .await?;
+    Ok(Json(users))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewUser {
+    username: String,
+    password: String,
+    #[serde(default = "default_role")]
+    role: String,
+}
+
+fn default_role() -> String {
+    "user".into()
+}
+
+/// `POST /api/users`: 201 with the new user; 409 when the name is taken.
+async fn create(
+    State(state): State<AppState>,
+    _admin: AdminUser,
+    ApiJson(body): ApiJson<NewUser>,
+) -> ApiResult<(StatusCode, Json<UserView>)> {
+    password::check_username(&body.username)?;
+    password::check_password(&body.password)?;
+    if body.role != "admin" && body.role != "user" {
+        return Err(ApiError::bad_request(format!(
+            "role must be \"admin\" or \"user\", not {:?}",
+            body.role
+        )));
+    }
+    let taken: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE username = ?")
+        .bind(&body.username)
+        .fetch_optional(state.pool())
+        .await?;
+    if taken.is_some() {
+        return Err(ApiError::conflict(format!("the username {:?} is taken", body.username)));
+    }
+    let hash = password::hash(body.password).await?;
+    let user: UserView = sqlx::query_as(
+        "INSERT INTO users (username, password_hash, role, created_at) VALUES (?, ?, ?, ?)
+         RETURNING id, username, role, created_at",
+    )
+    .bind(&body.username)
+    .bind(&hash)
+    .bind(&body.role)
+    .bind(now())
+    .fetch_one(state.pool())
+    .await?;
+    Ok((StatusCode::CREATED, Json(user)))
+}
+
+/// `DELETE /api/users/{id}`: 204. An admin cannot delete themself, nor a user whose jobs are
+/// queued or running (cancel them first). The user's datasets, jobs and sessions go with them.
+async fn remove(
+    State(state): State<AppState>,
+    AdminUser(admin): AdminUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<StatusCode> {
+    if id == admin.id {
+        return Err(ApiError::conflict("you cannot delete your own account"));
+    }
+    let exists: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE id = ?")
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?;
+    if exists.is_none() {
+        return Err(ApiError::not_found(format!("no user {id}")));
+    }
+    let active: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')",
+    )
+    .bind(id)
+    .fetch_one(state.pool())
+    .await?;
+    if active > 0 {
+        return Err(ApiError::conflict(format!(
+            "the user has {active} queued or running jobs; cancel them first"
+        )));
+    }
+    sqlx::query("DELETE FROM users WHERE id = ?").bind(id).execute(state.pool()).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,173 @@
+//! Upload (limit, lint), list, delete, preview.
+
+use axum::http::StatusCode;
+
+use crate::common::TestApp;
+
+const GOOD: &str = r#"{"instruction": "Say hi.", "input": "", "output": "Hi there!"}
+{"instruction": "Add 2 and 3.", "input": "", "output": "2 + 3 = 5."}
+{"instruction": "Name a colour.", "input": "", "output": "Blue."}
+"#;
+
+/// Files in the data directory's datasets folder (the demo included).
+fn dataset_files(app: &TestApp) -> anyhow::Result<Vec<String>> {
+    let mut names: Vec<String> = std::fs::read_dir(app.state.datasets_dir())?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_, _>>()?;
+    names.sort();
+    Ok(names)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upload_list_show_delete() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let alice = app.user(&admin, "alice").await?;
+
+    let demo = alice.demo_dataset().await?;
+    let demo_view = alice.get(&format!("/api/datasets/{demo}")).await?.json()?;
+    assert!(demo_view["owner"].is_null(), "{demo_view}");
+    assert_eq!(demo_view["format"], "alpaca");
+    assert_eq!(demo_view["records"], 1000);
+
+    let reply = alice.upload("../../etc/my data.jsonl", GOOD.as_bytes(), None).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!(created["name"], "my data.jsonl", "the client's path is not used");
+    assert_eq!(created["format"], "alpaca");
+    assert_eq!(created["records"], 3);
+    assert_eq!(created["size_bytes"], GOOD.len());
+    assert_eq!(created["owner"], "alice");
+    let id = created["id"].as_i64().unwrap_or(0);
+    // Stored under a name the server chose.
+    let files = dataset_files(&app)?;
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(files.iter().all(|f| !f.contains("my data")), "{files:?}");
+
+    let named = alice.upload("x.jsonl", GOOD.as_bytes(), Some("greetings")).await?.json()?;
+    assert_eq!(named["name"], "greetings");
+
+    let list = alice.get("/api/datasets").await?.json()?;
+    assert_eq!(list.as_array().map(Vec::len), Some(3), "{list}");
+
+    // Users cannot delete the shared demo; admins can.
+    assert_eq!(alice.delete(&format!("/api/datasets/{demo}")).await?.status, StatusCode::FORBIDDEN);
+    assert_eq!(alice.delete(&format!("/api/datasets/{id}")).await?.status, StatusCode::NO_CONTENT);
+    assert_eq!(alice.get(&format!("/api/datasets/{id}")).await?.status, StatusCode::NOT_FOUND);
+    assert_eq!(dataset_files(&app)?.len(), 2);
+    assert_eq!(
+        admin.delete(&format!("/api/datasets/{demo}")).await?.status,
+        StatusCode::NO_CONTENT
+    );
+
+    // The demo is registered once per installation, not again at the next start.
+    let restarted = app.restart().await?;
+    let mut again = crate::common::Client {
+        state: restarted,
+        cookie: alice.cookie.clone(),
+        csrf: alice.csrf.clone(),
+    };
+    again.session().await?;
+    assert!(again.demo_dataset().await.is_err());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_upload_is_413_and_leaves_nothing() -> anyhow::Result<()> {
+    let app = TestApp::with_config(|c| c.max_upload_bytes = 1000).await?;
+    let admin = app.admin().await?;
+    let before = dataset_files(&app)?;
+    let big = GOOD.repeat(20);
+    assert!(big.len() > 1000);
+    let reply = admin.upload("big.jsonl", big.as_bytes(), None).await?;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", reply.text());
+    assert!(reply.error().contains("upload limit"), "{}", reply.text());
+    assert_eq!(dataset_files(&app)?, before);
+    // Just under the limit passes.
+    assert_eq!(admin.upload("ok.jsonl", GOOD.as_bytes(), None).await?.status, StatusCode::CREATED);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_dataset_is_422_with_line_numbers() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let before = dataset_files(&app)?;
+    let bad =
+        "{\"instruction\": \"Hi\", \"output\": \"Hello\"}\n{not json\n{\"instruction\": \"x\"}\n";
+    let reply = admin.upload("bad.jsonl", bad.as_bytes(), None).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    let body = reply.json()?;
+    let problems: Vec<&str> = body["problems"]
+        .as_array()
+        .map(|p| p.iter().filter_map(|p| p.as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(problems.len(), 2, "{body}");
+    assert!(problems[0].starts_with("line 2:"), "{problems:?}");
+    assert!(problems[1].starts_with("line 3:"), "{problems:?}");
+    assert!(body["error"].as_str().is_some_and(|e| e.contains("2 bad records")), "{body}");
+    assert_eq!(dataset_files(&app)?, before, "nothing is kept");
+
+    let garbage = admin.upload("x.jsonl", b"\xff\xfe garbage", None).await?;
+    assert_eq!(garbage.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", garbage.text());
+    let empty = admin.upload("x.jsonl", b"", None).await?;
+    assert_eq!(empty.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", empty.text());
+    let no_file = admin.post("/api/datasets", serde_json::json!({})).await?;
+    assert_eq!(no_file.status, StatusCode::BAD_REQUEST, "{}", no_file.text());
+    assert_eq!(dataset_files(&app)?, before);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preview_marks_trained_text_and_counts_tokens() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let id =
+        admin.upload("g.jsonl", GOOD.as_bytes(), None).await?.json()?["id"].as_i64().unwrap_or(0);
+
+    let preview = admin
+        .get(&format!("/api/datasets/{id}/preview?model=preset:tiny&limit=2&seq_len=16"))
+        .await?;
+    assert_eq!(preview.status, StatusCode::OK, "{}", preview.text());
+    let preview = preview.json()?;
+    let samples = preview["samples"].as_array().cloned().unwrap_or_default();
+    assert_eq!(samples.len(), 2, "{preview}");
+    let segments = samples[0]["segments"].as_array().cloned().unwrap_or_default();
+    let text: String = segments.iter().filter_map(|s| s["text"].as_str()).collect();
+    let trained: String = segments
+        .iter()
+        .filter(|s| s["trained"] == true)
+        .filter_map(|s| s["text"].as_str())
+        .collect();
+    let prompt: String = segments
+        .iter()
+        .filter(|s| s["trained"] == false)
+        .filter_map(|s| s["text"].as_str())
+        .collect();
+    assert!(text.contains("<|im_start|>user") && text.contains("Say hi."), "{text}");
+    assert!(trained.contains("Hi there!"), "the reply is trained: {segments:?}");
+    assert!(
+        prompt.contains("Say hi.") && !trained.contains("Say hi."),
+        "the prompt is not: {segments:?}"
+    );
+
+    let stats = &preview["stats"];
+    assert_eq!(stats["records"], 3);
+    assert_eq!(stats["seq_len"], 16);
+    let tokens = stats["tokens"].as_u64().unwrap_or(0);
+    let trained_tokens = stats["trained_tokens"].as_u64().unwrap_or(0);
+    assert!(trained_tokens > 0 && trained_tokens < tokens && tokens <= 3 * 16, "{stats}");
+    // Every sample is longer than 16 tokens with the chat template around it.
+    assert_eq!(stats["truncated"], 3, "{stats}");
+    let counted: u64 = stats["lengths"]
+        .as_array()
+        .map_or(0, |b| b.iter().filter_map(|b| b["count"].as_u64()).sum());
+    assert_eq!(counted, 3, "{stats}");
+
+    let unknown = admin.get(&format!("/api/datasets/{id}/preview?model=preset:huge")).await?;
+    assert_eq!(unknown.status, StatusCode::BAD_REQUEST);
+    let missing = admin.get(&format!("/api/datasets/{id}/preview")).await?;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert!(missing.error().contains("model"), "{}", missing.text());
+    Ok(())
+}

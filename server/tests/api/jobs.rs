@@ -1,0 +1,300 @@
+//! The job lifecycle on the tiny preset: queue, run, metrics, checkpoints, downloads, cancel,
+//! resume, restart.
+
+use std::io::Read;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode, header};
+use futures_util::StreamExt;
+use serde_json::json;
+use tower::ServiceExt;
+
+use crate::common::{Client, TestApp, tiny_job};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_to_completion_with_metrics_and_checkpoints() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let mut job = tiny_job(demo, 3);
+    job["save_every"] = json!(2);
+    let id = admin.submit(job).await?;
+
+    let done = admin.wait_job(id, 300, |j| j["status"] == "completed").await?;
+    assert_eq!(done["step"], 3, "{done}");
+    assert_eq!(done["total_steps"], 3);
+    assert_eq!(done["progress"], 1.0);
+    assert_eq!(done["gpu"], "cpu");
+    assert_eq!(done["config"]["lr"], json!(0.001), "presets default to a higher lr");
+    assert!(done["error"].is_null());
+
+    let metrics = admin.get(&format!("/api/jobs/{id}/metrics")).await?.json()?;
+    let steps: Vec<u64> = metrics
+        .as_array()
+        .map(|m| m.iter().filter_map(|p| p["step"].as_u64()).collect())
+        .unwrap_or_default();
+    assert_eq!(steps, [1, 2, 3], "{metrics}");
+    for point in metrics.as_array().into_iter().flatten() {
+        assert!(point["loss"].as_f64().is_some_and(|l| l.is_finite() && l > 0.0), "{point}");
+        assert!(point["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{point}");
+        assert!(
+            point["lr"].is_number() && point["grad_norm"].is_number() && point["t"].is_number()
+        );
+    }
+
+    let checkpoints = admin.get(&format!("/api/jobs/{id}/checkpoints")).await?.json()?;
+    let names: Vec<&str> = checkpoints
+        .as_array()
+        .map(|c| c.iter().filter_map(|c| c["name"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(names, ["checkpoint-2", "final"], "{checkpoints}");
+    assert_eq!(checkpoints[1]["step"], 3);
+    let files = checkpoints[1]["files"].as_array().cloned().unwrap_or_default();
+    assert!(files.iter().any(|f| f["name"] == "config.json"), "{checkpoints}");
+    assert!(files.iter().any(|f| f["name"] == "model.safetensors"), "{checkpoints}");
+
+    // A ranged download gets exactly the asked bytes.
+    let on_disk =
+        std::fs::read(app.state.runs_dir().join(id.to_string()).join("final/config.json"))?;
+    let request = admin
+        .builder(Method::GET, &format!("/api/jobs/{id}/checkpoints/final/files/config.json"))
+        .header(header::RANGE, "bytes=2-11")
+        .body(Body::empty())?;
+    let ranged = admin.send(request).await?;
+    assert_eq!(ranged.status, StatusCode::PARTIAL_CONTENT);
+    assert_eq!(&ranged.body[..], &on_disk[2..12]);
+    assert_eq!(ranged.header(header::CONTENT_RANGE), format!("bytes 2-11/{}", on_disk.len()));
+    let whole = admin.get(&format!("/api/jobs/{id}/checkpoints/final/files/config.json")).await?;
+    assert_eq!(whole.status, StatusCode::OK);
+    assert_eq!(&whole.body[..], &on_disk[..]);
+    for bad in ["..%2Fcheckpoint-2%2Fconfig.json", "nope.bin"] {
+        let reply = admin.get(&format!("/api/jobs/{id}/checkpoints/final/files/{bad}")).await?;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND, "{bad}");
+    }
+    assert_eq!(
+        admin.get(&format!("/api/jobs/{id}/checkpoints/..%2F..%2F/archive")).await?.status,
+        StatusCode::NOT_FOUND
+    );
+
+    // The archive is a tar of the folder.
+    let archive = admin.get(&format!("/api/jobs/{id}/checkpoints/final/archive")).await?;
+    assert_eq!(archive.status, StatusCode::OK);
+    assert_eq!(archive.header(header::CONTENT_TYPE), "application/x-tar");
+    let mut tar = tar::Archive::new(&archive.body[..]);
+    let mut config = None;
+    let mut entries = Vec::new();
+    for entry in tar.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        if path == "final/config.json" {
+            let mut text = Vec::new();
+            entry.read_to_end(&mut text)?;
+            config = Some(text);
+        }
+        entries.push(path);
+    }
+    assert_eq!(config.as_deref(), Some(&on_disk[..]), "entries: {entries:?}");
+    assert!(entries.iter().any(|e| e == "final/model.safetensors"), "{entries:?}");
+
+    let log = admin.get(&format!("/api/jobs/{id}/log")).await?.text();
+    for needle in [
+        "queued by admin",
+        "starting on cpu",
+        "saved checkpoint checkpoint-2 (step 2)",
+        "completed after step 3",
+    ] {
+        assert!(log.contains(needle), "{needle:?} not in log:\n{log}");
+    }
+    let listed = admin.get("/api/jobs").await?.json()?;
+    assert_eq!(listed[0]["id"], id);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_jobs_get_clear_4xx() -> anyhow::Result<()> {
+    let app = TestApp::with_config(|c| c.limits.max_steps = 100).await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let cases = [
+        (
+            json!({"model": "preset:nope", "dataset": demo, "gpu": "cpu"}),
+            StatusCode::BAD_REQUEST,
+            "preset:nope",
+        ),
+        (
+            json!({"model": "local:missing", "dataset": demo, "gpu": "cpu"}),
+            StatusCode::BAD_REQUEST,
+            "local:missing",
+        ),
+        (
+            json!({"model": "preset:tiny", "dataset": demo, "gpu": "cuda:7"}),
+            StatusCode::BAD_REQUEST,
+            "cuda:7",
+        ),
+        (
+            json!({"model": "preset:tiny", "dataset": 999, "gpu": "cpu"}),
+            StatusCode::BAD_REQUEST,
+            "unknown dataset 999",
+        ),
+        (json!({"dataset": demo, "gpu": "cpu"}), StatusCode::BAD_REQUEST, "model"),
+        (
+            json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", "steps": 101}),
+            StatusCode::BAD_REQUEST,
+            "steps",
+        ),
+        (
+            json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", "lr": -1.0}),
+            StatusCode::BAD_REQUEST,
+            "lr",
+        ),
+        (
+            json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", "schedule": "zigzag"}),
+            StatusCode::BAD_REQUEST,
+            "schedule",
+        ),
+        (
+            json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", "stepz": 3}),
+            StatusCode::BAD_REQUEST,
+            "stepz",
+        ),
+        (
+            json!({"model": "preset:qwen2.5-72b", "dataset": demo, "gpu": "cpu"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "does not fit",
+        ),
+    ];
+    for (body, status, needle) in cases {
+        let reply = admin.post("/api/jobs", body.clone()).await?;
+        assert_eq!(reply.status, status, "{body}: {}", reply.text());
+        assert!(reply.error().contains(needle), "{body}: {}", reply.text());
+    }
+    let not_json = admin
+        .send(
+            admin
+                .builder(Method::POST, "/api/jobs")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{"))?,
+        )
+        .await?;
+    assert_eq!(not_json.status, StatusCode::BAD_REQUEST);
+    assert!(!not_json.error().is_empty());
+    assert_eq!(admin.get("/api/jobs/abc").await?.status, StatusCode::BAD_REQUEST);
+    assert_eq!(admin.get("/api/jobs/12345").await?.status, StatusCode::NOT_FOUND);
+    assert_eq!(admin.get("/api/jobs").await?.json()?, json!([]));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_queue_order_and_resume() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let long = admin.submit(tiny_job(demo, 100_000)).await?;
+    let waiting = admin.submit(tiny_job(demo, 2)).await?;
+
+    let running = admin
+        .wait_job(long, 300, |j| j["status"] == "running" && j["step"].as_u64() >= Some(2))
+        .await?;
+    assert!(running["eta_s"].as_f64().is_some_and(|e| e > 0.0), "{running}");
+    let queued = admin.get(&format!("/api/jobs/{waiting}")).await?.json()?;
+    assert_eq!(queued["status"], "queued");
+    assert_eq!(queued["position"], 1);
+
+    // Live events: the current status first, then metric points.
+    let request =
+        admin.builder(Method::GET, &format!("/api/jobs/{long}/events")).body(Body::empty())?;
+    let response = sluice::app(admin.state.clone()).oneshot(request).await?;
+    assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+    let mut stream = response.into_body().into_data_stream();
+    let mut seen = String::new();
+    while !(seen.contains("event: status") && seen.contains("event: metric")) {
+        let chunk = tokio::time::timeout(Duration::from_secs(60), stream.next()).await?;
+        let Some(chunk) = chunk else { anyhow::bail!("stream ended: {seen}") };
+        let chunk: axum::body::Bytes = chunk?;
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(seen.contains("\"loss\""), "{seen}");
+    drop(stream);
+
+    let cancelled = admin.post(&format!("/api/jobs/{waiting}/cancel"), json!({})).await?;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.text());
+    assert_eq!(cancelled.json()?["status"], "cancelled");
+
+    let stopping = admin.post(&format!("/api/jobs/{long}/cancel"), json!({})).await?;
+    assert_eq!(stopping.status, StatusCode::ACCEPTED, "{}", stopping.text());
+    let stopped = admin.wait_job(long, 120, |j| j["status"] == "cancelled").await?;
+    let at = stopped["step"].as_i64().unwrap_or(0);
+    assert!(at >= 2, "{stopped}");
+    assert_eq!(
+        admin.post(&format!("/api/jobs/{long}/cancel"), json!({})).await?.status,
+        StatusCode::CONFLICT
+    );
+    // The cancelled run saved where it stopped.
+    let checkpoints = admin.get(&format!("/api/jobs/{long}/checkpoints")).await?.json()?;
+    assert_eq!(checkpoints[0]["name"], format!("checkpoint-{at}"), "{checkpoints}");
+    assert_eq!(checkpoints[0]["step"], at);
+
+    // Resume continues from that checkpoint, with steps numbered on from it.
+    let resumed = admin.post(&format!("/api/jobs/{long}/resume"), json!({})).await?;
+    assert_eq!(resumed.status, StatusCode::OK, "{}", resumed.text());
+    let again = admin
+        .wait_job(long, 300, |j| j["status"] == "running" && j["step"].as_i64() > Some(at))
+        .await?;
+    assert_eq!(again["total_steps"], 100_000);
+    let log = admin.get(&format!("/api/jobs/{long}/log")).await?.text();
+    assert!(log.contains(&format!("from checkpoint-{at} at step {at}")), "{log}");
+    let metrics = admin.get(&format!("/api/jobs/{long}/metrics")).await?.json()?;
+    let steps: Vec<i64> = metrics
+        .as_array()
+        .map(|m| m.iter().filter_map(|p| p["step"].as_i64()).collect())
+        .unwrap_or_default();
+    assert!(steps.windows(2).all(|w| w[1] == w[0] + 1), "steps continue without gaps: {steps:?}");
+
+    assert_eq!(
+        admin.post(&format!("/api/jobs/{long}/resume"), json!({})).await?.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        admin.post(&format!("/api/jobs/{long}/cancel"), json!({})).await?.status,
+        StatusCode::ACCEPTED
+    );
+    admin.wait_job(long, 120, |j| j["status"] == "cancelled").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_marks_running_jobs_interrupted_and_they_resume() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    // A job the previous server process was running when it died.
+    let config = json!({"steps": 2, "seq_len": 64, "micro_batch": 1, "grad_accum": 1, "lr": 0.001,
+        "schedule": "cosine", "warmup": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
+        "save_every": null, "seed": 0, "train_on_prompt": false});
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO jobs (owner_id, model, dataset_id, device, config, status, queue_seq, total_steps, step, created_at)
+         VALUES (1, 'preset:tiny', ?, 'cpu', ?, 'running', 1, 2, 1, 0) RETURNING id",
+    )
+    .bind(demo)
+    .bind(config.to_string())
+    .fetch_one(app.state.pool())
+    .await?;
+
+    let restarted = app.restart().await?;
+    let mut client =
+        Client { state: restarted, cookie: admin.cookie.clone(), csrf: admin.csrf.clone() };
+    client.session().await?;
+    let job = client.get(&format!("/api/jobs/{id}")).await?.json()?;
+    assert_eq!(job["status"], "interrupted", "{job}");
+    assert_eq!(job["resumable"], true);
+    assert!(job["error"].as_str().is_some_and(|e| e.contains("server stopped")), "{job}");
+
+    let resumed = client.post(&format!("/api/jobs/{id}/resume"), json!({})).await?;
+    assert_eq!(resumed.status, StatusCode::OK, "{}", resumed.text());
+    let done = client.wait_job(id, 300, |j| j["status"] == "completed").await?;
+    assert_eq!(done["step"], 2, "no checkpoint: it started over, {done}");
+    let log = client.get(&format!("/api/jobs/{id}/log")).await?.text();
+    assert!(log.contains("from the start (no checkpoint)"), "{log}");
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! Handler tests: requests go straight through `app(state)` with no socket, each test with its
+//! own data directory and SQLite database. One binary, one module per area.
+
+mod common;
+
+mod auth;
+mod datasets;
+mod isolation;
+mod jobs;
+mod misc;
