@@ -62,14 +62,12 @@ function renderHistogram(lengths) {
     return;
   }
   const max = Math.max(1, ...buckets.map((b) => b.count));
-  const first = buckets[0];
-  const last = buckets[buckets.length - 1];
-  fill(box,
-    el('div', { class: 'histogram', role: 'img', 'aria-label': 'histogram of example lengths' },
-      buckets.map((b) => el('div', { title: `${b.label} tokens: ${fmtInt(b.count)} examples`, style: { height: `${(100 * b.count) / max}%` } }))),
-    el('div', { class: 'histogram-axis' },
-      el('span', {}, first.lo !== undefined ? `${first.lo} tokens` : first.label),
-      el('span', {}, last.hi !== undefined ? `${last.hi} tokens` : last.label)));
+  fill(box, el('div', { class: 'histogram', role: 'img', 'aria-label': 'histogram of example lengths in tokens' },
+    buckets.map((b) => el('div', { class: 'bucket', title: `${b.label} tokens: ${fmtInt(b.count)} examples` },
+      el('span', { class: 'count' }, b.count > 0 ? fmtInt(b.count) : ''),
+      // 75%: the count above and the range below take the rest of the column.
+      el('div', { class: 'col', style: { height: `${(75 * b.count) / max}%` } }),
+      el('span', { class: 'range' }, b.label)))));
 }
 
 async function loadPreview() {
