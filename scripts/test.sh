@@ -129,4 +129,22 @@ cargo build --release
 stage "cargo test --release"
 cargo test --workspace --release
 
+# --- browser -----------------------------------------------------------------------------------
+# The end-to-end test drives Debian's Chromium (never a downloaded browser) against the release
+# binary built above; see tests/browser/README.md.
+stage "browser test"
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    sudo=()
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo=(sudo)
+  else
+    echo "error: the browser test needs /usr/bin/chromium; install it (apt-get install chromium) as root" >&2
+    exit 1
+  fi
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+fi
+(cd tests/browser && npm ci --no-audit --no-fund && timeout 600 npm test)
+
 stage "all passed in $((SECONDS - started)) s"

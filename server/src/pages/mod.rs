@@ -1,25 +1,72 @@
-//! HTML pages (owned by the pages' author, who replaces these insides). Until the appliance's own
-//! pages exist, `/` is a static placeholder that points to the command line.
+//! HTML pages and their static files.
+//!
+//! Every page is a static shell (layout + a body fragment from `web/templates/pages/`) with a
+//! module script that fetches its data from the JSON API. Access control therefore lives in the
+//! API alone: a shell reveals nothing, and the scripts send anyone without a session to the login
+//! (or first-run setup) page.
+
+mod assets;
+mod shell;
 
 use axum::Router;
+use axum::extract::Path;
 use axum::http::StatusCode;
-use axum::response::Html;
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 
 use crate::AppState;
+use shell::{Nav, Page};
 
-const PLACEHOLDER: &str = include_str!("../../../web/templates/placeholder.html");
 const NOT_FOUND: &str = include_str!("../../../web/templates/not_found.html");
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/", get(placeholder))
+macro_rules! page {
+    ($title:literal, $file:literal, $nav:expr) => {
+        page!($title, $file, $nav, false)
+    };
+    ($title:literal, $file:literal, $nav:expr, $charts:expr) => {
+        Page {
+            title: $title,
+            body: include_str!(concat!("../../../web/templates/pages/", $file, ".html")),
+            script: $file,
+            nav: $nav,
+            charts: $charts,
+        }
+    };
 }
 
-async fn placeholder() -> Html<&'static str> {
-    Html(PLACEHOLDER)
+static SETUP: Page = page!("Welcome", "setup", Nav::None);
+static LOGIN: Page = page!("Log in", "login", Nav::None);
+static DASHBOARD: Page = page!("", "dashboard", Nav::Dashboard);
+static DATASETS: Page = page!("Datasets", "datasets", Nav::Datasets);
+static DATASET: Page = page!("Dataset", "dataset", Nav::Datasets);
+static MODELS: Page = page!("Models", "models", Nav::Models);
+static NEW_JOB: Page = page!("New job", "new_job", Nav::NewJob);
+static JOB: Page = page!("Job", "job", Nav::Dashboard, true);
+static USERS: Page = page!("Users", "users", Nav::Users);
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/", get(|| async { DASHBOARD.response() }))
+        .route("/setup", get(|| async { SETUP.response() }))
+        .route("/login", get(|| async { LOGIN.response() }))
+        .route("/datasets", get(|| async { DATASETS.response() }))
+        .route("/datasets/{id}", get(|id: Path<String>| with_id(id, &DATASET)))
+        .route("/models", get(|| async { MODELS.response() }))
+        .route("/jobs/new", get(|| async { NEW_JOB.response() }))
+        .route("/jobs/{id}", get(|id: Path<String>| with_id(id, &JOB)))
+        .route("/admin/users", get(|| async { USERS.response() }))
+        .route("/static/{*path}", get(assets::serve))
+}
+
+/// A page about one object: the shell for numeric ids, the 404 page for anything else.
+async fn with_id(Path(id): Path<String>, page: &'static Page) -> Response {
+    if id.parse::<u64>().is_ok() { page.response() } else { not_found().await.into_response() }
 }
 
 /// The fallback for every route nobody claimed.
 pub(crate) async fn not_found() -> (StatusCode, Html<&'static str>) {
     (StatusCode::NOT_FOUND, Html(NOT_FOUND))
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,129 @@
+//! Page shells: the shared layout around each page's static HTML. The pages hold no data; their
+//! scripts fetch it from the JSON API, so a shell is the same for every user and every id.
+
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+
+use super::assets::UPLOT_VERSION;
+
+const LAYOUT: &str = include_str!("../../../web/templates/layout.html");
+
+/// Which navigation entry a page highlights; `None` pages (login, setup) show no navigation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Nav {
+    None,
+    Dashboard,
+    Datasets,
+    Models,
+    NewJob,
+    Users,
+}
+
+/// One page: its title, its body (a fragment of `web/templates/pages/`) and the module script
+/// under `/static/js/pages/` that brings it to life.
+#[derive(Debug)]
+pub(crate) struct Page {
+    /// Shown before " · Sluice" in the window title; empty for the home page, titled "Sluice".
+    pub title: &'static str,
+    pub body: &'static str,
+    pub script: &'static str,
+    pub nav: Nav,
+    /// Loads the chart library's stylesheet and script before the page's module.
+    pub charts: bool,
+}
+
+/// Scripts may come only from the appliance itself; uPlot sets element styles from script,
+/// which `style-src` governs only for markup, and the 404 page carries its own `<style>`.
+const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; \
+                   img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; \
+                   form-action 'self'; frame-ancestors 'none'";
+
+impl Page {
+    pub(crate) fn render(&self) -> String {
+        let uplot = format!("/static/vendor/uplot-{UPLOT_VERSION}");
+        let (chart_css, chart_js) = if self.charts {
+            (
+                format!(r#"<link rel="stylesheet" href="{uplot}/uPlot.min.css">"#),
+                format!(r#"<script src="{uplot}/uPlot.iife.min.js"></script>"#),
+            )
+        } else {
+            (String::new(), String::new())
+        };
+        let nav = if self.nav == Nav::None { String::new() } else { nav_html(self.nav) };
+        let title = if self.title.is_empty() {
+            "Sluice".to_owned()
+        } else {
+            format!("{} · Sluice", self.title)
+        };
+        LAYOUT
+            .replace("{{title}}", &title)
+            .replace("{{chart_css}}", &chart_css)
+            .replace("{{chart_js}}", &chart_js)
+            .replace("{{nav}}", &nav)
+            .replace("{{body}}", self.body)
+            .replace("{{script}}", self.script)
+    }
+
+    pub(crate) fn response(&self) -> Response {
+        (
+            [
+                (header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8")),
+                (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+                (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP)),
+                (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")),
+                (header::REFERRER_POLICY, HeaderValue::from_static("same-origin")),
+            ],
+            self.render(),
+        )
+            .into_response()
+    }
+}
+
+fn nav_html(active: Nav) -> String {
+    let entries = [
+        (Nav::Dashboard, "/", "Dashboard", ""),
+        (Nav::Datasets, "/datasets", "Datasets", ""),
+        (Nav::Models, "/models", "Models", ""),
+        (Nav::NewJob, "/jobs/new", "New job", ""),
+        // Shown by the page script once the session says the user is an admin.
+        (Nav::Users, "/admin/users", "Users", " data-admin-only hidden"),
+    ];
+    let mut links = String::new();
+    for (nav, href, label, extra) in entries {
+        let current = if nav == active { r#" aria-current="page""# } else { "" };
+        links.push_str(&format!(r#"<a href="{href}"{current}{extra}>{label}</a>"#));
+    }
+    format!(
+        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><nav>{links}</nav><div class="who"><span id="who-name"></span><button type="button" id="logout" class="link">Log out</button></div></header>"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(nav: Nav, charts: bool) -> Page {
+        Page { title: "T", body: "<p id=b>body</p>", script: "x", nav, charts }
+    }
+
+    #[test]
+    fn render_fills_every_placeholder() {
+        let html = page(Nav::Datasets, true).render();
+        assert!(!html.contains("{{"), "unfilled placeholder in {html}");
+        assert!(html.contains("<title>T · Sluice</title>"));
+        let home = Page { title: "", ..page(Nav::Dashboard, false) };
+        assert!(home.render().contains("<title>Sluice</title>"));
+        assert!(html.contains("<p id=b>body</p>"));
+        assert!(html.contains(r#"src="/static/js/pages/x.js""#));
+        assert!(html.contains(&format!("uplot-{UPLOT_VERSION}/uPlot.iife.min.js")));
+        assert!(html.contains(r#"<a href="/datasets" aria-current="page">"#));
+        assert!(!html.contains(r#"<a href="/" aria-current"#));
+    }
+
+    #[test]
+    fn login_pages_have_no_navigation_and_no_charts() {
+        let html = page(Nav::None, false).render();
+        assert!(!html.contains("topbar"));
+        assert!(!html.contains("uPlot"));
+    }
+}

@@ -1,0 +1,295 @@
+// End to end, as a person would use the appliance: headless Chromium against the release binary.
+// The steps depend on each other and run in order; the first failure stops the rest.
+import assert from 'node:assert/strict';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { after, before, test } from 'node:test';
+
+import { chromium } from 'playwright-core';
+
+import { repoRoot, startServer } from './server.mjs';
+import { tarMembers } from './tar.mjs';
+
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const SHOTS = path.join(repoRoot, 'docs', 'screenshots');
+const DEMO = path.join(repoRoot, 'datasets', 'demo-alpaca.jsonl');
+const STEPS = 30;
+const ADMIN = { username: 'ada', password: 'correct horse battery' };
+const OTHER = { username: 'bob', password: 'another long password' };
+
+let server;
+let context;
+let page;
+let profileDir;
+const existsShot = { running: false };
+const pageErrors = [];
+const outsideRequests = [];
+
+before(async () => {
+  server = await startServer();
+  profileDir = mkdtempSync(path.join(tmpdir(), 'sluice-chromium-'));
+  context = await chromium.launchPersistentContext(profileDir, {
+    executablePath: CHROMIUM,
+    headless: true,
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    viewport: { width: 1280, height: 860 },
+    deviceScaleFactor: 1,
+    acceptDownloads: true,
+    colorScheme: 'light',
+  });
+  context.setDefaultTimeout(20_000);
+  context.on('request', (request) => {
+    const url = new URL(request.url());
+    if (!['127.0.0.1', 'localhost'].includes(url.hostname) && url.protocol.startsWith('http')) outsideRequests.push(request.url());
+  });
+  page = context.pages()[0] || (await context.newPage());
+  page.on('pageerror', (err) => pageErrors.push(`${page.url()}: ${err.message}`));
+  page.on('console', (message) => {
+    if (message.type() === 'error' && /Content Security Policy|SyntaxError|TypeError|ReferenceError/.test(message.text())) {
+      pageErrors.push(`${page.url()}: ${message.text()}`);
+    }
+  });
+  mkdirSync(SHOTS, { recursive: true });
+});
+
+after(async () => {
+  if (context) await context.close();
+  if (profileDir) rmSync(profileDir, { recursive: true, force: true });
+  if (server) await server.stop();
+});
+
+const url = (p) => `${server.url}${p}`;
+
+async function screenshot(name, options = {}) {
+  const file = path.join(SHOTS, `${name}.png`);
+  await page.screenshot({ path: file, ...options });
+  const size = statSync(file).size;
+  assert.ok(size < 300 * 1024, `${name}.png is ${size} bytes; keep screenshots under 300 KB`);
+}
+
+/** How many points a chart draws (the page keeps it in data-points). */
+async function chartPoints(key) {
+  return Number(await page.getAttribute(`[data-chart="${key}"]`, 'data-points'));
+}
+
+function noErrorsSoFar() {
+  assert.deepEqual(pageErrors, [], 'the pages raised script errors');
+  assert.deepEqual(outsideRequests, [], 'the pages fetched something outside the appliance');
+}
+
+let datasetId;
+let jobId;
+let checkpointName;
+
+test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
+  await t.test('a fresh server asks for the administrator, who is then logged in', async () => {
+    await page.goto(url('/'));
+    await page.waitForURL(/\/setup$/);
+    await page.fill('#username', ADMIN.username);
+    await page.fill('#password', ADMIN.password);
+    await page.fill('#password2', ADMIN.password);
+    await page.click('button[type=submit]');
+    await page.waitForURL(url('/'));
+    await page.waitForSelector('#who-name:has-text("ada")');
+    await page.waitForSelector('nav a[href="/admin/users"]:visible');
+    noErrorsSoFar();
+  });
+
+  await t.test('upload the demo dataset', async () => {
+    await page.click('nav a[href="/datasets"]');
+    await page.waitForSelector('#datasets table, #datasets .empty');
+    await page.setInputFiles('#file', DEMO);
+    await page.fill('#name', 'my upload');
+    await page.click('#upload-button');
+    const link = page.locator('#upload-ok a[href^="/datasets/"]');
+    await link.waitFor();
+    datasetId = Number((await link.getAttribute('href')).split('/').pop());
+    assert.ok(Number.isInteger(datasetId) && datasetId > 0, `dataset id ${datasetId}`);
+    const row = page.locator(`#datasets-table tr[data-dataset="${datasetId}"]`);
+    await row.waitFor();
+    assert.match(await row.innerText(), /my upload[\s\S]*1,000/);
+    noErrorsSoFar();
+  });
+
+  await t.test('a malformed dataset is refused with its line numbers', async () => {
+    const rows = await page.locator('#datasets-table tbody tr').count();
+    const bad = path.join(server.dataDir, 'bad.jsonl');
+    const good = readFileSync(DEMO, 'utf8').split('\n')[0];
+    writeFileSync(bad, `${good}\n{"instruction": "no output"\n${good}\n`);
+    await page.setInputFiles('#file', bad);
+    await page.click('#upload-button');
+    const alert = page.locator('#upload-error');
+    await alert.waitFor({ state: 'visible' });
+    assert.match(await alert.innerText(), /line 2/);
+    await page.reload();
+    await page.waitForSelector('#datasets-table');
+    assert.equal(await page.locator('#datasets-table tbody tr').count(), rows, 'the refused file was kept');
+  });
+
+  await t.test('the preview shows trained tokens, statistics and a histogram', async () => {
+    await page.click(`#datasets-table tr[data-dataset="${datasetId}"] td:first-child a`);
+    await page.waitForURL(url(`/datasets/${datasetId}`));
+    await page.waitForSelector('.sample .trained');
+    await page.waitForSelector('.histogram > div');
+    assert.ok(await page.locator('.sample').count() >= 1);
+    const tokens = await page.locator('[data-stat="tokens"] .v').innerText();
+    assert.ok(Number(tokens.replace(/,/g, '')) > 0, `tokens: ${tokens}`);
+    await screenshot('dataset-preview');
+    noErrorsSoFar();
+  });
+
+  await t.test('the new-job page shows the plan, and a job starts on the tiny preset', async () => {
+    await page.goto(url(`/jobs/new?dataset=${datasetId}`));
+    await page.waitForSelector('#model option[value="preset:tiny"]', { state: 'attached' });
+    await page.selectOption('#model', 'preset:tiny');
+    await page.check('input[name="gpu"][value="cpu"]');
+    await page.click('#presets button[data-preset="demo"]');
+    await page.fill('#steps', String(STEPS));
+    await page.fill('#seq_len', '128');
+    await page.waitForSelector('#plan-fits[data-fits="true"]');
+    await page.waitForSelector('.tier .bar');
+    await screenshot('new-job');
+    await page.click('#submit');
+    await page.waitForURL(/\/jobs\/\d+$/);
+    jobId = Number(new URL(page.url()).pathname.split('/').pop());
+    noErrorsSoFar();
+  });
+
+  await t.test('the loss chart gains points while the job runs', async () => {
+    const seen = [];
+    const deadline = Date.now() + 4 * 60_000;
+    for (;;) {
+      const n = await chartPoints('loss');
+      if (seen[seen.length - 1] !== n) seen.push(n);
+      const status = await page.getAttribute('#status .badge', 'data-status').catch(() => null);
+      if (n > 0 && status === 'running' && !(await page.locator('#charts .u-over').count())) {
+        assert.fail('the loss chart has points but no plot');
+      }
+      if (status === 'running' && n >= 3 && !existsShot.running) {
+        await screenshot('job', { fullPage: true });
+        existsShot.running = true;
+      }
+      if (status === 'completed' && n >= STEPS) break;
+      if (status === 'failed' || status === 'cancelled' || status === 'interrupted') {
+        assert.fail(`the job ended ${status}: ${await page.locator('#job-failure').innerText()}\n${server.log()}`);
+      }
+      if (Date.now() > deadline) assert.fail(`the job did not complete in time; points seen: ${seen.join(' → ')}`);
+      await page.waitForTimeout(150);
+    }
+    // Live drawing: the chart grew in steps, not all at once at the end.
+    const growing = seen.filter((n) => n > 0 && n < STEPS);
+    assert.ok(growing.length >= 1, `points seen: ${seen.join(' → ')}`);
+    assert.equal(seen[seen.length - 1], STEPS);
+    for (let i = 1; i < seen.length; i += 1) assert.ok(seen[i] >= seen[i - 1], `points went down: ${seen.join(' → ')}`);
+    if (!existsShot.running) await screenshot('job', { fullPage: true });
+    noErrorsSoFar();
+  });
+
+  await t.test('a reload keeps every point', async () => {
+    const before = await chartPoints('loss');
+    const lrBefore = await chartPoints('lr');
+    await page.reload();
+    await page.waitForFunction((n) => Number(document.querySelector('[data-chart="loss"]')?.dataset.points) === n, before);
+    assert.equal(await chartPoints('lr'), lrBefore);
+    assert.ok(await page.locator('[data-chart="loss"] canvas').count() >= 1, 'the loss chart is drawn');
+    noErrorsSoFar();
+  });
+
+  await t.test('the checkpoint archive downloads as a tar with config.json', async () => {
+    const link = page.locator('[data-archive]').first();
+    await link.waitFor({ timeout: 30_000 });
+    checkpointName = await link.getAttribute('data-archive');
+    const [download] = await Promise.all([page.waitForEvent('download'), link.click()]);
+    const saved = path.join(server.dataDir, 'download.tar');
+    await download.saveAs(saved);
+    const members = tarMembers(readFileSync(saved));
+    const names = members.map((m) => m.name);
+    assert.ok(names.some((n) => path.posix.basename(n) === 'config.json'), `archive members: ${names.join(', ')}`);
+    assert.ok(members.some((m) => m.name.endsWith('.safetensors') && m.size > 0), `archive members: ${names.join(', ')}`);
+  });
+
+  await t.test('the dashboard lists the job', async () => {
+    await page.goto(url('/'));
+    await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"] .badge[data-status="completed"]`);
+    await page.waitForSelector('#gpus .gpu[data-gpu="cpu"]');
+    await screenshot('dashboard');
+  });
+
+  const privateUrls = () => [
+    `/api/jobs/${jobId}`,
+    `/api/jobs/${jobId}/metrics`,
+    `/api/jobs/${jobId}/log`,
+    `/api/jobs/${jobId}/checkpoints`,
+    `/api/jobs/${jobId}/checkpoints/${encodeURIComponent(checkpointName)}/archive`,
+    `/api/jobs/${jobId}/checkpoints/${encodeURIComponent(checkpointName)}/files/config.json`,
+    `/api/datasets/${datasetId}`,
+    `/api/datasets/${datasetId}/preview?model=preset:tiny&limit=2`,
+  ];
+
+  await t.test('the owner can fetch every private URL', async () => {
+    for (const p of privateUrls()) {
+      const response = await page.request.get(url(p));
+      assert.equal(response.status(), 200, `${p} as the owner`);
+    }
+  });
+
+  await t.test('the administrator adds a second user', async () => {
+    await page.click('nav a[href="/admin/users"]');
+    await page.fill('#new-username', OTHER.username);
+    await page.fill('#new-password', OTHER.password);
+    await page.selectOption('#new-role', 'user');
+    await page.click('#user-form button[type=submit]');
+    await page.waitForSelector(`#users-table tr[data-user="${OTHER.username}"]`);
+    await page.click('#logout');
+    await page.waitForURL(/\/login/);
+    await page.fill('#username', OTHER.username);
+    await page.fill('#password', OTHER.password);
+    await page.click('button[type=submit]');
+    await page.waitForURL(url('/'));
+    await page.waitForSelector('#who-name:has-text("bob")');
+    assert.ok(await page.locator('nav a[href="/admin/users"]').isHidden(), 'a user sees the admin link');
+    noErrorsSoFar();
+  });
+
+  await t.test("the second user sees none of the first user's things in the pages", async () => {
+    await page.waitForSelector('#jobs .empty');
+    assert.equal(await page.locator(`[data-job="${jobId}"]`).count(), 0);
+    await page.goto(url('/datasets'));
+    await page.waitForSelector('#datasets table, #datasets .empty');
+    assert.equal(await page.locator(`[data-dataset="${datasetId}"]`).count(), 0);
+    await page.goto(url(`/jobs/${jobId}`));
+    await page.waitForSelector('#error:visible');
+    assert.match(await page.locator('#error').innerText(), /no job here/);
+    assert.ok(await page.locator('#job-body').isHidden());
+    await page.goto(url(`/datasets/${datasetId}`));
+    await page.waitForSelector('#error:visible');
+    assert.equal(await page.locator('.sample').count(), 0);
+    await page.goto(url('/jobs/new'));
+    await page.waitForSelector('#plan-fits, #plan .alert');
+    assert.equal(await page.locator(`#dataset option[value="${datasetId}"]`).count(), 0);
+  });
+
+  await t.test("the second user's direct API requests for them answer 404", async () => {
+    for (const p of privateUrls()) {
+      const response = await page.request.get(url(p));
+      assert.equal(response.status(), 404, `${p} as another user`);
+    }
+    const jobs = await (await page.request.get(url('/api/jobs'))).json();
+    assert.deepEqual(jobs, []);
+    // Only the bundled, shared datasets (no owner) remain visible.
+    const datasets = await (await page.request.get(url('/api/datasets'))).json();
+    assert.deepEqual(datasets.filter((d) => d.id === datasetId || d.owner !== null), []);
+    const session = await (await page.request.get(url('/api/session'))).json();
+    const cancel = await page.request.post(url(`/api/jobs/${jobId}/cancel`), { headers: { 'X-CSRF-Token': session.csrf } });
+    assert.equal(cancel.status(), 404);
+    const remove = await page.request.delete(url(`/api/datasets/${datasetId}`), { headers: { 'X-CSRF-Token': session.csrf } });
+    assert.equal(remove.status(), 404);
+  });
+
+  await t.test('the pages fetched nothing from outside and raised no script error', () => {
+    noErrorsSoFar();
+  });
+});
+

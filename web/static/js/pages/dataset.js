@@ -1,0 +1,129 @@
+// One dataset: its first examples as the chosen model sees them (trained tokens highlighted),
+// token statistics and a length histogram.
+import { del, get, requireUser } from '../api.js';
+import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
+
+const me = await requireUser();
+const id = idFromPath();
+const error = $('#error');
+
+function fact(label, value, key) {
+  return el('div', { class: 'fact', dataset: { stat: key } }, el('div', { class: 'k' }, label), el('div', { class: 'v' }, value));
+}
+
+function renderSamples(samples) {
+  if (!samples.length) {
+    fill($('#samples'), el('p', { class: 'empty' }, 'This dataset has no examples.'));
+    return;
+  }
+  fill($('#samples'), samples.map((sample, i) => el('div', {},
+    el('div', { class: 'small muted sample-head' }, [typeof sample.line === 'number' ? `line ${sample.line}` : `example ${i + 1}`,
+      typeof sample.tokens === 'number' ? `${fmtInt(sample.tokens)} tokens` : null].filter(Boolean).join(' · ')),
+    el('pre', { class: 'sample', dataset: { sample: i } },
+      (sample.segments || []).map((seg) => el('span', { class: seg.trained ? 'trained' : 'prompt' }, seg.text))))));
+}
+
+function renderStats(stats) {
+  const records = stats.records;
+  const tokens = stats.tokens;
+  fill($('#stats'),
+    fact('Examples', fmtInt(records), 'records'),
+    fact('Tokens', fmtInt(tokens), 'tokens'),
+    fact('Trained tokens', fmtInt(stats.trained_tokens), 'trained_tokens'),
+    fact('Mean length', records > 0 && typeof tokens === 'number' ? fmtInt(Math.round(tokens / records)) : '—', 'mean'),
+    fact('Cut short', fmtInt(stats.truncated), 'truncated'));
+  const notes = [];
+  if (typeof stats.measured === 'number' && typeof records === 'number' && stats.measured < records) {
+    notes.push(`Counted over the first ${fmtInt(stats.measured)} examples.`);
+  }
+  if (stats.truncated > 0) {
+    notes.push(`${fmtInt(stats.truncated)} examples are longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens (the sequence length)` : 'the sequence length'} and lose their ends in training.`);
+  }
+  fill($('#stats-notes'), notes.join(' '));
+}
+
+/** Buckets may come as plain counts or as objects with a count and bounds. */
+function normalizeBuckets(lengths) {
+  return (lengths || []).map((b, i) => {
+    if (typeof b === 'number') return { count: b, label: `bucket ${i + 1}` };
+    const count = b.count ?? b.n ?? 0;
+    const lo = b.min ?? b.start ?? b.from ?? b.lo;
+    const hi = b.max ?? b.end ?? b.to ?? b.hi ?? b.le;
+    const label = lo !== undefined && hi !== undefined ? `${lo}–${hi}` : hi !== undefined ? `≤ ${hi}` : lo !== undefined ? `≥ ${lo}` : `bucket ${i + 1}`;
+    return { count, label, lo, hi };
+  });
+}
+
+function renderHistogram(lengths) {
+  const buckets = normalizeBuckets(lengths);
+  const box = $('#histogram');
+  if (!buckets.length) {
+    fill(box, el('p', { class: 'empty' }, 'No lengths reported.'));
+    return;
+  }
+  const max = Math.max(1, ...buckets.map((b) => b.count));
+  fill(box, el('div', { class: 'histogram', role: 'img', 'aria-label': 'histogram of example lengths in tokens' },
+    buckets.map((b) => el('div', { class: 'bucket', title: `${b.label} tokens: ${fmtInt(b.count)} examples` },
+      el('span', { class: 'count' }, b.count > 0 ? fmtInt(b.count) : ''),
+      // 75%: the count above and the range below take the rest of the column.
+      el('div', { class: 'col', style: { height: `${(75 * b.count) / max}%` } }),
+      el('span', { class: 'range' }, b.label)))));
+}
+
+async function loadPreview() {
+  const model = $('#model').value;
+  fill($('#samples'), el('p', { class: 'empty' }, 'Loading…'));
+  try {
+    const preview = await get(`/api/datasets/${id}/preview?model=${encodeURIComponent(model)}&limit=5`);
+    renderSamples(preview.samples || []);
+    renderStats(preview.stats || {});
+    renderHistogram((preview.stats || {}).lengths);
+    showError(error, null);
+  } catch (err) {
+    fill($('#samples'));
+    showError(error, err);
+  }
+}
+
+async function main() {
+  if (id === null) return;
+  let dataset;
+  let models;
+  try {
+    [dataset, models] = await Promise.all([get(`/api/datasets/${id}`), get('/api/models')]);
+  } catch (err) {
+    if (err.status === 404) err.message = 'There is no dataset here, or it belongs to someone else.';
+    showError(error, err);
+    fill($('#samples'));
+    for (const button of document.querySelectorAll('.page-head .buttons > *')) button.hidden = true;
+    return;
+  }
+  document.title = `${dataset.name} · Sluice`;
+  $('#title').textContent = dataset.name || `Dataset ${id}`;
+  $('#subtitle').textContent = [dataset.format, `${fmtInt(dataset.records)} examples`, fmtBytes(dataset.size_bytes)]
+    .filter(Boolean).join(' · ');
+  $('#train-link').href = `/jobs/new?dataset=${id}`;
+  $('#delete').hidden = !(me.role === 'admin' || dataset.owner === me.username);
+
+  const select = $('#model');
+  fill(select, models.map((m) => el('option', { value: m.id }, `${m.name || m.id}${m.kind === 'preset' ? ' (preset)' : ''}`)));
+  const stored = sessionStorage.getItem('sluice.previewModel');
+  if (stored && models.some((m) => m.id === stored)) select.value = stored;
+  select.addEventListener('change', () => {
+    sessionStorage.setItem('sluice.previewModel', select.value);
+    loadPreview();
+  });
+
+  $('#delete').addEventListener('click', async () => {
+    if (!confirm(`Delete the dataset “${dataset.name}”?`)) return;
+    try {
+      await del(`/api/datasets/${id}`);
+      location.href = '/datasets';
+    } catch (err) {
+      showError(error, err);
+    }
+  });
+  await loadPreview();
+}
+
+await main();
