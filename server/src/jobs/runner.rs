@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde_json::json;
 use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
 use sluice_engine::schedule::Tier;
@@ -94,9 +95,10 @@ pub fn start(state: &AppState) {
     for device in state.gpus().device_ids() {
         let Some(notify) = state.queue().wakers.get(&device).cloned() else { continue };
         let (work_tx, work_rx) = std::sync::mpsc::channel::<Work>();
+        let thread_device = device.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("sluice-{device}"))
-            .spawn(move || device_thread(work_rx));
+            .spawn(move || device_thread(&thread_device, work_rx));
         if let Err(err) = spawned {
             error!("cannot start the runner thread for {device}: {err}; its jobs stay queued");
             continue;
@@ -120,12 +122,21 @@ enum RunEvent {
     Log(String),
 }
 
-/// Trains one job at a time until the dispatcher goes away.
-fn device_thread(work: std::sync::mpsc::Receiver<Work>) {
+/// Trains one job at a time on `device` ("cpu" or "cuda:N") until the dispatcher goes away.
+/// The GPU is opened once, by the first job that needs it; if it cannot be, each job on it
+/// fails with the reason.
+fn device_thread(device: &str, work: std::sync::mpsc::Receiver<Work>) {
+    let ordinal = device.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok());
+    let mut cuda: Option<Result<Cuda, String>> = None;
     for Work { options, mut forwarder, done } in work {
-        let backend = Cpu;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            train::run(&backend, &options, false, &mut forwarder)
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| match ordinal {
+            None => train::run(&Cpu, &options, false, &mut forwarder),
+            Some(n) => match cuda.get_or_insert_with(|| Cuda::new(n).map_err(|e| e.to_string())) {
+                Ok(gpu) => train::run(gpu, &options, false, &mut forwarder),
+                Err(reason) => {
+                    Err(sluice_engine::Error::invalid(format!("cannot use {device}: {reason}")))
+                }
+            },
         }));
         // Dropping the observer closes the event channel: the dispatcher has seen every event
         // before it reads the result.
@@ -209,6 +220,7 @@ async fn run_job(state: &AppState, job: JobRow, work: &std::sync::mpsc::Sender<W
         offset,
         total: job.total_steps.max(0) as u64,
         params: 0,
+        device_bytes: None,
         run_dir: run_dir(state, id),
         events: events_tx,
         cancels: state.queue().cancels.clone(),
@@ -383,6 +395,8 @@ struct Forwarder {
     /// Total steps of the job (0 until known).
     total: u64,
     params: usize,
+    /// Device memory the schedule allocated (GPU jobs only).
+    device_bytes: Option<u64>,
     run_dir: PathBuf,
     events: mpsc::UnboundedSender<RunEvent>,
     cancels: Arc<Mutex<HashSet<i64>>>,
@@ -419,8 +433,9 @@ impl Forwarder {
 impl Observer for Forwarder {
     fn event(&mut self, event: &Event) {
         match event {
-            Event::Started { params, backend, total_steps, data, .. } => {
+            Event::Started { params, backend, total_steps, data, device_bytes, .. } => {
                 self.params = *params;
+                self.device_bytes = (backend != "cpu").then_some(*device_bytes as u64);
                 self.total = self.offset + total_steps;
                 let line = format!(
                     "model: {:.2}M parameters on {backend}; data: {} records, {} rows, {} tokens ({} trained), {} truncated samples; steps {}..{}",
@@ -446,9 +461,9 @@ impl Observer for Forwarder {
                     "grad_norm": m.grad_norm,
                     "tokens_per_s": m.tokens_per_second(),
                     "tflops": tflops,
-                    "gpu_mem": null,
-                    "h2d_gbps": null,
-                    "d2h_gbps": null,
+                    "gpu_mem": self.device_bytes,
+                    "h2d_gbps": m.h2d_bytes as f64 / seconds / 1e9,
+                    "d2h_gbps": m.d2h_bytes as f64 / seconds / 1e9,
                     "host_mem": crate::gpus::process_rss(),
                     "optimizer_s": m.optimizer_time.as_secs_f64(),
                     "compute_s": m.compute_time.as_secs_f64(),
