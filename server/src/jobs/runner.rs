@@ -462,8 +462,9 @@ impl Observer for Forwarder {
                     "tokens_per_s": m.tokens_per_second(),
                     "tflops": tflops,
                     "gpu_mem": self.device_bytes,
-                    "h2d_gbps": m.h2d_bytes as f64 / seconds / 1e9,
-                    "d2h_gbps": m.d2h_bytes as f64 / seconds / 1e9,
+                    // PCIe only exists for GPU jobs; on the CPU the "copies" are memcpy.
+                    "h2d_gbps": self.device_bytes.map(|_| m.h2d_bytes as f64 / seconds / 1e9),
+                    "d2h_gbps": self.device_bytes.map(|_| m.d2h_bytes as f64 / seconds / 1e9),
                     "host_mem": crate::gpus::process_rss(),
                     "optimizer_s": m.optimizer_time.as_secs_f64(),
                     "compute_s": m.compute_time.as_secs_f64(),
