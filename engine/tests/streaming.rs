@@ -98,7 +98,22 @@ fn check(case: &str, checkpoints: Tier, clip: Option<f32>, resident: Vec<usize>)
         // uploads of every layer, one upload each of the embedding and the head.
         let layers: usize = spec.layers;
         assert!(traffic.h2d_bytes > 0 && traffic.d2h_bytes > 0, "{layers} layers moved nothing");
+        // The timeline has every unit's compute, forward and backward, and its gradient landing.
+        for unit in 0..layers + 2 {
+            let on = |stream: &str| {
+                got.timeline.iter().filter(|s| s.unit == unit && s.stream == stream).count()
+            };
+            let compute = if unit == layers + 1 { 1 } else { 2 };
+            assert_eq!((on("compute"), on("d2h")), (compute, 1), "{case} unit {unit} timeline");
+        }
     }
+    // Held-out loss with the final weights: forward only, the same sums in the same order.
+    let held_out: Vec<MicroBatch> = (0..G + 1).map(|_| micro_batch(&mut rng, spec.vocab)).collect();
+    let want = reference.eval_loss(&held_out).expect("reference eval");
+    let got = streamer.eval_loss(&held_out).expect("streaming eval");
+    let tol = if spec.tie_embeddings { 1e-6 } else { 0.0 };
+    assert!((got - want).abs() <= tol * want.abs(), "{case}: eval loss {got} vs {want}");
+
     let got = streamer.finish().expect("finish");
     for (u, (a, b)) in got.units.iter().zip(&reference.params.units).enumerate() {
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));

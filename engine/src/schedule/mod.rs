@@ -31,7 +31,7 @@ use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, 
 use crate::optim::{AdamW, LrSchedule, clip_coef, sum_of_squares};
 use crate::spec::ModelSpec;
 use crate::store::{HostSlab, HostStore};
-use crate::train::{StepMetrics, TrainConfig};
+use crate::train::{Span, StepMetrics, TrainConfig};
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -130,6 +130,9 @@ pub struct Streamer<'b, B: Backend> {
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
+    /// When the current step started, and what each unit did on each stream since.
+    step_start: Instant,
+    timeline: Vec<Span>,
     /// Device bytes allocated at construction (nothing is allocated later).
     pub device_bytes: usize,
 }
@@ -259,6 +262,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
+            step_start: Instant::now(),
+            timeline: Vec::new(),
             layout,
         };
         streamer.device_bytes =
@@ -302,11 +307,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let len = self.layout.units[u].len;
         // The upload waits until compute has finished with the slot's previous unit.
         b.wait(&self.h2d, &self.events.slot_free[slot])?;
+        let started = Instant::now();
         {
             let unit = self.store.lock(u)?;
             b.upload_on(&self.h2d, b.view_mut(&mut self.slots[slot], 0..len), &unit.stream, 0)?;
         }
         b.record(&self.events.weights_ready[slot], &self.h2d)?;
+        self.span(u, "h2d", started);
         // Compute waits for the weights to arrive.
         b.wait(&self.compute, &self.events.weights_ready[slot])?;
         self.traffic.h2d_bytes += (len * self.b.weight_dtype().bytes()) as u64;
@@ -323,11 +330,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         // Compute may still read last step's weights: the upload waits for all work so far.
         b.record(&self.events.activations_ready, &self.compute)?;
         b.wait(&self.h2d, &self.events.activations_ready)?;
+        let started = Instant::now();
         {
             let unit = self.store.lock(u)?;
             b.upload_on(&self.h2d, b.view_mut(&mut self.slots[slot], 0..len), &unit.stream, 0)?;
         }
         b.record(&self.events.resident_ready, &self.h2d)?;
+        self.span(u, "h2d", started);
         b.wait(&self.compute, &self.events.resident_ready)?;
         self.resident_step[u] = Some(self.step);
         self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
@@ -349,6 +358,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let len = self.layout.units[u].len;
         b.record(&self.events.grads_ready, &self.compute)?;
         b.wait(&self.d2h, &self.events.grads_ready)?;
+        let started = Instant::now();
         let mut unit = self.store.lock(u)?;
         b.download_on(&self.d2h, &mut unit.grad, 0, b.view(&self.grad_acc, 0..len))?;
         b.record(&self.events.grads_landed, &self.d2h)?;
@@ -356,6 +366,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
         b.synchronize(&self.events.grads_landed)?;
         unit.grad_sumsq = sum_of_squares(unit.grad.as_f32());
         self.traffic.d2h_bytes += (len * 4) as u64;
+        drop(unit);
+        self.span(u, "d2h", started);
         Ok(())
     }
 
@@ -383,6 +395,28 @@ impl<'b, B: Backend> Streamer<'b, B> {
         Ok((n * b.elem_bytes(FloatKind::Activation)) as u64)
     }
 
+    /// Copies the token data of up to G micro-batches to the device.
+    fn upload_batches(&mut self, micro: &[MicroBatch]) -> Result<()> {
+        if micro.len() > self.batches.len() {
+            return Err(Error::invalid(format!(
+                "{} micro-batches at once, the schedule holds {}",
+                micro.len(),
+                self.batches.len()
+            )));
+        }
+        for (dev, mb) in self.batches.iter_mut().zip(micro) {
+            if mb.ids.len() > self.options.max_tokens {
+                return Err(Error::invalid(format!(
+                    "micro-batch of {} tokens exceeds the {} the schedule was sized for",
+                    mb.ids.len(),
+                    self.options.max_tokens
+                )));
+            }
+            dev.upload(self.b, &mb.ids, &mb.positions, &mb.targets, &mb.cu_seqlens)?;
+        }
+        Ok(())
+    }
+
     /// One optimizer step over the G micro-batches of `micro`.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<(StepMetrics, StepTraffic)> {
         let start = Instant::now();
@@ -402,21 +436,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let tokens: usize = micro.iter().map(|m| m.ids.len()).sum();
         self.traffic = StepTraffic::default();
-        for (dev, mb) in self.batches.iter_mut().zip(micro) {
-            if mb.ids.len() > self.options.max_tokens {
-                return Err(Error::invalid(format!(
-                    "micro-batch of {} tokens exceeds the {} the schedule was sized for",
-                    mb.ids.len(),
-                    self.options.max_tokens
-                )));
-            }
-            dev.upload(self.b, &mb.ids, &mb.positions, &mb.targets, &mb.cu_seqlens)?;
-        }
+        self.step_start = start;
+        self.timeline.clear();
+        self.upload_batches(micro)?;
         let lr = self.next_lr();
         let clip = self.config.max_grad_norm;
 
         let submit_early = clip.is_none();
-        let loss_sum = self.forward(g, 1.0 / trained as f32, lr, submit_early)?;
+        let loss_sum = self.forward(g, Some((1.0 / trained as f32, lr, submit_early)))?;
         let loss = loss_sum / trained as f64;
         let forward_done = Instant::now();
         self.backward(g, lr, submit_early)?;
@@ -467,21 +494,31 @@ impl<'b, B: Backend> Streamer<'b, B> {
             optimizer_exposed: self.traffic.optimizer_exposed,
             h2d_bytes: self.traffic.h2d_bytes,
             d2h_bytes: self.traffic.d2h_bytes,
+            timeline: self.take_timeline(),
+            eval_loss: None,
         };
         Ok((metrics, self.traffic))
     }
 
     /// Embedding and layers for every micro-batch, keeping each layer's input as a checkpoint,
-    /// then the head. Returns the summed loss.
-    fn forward(&mut self, g: usize, scale: f32, lr: f32, submit_early: bool) -> Result<f64> {
+    /// then the head. Returns the summed loss. With `train` set (the loss scale, the learning
+    /// rate, and whether updates start as gradients land), the head also computes its gradients
+    /// and lands them; without it (evaluation) no checkpoint leaves the device and no gradient
+    /// is formed.
+    fn forward(&mut self, g: usize, train: Option<(f32, f32, bool)>) -> Result<f64> {
         let (b, layers, h) = (self.b, self.decoder.spec.layers, self.decoder.spec.hidden);
         let host = self.options.checkpoints == Tier::Host;
+        let keep = train.is_some();
 
         let slot = self.load_unit(0)?;
+        let started = Instant::now();
         for mb in 0..g {
             let batch = &self.batches[mb];
             if host {
                 self.decoder.embed_forward(b, &mut self.work[0][mb], &self.slots[slot], batch)?;
+                if !keep {
+                    continue;
+                }
                 let n = batch.tokens * h;
                 let (dst, x) = (&mut self.ckpt_host[0][mb], &self.work[0][mb]);
                 let events = &self.events;
@@ -503,11 +540,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
             b.copy(b.view_mut(table, 0..n), b.view(&self.slots[slot], 0..n))?;
         }
         self.release_slot(slot)?;
+        self.span(0, "compute", started);
 
         // Layer l reads checkpoint l and writes checkpoint l + 1 (host tier: through the two
         // working sets, l's input in work[l % 2]).
         for l in 0..layers {
             let slot = self.load_unit(l + 1)?;
+            let started = Instant::now();
             for mb in 0..g {
                 let batch = &self.batches[mb];
                 if host {
@@ -523,6 +562,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         batch,
                         l,
                     )?;
+                    if !keep {
+                        continue;
+                    }
                     let n = batch.tokens * h;
                     let dst = &mut self.ckpt_host[l + 1][mb];
                     self.traffic.d2h_bytes += Self::checkpoint_out(
@@ -549,26 +591,56 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 }
             }
             self.release_slot(slot)?;
+            self.span(l + 1, "compute", started);
         }
         // Host checkpoints must be complete before their working copies are overwritten.
         b.synchronize(&self.events.checkpoints_moved)?;
-        let loss = self.head(g, scale)?;
+        let loss = self.head(g, train.map(|(scale, _, _)| scale))?;
         if !loss.is_finite() {
             return Err(Error::Numerical(format!("loss is {loss} at step {}", self.step + 1)));
         }
-        let head_unit = self.layout.head_unit();
-        self.land_grads(head_unit)?;
-        if submit_early && self.tied_grad.is_none() {
-            self.worker.submit(AdamJob { unit: head_unit, step: self.step + 1, lr, coef: 1.0 })?;
+        if let Some((_, lr, submit_early)) = train {
+            let head_unit = self.layout.head_unit();
+            self.land_grads(head_unit)?;
+            if submit_early && self.tied_grad.is_none() {
+                let job = AdamJob { unit: head_unit, step: self.step + 1, lr, coef: 1.0 };
+                self.worker.submit(job)?;
+            }
         }
         Ok(loss)
     }
 
-    /// Head forward and backward for every micro-batch: the loss, `dx[0]` for the top layer,
-    /// and the head's gradients in `grad_acc` (a tied LM head's in `tied_grad`).
-    fn head(&mut self, g: usize, scale: f32) -> Result<f64> {
+    /// Mean loss over `micro` (held-out micro-batches, taken G at a time) with the weights of
+    /// the steps taken so far; changes no training state.
+    pub fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
+        let trained: usize =
+            micro.iter().map(|m| m.targets.iter().filter(|&&t| t != IGNORE).count()).sum();
+        if trained == 0 {
+            return Err(Error::invalid("no token of the evaluation set carries loss"));
+        }
+        let mut sum = 0.0;
+        for chunk in micro.chunks(self.options.grad_accum) {
+            self.upload_batches(chunk)?;
+            sum += self.forward(chunk.len(), None)?;
+        }
+        Ok(sum / trained as f64)
+    }
+
+    /// Records that `unit` used `stream` from `from` until now, for the step's timeline.
+    fn span(&mut self, unit: usize, stream: &'static str, from: Instant) {
+        let at = |t: Instant| t.saturating_duration_since(self.step_start).as_secs_f64();
+        let span = Span { unit, stream, start: at(from), end: at(Instant::now()) };
+        self.timeline.push(span);
+    }
+
+    /// Head forward and, with a loss `scale`, backward for every micro-batch: the loss, `dx[0]`
+    /// for the top layer, and the head's gradients in `grad_acc` (a tied LM head's in
+    /// `tied_grad`).
+    fn head(&mut self, g: usize, scale: Option<f32>) -> Result<f64> {
         let (b, layers) = (self.b, self.decoder.spec.layers);
-        let slot = self.load_unit(self.layout.head_unit())?;
+        let head_unit = self.layout.head_unit();
+        let slot = self.load_unit(head_unit)?;
+        let started = Instant::now();
         self.zero_grad_acc()?;
         if let Some(tied) = &mut self.tied_grad {
             let n = b.len(tied);
@@ -583,6 +655,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             let table = self.tied_table.as_ref().unwrap_or(head_w);
             let batch = &self.batches[mb];
             loss += self.decoder.head_forward(b, &mut self.head, x, head_w, table, batch)?;
+            let Some(scale) = scale else { continue };
             self.decoder.head_backward(
                 b,
                 &mut self.dx[0][mb],
@@ -597,6 +670,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             )?;
         }
         self.release_slot(slot)?;
+        self.span(head_unit, "compute", started);
         Ok(loss)
     }
 
@@ -610,6 +684,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let mut cur = 0;
         for l in (0..layers).rev() {
             let slot = self.load_unit(l + 1)?;
+            let started = Instant::now();
             self.zero_grad_acc()?;
             for mb in 0..g {
                 let batch = &self.batches[mb];
@@ -652,6 +727,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
             cur = 1 - cur;
             self.release_slot(slot)?;
+            self.span(l + 1, "compute", started);
             self.land_grads(l + 1)?;
             if submit_early {
                 self.worker.submit(AdamJob { unit: l + 1, step: next_step, lr, coef: 1.0 })?;
@@ -659,6 +735,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
 
         // The embedding's gradient: a tied head's contribution first, then the scatter.
+        let started = Instant::now();
         match &self.tied_grad {
             Some(tied) => {
                 let n = b.len(tied);
@@ -674,6 +751,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 &self.batches[mb],
             )?;
         }
+        self.span(0, "compute", started);
         self.land_grads(0)?;
         if submit_early {
             self.worker.submit(AdamJob { unit: 0, step: next_step, lr, coef: 1.0 })?;
@@ -683,6 +761,18 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
         }
         Ok(())
+    }
+
+    /// This step's spans plus the optimizer's updates that finished during it, in start order.
+    fn take_timeline(&mut self) -> Vec<Span> {
+        let origin = self.step_start;
+        let at = |t: Instant| t.saturating_duration_since(origin).as_secs_f64();
+        let mut spans = std::mem::take(&mut self.timeline);
+        for (unit, from, to) in self.worker.take_spans() {
+            spans.push(Span { unit, stream: "optimizer", start: at(from), end: at(to) });
+        }
+        spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+        spans
     }
 
     /// Continues from a saved state: `step` optimizer steps taken, Adam moments per unit. The

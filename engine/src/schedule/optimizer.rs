@@ -28,6 +28,8 @@ pub struct OptimizerWorker {
     tx: Option<Sender<AdamJob>>,
     handle: Option<JoinHandle<Result<()>>>,
     busy: Arc<Mutex<Duration>>,
+    /// (unit, start, end) of every update since the last `take_spans`.
+    spans: Arc<Mutex<Vec<(usize, Instant, Instant)>>>,
 }
 
 impl OptimizerWorker {
@@ -46,6 +48,8 @@ impl OptimizerWorker {
         let (tx, rx) = channel::<AdamJob>();
         let busy = Arc::new(Mutex::new(Duration::ZERO));
         let busy_in = busy.clone();
+        let spans = Arc::new(Mutex::new(Vec::new()));
+        let spans_in = spans.clone();
         let handle = std::thread::Builder::new()
             .name("sluice-optimizer".into())
             .spawn(move || -> Result<()> {
@@ -54,6 +58,9 @@ impl OptimizerWorker {
                     let result = pool.install(|| update(&store, &layout, &hyper, job));
                     if let Ok(mut b) = busy_in.lock() {
                         *b += start.elapsed();
+                    }
+                    if let Ok(mut s) = spans_in.lock() {
+                        s.push((job.unit, start, Instant::now()));
                     }
                     if let Err(e) = result {
                         // Release every waiter so the schedule sees the failure instead of
@@ -66,7 +73,7 @@ impl OptimizerWorker {
                 Ok(())
             })
             .map_err(|e| Error::invalid(format!("cannot start the optimizer thread: {e}")))?;
-        Ok(OptimizerWorker { tx: Some(tx), handle: Some(handle), busy })
+        Ok(OptimizerWorker { tx: Some(tx), handle: Some(handle), busy, spans })
     }
 
     /// Queues an update; fails if the worker has stopped (its error comes from `finish`).
@@ -78,6 +85,11 @@ impl OptimizerWorker {
     /// Time spent updating since the last call.
     pub fn take_busy(&self) -> Duration {
         self.busy.lock().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default()
+    }
+
+    /// The updates finished since the last call: (unit, start, end).
+    pub fn take_spans(&self) -> Vec<(usize, Instant, Instant)> {
+        self.spans.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default()
     }
 
     /// Stops the worker after its queued jobs and returns its error, if it had one.

@@ -87,6 +87,20 @@ pub struct StepMetrics {
     /// checkpoints) during the step.
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
+    /// What each unit did on each stream during the step (empty for the reference loop).
+    pub timeline: Vec<Span>,
+    /// Mean loss on the held-out micro-batches, on the steps where the run evaluates.
+    pub eval_loss: Option<f64>,
+}
+
+/// One unit's work on one stream, in seconds from the start of the step.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Span {
+    pub unit: usize,
+    /// `h2d`, `compute`, `d2h` or `optimizer`.
+    pub stream: &'static str,
+    pub start: f64,
+    pub end: f64,
 }
 
 impl StepMetrics {
@@ -118,6 +132,8 @@ pub enum Event {
         path: std::path::PathBuf,
         step: u64,
     },
+    /// Something the user should know that does not stop the run.
+    Notice(String),
 }
 
 /// Receives training events. Implementations must return quickly.

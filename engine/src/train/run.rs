@@ -68,6 +68,10 @@ pub struct RunOptions {
     /// Where layer inputs wait between forward and backward.
     #[serde(default = "default_tier")]
     pub checkpoints: Tier,
+    /// Hold out the last twentieth of the micro-batches (at least one) and report their mean
+    /// loss every this many steps and after the last.
+    #[serde(default)]
+    pub eval_every: Option<u64>,
 }
 
 fn default_tier() -> Tier {
@@ -153,6 +157,9 @@ impl RunOptions {
         if self.steps == Some(0) {
             return Err(Error::invalid("steps must be at least 1"));
         }
+        if self.eval_every == Some(0) {
+            return Err(Error::invalid("evaluation interval must be at least 1 step"));
+        }
         if self.save_every == Some(0) {
             return Err(Error::invalid("save interval must be at least 1 step"));
         }
@@ -224,6 +231,19 @@ pub fn run<B: Backend>(
         return Err(Error::invalid("the dataset produced no training rows"));
     }
     let fingerprint = data_fingerprint(&batches);
+    let mut batches = batches;
+    let mut notices = Vec::new();
+    let eval: Vec<MicroBatch> = match options.eval_every {
+        Some(_) if batches.len() >= 2 => {
+            let held_out = (batches.len() / 20).max(1);
+            batches.split_off(batches.len() - held_out)
+        }
+        Some(_) => {
+            notices.push("too little data to hold out an evaluation set: no eval loss".to_string());
+            Vec::new()
+        }
+        None => Vec::new(),
+    };
     let per_step = options.grad_accum;
     let steps = options.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
 
@@ -272,6 +292,9 @@ pub fn run<B: Backend>(
         device_bytes: streamer.device_bytes,
         resumed_at: streamer.step,
     });
+    for notice in notices {
+        observer.event(&Event::Notice(notice));
+    }
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let save = |streamer: &mut Streamer<'_, B>, cursor: usize, dir: &Path| -> Result<()> {
@@ -296,7 +319,11 @@ pub fn run<B: Backend>(
         let step_batches: Vec<MicroBatch> =
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
-        let (metrics, _) = streamer.step(&step_batches)?;
+        let (mut metrics, _) = streamer.step(&step_batches)?;
+        let due = |every: u64| metrics.step % every == 0 || metrics.step == steps;
+        if !eval.is_empty() && options.eval_every.is_some_and(due) {
+            metrics.eval_loss = Some(streamer.eval_loss(&eval)?);
+        }
         if first_loss.is_nan() {
             first_loss = metrics.loss;
         }

@@ -318,6 +318,8 @@ impl<'b, B: Backend> Trainer<'b, B> {
             optimizer_exposed: optimizer_time,
             h2d_bytes: 0,
             d2h_bytes: 0,
+            timeline: Vec::new(),
+            eval_loss: None,
         })
     }
 

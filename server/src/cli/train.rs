@@ -23,7 +23,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
-        "save_every", "save_dtype", "checkpoints",
+        "save_every", "save_dtype", "checkpoints", "eval_every",
     ])]
     resume: Option<PathBuf>,
 
@@ -99,6 +99,10 @@ pub(crate) struct TrainArgs {
     /// Precision of saved weights: f32 (the exact master weights) or bf16 (half the size).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     save_dtype: String,
+
+    /// Hold out the last twentieth of the data and report its loss every N steps.
+    #[arg(long, value_name = "N")]
+    eval_every: Option<u64>,
 
     /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
     #[arg(long, default_value = "cpu")]
@@ -181,6 +185,7 @@ fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
         save_every: args.save_every,
         save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
         checkpoints: if args.checkpoints == "host" { Tier::Host } else { Tier::Device },
+        eval_every: args.eval_every,
     })
 }
 
@@ -260,6 +265,9 @@ impl Observer for Printer {
                     m.optimizer_time.as_secs_f64() * 1e3,
                     100.0 * hidden.clamp(0.0, 1.0),
                 ));
+                if let Some(eval) = m.eval_loss {
+                    self.line(format!("step {:>5}  eval loss {eval:.4}", m.step));
+                }
                 if let Some(bar) = &self.bar {
                     bar.set_position(m.step);
                 }
@@ -267,6 +275,7 @@ impl Observer for Printer {
             Event::Saved { path, step } => {
                 self.line(format!("saved step {step} to {}", path.display()));
             }
+            Event::Notice(text) => self.line(format!("note: {text}")),
         }
     }
 }

@@ -339,6 +339,8 @@ async fn prepare(state: &AppState, job: &JobRow) -> Result<Option<(RunOptions, u
         save_every: config.save_every,
         save_dtype: SaveDtype::F32,
         checkpoints: Tier::Device,
+        // About ten evaluations over the job; the engine holds out the data for them.
+        eval_every: Some(steps.map_or(10, |s| (s / 10).max(1))),
     };
     // Unknown until the first start has packed the data; then `steps` is exact.
     let planned = steps.unwrap_or(u64::MAX);
@@ -471,10 +473,13 @@ impl Observer for Forwarder {
                     "step_s": seconds,
                     "tokens": m.tokens,
                     "trained_tokens": m.trained_tokens,
+                    "eval_loss": m.eval_loss,
+                    "timeline": (!m.timeline.is_empty()).then_some(&m.timeline),
                     "t": now_f64(),
                 });
                 self.send(RunEvent::Step { step: self.offset + m.step, point });
             }
+            Event::Notice(text) => self.send(RunEvent::Log(text.clone())),
             Event::Saved { path, step } => {
                 let step = self.offset + step;
                 match self.place(path, step) {
