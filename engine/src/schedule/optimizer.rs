@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::backend::WeightDtype;
 use crate::error::{Error, Result};
 use crate::model::ModelLayout;
-use crate::optim::{AdamW, adamw_step, scale};
+use crate::optim::{AdamPool, AdamW, FusedStep, adamw_fused, adamw_step, scale};
 use crate::store::{HostStore, refresh_stream};
 
 /// One unit's update.
@@ -40,11 +41,7 @@ impl OptimizerWorker {
         hyper: AdamW,
         threads: usize,
     ) -> Result<OptimizerWorker> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("sluice-adam-{i}"))
-            .build()
-            .map_err(|e| Error::invalid(format!("cannot start the optimizer threads: {e}")))?;
+        let pool = AdamPool::new(threads)?;
         let (tx, rx) = channel::<AdamJob>();
         let busy = Arc::new(Mutex::new(Duration::ZERO));
         let busy_in = busy.clone();
@@ -55,7 +52,7 @@ impl OptimizerWorker {
             .spawn(move || -> Result<()> {
                 for job in rx {
                     let start = Instant::now();
-                    let result = pool.install(|| update(&store, &layout, &hyper, job));
+                    let result = update(&pool, &store, &layout, &hyper, job);
                     if let Ok(mut b) = busy_in.lock() {
                         *b += start.elapsed();
                     }
@@ -110,20 +107,52 @@ impl Drop for OptimizerWorker {
 }
 
 /// Clip, AdamW every tensor of the unit (no decay on norms and biases), refresh the streaming
-/// copy.
-fn update(store: &HostStore, layout: &ModelLayout, hyper: &AdamW, job: AdamJob) -> Result<()> {
+/// copy. A bf16 streaming copy (GPUs) is written in the same single pass by the fused update;
+/// an f32 copy (the CPU reference) is the master itself, copied after the update.
+fn update(
+    pool: &AdamPool,
+    store: &HostStore,
+    layout: &ModelLayout,
+    hyper: &AdamW,
+    job: AdamJob,
+) -> Result<()> {
     let dtype = store.weight_dtype();
     let mut guard = store.lock(job.unit)?;
     let state = &mut *guard;
-    let grad = state.grad.as_f32_mut();
-    if job.coef < 1.0 {
-        scale(grad, job.coef);
-    }
     let unit = layout
         .units
         .get(job.unit)
         .ok_or_else(|| Error::invalid(format!("no unit {}", job.unit)))?;
     let hp = AdamW { lr: job.lr, ..*hyper };
+    if dtype == WeightDtype::Bf16 {
+        let decayed: Vec<_> =
+            unit.tensors.iter().filter(|t| t.decay).map(|t| t.range.clone()).collect();
+        let args =
+            FusedStep { step: job.step, lr: job.lr, hp, clip_coef: job.coef, decayed: &decayed };
+        let fused = crate::optim::UnitState {
+            master: &mut state.master,
+            m: &mut state.m,
+            v: &mut state.v,
+            bf16: state.stream.as_u16_mut(),
+        };
+        return adamw_fused(pool, fused, state.grad.as_f32(), &args);
+    }
+    pool.install(|| unfused(state, unit, &hp, job))?;
+    refresh_stream(state, dtype);
+    Ok(())
+}
+
+/// The per-tensor update of the f32 path, with the clip applied in its own pass first.
+fn unfused(
+    state: &mut crate::store::UnitState,
+    unit: &crate::model::UnitLayout,
+    hp: &AdamW,
+    job: AdamJob,
+) -> Result<()> {
+    let grad = state.grad.as_f32_mut();
+    if job.coef < 1.0 {
+        scale(grad, job.coef);
+    }
     for t in &unit.tensors {
         let r = t.range.clone();
         adamw_step(
@@ -133,10 +162,9 @@ fn update(store: &HostStore, layout: &ModelLayout, hyper: &AdamW, job: AdamJob) 
             &mut state.v[r],
             job.step,
             job.lr,
-            &hp,
+            hp,
             t.decay,
         )?;
     }
-    refresh_stream(state, dtype);
     Ok(())
 }
