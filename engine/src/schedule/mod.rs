@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 pub use optimizer::{AdamJob, OptimizerWorker};
 
-use crate::backend::{Backend, FloatKind, IGNORE};
+use crate::backend::{Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
-use crate::optim::{AdamW, LrSchedule, clip_coef, sum_of_squares};
+use crate::optim::{AdamW, clip_coef, sum_of_squares};
 use crate::spec::ModelSpec;
 use crate::store::{HostSlab, HostStore};
 use crate::train::{Span, StepMetrics, TrainConfig};
@@ -283,14 +283,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
     /// The learning rate the next step will use.
     pub fn next_lr(&self) -> f32 {
-        let c = &self.config;
-        LrSchedule {
-            kind: c.schedule,
-            peak_lr: c.lr,
-            warmup_steps: c.warmup_steps,
-            total_steps: c.total_steps,
-        }
-        .lr_at(self.step)
+        self.config.lr_at(self.step)
     }
 
     /// Makes unit `u`'s current weights available to compute and returns their slot: a
@@ -427,8 +420,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 self.options.grad_accum
             )));
         }
-        let trained: usize =
-            micro.iter().map(|m| m.targets.iter().filter(|&&t| t != IGNORE).count()).sum();
+        let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
         if trained == 0 {
             return Err(Error::invalid(
                 "no token in this step carries loss (all are prompt or padding)",
@@ -613,8 +605,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// Mean loss over `micro` (held-out micro-batches, taken G at a time) with the weights of
     /// the steps taken so far; changes no training state.
     pub fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
-        let trained: usize =
-            micro.iter().map(|m| m.targets.iter().filter(|&&t| t != IGNORE).count()).sum();
+        let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
         if trained == 0 {
             return Err(Error::invalid("no token of the evaluation set carries loss"));
         }

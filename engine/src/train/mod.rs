@@ -56,6 +56,19 @@ impl Default for TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// The learning rate of the step after `steps_taken` optimizer steps.
+    pub fn lr_at(&self, steps_taken: u64) -> f32 {
+        let schedule = crate::optim::LrSchedule {
+            kind: self.schedule,
+            peak_lr: self.lr,
+            warmup_steps: self.warmup_steps,
+            total_steps: self.total_steps,
+        };
+        schedule.lr_at(steps_taken)
+    }
+}
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepMetrics {

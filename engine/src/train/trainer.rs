@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{StepMetrics, TrainConfig};
-use crate::backend::{Backend, FloatKind, IGNORE};
+use crate::backend::{Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
-use crate::optim::{AdamW, LrSchedule, adamw_step, clip_grad_norm, sum_of_squares};
+use crate::optim::{AdamW, adamw_step, clip_grad_norm, sum_of_squares};
 use crate::spec::ModelSpec;
 
 /// Training state: master weights and Adam moments on the host, a working copy of every unit
@@ -100,14 +100,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
 
     /// The learning rate the next step will use.
     pub fn next_lr(&self) -> f32 {
-        let c = &self.config;
-        let schedule = LrSchedule {
-            kind: c.schedule,
-            peak_lr: c.lr,
-            warmup_steps: c.warmup_steps,
-            total_steps: c.total_steps,
-        };
-        schedule.lr_at(self.step)
+        self.config.lr_at(self.step)
     }
 
     fn upload_batch(&mut self, mb: &MicroBatch) -> Result<()> {
@@ -348,5 +341,5 @@ impl<'b, B: Backend> Trainer<'b, B> {
 }
 
 fn trained_tokens(micro: &[MicroBatch]) -> usize {
-    micro.iter().map(|m| m.targets.iter().filter(|&&t| t != IGNORE).count()).sum()
+    micro.iter().map(MicroBatch::trained_tokens).sum()
 }
