@@ -10,7 +10,7 @@
 //! parallel reductions combine fixed-size partials in a fixed order.
 
 mod attention;
-mod check;
+pub(in crate::backend) mod check;
 mod elementwise;
 mod embedding;
 mod loss;
