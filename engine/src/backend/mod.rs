@@ -124,8 +124,9 @@ pub trait Backend: Send + Sync {
     fn pin(&self, slab: &mut HostSlab) -> Result<()>;
     fn new_stream(&self) -> Result<Self::Stream>;
     fn new_event(&self) -> Result<Self::Event>;
-    /// Every compute op from now on is queued on `stream`.
-    fn set_compute_stream(&self, stream: &Self::Stream) -> Result<()>;
+    /// The stream every op below (memory, compute) is queued on; transfers on other streams
+    /// are ordered against it with events.
+    fn compute_stream(&self) -> Self::Stream;
     /// Marks the current end of `stream`'s work.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
     /// Work queued on `stream` after this call starts only once `event` has completed.
@@ -133,18 +134,27 @@ pub trait Backend: Send + Sync {
     /// Blocks the calling thread until `event` has completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
     /// Queues a copy of the view's length in elements from `src` (starting `offset` bytes in,
-    /// in the buffer's own dtype) into `dst` on `stream`. `src` must stay unchanged until an
-    /// event recorded after this call on `stream` has completed.
-    fn upload_on(
+    /// in the buffer's own dtype) into `dst` on `stream`, and returns before it has run.
+    ///
+    /// # Safety
+    /// The device reads `src` after this call returns: `src` must stay allocated and unchanged,
+    /// and `dst` must not be freed, until an event recorded on `stream` after this call has
+    /// completed.
+    unsafe fn upload_on(
         &self,
         stream: &Self::Stream,
         dst: Self::ViewMut<'_>,
         src: &HostSlab,
         offset: usize,
     ) -> Result<()>;
-    /// Queues a copy of `src` (in its own dtype) into `dst` at `offset` bytes on `stream`; `dst`
-    /// must not be read until an event recorded after this call has completed.
-    fn download_on(
+    /// Queues a copy of `src` (in its own dtype) into `dst` at `offset` bytes on `stream`, and
+    /// returns before it has run.
+    ///
+    /// # Safety
+    /// The device writes `dst` after this call returns: `dst` must stay allocated and must not
+    /// be read or written, and `src` must not be freed, until an event recorded on `stream`
+    /// after this call has completed.
+    unsafe fn download_on(
         &self,
         stream: &Self::Stream,
         dst: &mut HostSlab,

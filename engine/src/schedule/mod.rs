@@ -8,29 +8,39 @@
 //! backward  for layer l = L-1..0: weights(l) -> slot; for b: recompute f_l from x[l][b];
 //!               dx[b] <- backprop(dx[b]); dW(l) += (f32 on the device)
 //!           embedding: dW(0) += scatter(dx[b])
-//!           each unit's gradients land in the host store when complete
+//!           gradients wait on the device or land on the host (`grads`, by gradient tier)
 //! optimizer clipping on:  after the backward, once the global norm is known, AdamW for units
 //!                         0, 1, 2, ... on the optimizer worker, overlapping the next forward
 //!           clipping off: AdamW(u) as soon as grads(u) land, overlapping the rest of the backward
 //! ```
 //! Only this module creates streams and events. Transfers run on `h2d` and `d2h`, compute on
-//! `compute`; events are named after what they guard. Nothing is allocated on the device inside
+//! the backend's compute stream; events are named after what they guard. Weights of the next
+//! unit are prefetched into the other half of a double buffer while the current unit computes,
+//! and a unit still in a slot is not uploaded again. Nothing is allocated on the device inside
 //! the step: every buffer is sized when the streamer is built.
+//!
+//! Host-side waits (each is commented where it happens): the sum of squares of each unit's
+//! gradients (after the next unit's weights are queued), a gradient copy before its buffer is
+//! reused, and an optimizer update before its unit's weights are uploaded. Timeline spans are
+//! host times: when the schedule issued a unit's work and, where it waits, when that finished.
 
+mod grads;
 mod optimizer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use optimizer::{AdamJob, OptimizerWorker};
+pub use optimizer::{AdamJob, GradAt, OptimizerWorker};
 
 use crate::backend::{Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
-use crate::optim::{AdamW, clip_coef, sum_of_squares};
+use crate::optim::{AdamW, clip_coef};
+pub use crate::plan::GradientTier;
 use crate::spec::ModelSpec;
-use crate::store::{HostSlab, HostStore};
+use crate::store::{GradLanding, HostSlab, HostStore};
+use grads::Grads;
 use crate::train::{Span, StepMetrics, TrainConfig};
 
 /// Adam's first and second moments, one vector per unit.
@@ -58,6 +68,16 @@ pub struct ScheduleOptions {
     /// Units whose weights stay on the device: uploaded once per step (after their update)
     /// instead of once forward and once backward.
     pub resident: Vec<usize>,
+    /// Where weight gradients wait for the optimizer; the host ring needs clipping off.
+    pub gradients: GradientTier,
+}
+
+impl ScheduleOptions {
+    /// The gradient tier that needs no spare device memory: the ring without clipping, the host
+    /// store with it.
+    pub fn host_gradients(clipping: bool) -> GradientTier {
+        if clipping { GradientTier::HostStore } else { GradientTier::HostRing }
+    }
 }
 
 /// Transfer and timing figures of one step, beyond [`StepMetrics`]' basics.
@@ -79,12 +99,10 @@ struct Events<B: Backend> {
     weights_ready: [B::Event; 2],
     /// Compute has finished reading slot i: the next upload may overwrite it.
     slot_free: [B::Event; 2],
-    /// A unit's gradients are complete on the device: d2h may copy them.
-    grads_ready: B::Event,
-    /// The gradient copy has finished: the accumulator may be reused and the host may read.
-    grads_landed: B::Event,
-    /// Checkpoint transfers (either direction) of the current unit have finished.
+    /// Checkpoint transfers (either direction) queued so far have finished.
     checkpoints_moved: B::Event,
+    /// Host tier: the copies out of working set i have finished; compute may overwrite it.
+    work_free: [B::Event; 2],
     /// A resident unit's new weights have arrived.
     resident_ready: B::Event,
     /// Compute has produced the activations a checkpoint copy reads.
@@ -109,13 +127,16 @@ pub struct Streamer<'b, B: Backend> {
     /// on hold resident units.
     slots: Vec<B::Floats>,
     next_slot: usize,
+    /// What each streaming slot holds (or is receiving): a unit and the optimizer step of its
+    /// weights.
+    slot_holds: [Option<(usize, u64)>; 2],
     /// Per unit: its resident slot, if any, and the step whose weights that slot holds.
     resident_slot: Vec<Option<usize>>,
     resident_step: Vec<Option<u64>>,
     /// The embedding table kept on the device for a tied LM head.
     tied_table: Option<B::Floats>,
-    /// f32 gradient accumulator of the unit being computed.
-    grad_acc: B::Floats,
+    /// Weight-gradient accumulators and their landing on the host.
+    grads: Grads<B>,
     /// The tied LM head's gradient, which joins the embedding's at the end of the backward.
     tied_grad: Option<B::Floats>,
     /// Device tier: `ckpt[c][b]` is the input of layer `c` (`c = layers`: of the head).
@@ -152,11 +173,26 @@ impl<'b, B: Backend> Streamer<'b, B> {
         if *layout != ModelLayout::new(spec) {
             return Err(Error::invalid("parameters do not match the model spec's layout"));
         }
-        let store = Arc::new(HostStore::new(params, b.weight_dtype())?);
+        if options.gradients == GradientTier::HostRing && config.max_grad_norm.is_some() {
+            return Err(Error::invalid(
+                "the gradient ring hands each unit to the optimizer as it lands, so it cannot \
+                 wait for the global norm: with clipping on, keep gradients in the device or \
+                 host store",
+            ));
+        }
+        let landing = match options.gradients {
+            GradientTier::HostStore => GradLanding::PerUnit,
+            GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(2),
+        };
+        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing)?);
         for u in 0..store.units() {
             let mut unit = store.lock(u)?;
             b.pin(&mut unit.stream)?;
             b.pin(&mut unit.grad)?;
+        }
+        for slab in store.ring().slabs() {
+            let mut slab = slab.lock().map_err(|_| Error::invalid("gradient ring poisoned"))?;
+            b.pin(&mut slab)?;
         }
         let hyper = AdamW {
             lr: config.lr,
@@ -221,6 +257,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 slots.push(act(unit.len)?);
             }
         }
+        let lens = layout.units.iter().map(|u| u.len).collect();
+        let (grads, grad_bytes) = Grads::new(b, options.gradients, lens)?;
+        counted.set(counted.get() + grad_bytes);
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;
         // Token ids, positions, targets and document bounds: four i32 arrays per micro-batch.
@@ -234,23 +273,23 @@ impl<'b, B: Backend> Streamer<'b, B> {
             worker,
             step: 0,
             h2d: b.new_stream()?,
-            compute: b.new_stream()?,
+            compute: b.compute_stream(),
             d2h: b.new_stream()?,
             events: Events {
                 weights_ready: [b.new_event()?, b.new_event()?],
                 slot_free: [b.new_event()?, b.new_event()?],
-                grads_ready: b.new_event()?,
-                grads_landed: b.new_event()?,
                 checkpoints_moved: b.new_event()?,
+                work_free: [b.new_event()?, b.new_event()?],
                 activations_ready: b.new_event()?,
                 resident_ready: b.new_event()?,
             },
             slots,
             next_slot: 0,
+            slot_holds: [None, None],
             resident_slot,
             resident_step: vec![None; units],
             tied_table: if tied { Some(act(embed_len)?) } else { None },
-            grad_acc: acc(largest)?,
+            grads,
             tied_grad: if tied { Some(acc(embed_len)?) } else { None },
             ckpt_device,
             ckpt_host,
@@ -268,7 +307,6 @@ impl<'b, B: Backend> Streamer<'b, B> {
         };
         streamer.device_bytes =
             counted.get() + streamer.scratch.bytes + streamer.head.bytes + batch_bytes;
-        b.set_compute_stream(&streamer.compute)?;
         Ok(streamer)
     }
 
@@ -287,30 +325,75 @@ impl<'b, B: Backend> Streamer<'b, B> {
     }
 
     /// Makes unit `u`'s current weights available to compute and returns their slot: a
-    /// resident unit is uploaded only once per step, a streamed one into the next slot of the
-    /// double buffer. Either waits for the unit's last update first.
+    /// resident unit is uploaded only once per step, a streamed one is found in a slot (still
+    /// there, or prefetched) or uploaded into the next one. Compute waits for the upload.
     fn load_unit(&mut self, u: usize) -> Result<usize> {
         if let Some(slot) = self.resident_slot[u] {
             return self.load_resident(u, slot);
         }
-        let (b, slot) = (self.b, self.next_slot);
+        let slot = match self.slot_holds.iter().position(|h| *h == Some((u, self.step))) {
+            Some(slot) => slot,
+            None => self.upload_unit(u, self.next_slot)?,
+        };
+        // The next upload goes to the other slot, never over the one about to be read.
         self.next_slot = 1 - slot;
-        let waited = self.store.wait_applied(u, self.step)?;
-        self.traffic.optimizer_exposed += waited;
+        self.b.wait(&self.compute, &self.events.weights_ready[slot])?;
+        Ok(slot)
+    }
+
+    /// Queues unit `u`'s upload into the free slot while the current unit computes, so its
+    /// weights are there when compute needs them.
+    fn prefetch(&mut self, u: usize) -> Result<()> {
+        if self.resident_slot[u].is_some() || self.slot_holds.contains(&Some((u, self.step))) {
+            return Ok(());
+        }
+        self.upload_unit(u, self.next_slot)?;
+        Ok(())
+    }
+
+    /// Queues the upload of unit `u`'s weights as of this step into streaming slot `slot`,
+    /// once compute has finished with the slot's previous unit. Waits (on the host) for the
+    /// unit's pending update first.
+    fn upload_unit(&mut self, u: usize, slot: usize) -> Result<usize> {
+        let b = self.b;
+        self.wait_updated(u)?;
         let len = self.layout.units[u].len;
-        // The upload waits until compute has finished with the slot's previous unit.
         b.wait(&self.h2d, &self.events.slot_free[slot])?;
         let started = Instant::now();
         {
             let unit = self.store.lock(u)?;
-            b.upload_on(&self.h2d, b.view_mut(&mut self.slots[slot], 0..len), &unit.stream, 0)?;
+            let dst = b.view_mut(&mut self.slots[slot], 0..len);
+            // SAFETY: the streaming copy lives in the store for the whole run and the optimizer
+            // rewrites it only in unit `u`'s next update, which is submitted after the backward
+            // has read this slot (compute waits for `weights_ready` first, and the update only
+            // after the gradients computed from it have landed). The slot is not freed while
+            // the streamer lives, and `Drop` drains the streams.
+            unsafe { b.upload_on(&self.h2d, dst, &unit.stream, 0)? };
         }
         b.record(&self.events.weights_ready[slot], &self.h2d)?;
+        self.slot_holds[slot] = Some((u, self.step));
         self.span(u, "h2d", started);
-        // Compute waits for the weights to arrive.
-        b.wait(&self.compute, &self.events.weights_ready[slot])?;
-        self.traffic.h2d_bytes += (len * self.b.weight_dtype().bytes()) as u64;
+        self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
         Ok(slot)
+    }
+
+    /// Blocks until unit `u` has had every update submitted so far, first landing its
+    /// gradients (device store) so that update can start.
+    fn wait_updated(&mut self, u: usize) -> Result<()> {
+        if self.grads.has_waiting() {
+            let started = Instant::now();
+            let landed = self.grads.pump(
+                self.b,
+                &self.store,
+                &self.worker,
+                &self.compute,
+                &self.d2h,
+                Some(u),
+            )?;
+            self.note_landed(&landed, started);
+        }
+        self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
+        Ok(())
     }
 
     fn load_resident(&mut self, u: usize, slot: usize) -> Result<usize> {
@@ -318,7 +401,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             return Ok(slot);
         }
         let b = self.b;
-        self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
+        self.wait_updated(u)?;
         let len = self.layout.units[u].len;
         // Compute may still read last step's weights: the upload waits for all work so far.
         b.record(&self.events.activations_ready, &self.compute)?;
@@ -326,7 +409,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let started = Instant::now();
         {
             let unit = self.store.lock(u)?;
-            b.upload_on(&self.h2d, b.view_mut(&mut self.slots[slot], 0..len), &unit.stream, 0)?;
+            let dst = b.view_mut(&mut self.slots[slot], 0..len);
+            // SAFETY: as in `upload_unit`: the streaming copy outlives the copy and is not
+            // rewritten before the unit's next update, which follows this step's backward.
+            unsafe { b.upload_on(&self.h2d, dst, &unit.stream, 0)? };
         }
         b.record(&self.events.resident_ready, &self.h2d)?;
         self.span(u, "h2d", started);
@@ -344,34 +430,41 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
     }
 
-    /// Copies unit `u`'s complete gradients (in `grad_acc`) into its host slab and records
-    /// their sum of squares. Returns once they have landed.
-    fn land_grads(&mut self, u: usize) -> Result<()> {
-        let b = self.b;
-        let len = self.layout.units[u].len;
-        b.record(&self.events.grads_ready, &self.compute)?;
-        b.wait(&self.d2h, &self.events.grads_ready)?;
+    /// Unit `u`'s gradients are complete: see [`Grads::end`]. `early` carries the learning
+    /// rate when the update should follow the gradients as soon as they land (clipping off).
+    fn grads_done(&mut self, u: usize, early: Option<f32>) -> Result<()> {
         let started = Instant::now();
-        let mut unit = self.store.lock(u)?;
-        b.download_on(&self.d2h, &mut unit.grad, 0, b.view(&self.grad_acc, 0..len))?;
-        b.record(&self.events.grads_landed, &self.d2h)?;
-        // The host reads the gradients and the accumulator is zeroed next: both wait here.
-        b.synchronize(&self.events.grads_landed)?;
-        unit.grad_sumsq = sum_of_squares(unit.grad.as_f32());
-        self.traffic.d2h_bytes += (len * 4) as u64;
-        drop(unit);
-        self.span(u, "d2h", started);
+        let job = early.map(|lr| AdamJob {
+            unit: u,
+            step: self.step + 1,
+            lr,
+            coef: 1.0,
+            grad: GradAt::Unit,
+        });
+        let landed = self.grads.end(
+            self.b,
+            &self.store,
+            &self.worker,
+            &self.compute,
+            &self.d2h,
+            u,
+            job,
+        )?;
+        self.note_landed(&landed, started);
         Ok(())
     }
 
-    fn zero_grad_acc(&mut self) -> Result<()> {
-        let n = self.b.len(&self.grad_acc);
-        self.b.fill_zero(self.b.view_mut(&mut self.grad_acc, 0..n))
+    /// Counts a landing's bytes and waits, and puts it on the timeline.
+    fn note_landed(&mut self, landed: &grads::Landed, started: Instant) {
+        self.traffic.d2h_bytes += landed.bytes;
+        self.traffic.optimizer_exposed += landed.waited;
+        for &u in &landed.units {
+            self.span(u, "d2h", started);
+        }
     }
 
     /// Host tier: queues the copy of a freshly computed layer input `x` (`n` elements) to its
     /// host checkpoint, after the compute that produced it. Returns the bytes moved.
-    #[allow(clippy::too_many_arguments)]
     fn checkpoint_out(
         b: &B,
         compute: &B::Stream,
@@ -383,8 +476,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
     ) -> Result<u64> {
         b.record(&events.activations_ready, compute)?;
         b.wait(d2h, &events.activations_ready)?;
-        b.download_on(d2h, dst, 0, b.view(x, 0..n))?;
-        b.record(&events.checkpoints_moved, d2h)?;
+        // SAFETY: the checkpoint slab lives as long as the streamer; the backward reads it only
+        // after `h2d` waits for `checkpoints_moved`, recorded after this copy, and compute
+        // overwrites `x` only after waiting for `work_free`, also recorded after it.
+        unsafe { b.download_on(d2h, dst, 0, b.view(x, 0..n))? };
         Ok((n * b.elem_bytes(FloatKind::Activation)) as u64)
     }
 
@@ -433,31 +528,27 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.upload_batches(micro)?;
         let lr = self.next_lr();
         let clip = self.config.max_grad_norm;
+        // Updates follow each unit's gradients as they land, unless they must wait for the
+        // global norm or the gradients wait on the device.
+        let early = match (clip, self.grads.tier) {
+            (None, GradientTier::HostRing | GradientTier::HostStore) => Some(lr),
+            _ => None,
+        };
 
-        let submit_early = clip.is_none();
-        let loss_sum = self.forward(g, Some((1.0 / trained as f32, lr, submit_early)))?;
+        let loss_sum = self.forward(g, Some((1.0 / trained as f32, early)))?;
         let loss = loss_sum / trained as f64;
         let forward_done = Instant::now();
-        self.backward(g, lr, submit_early)?;
+        self.backward(g, early)?;
         let backward_done = Instant::now();
 
-        // The global norm, summed in unit order so it does not depend on landing order.
-        let units = self.store.units();
-        let mut total = 0.0;
-        for u in 0..units {
-            total += self.store.lock(u)?.grad_sumsq;
-        }
-        let mut grad_norm = total.sqrt();
+        let mut grad_norm = self.grads.total_sumsq().sqrt();
         self.step += 1;
-        match clip {
+        let coef = match clip {
             Some(max_norm) => {
                 let coef = clip_coef(grad_norm, max_norm)?;
                 // Reported as torch's `clip_grad_norm_` returns it: an f32.
                 grad_norm = f64::from(grad_norm as f32);
-                // Forward order: the next step needs unit 0 first.
-                for unit in 0..units {
-                    self.worker.submit(AdamJob { unit, step: self.step, lr, coef })?;
-                }
+                coef
             }
             None if !grad_norm.is_finite() => {
                 return Err(Error::Numerical(format!(
@@ -465,7 +556,32 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     self.step
                 )));
             }
-            None => {}
+            None => 1.0,
+        };
+        if early.is_none() {
+            // Forward order: the next step needs unit 0 first.
+            let step = self.step;
+            let jobs = (0..self.store.units())
+                .map(move |unit| AdamJob { unit, step, lr, coef, grad: GradAt::Unit });
+            if self.grads.tier == GradientTier::DeviceStore {
+                // Gradients leave the device as the next forward asks for each unit; start
+                // with unit 0 (and 1) now so its update runs while this step returns.
+                self.grads.defer(jobs);
+                let started = Instant::now();
+                let landed = self.grads.pump(
+                    self.b,
+                    &self.store,
+                    &self.worker,
+                    &self.compute,
+                    &self.d2h,
+                    Some(0),
+                )?;
+                self.note_landed(&landed, started);
+            } else {
+                for job in jobs {
+                    self.worker.submit(job)?;
+                }
+            }
         }
         self.traffic.forward = forward_done - start;
         self.traffic.backward = backward_done - forward_done;
@@ -493,11 +609,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
     }
 
     /// Embedding and layers for every micro-batch, keeping each layer's input as a checkpoint,
-    /// then the head. Returns the summed loss. With `train` set (the loss scale, the learning
-    /// rate, and whether updates start as gradients land), the head also computes its gradients
-    /// and lands them; without it (evaluation) no checkpoint leaves the device and no gradient
+    /// then the head. Returns the summed loss. With `train` set (the loss scale, and the
+    /// learning rate when updates follow the gradients as they land), the head also computes
+    /// its gradients; without it (evaluation) no checkpoint leaves the device and no gradient
     /// is formed.
-    fn forward(&mut self, g: usize, train: Option<(f32, f32, bool)>) -> Result<f64> {
+    fn forward(&mut self, g: usize, train: Option<(f32, Option<f32>)>) -> Result<f64> {
         let (b, layers, h) = (self.b, self.decoder.spec.layers, self.decoder.spec.hidden);
         let host = self.options.checkpoints == Tier::Host;
         let keep = train.is_some();
@@ -525,6 +641,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 )?;
             }
         }
+        if host && keep {
+            b.record(&self.events.work_free[0], &self.d2h)?;
+        }
         if let Some(table) = &mut self.tied_table {
             // The tied head reads the embedding table at the end of the forward: keep a copy
             // while it is in the slot rather than streaming it a second time.
@@ -533,12 +652,18 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.release_slot(slot)?;
         self.span(0, "compute", started);
+        self.prefetch(1)?;
 
         // Layer l reads checkpoint l and writes checkpoint l + 1 (host tier: through the two
         // working sets, l's input in work[l % 2]).
         for l in 0..layers {
             let slot = self.load_unit(l + 1)?;
             let started = Instant::now();
+            if host {
+                // This layer overwrites the working set whose checkpoints the layer before the
+                // last copied out: wait for those copies.
+                b.wait(&self.compute, &self.events.work_free[(l + 1) % 2])?;
+            }
             for mb in 0..g {
                 let batch = &self.batches[mb];
                 if host {
@@ -582,22 +707,21 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     )?;
                 }
             }
+            if host && keep {
+                b.record(&self.events.work_free[(l + 1) % 2], &self.d2h)?;
+            }
             self.release_slot(slot)?;
             self.span(l + 1, "compute", started);
+            self.prefetch(l + 2)?;
         }
-        // Host checkpoints must be complete before their working copies are overwritten.
-        b.synchronize(&self.events.checkpoints_moved)?;
-        let loss = self.head(g, train.map(|(scale, _, _)| scale))?;
+        if host && keep {
+            // The backward's checkpoint uploads (on h2d) wait for every copy out.
+            b.record(&self.events.checkpoints_moved, &self.d2h)?;
+            b.wait(&self.h2d, &self.events.checkpoints_moved)?;
+        }
+        let loss = self.head(g, train)?;
         if !loss.is_finite() {
             return Err(Error::Numerical(format!("loss is {loss} at step {}", self.step + 1)));
-        }
-        if let Some((_, lr, submit_early)) = train {
-            let head_unit = self.layout.head_unit();
-            self.land_grads(head_unit)?;
-            if submit_early && self.tied_grad.is_none() {
-                let job = AdamJob { unit: head_unit, step: self.step + 1, lr, coef: 1.0 };
-                self.worker.submit(job)?;
-            }
         }
         Ok(loss)
     }
@@ -624,18 +748,19 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.timeline.push(span);
     }
 
-    /// Head forward and, with a loss `scale`, backward for every micro-batch: the loss, `dx[0]`
-    /// for the top layer, and the head's gradients in `grad_acc` (a tied LM head's in
-    /// `tied_grad`).
-    fn head(&mut self, g: usize, scale: Option<f32>) -> Result<f64> {
+    /// Head forward and, when training, backward for every micro-batch: the loss, `dx[0]` for
+    /// the top layer, and the head's gradients (a tied LM head's in `tied_grad`).
+    fn head(&mut self, g: usize, train: Option<(f32, Option<f32>)>) -> Result<f64> {
         let (b, layers) = (self.b, self.decoder.spec.layers);
         let head_unit = self.layout.head_unit();
         let slot = self.load_unit(head_unit)?;
         let started = Instant::now();
-        self.zero_grad_acc()?;
-        if let Some(tied) = &mut self.tied_grad {
-            let n = b.len(tied);
-            b.fill_zero(b.view_mut(tied, 0..n))?;
+        if train.is_some() {
+            self.grads.begin(b, &self.worker, head_unit)?;
+            if let Some(tied) = &mut self.tied_grad {
+                let n = b.len(tied);
+                b.fill_zero(b.view_mut(tied, 0..n))?;
+            }
         }
         let host = self.options.checkpoints == Tier::Host;
         let mut loss = 0.0;
@@ -646,11 +771,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
             let table = self.tied_table.as_ref().unwrap_or(head_w);
             let batch = &self.batches[mb];
             loss += self.decoder.head_forward(b, &mut self.head, x, head_w, table, batch)?;
-            let Some(scale) = scale else { continue };
+            let Some((scale, _)) = train else { continue };
             self.decoder.head_backward(
                 b,
                 &mut self.dx[0][mb],
-                &mut self.grad_acc,
+                self.grads.acc(head_unit),
                 self.tied_grad.as_mut(),
                 &mut self.head,
                 x,
@@ -662,34 +787,46 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.release_slot(slot)?;
         self.span(head_unit, "compute", started);
+        if let Some((_, early)) = train {
+            // The backward starts with the top layer, whose weights may still be in a slot.
+            self.prefetch(layers)?;
+            // A tied head's own unit is its final norm: the table's gradient joins the
+            // embedding's, so the head's update need not wait for it.
+            self.grads_done(head_unit, early)?;
+        }
         Ok(loss)
     }
 
     /// Layers from the top down, recomputing each from its checkpoint, then the embedding.
-    /// Each unit's gradients land in the host store as soon as they are complete.
-    fn backward(&mut self, g: usize, lr: f32, submit_early: bool) -> Result<()> {
+    /// Each unit's gradients wait or land as their tier says once they are complete.
+    fn backward(&mut self, g: usize, early: Option<f32>) -> Result<()> {
         let (b, layers, h) = (self.b, self.decoder.spec.layers, self.decoder.spec.hidden);
         let host = self.options.checkpoints == Tier::Host;
-        let next_step = self.step + 1;
         // dx[cur][mb] holds the gradient with respect to the current layer's output.
         let mut cur = 0;
         for l in (0..layers).rev() {
             let slot = self.load_unit(l + 1)?;
             let started = Instant::now();
-            self.zero_grad_acc()?;
-            for mb in 0..g {
-                let batch = &self.batches[mb];
-                if host {
-                    // Bring the checkpoint back into a working buffer compute no longer reads.
-                    let n = batch.tokens * h;
-                    b.record(&self.events.activations_ready, &self.compute)?;
-                    b.wait(&self.h2d, &self.events.activations_ready)?;
+            self.grads.begin(b, &self.worker, l + 1)?;
+            if host {
+                // Bring the layer's checkpoints back into working buffers compute no longer
+                // reads (the upload waits for all compute queued so far).
+                b.record(&self.events.activations_ready, &self.compute)?;
+                b.wait(&self.h2d, &self.events.activations_ready)?;
+                for mb in 0..g {
+                    let n = self.batches[mb].tokens * h;
                     let dst = b.view_mut(&mut self.work[0][mb], 0..n);
-                    b.upload_on(&self.h2d, dst, &self.ckpt_host[l][mb], 0)?;
-                    b.record(&self.events.checkpoints_moved, &self.h2d)?;
-                    b.wait(&self.compute, &self.events.checkpoints_moved)?;
+                    // SAFETY: the checkpoint slab lives as long as the streamer and is written
+                    // again only by the next forward's copies out, which d2h queues after
+                    // compute has consumed this upload.
+                    unsafe { b.upload_on(&self.h2d, dst, &self.ckpt_host[l][mb], 0)? };
                     self.traffic.h2d_bytes += (n * b.elem_bytes(FloatKind::Activation)) as u64;
                 }
+                b.record(&self.events.checkpoints_moved, &self.h2d)?;
+                b.wait(&self.compute, &self.events.checkpoints_moved)?;
+            }
+            for mb in 0..g {
+                let batch = &self.batches[mb];
                 let x_in = if host { &self.work[0][mb] } else { &self.ckpt_device[l][mb] };
                 let w = &self.slots[slot];
                 self.decoder.layer_forward(
@@ -707,7 +844,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 self.decoder.layer_backward(
                     b,
                     dx_in,
-                    &mut self.grad_acc,
+                    self.grads.acc(l + 1),
                     dx_out,
                     x_in,
                     w,
@@ -719,39 +856,30 @@ impl<'b, B: Backend> Streamer<'b, B> {
             cur = 1 - cur;
             self.release_slot(slot)?;
             self.span(l + 1, "compute", started);
-            self.land_grads(l + 1)?;
-            if submit_early {
-                self.worker.submit(AdamJob { unit: l + 1, step: next_step, lr, coef: 1.0 })?;
+            if l > 0 {
+                self.prefetch(l)?;
             }
+            self.grads_done(l + 1, early)?;
         }
 
         // The embedding's gradient: a tied head's contribution first, then the scatter.
         let started = Instant::now();
-        match &self.tied_grad {
-            Some(tied) => {
-                let n = b.len(tied);
-                b.copy(b.view_mut(&mut self.grad_acc, 0..n), b.view(tied, 0..n))?;
-            }
-            None => self.zero_grad_acc()?,
+        self.grads.begin(b, &self.worker, 0)?;
+        if let Some(tied) = &self.tied_grad {
+            let n = b.len(tied);
+            b.copy(b.view_mut(self.grads.acc(0), 0..n), b.view(tied, 0..n))?;
         }
         for mb in 0..g {
             self.decoder.embed_backward(
                 b,
-                &mut self.grad_acc,
+                self.grads.acc(0),
                 &self.dx[cur][mb],
                 &self.batches[mb],
             )?;
         }
         self.span(0, "compute", started);
-        self.land_grads(0)?;
-        if submit_early {
-            self.worker.submit(AdamJob { unit: 0, step: next_step, lr, coef: 1.0 })?;
-            if self.tied_grad.is_some() {
-                let unit = self.layout.head_unit();
-                self.worker.submit(AdamJob { unit, step: next_step, lr, coef: 1.0 })?;
-            }
-        }
-        Ok(())
+        self.grads_done(0, early)?;
+        self.grads.flush(b, &self.worker)
     }
 
     /// This step's spans plus the optimizer's updates that finished during it, in start order.
@@ -789,11 +917,31 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.store.set_applied(step)
     }
 
+    /// Lands every gradient still waiting on the device and waits for every submitted update.
+    fn settle(&mut self) -> Result<()> {
+        if self.grads.has_waiting() {
+            let started = Instant::now();
+            let landed = self.grads.pump(
+                self.b,
+                &self.store,
+                &self.worker,
+                &self.compute,
+                &self.d2h,
+                None,
+            )?;
+            self.note_landed(&landed, started);
+        }
+        for u in 0..self.store.units() {
+            self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
+        }
+        Ok(())
+    }
+
     /// Waits for every submitted update and returns the Adam moments per unit, `(m, v)`.
     pub fn moments(&mut self) -> Result<Moments> {
+        self.settle()?;
         let (mut m, mut v) = (Vec::new(), Vec::new());
         for u in 0..self.store.units() {
-            self.store.wait_applied(u, self.step)?;
             let unit = self.store.lock(u)?;
             m.push(unit.m.clone());
             v.push(unit.v.clone());
@@ -803,10 +951,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
     /// Waits for every submitted update and returns the master weights.
     pub fn params(&mut self) -> Result<HostParams> {
-        for u in 0..self.store.units() {
-            self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
-        }
+        self.settle()?;
         self.store.snapshot(self.layout.clone())
+    }
+
+    /// This step's per-unit gradient norms (before clipping), in unit order.
+    pub fn grad_norms(&self) -> Vec<f64> {
+        self.grads.sumsq.iter().map(|s| s.sqrt()).collect()
     }
 
     /// Stops the optimizer worker, surfacing any error it hit.
@@ -814,5 +965,21 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let params = self.params()?;
         self.worker.finish()?;
         Ok(params)
+    }
+
+    /// Waits for every transfer queued on the schedule's streams.
+    fn drain(&self) -> Result<()> {
+        for stream in [&self.h2d, &self.d2h, &self.compute] {
+            self.b.record(&self.events.activations_ready, stream)?;
+            self.b.synchronize(&self.events.activations_ready)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for Streamer<'_, B> {
+    fn drop(&mut self) {
+        // Copies in flight read or write host slabs and device buffers about to be freed.
+        let _ = self.drain();
     }
 }

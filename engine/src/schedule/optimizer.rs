@@ -14,6 +14,15 @@ use crate::model::ModelLayout;
 use crate::optim::{AdamPool, AdamW, FusedStep, adamw_fused, adamw_step, scale};
 use crate::store::{HostStore, refresh_stream};
 
+/// Where an update finds its unit's gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradAt {
+    /// The unit's own slab in the host gradient store.
+    Unit,
+    /// A slot of the gradient ring, freed once the update is done.
+    Ring(usize),
+}
+
 /// One unit's update.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamJob {
@@ -23,6 +32,7 @@ pub struct AdamJob {
     pub lr: f32,
     /// Clip coefficient applied to the gradients first (1.0: none).
     pub coef: f32,
+    pub grad: GradAt,
 }
 
 pub struct OptimizerWorker {
@@ -53,6 +63,9 @@ impl OptimizerWorker {
                 for job in rx {
                     let start = Instant::now();
                     let result = update(&pool, &store, &layout, &hyper, job);
+                    if let GradAt::Ring(slot) = job.grad {
+                        store.ring().release(slot)?;
+                    }
                     if let Ok(mut b) = busy_in.lock() {
                         *b += start.elapsed();
                     }
@@ -63,6 +76,7 @@ impl OptimizerWorker {
                         // Release every waiter so the schedule sees the failure instead of
                         // blocking; the error comes back through `finish`.
                         let _ = store.set_applied(u64::MAX);
+                        let _ = store.ring().release_all();
                         return Err(e);
                     }
                     store.mark_applied(job.unit, job.step)?;
@@ -119,6 +133,17 @@ fn update(
     let dtype = store.weight_dtype();
     let mut guard = store.lock(job.unit)?;
     let state = &mut *guard;
+    let mut ring_slot = match job.grad {
+        GradAt::Unit => None,
+        GradAt::Ring(slot) => Some(store.ring().lock(slot)?),
+    };
+    let n = state.master.len();
+    let grad: &mut [f32] = match ring_slot.as_deref_mut() {
+        Some(slab) => slab.as_f32_mut().get_mut(..n).ok_or_else(|| {
+            Error::invalid(format!("unit {} does not fit a gradient ring slot", job.unit))
+        })?,
+        None => state.grad.as_f32_mut(),
+    };
     let unit = layout
         .units
         .get(job.unit)
@@ -135,31 +160,33 @@ fn update(
             v: &mut state.v,
             bf16: state.stream.as_u16_mut(),
         };
-        return adamw_fused(pool, fused, state.grad.as_f32(), &args);
+        return adamw_fused(pool, fused, grad, &args);
     }
-    pool.install(|| unfused(state, unit, &hp, job))?;
+    let moments = (&mut state.m[..], &mut state.v[..]);
+    pool.install(|| unfused(&mut state.master, moments, grad, unit, &hp, job))?;
     refresh_stream(state, dtype);
     Ok(())
 }
 
 /// The per-tensor update of the f32 path, with the clip applied in its own pass first.
 fn unfused(
-    state: &mut crate::store::UnitState,
+    master: &mut [f32],
+    (m, v): (&mut [f32], &mut [f32]),
+    grad: &mut [f32],
     unit: &crate::model::UnitLayout,
     hp: &AdamW,
     job: AdamJob,
 ) -> Result<()> {
-    let grad = state.grad.as_f32_mut();
     if job.coef < 1.0 {
         scale(grad, job.coef);
     }
     for t in &unit.tensors {
         let r = t.range.clone();
         adamw_step(
-            &mut state.master[r.clone()],
+            &mut master[r.clone()],
             &grad[r.clone()],
-            &mut state.m[r.clone()],
-            &mut state.v[r],
+            &mut m[r.clone()],
+            &mut v[r],
             job.step,
             job.lr,
             hp,

@@ -1,16 +1,20 @@
 //! The host store: the authoritative home of every byte of training state. Per unit: f32 master
 //! weights, f32 Adam moments m and v, the streaming copy of the weights in the backend's weight
 //! dtype (a 4 KiB-aligned slab the backend page-locks, so a unit crosses PCIe in one burst), and
-//! the f32 slab its gradients land in from the device.
+//! where gradients land from the device: either an f32 slab per unit (the host gradient store,
+//! when gradients must wait for the global norm and the device has no room for them) or a small
+//! [`GradRing`] the optimizer worker consumes.
 //!
 //! Each unit sits behind its own mutex: the schedule writes gradients into a unit and reads its
 //! streaming copy, the optimizer worker updates it; `applied` counts the optimizer steps a unit
 //! has had, so the schedule waits for exactly the update it needs and no more.
 
+mod ring;
 mod slab;
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+pub use ring::GradRing;
 pub use slab::{HostSlab, PinGuard, SLAB_ALIGN};
 
 use crate::backend::WeightDtype;
@@ -24,10 +28,18 @@ pub struct UnitState {
     pub v: Vec<f32>,
     /// The weights as the device consumes them (f32 or bf16), refreshed after every update.
     pub stream: HostSlab,
-    /// f32 gradients landed from the device, waiting for the optimizer.
+    /// f32 gradients landed from the device, waiting for the optimizer (host gradient store
+    /// only; empty when gradients land in the ring).
     pub grad: HostSlab,
-    /// Sum of squares of `grad`, for the global norm.
-    pub grad_sumsq: f64,
+}
+
+/// Where a unit's gradients land on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradLanding {
+    /// An f32 slab per unit: every unit's gradients can wait at once.
+    PerUnit,
+    /// A ring of this many slabs, each as large as the largest unit.
+    Ring(usize),
 }
 
 /// Bytes held by the host store, by part.
@@ -36,6 +48,7 @@ pub struct StoreBytes {
     pub master: usize,
     pub moments: usize,
     pub streaming: usize,
+    /// The per-unit gradient store or the ring.
     pub grads: usize,
 }
 
@@ -47,6 +60,8 @@ impl StoreBytes {
 
 pub struct HostStore {
     units: Vec<Mutex<UnitState>>,
+    /// Empty with per-unit landing.
+    ring: GradRing,
     /// Optimizer steps applied to each unit.
     applied: Mutex<Vec<u64>>,
     changed: Condvar,
@@ -60,24 +75,45 @@ fn poisoned() -> Error {
 
 impl HostStore {
     /// Takes ownership of the master weights; moments start at zero.
-    pub fn new(params: HostParams, weight_dtype: WeightDtype) -> Result<HostStore> {
+    pub fn new(
+        params: HostParams,
+        weight_dtype: WeightDtype,
+        landing: GradLanding,
+    ) -> Result<HostStore> {
         let n_params = params.layout.params();
+        let largest = params.units.iter().map(Vec::len).max().unwrap_or(0);
         let mut units = Vec::with_capacity(params.units.len());
         for master in params.units {
             let n = master.len();
+            let grad = if landing == GradLanding::PerUnit { n * 4 } else { 0 };
             let mut state = UnitState {
                 m: vec![0.0; n],
                 v: vec![0.0; n],
                 stream: HostSlab::zeroed(n * weight_dtype.bytes())?,
-                grad: HostSlab::zeroed(n * 4)?,
-                grad_sumsq: 0.0,
+                grad: HostSlab::zeroed(grad)?,
                 master,
             };
             refresh_stream(&mut state, weight_dtype);
             units.push(Mutex::new(state));
         }
+        let ring = match landing {
+            GradLanding::PerUnit => GradRing::new(0, 0)?,
+            GradLanding::Ring(slots) => GradRing::new(slots, largest * 4)?,
+        };
         let applied = Mutex::new(vec![0; units.len()]);
-        Ok(HostStore { units, applied, changed: Condvar::new(), weight_dtype, params: n_params })
+        Ok(HostStore {
+            units,
+            ring,
+            applied,
+            changed: Condvar::new(),
+            weight_dtype,
+            params: n_params,
+        })
+    }
+
+    /// The gradient landing ring (empty with per-unit landing).
+    pub fn ring(&self) -> &GradRing {
+        &self.ring
     }
 
     pub fn units(&self) -> usize {
@@ -125,17 +161,22 @@ impl HostStore {
         Ok(())
     }
 
-    /// Bytes per part; with f32 streaming (the CPU) that is 20 bytes per parameter slot, with
-    /// bf16 streaming (GPUs) 18, of which 14 are the master, moments and streaming copy and 4
-    /// the gradient landing store.
+    /// Bytes per part: 12 per parameter slot for the master and moments, 2 (bf16, GPUs) or 4
+    /// (f32, the CPU) for the streaming copy, plus the gradient landing area: 4 per slot for a
+    /// per-unit store, or the ring's slabs.
     pub fn bytes(&self) -> StoreBytes {
-        let slots: usize =
-            self.units.iter().map(|u| u.lock().map(|u| u.master.len()).unwrap_or(0)).sum();
+        let (mut slots, mut grads) = (0, self.ring.bytes());
+        for u in &self.units {
+            if let Ok(u) = u.lock() {
+                slots += u.master.len();
+                grads += u.grad.bytes();
+            }
+        }
         StoreBytes {
             master: slots * 4,
             moments: slots * 8,
             streaming: slots * self.weight_dtype.bytes(),
-            grads: slots * 4,
+            grads,
         }
     }
 

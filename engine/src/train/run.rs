@@ -267,6 +267,7 @@ pub fn run<B: Backend>(
         checkpoints: options.checkpoints,
         optimizer_threads: 0,
         resident: Vec::new(),
+        gradients: ScheduleOptions::host_gradients(config.max_grad_norm.is_some()),
     };
     let params = match &state {
         Some(s) => s.master.clone(),

@@ -8,8 +8,9 @@ use rayon::prelude::*;
 use super::check;
 use crate::error::Result;
 
-/// Elements per partial sum: large enough to amortise a task, small enough to spread over cores.
-const SUM_CHUNK: usize = 1 << 14;
+/// Elements per partial sum: large enough to amortise a task, small enough to spread over cores;
+/// the same as `optim::sum_of_squares`, so a norm summed here equals the reference loop's bits.
+const SUM_CHUNK: usize = 1 << 16;
 
 /// Rows per partial sum of a column reduction (bias and norm-weight gradients).
 pub(crate) const ROWS_PER_PARTIAL: usize = 64;

@@ -94,9 +94,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn set_compute_stream(&self, _stream: &()) -> Result<()> {
-        Ok(())
-    }
+    fn compute_stream(&self) {}
 
     fn record(&self, _event: &(), _stream: &()) -> Result<()> {
         Ok(())
@@ -110,7 +108,8 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn upload_on(
+    // Copies run before the call returns, so the caller's obligations end with the call.
+    unsafe fn upload_on(
         &self,
         _stream: &(),
         dst: &mut [f32],
@@ -122,7 +121,7 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn download_on(
+    unsafe fn download_on(
         &self,
         _stream: &(),
         dst: &mut HostSlab,

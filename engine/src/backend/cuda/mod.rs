@@ -7,9 +7,10 @@
 //! for the device's own architecture at start and cached on disk (`compile`); GEMMs go through
 //! cuBLASLt (`blas`).
 //!
-//! Streams: `h2d`, `compute` and `d2h` are created at start for the schedule, which orders them
-//! with its own events (cudarc's per-buffer event tracking is off). Every op here runs on
-//! `compute`; `upload` and `download` are synchronous. Ops that need scratch take it from the
+//! Streams: every op here runs on the backend's `compute` stream; the schedule creates its own
+//! transfer streams and events and orders them against `compute` (cudarc's per-buffer event
+//! tracking is off). `upload_on`/`download_on` are asynchronous on the stream they are given;
+//! `upload` and `download` are synchronous. Ops that need scratch take it from the
 //! stream-ordered memory pool, whose release threshold is raised so that costs no system call.
 //!
 //! Determinism: every reduction runs in a fixed order (no float atomics), and cuBLASLt uses one
@@ -129,12 +130,8 @@ impl<'a> ViewMut<'a> {
 /// An NVIDIA GPU.
 pub struct Cuda {
     ctx: Arc<CudaContext>,
-    /// Host-to-device copies (the schedule's weight prefetches).
-    pub h2d: Arc<CudaStream>,
     /// Every op of this backend.
     pub compute: Arc<CudaStream>,
-    /// Device-to-host copies (gradients).
-    pub d2h: Arc<CudaStream>,
     kernels: Kernels,
     lt: blas::Lt,
     name: String,
@@ -172,12 +169,7 @@ impl Cuda {
             )));
         }
         device::raise_pool_threshold(&ctx)?;
-        let new_stream = |what: &str| drv(what, ctx.new_stream());
-        let (h2d, compute, d2h) = (
-            new_stream("creating the h2d stream")?,
-            new_stream("creating the compute stream")?,
-            new_stream("creating the d2h stream")?,
-        );
+        let compute = drv("creating the compute stream", ctx.new_stream())?;
         let arch = format!("sm_{major}{minor}");
         let kernels = Kernels::load(&ctx, &arch, device::driver_version()?)?;
         let lt = blas::Lt::new(compute.clone())?;
@@ -186,9 +178,7 @@ impl Cuda {
             name: format!("cuda:{ordinal} {gpu}"),
             arch,
             ctx,
-            h2d,
             compute,
-            d2h,
             kernels,
             lt,
             staging,
@@ -269,8 +259,8 @@ impl Backend for Cuda {
     type View<'a> = View<'a>;
     // One stream and no device-side events yet: transfers complete before they return (see
     // `transfer`), so the schedule's ordering holds trivially.
-    type Stream = ();
-    type Event = ();
+    type Stream = Arc<CudaStream>;
+    type Event = transfer::Event;
     type ViewMut<'a> = ViewMut<'a>;
 
     fn weight_dtype(&self) -> WeightDtype {
@@ -281,48 +271,51 @@ impl Backend for Cuda {
         self.pin_slab(slab)
     }
 
-    fn new_stream(&self) -> Result<()> {
-        Ok(())
+    fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        drv("creating a stream", self.ctx.new_stream())
     }
 
-    fn new_event(&self) -> Result<()> {
-        Ok(())
+    fn new_event(&self) -> Result<transfer::Event> {
+        transfer::Event::new(&self.ctx)
     }
 
-    fn set_compute_stream(&self, _stream: &()) -> Result<()> {
-        Ok(())
+    fn compute_stream(&self) -> Arc<CudaStream> {
+        self.compute.clone()
     }
 
-    fn record(&self, _event: &(), _stream: &()) -> Result<()> {
-        Ok(())
+    fn record(&self, event: &transfer::Event, stream: &Arc<CudaStream>) -> Result<()> {
+        event.record(stream)
     }
 
-    fn wait(&self, _stream: &(), _event: &()) -> Result<()> {
-        Ok(())
+    fn wait(&self, stream: &Arc<CudaStream>, event: &transfer::Event) -> Result<()> {
+        event.wait_on(stream)
     }
 
-    fn synchronize(&self, _event: &()) -> Result<()> {
-        Ok(())
+    fn synchronize(&self, event: &transfer::Event) -> Result<()> {
+        event.synchronize()
     }
 
-    fn upload_on(
+    unsafe fn upload_on(
         &self,
-        _stream: &(),
+        stream: &Arc<CudaStream>,
         dst: ViewMut<'_>,
         src: &HostSlab,
         offset: usize,
     ) -> Result<()> {
-        self.upload_slab(dst, src, offset)
+        // SAFETY: the caller keeps `src` and `dst` alive and `src` unchanged until the copy
+        // has completed (this function's contract).
+        unsafe { self.upload_slab(stream, dst, src, offset) }
     }
 
-    fn download_on(
+    unsafe fn download_on(
         &self,
-        _stream: &(),
+        stream: &Arc<CudaStream>,
         dst: &mut HostSlab,
         offset: usize,
         src: View<'_>,
     ) -> Result<()> {
-        self.download_slab(dst, offset, src)
+        // SAFETY: as above, for the destination slab.
+        unsafe { self.download_slab(stream, dst, offset, src) }
     }
 
     fn name(&self) -> String {

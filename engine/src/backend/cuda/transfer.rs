@@ -1,13 +1,12 @@
-//! The schedule's transfer operations on the GPU: page-locking the host store's slabs and copies
-//! between slabs and device buffers in the buffers' own dtype.
-//!
-//! For now every transfer is queued on the compute stream and waited for before returning, so
-//! the schedule's streams and events need no device-side ordering yet: the three streams exist,
-//! but overlapping transfers with compute is the next step for this backend.
+//! The schedule's transfer operations on the GPU: page-locking the host store's slabs, events,
+//! and asynchronous copies between slabs and device buffers in the buffers' own dtype, queued on
+//! the stream the schedule names and ordered by its events.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
+use cudarc::driver::{CudaContext, CudaStream};
 
 use super::device::drv;
 use super::{Cuda, View, ViewMut, check};
@@ -27,6 +26,62 @@ impl Drop for Registered {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: `ptr` was registered by `pin` and is unregistered once, before it is freed.
         let _ = unsafe { cu::cuMemHostUnregister(self.ptr as *mut c_void) };
+    }
+}
+
+/// A CUDA event created with blocking sync (a host thread waiting on it sleeps rather than
+/// spinning on a core the optimizer's pool could use) and no timing (cheaper to record).
+pub struct Event {
+    raw: cu::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread once its context is bound, which
+// every method does first.
+unsafe impl Send for Event {}
+// SAFETY: as above; recording, waiting and synchronizing are thread-safe driver calls.
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Event> {
+        drv("binding the context", ctx.bind_to_thread())?;
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | cu::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        let mut raw = std::mem::MaybeUninit::uninit();
+        // SAFETY: `raw` is a valid out-pointer; the flags are documented `CUevent_flags` bits.
+        let raw = unsafe {
+            drv("creating an event", cu::cuEventCreate(raw.as_mut_ptr(), flags).result())?;
+            raw.assume_init()
+        };
+        Ok(Event { raw, ctx: ctx.clone() })
+    }
+
+    pub(super) fn record(&self, stream: &CudaStream) -> Result<()> {
+        drv("binding the context", self.ctx.bind_to_thread())?;
+        // SAFETY: both handles are live and belong to this context.
+        drv("recording an event", unsafe { cu::cuEventRecord(self.raw, stream.cu_stream()).result() })
+    }
+
+    pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        drv("binding the context", self.ctx.bind_to_thread())?;
+        // SAFETY: both handles are live and belong to this context; flags 0 is the default.
+        drv("waiting for an event", unsafe {
+            cu::cuStreamWaitEvent(stream.cu_stream(), self.raw, 0).result()
+        })
+    }
+
+    pub(super) fn synchronize(&self) -> Result<()> {
+        drv("binding the context", self.ctx.bind_to_thread())?;
+        // SAFETY: the event is live.
+        drv("synchronizing with an event", unsafe { cu::cuEventSynchronize(self.raw).result() })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the event is destroyed once; the driver defers it if work is still pending.
+        let _ = unsafe { cu::cuEventDestroy_v2(self.raw) };
     }
 }
 
@@ -58,8 +113,11 @@ impl Cuda {
         }
     }
 
-    pub(super) fn upload_slab(
+    /// # Safety
+    /// As [`crate::backend::Backend::upload_on`]: the copy runs after this returns.
+    pub(super) unsafe fn upload_slab(
         &self,
+        stream: &CudaStream,
         dst: ViewMut<'_>,
         src: &HostSlab,
         offset: usize,
@@ -72,16 +130,18 @@ impl Cuda {
         self.bind()?;
         let ptr = self.ptr_mut(&dst);
         let host = &src.as_bytes()[offset..offset + bytes];
-        // SAFETY: `ptr` addresses exactly `bytes` bytes of the destination view; `host` stays
-        // borrowed until the copy has finished (we synchronize below).
+        // SAFETY: `ptr` addresses exactly `bytes` bytes of the destination view; the caller
+        // keeps `host` unchanged and both ends allocated until the copy has completed.
         drv("upload_on", unsafe {
-            cudarc::driver::result::memcpy_htod_async(ptr, host, self.compute.cu_stream())
-        })?;
-        self.synchronize()
+            cudarc::driver::result::memcpy_htod_async(ptr, host, stream.cu_stream())
+        })
     }
 
-    pub(super) fn download_slab(
+    /// # Safety
+    /// As [`crate::backend::Backend::download_on`]: the copy runs after this returns.
+    pub(super) unsafe fn download_slab(
         &self,
+        stream: &CudaStream,
         dst: &mut HostSlab,
         offset: usize,
         src: View<'_>,
@@ -94,11 +154,10 @@ impl Cuda {
         self.bind()?;
         let ptr = self.ptr(&src);
         let host = &mut dst.as_bytes_mut()[offset..offset + bytes];
-        // SAFETY: `ptr` addresses exactly `bytes` bytes of the source view; `host` stays
-        // borrowed until the copy has finished (we synchronize below).
+        // SAFETY: `ptr` addresses exactly `bytes` bytes of the source view; the caller keeps
+        // `host` allocated and untouched, and the source alive, until the copy has completed.
         drv("download_on", unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(host, ptr, self.compute.cu_stream())
-        })?;
-        self.synchronize()
+            cudarc::driver::result::memcpy_dtoh_async(host, ptr, stream.cu_stream())
+        })
     }
 }

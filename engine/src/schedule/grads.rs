@@ -1,0 +1,279 @@
+//! Weight gradients between the device and the optimizer, in the three tiers the planner
+//! chooses from (see [`GradientTier`]):
+//!
+//! - **device store**: one f32 accumulator per unit; gradients wait on the device until the
+//!   global norm is known, then land unit by unit, in forward order, in the host ring while the
+//!   next step's forward runs ([`Grads::pump`]);
+//! - **host store**: two accumulators used in turn; each unit's gradients ship to its own host
+//!   slab as soon as they are complete, overlapping the next unit's backward;
+//! - **host ring** (clipping off): the same two accumulators, landing in the two-slot ring and
+//!   handed to the optimizer at once.
+//!
+//! A *lane* is one of two landing paths, each with its own event and at most one copy in
+//! flight: with two accumulators lane `i` copies accumulator `i`, and a ring landing uses ring
+//! slot `i`. Finishing a lane waits for its copy and hands the unit's update to the optimizer.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::{AdamJob, GradAt, OptimizerWorker};
+use crate::backend::{Backend, FloatKind};
+use crate::error::{Error, Result};
+use crate::plan::GradientTier;
+use crate::store::HostStore;
+
+/// A copy in flight on a lane: the unit, and the update to submit once it has landed (none when
+/// the update waits for the global norm).
+#[derive(Debug, Clone, Copy)]
+struct Landing {
+    unit: usize,
+    job: Option<AdamJob>,
+}
+
+/// What [`Grads::end`] and [`Grads::pump`] report back to the schedule.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Landed {
+    pub bytes: u64,
+    /// Units whose gradients were shipped.
+    pub units: Vec<usize>,
+    /// Time the schedule waited for the optimizer to free a ring slot.
+    pub waited: Duration,
+}
+
+pub(super) struct Grads<B: Backend> {
+    pub tier: GradientTier,
+    /// Device store: one accumulator per unit. Otherwise: two, used in turn.
+    acc: Vec<B::Floats>,
+    lens: Vec<usize>,
+    /// The accumulator the current unit uses (two-accumulator tiers).
+    current: usize,
+    next_lane: usize,
+    in_flight: [Option<Landing>; 2],
+    /// Compute has finished a unit's gradients: the copy may start.
+    ready: B::Event,
+    /// A lane's copy has finished: its destination may be read, its source reused.
+    landed: [B::Event; 2],
+    /// Per unit, this step's sum of squared gradients.
+    pub sumsq: Vec<f64>,
+    /// Device store: updates whose gradients still wait on the device, in forward order.
+    waiting: VecDeque<AdamJob>,
+}
+
+impl<B: Backend> Grads<B> {
+    /// Allocates the accumulators for `tier`; returns them with their device bytes.
+    pub fn new(b: &B, tier: GradientTier, lens: Vec<usize>) -> Result<(Grads<B>, usize)> {
+        let largest = lens.iter().copied().max().unwrap_or(0);
+        let sizes: Vec<usize> = match tier {
+            GradientTier::DeviceStore => lens.clone(),
+            GradientTier::HostStore | GradientTier::HostRing => vec![largest; 2],
+        };
+        let acc = sizes.iter().map(|&n| b.alloc(n, FloatKind::Accum)).collect::<Result<_>>()?;
+        let bytes = sizes.iter().sum::<usize>() * b.elem_bytes(FloatKind::Accum);
+        let units = lens.len();
+        let grads = Grads {
+            tier,
+            acc,
+            lens,
+            current: 0,
+            next_lane: 0,
+            in_flight: [None, None],
+            ready: b.new_event()?,
+            landed: [b.new_event()?, b.new_event()?],
+            sumsq: vec![0.0; units],
+            waiting: VecDeque::new(),
+        };
+        Ok((grads, bytes))
+    }
+
+    fn per_unit(&self) -> bool {
+        self.tier == GradientTier::DeviceStore
+    }
+
+    /// The accumulator unit `u` computes into, after [`Grads::begin`].
+    pub fn acc(&mut self, u: usize) -> &mut B::Floats {
+        let i = if self.per_unit() { u } else { self.current };
+        &mut self.acc[i]
+    }
+
+    /// Prepares unit `u`'s accumulator: zeroed, and (two accumulators) no longer being copied.
+    pub fn begin(&mut self, b: &B, worker: &OptimizerWorker, u: usize) -> Result<()> {
+        if self.per_unit() {
+            self.check_drained()?;
+        } else {
+            let lane = self.take_lane();
+            self.finish(b, worker, lane)?;
+            self.current = lane;
+        }
+        let acc = self.acc(u);
+        let n = b.len(acc);
+        b.fill_zero(b.view_mut(acc, 0..n))
+    }
+
+    fn take_lane(&mut self) -> usize {
+        let lane = self.next_lane;
+        self.next_lane = 1 - lane;
+        lane
+    }
+
+    /// Unit `u`'s gradients are complete (queued on `compute`): records their sum of squares
+    /// and, in the host tiers, ships them: to the unit's own slab, or to a ring slot with the
+    /// update `job` that consumes them. The device store keeps them where they are.
+    #[allow(clippy::too_many_arguments)]
+    pub fn end(
+        &mut self,
+        b: &B,
+        store: &HostStore,
+        worker: &OptimizerWorker,
+        compute: &B::Stream,
+        d2h: &B::Stream,
+        u: usize,
+        job: Option<AdamJob>,
+    ) -> Result<Landed> {
+        let len = self.lens[u];
+        // Waits for the unit's backward: the schedule prefetched the next unit's weights before
+        // calling this, so the device keeps copying while the host waits.
+        self.sumsq[u] = b.sum_squares(b.view(self.acc(u), 0..len))?;
+        if self.per_unit() {
+            return Ok(Landed::default());
+        }
+        let lane = self.current;
+        let mut landed = Landed::default();
+        let dest = match self.tier {
+            GradientTier::HostRing => {
+                landed.waited = store.ring().acquire(lane)?;
+                GradAt::Ring(lane)
+            }
+            _ => GradAt::Unit,
+        };
+        landed.bytes = self.ship(b, store, compute, d2h, lane, self.current, u, dest)?;
+        landed.units.push(u);
+        let job = job.map(|j| AdamJob { grad: dest, ..j });
+        self.in_flight[lane] = Some(Landing { unit: u, job });
+        // The previous unit's copy has had a whole backward to finish: hand it over now rather
+        // than one unit later.
+        self.finish(b, worker, 1 - lane)?;
+        Ok(landed)
+    }
+
+    /// Queues the copy of accumulator `acc` (unit `u`'s gradients) to `dest` on `d2h` after
+    /// the compute that produced them; returns the bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn ship(
+        &self,
+        b: &B,
+        store: &HostStore,
+        compute: &B::Stream,
+        d2h: &B::Stream,
+        lane: usize,
+        acc: usize,
+        u: usize,
+        dest: GradAt,
+    ) -> Result<u64> {
+        let len = self.lens[u];
+        b.record(&self.ready, compute)?;
+        b.wait(d2h, &self.ready)?;
+        let src = b.view(&self.acc[acc], 0..len);
+        match dest {
+            GradAt::Unit => {
+                let mut unit = store.lock(u)?;
+                // SAFETY: the slab lives in the store for the whole run and nothing reads it
+                // before `finish` has synchronized `landed[lane]`; the accumulator is reused
+                // only after that too (`begin`), and the schedule drains every stream before
+                // dropping either.
+                unsafe { b.download_on(d2h, &mut unit.grad, 0, src)? };
+            }
+            GradAt::Ring(slot) => {
+                let mut slab = store.ring().lock(slot)?;
+                // SAFETY: as above; the ring slot is taken (`acquire`) and stays so until the
+                // optimizer, which gets it only after `finish`, releases it.
+                unsafe { b.download_on(d2h, &mut slab, 0, src)? };
+            }
+        }
+        b.record(&self.landed[lane], d2h)?;
+        Ok((len * 4) as u64)
+    }
+
+    /// Waits for `lane`'s copy, if any, and submits the update waiting on it.
+    fn finish(&mut self, b: &B, worker: &OptimizerWorker, lane: usize) -> Result<()> {
+        if let Some(landing) = self.in_flight[lane].take() {
+            b.synchronize(&self.landed[lane])?;
+            if let Some(job) = landing.job {
+                worker.submit(job)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every copy in flight and submits their updates.
+    pub fn flush(&mut self, b: &B, worker: &OptimizerWorker) -> Result<()> {
+        self.finish(b, worker, 0)?;
+        self.finish(b, worker, 1)
+    }
+
+    /// Device store: queues every unit's update (forward order) for [`Grads::pump`].
+    pub fn defer(&mut self, jobs: impl IntoIterator<Item = AdamJob>) {
+        self.waiting.extend(jobs);
+    }
+
+    /// Device store: lands waiting gradients in the ring, in forward order, until unit `upto`
+    /// and the one after it are in flight (all of them with `None`), and submits the update of
+    /// every unit up to `upto`. Unit `upto`'s update is then queued, so the caller may wait for
+    /// it; the next unit's copy overlaps that update.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pump(
+        &mut self,
+        b: &B,
+        store: &HostStore,
+        worker: &OptimizerWorker,
+        compute: &B::Stream,
+        d2h: &B::Stream,
+        upto: Option<usize>,
+    ) -> Result<Landed> {
+        let mut landed = Landed::default();
+        let bound = upto.unwrap_or(usize::MAX);
+        while let Some(job) = self.waiting.front().copied() {
+            if job.unit > bound.saturating_add(1) {
+                break;
+            }
+            self.waiting.pop_front();
+            let lane = self.take_lane();
+            // Submits the update that used this lane's ring slot, so acquiring it cannot wait
+            // on an update nobody has queued.
+            self.finish(b, worker, lane)?;
+            let started = Instant::now();
+            store.ring().acquire(lane)?;
+            landed.waited += started.elapsed();
+            let dest = GradAt::Ring(lane);
+            landed.bytes += self.ship(b, store, compute, d2h, lane, job.unit, job.unit, dest)?;
+            landed.units.push(job.unit);
+            let job = AdamJob { grad: dest, ..job };
+            self.in_flight[lane] = Some(Landing { unit: job.unit, job: Some(job) });
+        }
+        // Hand over every landed unit up to the bound, oldest lane first.
+        for lane in [self.next_lane, 1 - self.next_lane] {
+            if self.in_flight[lane].is_some_and(|l| l.unit <= bound) {
+                self.finish(b, worker, lane)?;
+            }
+        }
+        Ok(landed)
+    }
+
+    /// Whether updates still wait for their gradients to leave the device.
+    pub fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty() || self.in_flight.iter().any(Option::is_some)
+    }
+
+    /// Sum of every unit's squared gradients, in unit order (so it does not depend on when
+    /// each landed).
+    pub fn total_sumsq(&self) -> f64 {
+        self.sumsq.iter().sum()
+    }
+
+    /// The device buffers are about to be reused for a new backward: nothing may still wait.
+    pub fn check_drained(&self) -> Result<()> {
+        if self.has_waiting() {
+            return Err(Error::invalid("gradients of the previous step are still on the device"));
+        }
+        Ok(())
+    }
+}
