@@ -377,6 +377,7 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
         save_dtype: SaveDtype::Bf16,
         checkpoints: Tier::Device,
         eval_every: None,
+        eval_data: None,
     };
     let mut losses = Losses(Vec::new());
     let summary =

@@ -73,6 +73,58 @@ fn tiny_preset_learns_and_its_checkpoint_loads() {
     assert!(params.units.iter().flatten().all(|x| x.is_finite()));
 }
 
+#[test]
+fn a_held_out_dataset_is_evaluated_before_and_after_training() {
+    let dir = tempfile::tempdir().unwrap();
+    // The demo data's last 60 records as the held-out set (the run trains on all of it, so the
+    // held-out loss must fall too).
+    let text = std::fs::read_to_string(demo_data()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let held_out = dir.path().join("held-out.jsonl");
+    std::fs::write(&held_out, lines[lines.len() - 60..].join("\n")).unwrap();
+    let out = dir.path().join("run");
+    let (code, stdout, stderr) = train(
+        &["--preset", "tiny", "--steps", "12", "--seq-len", "128", "--eval-every", "6"],
+        &[
+            Path::new("--out"),
+            &out,
+            Path::new("--data"),
+            &demo_data(),
+            Path::new("--eval-data"),
+            &held_out,
+        ],
+    );
+    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let before: f64 = stdout
+        .lines()
+        .find_map(|l| l.split("held-out loss before training: ").nth(1)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no loss before training:\n{stdout}"));
+    let evals: Vec<f64> = stdout
+        .lines()
+        .filter_map(|l| l.split("eval loss ").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert_eq!(evals.len(), 2, "evaluated at steps 6 and 12:\n{stdout}");
+    // ln(2048) ≈ 7.6 for the random init; 12 steps take well over a nat off.
+    assert!((before - 2048f64.ln()).abs() < 0.5, "random init's loss is {before}");
+    assert!(evals[1] < before - 1.0, "held-out loss {before} -> {evals:?}");
+    // A held-out file with nothing to learn from is refused before training.
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let result = train(
+        &["--preset", "tiny", "--steps", "1", "--seq-len", "128"],
+        &[
+            Path::new("--out"),
+            &dir.path().join("bad"),
+            Path::new("--data"),
+            &demo_data(),
+            Path::new("--eval-data"),
+            &empty,
+        ],
+    );
+    assert_eq!(result.0, Some(1), "stderr:\n{}", result.2);
+    assert!(!dir.path().join("bad").join("final").exists(), "a refused run wrote a checkpoint");
+}
+
 /// A valid model folder to corrupt: the tiny preset after one step.
 fn model_folder(dir: &Path) -> PathBuf {
     train_tiny(dir, "1");

@@ -40,8 +40,8 @@ use crate::optim::{AdamW, clip_coef};
 pub use crate::plan::GradientTier;
 use crate::spec::ModelSpec;
 use crate::store::{GradLanding, HostSlab, HostStore};
-use grads::Grads;
 use crate::train::{Span, StepMetrics, TrainConfig};
+use grads::Grads;
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -441,15 +441,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             coef: 1.0,
             grad: GradAt::Unit,
         });
-        let landed = self.grads.end(
-            self.b,
-            &self.store,
-            &self.worker,
-            &self.compute,
-            &self.d2h,
-            u,
-            job,
-        )?;
+        let landed =
+            self.grads.end(self.b, &self.store, &self.worker, &self.compute, &self.d2h, u, job)?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -561,8 +554,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         if early.is_none() {
             // Forward order: the next step needs unit 0 first.
             let step = self.step;
-            let jobs = (0..self.store.units())
-                .map(move |unit| AdamJob { unit, step, lr, coef, grad: GradAt::Unit });
+            let jobs = (0..self.store.units()).map(move |unit| AdamJob {
+                unit,
+                step,
+                lr,
+                coef,
+                grad: GradAt::Unit,
+            });
             if self.grads.tier == GradientTier::DeviceStore {
                 // Gradients leave the device as the next forward asks for each unit; start
                 // with unit 0 (and 1) now so its update runs while this step returns.

@@ -72,6 +72,10 @@ pub struct RunOptions {
     /// loss every this many steps and after the last.
     #[serde(default)]
     pub eval_every: Option<u64>,
+    /// A separate held-out dataset to evaluate on instead of the training data's tail: its loss
+    /// is reported before the first step, every `eval_every` steps (if set) and after the last.
+    #[serde(default)]
+    pub eval_data: Option<DatasetSource>,
 }
 
 fn default_tier() -> Tier {
@@ -233,16 +237,27 @@ pub fn run<B: Backend>(
     let fingerprint = data_fingerprint(&batches);
     let mut batches = batches;
     let mut notices = Vec::new();
-    let eval: Vec<MicroBatch> = match options.eval_every {
-        Some(_) if batches.len() >= 2 => {
+    let eval: Vec<MicroBatch> = match (&options.eval_data, options.eval_every) {
+        (Some(source), _) => {
+            let eval_options = DataOptions { shuffle_seed: None, ..data_options };
+            let held_out = data::load(source, &model.tokenizer, &eval_options)?;
+            let eval = held_out.micro_batches(options.micro_batch)?;
+            if eval.iter().all(|mb| mb.trained_tokens() == 0) {
+                return Err(Error::invalid(
+                    "the evaluation dataset has no token that carries loss",
+                ));
+            }
+            eval
+        }
+        (None, Some(_)) if batches.len() >= 2 => {
             let held_out = (batches.len() / 20).max(1);
             batches.split_off(batches.len() - held_out)
         }
-        Some(_) => {
+        (None, Some(_)) => {
             notices.push("too little data to hold out an evaluation set: no eval loss".to_string());
             Vec::new()
         }
-        None => Vec::new(),
+        (None, None) => Vec::new(),
     };
     let per_step = options.grad_accum;
     let steps = options.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
@@ -297,6 +312,11 @@ pub fn run<B: Backend>(
         observer.event(&Event::Notice(notice));
     }
 
+    if !eval.is_empty() && streamer.step == 0 {
+        let loss = streamer.eval_loss(&eval)?;
+        observer.event(&Event::Notice(format!("held-out loss before training: {loss:.4}")));
+    }
+
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let save = |streamer: &mut Streamer<'_, B>, cursor: usize, dir: &Path| -> Result<()> {
         let params = streamer.params()?;
@@ -321,8 +341,9 @@ pub fn run<B: Backend>(
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
         let (mut metrics, _) = streamer.step(&step_batches)?;
-        let due = |every: u64| metrics.step % every == 0 || metrics.step == steps;
-        if !eval.is_empty() && options.eval_every.is_some_and(due) {
+        let due =
+            metrics.step == steps || options.eval_every.is_some_and(|n| metrics.step % n == 0);
+        if !eval.is_empty() && due {
             metrics.eval_loss = Some(streamer.eval_loss(&eval)?);
         }
         if first_loss.is_nan() {

@@ -23,7 +23,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
-        "save_every", "save_dtype", "checkpoints", "eval_every",
+        "save_every", "save_dtype", "checkpoints", "eval_every", "eval_data",
     ])]
     resume: Option<PathBuf>,
 
@@ -103,6 +103,11 @@ pub(crate) struct TrainArgs {
     /// Hold out the last twentieth of the data and report its loss every N steps.
     #[arg(long, value_name = "N")]
     eval_every: Option<u64>,
+
+    /// Evaluate on this held-out dataset (same formats as --data) instead of the data's tail:
+    /// its loss before the first step, every --eval-every steps and after the last.
+    #[arg(long, value_name = "FILE")]
+    eval_data: Option<PathBuf>,
 
     /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
     #[arg(long, default_value = "cpu")]
@@ -186,6 +191,7 @@ fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
         save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
         checkpoints: if args.checkpoints == "host" { Tier::Host } else { Tier::Device },
         eval_every: args.eval_every,
+        eval_data: args.eval_data.map(DatasetSource::File),
     })
 }
 

@@ -341,6 +341,7 @@ async fn prepare(state: &AppState, job: &JobRow) -> Result<Option<(RunOptions, u
         checkpoints: Tier::Device,
         // About ten evaluations over the job; the engine holds out the data for them.
         eval_every: Some(steps.map_or(10, |s| (s / 10).max(1))),
+        eval_data: None,
     };
     // Unknown until the first start has packed the data; then `steps` is exact.
     let planned = steps.unwrap_or(u64::MAX);

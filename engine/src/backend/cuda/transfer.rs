@@ -59,7 +59,9 @@ impl Event {
     pub(super) fn record(&self, stream: &CudaStream) -> Result<()> {
         drv("binding the context", self.ctx.bind_to_thread())?;
         // SAFETY: both handles are live and belong to this context.
-        drv("recording an event", unsafe { cu::cuEventRecord(self.raw, stream.cu_stream()).result() })
+        drv("recording an event", unsafe {
+            cu::cuEventRecord(self.raw, stream.cu_stream()).result()
+        })
     }
 
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<()> {
