@@ -11,7 +11,7 @@ mod slab;
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-pub use slab::{HostSlab, PinGuard, SLAB_ALIGN};
+pub use slab::{HUGE_PAGE, HostSlab, Pages, PinGuard, SLAB_ALIGN, zeroed_f32_vec};
 
 use crate::backend::WeightDtype;
 use crate::error::{Error, Result};
