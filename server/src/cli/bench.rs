@@ -2,12 +2,14 @@
 //! math, in the same run, with the memory bandwidth it implies. The optimizer is memory-bound,
 //! so the bandwidth figure says how close to the machine's limit it runs.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sluice_engine::optim::{
     AdamPool, AdamW, FusedStep, UnitState, adamw_fused, adamw_fused_scalar, fused_isa,
 };
+use sluice_engine::store::{HostSlab, Pages, zeroed_f32_vec};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct BenchArgs {
@@ -35,10 +37,28 @@ struct AdamArgs {
     /// Timed iterations of the fused update (the scalar loop runs a third as many, at least 1).
     #[arg(long, default_value_t = 10)]
     iters: usize,
+
+    /// Pages for the state: `huge` (transparent huge pages, as the store allocates) or `small`
+    /// (4 KiB pages only), to measure what huge pages are worth.
+    #[arg(long, default_value = "huge", value_parser = parse_pages)]
+    pages: Pages,
+
+    /// Skip the single-threaded scalar baseline (several seconds at 1e9 parameters).
+    #[arg(long)]
+    no_scalar: bool,
+}
+
+fn parse_pages(s: &str) -> Result<Pages, String> {
+    match s {
+        "huge" => Ok(Pages::Huge),
+        "small" => Ok(Pages::Small),
+        _ => Err(format!("expected huge or small, got {s:?}")),
+    }
 }
 
 /// Bytes moved per parameter by one update: grad, m, v, master read (4 each); m, v, master
-/// written (4 each) and the bf16 copy written (2).
+/// written (4 each) and the bf16 copy written (2, with streaming stores that skip reading the
+/// line first; the compiler-vectorised body off AVX-512 reads it too, 32 bytes in all).
 const BYTES_PER_PARAM: f64 = 4.0 * 4.0 + 3.0 * 4.0 + 2.0;
 
 pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -47,28 +67,64 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 }
 
+/// Writes `f(i)` into every element, each thread of `pool` taking one contiguous range, so the
+/// pages are first touched by the threads that will update them (on one NUMA node this only
+/// spreads the page-fault work; on several it also places each page near its thread).
+fn fill<T: Send>(pool: &AdamPool, x: &mut [T], f: impl Fn(usize) -> T + Sync) {
+    let per = x.len().div_ceil(pool.threads()).max(1);
+    let parts: Vec<_> = x.chunks_mut(per).map(|c| Mutex::new(Some(c))).collect();
+    pool.broadcast(|i| {
+        let Some(part) = parts.get(i).and_then(|p| p.lock().ok().and_then(|mut p| p.take())) else {
+            return;
+        };
+        for (j, x) in part.iter_mut().enumerate() {
+            *x = f(i * per + j);
+        }
+    });
+}
+
+/// Anonymous memory of this process on huge pages, in bytes, where the kernel says.
+fn huge_page_bytes() -> Option<u64> {
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 fn adam(args: AdamArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.params > 0, "--params must be at least 1");
     anyhow::ensure!(args.iters > 0, "--iters must be at least 1");
+    anyhow::ensure!(args.params.checked_mul(18).is_some(), "--params {} is too large", args.params);
     let pool = AdamPool::new(args.threads).context("starting the optimizer pool")?;
     let n = args.params;
+    let state_gb = n as f64 * 18.0 / 1e9;
     println!(
-        "AdamW on {n} parameters ({:.2} GB of state), {} threads, {} vector path",
-        n as f64 * 18.0 / 1e9,
+        "AdamW on {n} parameters ({state_gb:.2} GB of state), {} threads, {} vector path, {:?} pages",
         pool.threads(),
-        fused_isa()
+        fused_isa(),
+        args.pages
     );
 
-    // Values near what training sees; the first touch happens here, on the pool, so the pages
-    // are spread the way the update will use them.
-    let mut master = vec![0.0f32; n];
-    let mut m = vec![0.0f32; n];
-    let mut v = vec![0.0f32; n];
-    let mut bf16 = vec![0u16; n];
-    let grad: Vec<f32> = (0..n).map(|i| ((i % 1997) as f32 - 998.0) * 1e-5).collect();
-    for (i, p) in master.iter_mut().enumerate() {
-        *p = ((i % 4093) as f32 - 2046.0) * 1e-4;
-    }
+    // Allocated as the store allocates: master, m and v as vectors, the gradient and the bf16
+    // copy as slabs. Values near what training sees.
+    let t = Instant::now();
+    let mut master = zeroed_f32_vec(n, args.pages);
+    let mut m = zeroed_f32_vec(n, args.pages);
+    let mut v = zeroed_f32_vec(n, args.pages);
+    let mut grad = HostSlab::zeroed_on(n * 4, args.pages)?;
+    let mut bf16 = HostSlab::zeroed_on(n * 2, args.pages)?;
+    fill(&pool, &mut master, |i| ((i % 4093) as f32 - 2046.0) * 1e-4);
+    fill(&pool, grad.as_f32_mut(), |i| ((i % 1997) as f32 - 998.0) * 1e-5);
+    fill(&pool, &mut m, |_| 0.0);
+    fill(&pool, &mut v, |_| 0.0);
+    fill(&pool, bf16.as_u16_mut(), |_| 0);
+    let huge = huge_page_bytes()
+        .map_or("unknown".to_string(), |b| format!("{:.2} of {state_gb:.2} GB", b as f64 / 1e9));
+    println!(
+        "allocated and first touched in {:.2} s; on huge pages: {huge}",
+        t.elapsed().as_secs_f64()
+    );
+
     let hp = AdamW { lr: 1e-5, weight_decay: 0.01, ..AdamW::default() };
     let everything = 0..n;
     let decayed = std::slice::from_ref(&everything);
@@ -81,26 +137,20 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
     let mut time_fused = |iters: usize| -> anyhow::Result<Vec<Duration>> {
         (0..iters)
             .map(|_| {
-                let state =
-                    UnitState { master: &mut master, m: &mut m, v: &mut v, bf16: &mut bf16 };
+                let state = UnitState {
+                    master: &mut master,
+                    m: &mut m,
+                    v: &mut v,
+                    bf16: bf16.as_u16_mut(),
+                };
                 let t = Instant::now();
-                adamw_fused(&pool, state, &grad, &next())?;
+                adamw_fused(&pool, state, grad.as_f32(), &next())?;
                 Ok(t.elapsed())
             })
             .collect()
     };
-    time_fused(1)?; // warm-up: page faults and thread start-up are not the update's cost
+    time_fused(1)?; // warm-up: thread start-up is not the update's cost
     let fused = median(time_fused(args.iters)?);
-
-    let scalar_iters = (args.iters / 3).max(1);
-    let mut scalar = Vec::with_capacity(scalar_iters);
-    for _ in 0..scalar_iters {
-        let state = UnitState { master: &mut master, m: &mut m, v: &mut v, bf16: &mut bf16 };
-        let t = Instant::now();
-        adamw_fused_scalar(state, &grad, &next())?;
-        scalar.push(t.elapsed());
-    }
-    let scalar = median(scalar);
 
     let report = |name: &str, d: Duration| {
         let rate = n as f64 / d.as_secs_f64();
@@ -113,7 +163,24 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
         rate
     };
     let fast = report(&format!("fused, {} threads", pool.threads()), fused);
-    let slow = report("naive scalar, 1 thread", scalar);
+    if args.no_scalar {
+        println!(
+            "bandwidth counts {BYTES_PER_PARAM} bytes per parameter (median of {} runs)",
+            args.iters
+        );
+        return Ok(());
+    }
+
+    let scalar_iters = (args.iters / 3).max(1);
+    let mut scalar = Vec::with_capacity(scalar_iters);
+    for _ in 0..scalar_iters {
+        let state =
+            UnitState { master: &mut master, m: &mut m, v: &mut v, bf16: bf16.as_u16_mut() };
+        let t = Instant::now();
+        adamw_fused_scalar(state, grad.as_f32(), &next())?;
+        scalar.push(t.elapsed());
+    }
+    let slow = report("naive scalar, 1 thread", median(scalar));
     println!(
         "speed-up {:.1}x; bandwidth counts {BYTES_PER_PARAM} bytes per parameter (median of {} and {} runs)",
         fast / slow,
