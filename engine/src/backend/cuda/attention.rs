@@ -1,5 +1,9 @@
 //! Fused attention, forward and backward (`kernels/attention.cu`); the CPU twin with the
 //! derivation is `backend/cpu/attention.rs`. qkv, out and their gradients are bf16; lse is f32.
+//!
+//! Head sizes 64, 80, 96, 128 and 256 run on the tensor-core kernels (`flash_*`), every other
+//! size up to 256 on the scalar ones (`attention_*`), as do views not aligned to 16 bytes (the
+//! tensor-core kernels copy rows in 16-byte pieces).
 
 use cudarc::driver::LaunchConfig;
 
@@ -8,7 +12,7 @@ use super::{Cuda, Ints, View, ViewMut, check};
 use crate::backend::{AttentionShape, FloatKind};
 use crate::error::Result;
 
-/// The kernel instantiation for a head size: (bucket, rows per warp).
+/// The scalar kernels' instantiation for a head size: (bucket, rows per warp).
 fn bucket(op: &str, hd: usize) -> Result<(usize, usize)> {
     match hd {
         0..=32 => Ok((32, 4)),
@@ -17,6 +21,114 @@ fn bucket(op: &str, hd: usize) -> Result<(usize, usize)> {
         129..=256 => Ok((256, 2)),
         _ => Err(check::err(op, format!("head_dim {hd} exceeds the largest supported, 256"))),
     }
+}
+
+/// One tensor-core kernel's tile shape, as `FLASH_ENTRY_POINTS` / `FLASH_DKV_ENTRY_POINT`
+/// instantiate it: `warps` warps of 16 rows each, tiles of `tile` tokens on the other side,
+/// `stages` shared buffers for those tiles.
+#[derive(Debug, Clone, Copy)]
+struct Tiles {
+    name: &'static str,
+    warps: usize,
+    tile: usize,
+    stages: usize,
+}
+
+impl Tiles {
+    const fn new(name: &'static str, warps: usize, tile: usize, stages: usize) -> Tiles {
+        Tiles { name, warps, tile, stages }
+    }
+
+    /// Rows per block (16 per warp).
+    fn rows(&self) -> usize {
+        16 * self.warps
+    }
+
+    fn config(&self, blocks: usize, heads: usize, shared: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks as u32, heads as u32, 1),
+            block_dim: (32 * self.warps as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        }
+    }
+}
+
+/// The tensor-core kernels of one head size. Shared memory per block, in bytes, mirrors the
+/// kernels' layouts: padded rows of `hd + 8` bf16.
+struct Flash {
+    hd: usize,
+    forward: Tiles,
+    dq: Tiles,
+    /// dk and dv together, or (at head_dim 256) dv then dk, each with whether it writes dk.
+    dkv: &'static [(Tiles, bool)],
+}
+
+const FLASH: [Flash; 5] = [
+    Flash {
+        hd: 64,
+        forward: Tiles::new("flash_forward_64", 4, 64, 2),
+        dq: Tiles::new("flash_backward_dq_64", 4, 32, 2),
+        dkv: &[(Tiles::new("flash_backward_dkv_64", 4, 32, 2), true)],
+    },
+    Flash {
+        hd: 80,
+        forward: Tiles::new("flash_forward_80", 4, 64, 2),
+        dq: Tiles::new("flash_backward_dq_80", 4, 32, 2),
+        dkv: &[(Tiles::new("flash_backward_dkv_80", 4, 32, 2), true)],
+    },
+    Flash {
+        hd: 96,
+        forward: Tiles::new("flash_forward_96", 4, 64, 2),
+        dq: Tiles::new("flash_backward_dq_96", 4, 32, 2),
+        dkv: &[(Tiles::new("flash_backward_dkv_96", 4, 32, 2), true)],
+    },
+    Flash {
+        hd: 128,
+        forward: Tiles::new("flash_forward_128", 4, 64, 2),
+        dq: Tiles::new("flash_backward_dq_128", 4, 32, 2),
+        dkv: &[(Tiles::new("flash_backward_dkv_128", 4, 32, 2), true)],
+    },
+    Flash {
+        hd: 256,
+        forward: Tiles::new("flash_forward_256", 4, 32, 1),
+        dq: Tiles::new("flash_backward_dq_256", 2, 16, 2),
+        dkv: &[
+            (Tiles::new("flash_backward_dv_256", 4, 32, 1), false),
+            (Tiles::new("flash_backward_dk_256", 2, 16, 2), true),
+        ],
+    },
+];
+
+impl Flash {
+    fn row_bytes(&self) -> usize {
+        2 * (self.hd + 8)
+    }
+
+    /// Q tile, then `stages` K and V tiles.
+    fn forward_shared(&self) -> usize {
+        let t = &self.forward;
+        (t.rows() + 2 * t.stages * t.tile) * self.row_bytes()
+    }
+
+    /// Q and dout tiles, then `stages` K and V tiles.
+    fn dq_shared(&self) -> usize {
+        let t = &self.dq;
+        (2 * t.rows() + 2 * t.stages * t.tile) * self.row_bytes()
+    }
+
+    /// K (and V when it writes dk), then `stages` of Q and dout tiles with their lse and D.
+    fn dkv_shared(&self, t: &Tiles, writes_dk: bool) -> usize {
+        let kv = if writes_dk { 2 } else { 1 };
+        kv * t.rows() * self.row_bytes() + t.stages * (2 * t.tile * self.row_bytes() + 8 * t.tile)
+    }
+}
+
+/// The tensor-core kernels for this head size, when the views allow them.
+fn flash(hd: usize, ptrs: &[u64]) -> Option<&'static Flash> {
+    if ptrs.iter().any(|p| p % 16 != 0) {
+        return None;
+    }
+    FLASH.iter().find(|f| f.hd == hd)
 }
 
 /// The sizes every attention kernel takes, checked to fit its `int` parameters.
@@ -47,7 +159,8 @@ impl Sizes {
         })
     }
 
-    fn args(&self) -> [Arg; 6] {
+    /// The sizes after `docs`, as the scalar kernels take them.
+    fn scalar_args(&self) -> [Arg; 6] {
         [
             Arg::I32(self.tokens),
             Arg::I32(self.nq),
@@ -57,9 +170,21 @@ impl Sizes {
             Arg::F32(self.scale),
         ]
     }
+
+    /// The sizes after `docs`, as the tensor-core kernels take them (head_dim is built in).
+    fn flash_args(&self) -> [Arg; 5] {
+        [
+            Arg::I32(self.tokens),
+            Arg::I32(self.nq),
+            Arg::I32(self.nkv),
+            Arg::I32(self.window),
+            Arg::F32(self.scale),
+        ]
+    }
 }
 
-fn config(blocks: usize, heads: usize) -> LaunchConfig {
+/// The scalar kernels' launch: 128 threads, static shared memory.
+fn scalar_config(blocks: usize, heads: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks as u32, heads as u32, 1),
         block_dim: (128, 1, 1),
@@ -108,9 +233,19 @@ impl Cuda {
             Arg::Ptr(self.ints_ptr(cu)),
             Arg::I32(s.docs),
         ];
-        args.extend(s.args());
-        let blocks = shape.tokens.div_ceil(4 * qw);
-        self.launch(&format!("attention_forward_{hd}"), config(blocks, shape.q_heads), &args)
+        let (t, nq) = (shape.tokens, shape.q_heads);
+        if let Some(f) = flash(shape.head_dim, &[self.ptr(&o), self.ptr(&qkv)]) {
+            args.extend(s.flash_args());
+            let k = &f.forward;
+            return self.launch(
+                k.name,
+                k.config(t.div_ceil(k.rows()), nq, f.forward_shared()),
+                &args,
+            );
+        }
+        args.extend(s.scalar_args());
+        let name = format!("attention_forward_{hd}");
+        self.launch(&name, scalar_config(t.div_ceil(4 * qw), nq), &args)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -170,13 +305,82 @@ impl Cuda {
             Arg::Ptr(self.ints_ptr(cu)),
             Arg::I32(s.docs),
         ];
-        args.extend(s.args());
-        let rows = 4 * qw;
-        self.launch(&format!("attention_backward_dq_{hd}"), config(t.div_ceil(rows), nq), &args)?;
+        let pointers = [self.ptr(&d), self.ptr(&dout), self.ptr(&qkv)];
+        if let Some(f) = flash(shape.head_dim, &pointers) {
+            args.extend(s.flash_args());
+            let k = &f.dq;
+            self.launch(k.name, k.config(t.div_ceil(k.rows()), nq, f.dq_shared()), &args)?;
+            for (k, writes_dk) in f.dkv {
+                let shared = f.dkv_shared(k, *writes_dk);
+                self.launch(k.name, k.config(t.div_ceil(k.rows()), shape.kv_heads, shared), &args)?;
+            }
+            return Ok(());
+        }
+        args.extend(s.scalar_args());
+        let blocks = t.div_ceil(4 * qw);
+        self.launch(&format!("attention_backward_dq_{hd}"), scalar_config(blocks, nq), &args)?;
         self.launch(
             &format!("attention_backward_dkv_{hd}"),
-            config(t.div_ceil(rows), shape.kv_heads),
+            scalar_config(blocks, shape.kv_heads),
             &args,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The numbers after the kernel name in each instantiation line of the source.
+    fn instantiations(macro_name: &str) -> Vec<Vec<String>> {
+        include_str!("kernels/attention.cu")
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{macro_name}(")))
+            .map(|l| l.trim_end_matches(')').split(", ").map(str::to_string).collect())
+            .collect()
+    }
+
+    #[test]
+    fn tile_table_matches_the_kernel_instantiations() {
+        let flash = instantiations("FLASH_ENTRY_POINTS");
+        assert_eq!(flash.len(), FLASH.len());
+        for (f, line) in FLASH.iter().zip(&flash) {
+            let n = |i: usize| line[i].parse::<usize>().expect("number");
+            assert_eq!(n(0), f.hd);
+            assert_eq!(f.forward.name, format!("flash_forward_{}", f.hd));
+            assert_eq!((f.forward.warps, f.forward.tile, f.forward.stages), (n(1), n(2), n(3)));
+            assert_eq!(f.dq.name, format!("flash_backward_dq_{}", f.hd));
+            assert_eq!((f.dq.warps, f.dq.tile, f.dq.stages), (n(4), n(5), n(6)));
+        }
+        let dkv = instantiations("FLASH_DKV_ENTRY_POINT");
+        let table: Vec<_> =
+            FLASH.iter().flat_map(|f| f.dkv.iter().map(move |k| (f.hd, k))).collect();
+        assert_eq!(dkv.len(), table.len());
+        for ((hd, (k, writes_dk)), line) in table.iter().zip(&dkv) {
+            let n = |i: usize| line[i].parse::<usize>().expect("number");
+            assert_eq!(line[0], k.name);
+            assert_eq!((n(1), n(2), n(3), n(4)), (*hd, k.warps, k.tile, k.stages), "{}", k.name);
+            // MODE: 1 writes dv, 2 dk, 3 both.
+            assert_eq!(n(5) & 2 != 0, *writes_dk, "{}", k.name);
+        }
+    }
+
+    #[test]
+    fn every_tensor_core_kernel_fits_the_shared_memory_of_sm_86() {
+        const SM86_MAX: usize = 99 * 1024;
+        for f in &FLASH {
+            assert!(f.forward_shared() <= SM86_MAX, "{}", f.forward.name);
+            assert!(f.dq_shared() <= SM86_MAX, "{}", f.dq.name);
+            for (k, writes_dk) in f.dkv {
+                assert!(f.dkv_shared(k, *writes_dk) <= SM86_MAX, "{}", k.name);
+            }
+        }
+    }
+
+    #[test]
+    fn misaligned_views_take_the_scalar_kernels() {
+        assert!(flash(128, &[0x1000, 0x2010]).is_some());
+        assert!(flash(128, &[0x1000, 0x2006]).is_none());
+        assert!(flash(112, &[0x1000]).is_none());
     }
 }

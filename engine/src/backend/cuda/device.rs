@@ -176,6 +176,9 @@ pub(super) enum Arg {
     F32(f32),
 }
 
+/// Dynamic shared memory a block gets without opting in.
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
+
 /// Launches `f` on `stream` with `args`, which must match the kernel's parameters in order and
 /// type (pointers as 64-bit device addresses).
 pub(super) fn launch(
@@ -187,6 +190,16 @@ pub(super) fn launch(
 ) -> Result<()> {
     if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
         return Ok(());
+    }
+    if cfg.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED {
+        // Above 48 KiB a kernel must opt in; the driver refuses sizes the device cannot give.
+        drv(
+            &format!("{name}: allowing {} bytes of dynamic shared memory", cfg.shared_mem_bytes),
+            f.set_attribute(
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                cfg.shared_mem_bytes as i32,
+            ),
+        )?;
     }
     let mut b = stream.launch_builder(f);
     for a in args {

@@ -1,21 +1,17 @@
-// FlashAttention-2-style causal grouped-query attention over packed documents with an optional
-// sliding window, in f32 math on bf16 storage; [T, T] never exists. Reference:
-// eager_attention_forward in transformers' modeling_llama.py, with the mask of packed documents
-// (cu_seqlens) and of Hugging Face's sliding window: query i sees key j when both are in the
-// same document and i − W < j ≤ i. The derivation of the backward is in the CPU twin
-// (backend/cpu/attention.rs): with P_ij = exp(s_ij − lse_i) and D_i = dout_i · out_i,
-// dS_ij = P_ij (dout_i · v_j − D_i), dq_i = scale Σ_j dS_ij k_j, dk_j = scale Σ_i dS_ij q_i,
-// dv_j = Σ_i P_ij dout_i.
+// Causal grouped-query attention over packed documents with an optional sliding window, in f32
+// math on bf16 storage; [T, T] never exists. Reference: eager_attention_forward in transformers'
+// modeling_llama.py, with the mask of packed documents (cu_seqlens) and of Hugging Face's
+// sliding window: query i sees key j when both are in the same document and i − W < j ≤ i. The
+// derivation of the backward is in the CPU twin (backend/cpu/attention.rs): with
+// P_ij = exp(s_ij − lse_i) and D_i = dout_i · out_i, dS_ij = P_ij (dout_i · v_j − D_i),
+// dq_i = scale Σ_j dS_ij k_j, dk_j = scale Σ_i dS_ij q_i, dv_j = Σ_i P_ij dout_i.
 //
-// Layout: 4 warps per block. Key/value (or query/dout) tiles of 32 tokens sit in shared memory
-// transposed, [d][j] with rows padded to 34 halves (17 words), so that both "lane = token" dot
-// products and "lane = dimension" accumulations hit 32 distinct banks. Scores are one key per
-// lane; the output accumulators are one head dimension per lane (HD / 32 registers per row).
-// HD is the head-dim bucket (32, 64, 128, 256); the actual hd ≤ HD is a runtime value and the
-// tiles are zero-padded beyond it. Every sum runs in a fixed order: results are deterministic.
+// Two implementations: tensor-core kernels (`flash_*`) for the head sizes models use (64, 80,
+// 96, 128, 256), and scalar kernels (`attention_*`) for any other head size up to 256. Both
+// are deterministic: no atomics, every sum in a fixed order. Backward: `attention_backward_dot`
+// computes D, then one kernel writes dq (one query tile per block, over its keys) and another
+// dk and dv (one key tile per block, over the query tiles of every query head of its group).
 
-#define KT 32
-#define KP 34
 #define FULL 0xffffffffu
 
 // Bounds [start, end) of the document holding token t (cu_seqlens has docs + 1 entries).
@@ -42,6 +38,640 @@ __device__ __forceinline__ int query_end(const int* cu, int docs, int j, int win
   doc_of(cu, docs, j, &s, &e);
   return window > 0 && j + window < e ? j + window : e;
 }
+
+// ---- tensor-core kernels (head_dim 64, 80, 96, 128, 256) ---------------------------------------
+//
+// FlashAttention-2 (Dao, 2023) on `mma.sync.m16n8k16` with bf16 operands and f32 accumulators.
+// Each warp owns 16 rows of the output tile it computes (queries in the forward and dq kernels,
+// keys in the dk/dv kernel) and sweeps the other side's tiles from shared memory, which cp.async
+// fills (double-buffered where shared memory allows). Tiles are rows of HD bf16 padded by 8: the
+// row stride is then an odd multiple of 16 bytes, so the 8 rows of 16 bytes that one ldmatrix
+// phase (or one cp.async pass) touches cover all 32 banks once.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 gr + tg:
+//   A (16 x 16, row):  a0 (gr, 2tg..+1), a1 (gr+8, 2tg..), a2 (gr, 2tg+8..), a3 (gr+8, 2tg+8..)
+//   B (16 x 8, col):   b0 (k 2tg..+1, n gr), b1 (k 2tg+8..+9, n gr)
+//   C (16 x 8, f32):   c0 c1 (gr, 2tg..+1), c2 c3 (gr+8, 2tg..+1)
+// So the accumulator of two adjacent 8-column tiles is, packed to bf16, the A fragment of the
+// next product over those 16 columns (P and dS never leave registers). ldmatrix.x4 reads four
+// 8 x 8 matrices whose row addresses come from lanes 0-7, 8-15, 16-23, 24-31; without .trans,
+// lane l gets row l/4, columns 2(l%4)..+1 of each, with .trans the transpose.
+//
+// Softmax runs in base 2: scores are scaled by scale·log2(e) and exponentiated with ex2, and the
+// lse written out is converted back to base e. A row sees no key in a tile (max = -inf) only
+// while other rows of its warp do; its exponent base is then 0, so every p is exp2(-inf) = 0.
+//
+// Skipping and masking: a query tile sweeps the keys from the first one its first query sees
+// (document or window start) to its last query; a key tile sweeps the queries from its first key
+// to the last query that sees its last key. A warp skips a tile none of its rows sees, runs a
+// tile all its rows fully see without masking, and masks the others element by element: query i
+// sees key j when first_key(i) <= j <= i, equivalently j <= i < query_end(j). Rows past T are
+// computed on clamped indices (or see nothing) and are never stored.
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// ---- PTX wrappers
+struct alignas(16) Chunk {
+  unsigned x, y, z, w;
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_t(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b for one 16 x 8 tile, k = 16.
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as bf16x2, `lo` in the low half (the lower column index).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+  return r;
+}
+// ---- end of PTX wrappers
+
+extern __shared__ Chunk flash_smem[];
+
+// Stops the kernel when the launch gave less dynamic shared memory than its tiles need.
+__device__ __forceinline__ void require_smem(unsigned bytes) {
+  if (dynamic_smem_bytes() < bytes) __trap();
+}
+
+// Starts copying rows [t0, t0 + ROWS) of one head (HD wide, at element `col` of rows `stride`
+// elements apart) into a padded tile [ROWS][HD + 8]; rows at or past T read as zero.
+template <int ROWS, int HD, int THREADS>
+__device__ __forceinline__ void load_rows_async(unsigned tile, const bf16* src, long long stride,
+                                                long long col, int t0, int T) {
+  constexpr int CH = HD / 8, LD = HD + 8;
+#pragma unroll
+  for (int u = 0; u < (ROWS * CH + THREADS - 1) / THREADS; ++u) {
+    const int c = threadIdx.x + u * THREADS, r = c / CH, k = c % CH, t = t0 + r;
+    if ((ROWS * CH) % THREADS == 0 || c < ROWS * CH) {
+      const bool ok = t < T;
+      cp_async16(tile + 2 * (r * LD + k * 8), src + (long long)(ok ? t : 0) * stride + col + k * 8,
+                 ok);
+    }
+  }
+}
+
+// A fragment of rows [row0, row0 + 16) x columns [k0, k0 + 16) of a padded tile.
+template <int LD>
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], unsigned tile, int row0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm(a, tile + 2 * ((row0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8));
+}
+
+// B fragments of X^T for two adjacent 8-column tiles, X [n][k] a padded tile (rows n0..n0+15,
+// columns k0..k0+15): b[0], b[1] for n0 and b[2], b[3] for n0 + 8.
+template <int LD>
+__device__ __forceinline__ void frag_bt(unsigned (&b)[4], unsigned tile, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm(b, tile + 2 * ((n0 + (lane & 7) + ((lane >> 4) << 3)) * LD + k0 + ((lane >> 3) & 1) * 8));
+}
+
+// B fragments of X itself, X [k][n] a padded tile (rows k0..k0+15, columns n0..n0+15).
+template <int LD>
+__device__ __forceinline__ void frag_b(unsigned (&b)[4], unsigned tile, int k0, int n0) {
+  const int lane = threadIdx.x & 31;
+  ldsm_t(b, tile + 2 * ((k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8));
+}
+
+// acc[16 x 8 NT] += A[16 x 16 KC] · X^T, A's fragments from `a` (registers, when AREG) or rows
+// row0.. of the tile `as`, X [8 NT][16 KC] the padded tile `x`.
+template <int LD, int KC, int NT, bool AREG, int KA>
+__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const unsigned (&a)[KA][4],
+                                        unsigned as, int row0, unsigned x) {
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    unsigned f[4];
+    if constexpr (AREG) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) f[r] = a[kc][r];
+    } else {
+      frag_a<LD>(f, as, row0, kc * 16);
+    }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      unsigned b[4];
+      frag_bt<LD>(b, x, np * 16, kc * 16);
+      mma(acc[2 * np], f, b[0], b[1]);
+      mma(acc[2 * np + 1], f, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x 8 NT] += P[16 x 8 KT] · X, P the f32 accumulator of a previous product (rounded to
+// bf16 here), X [8 KT][8 NT] the padded tile `x`.
+template <int LD, int KT, int NT>
+__device__ __forceinline__ void mma_pb(float (&acc)[NT][4], const float (&p)[KT][4],
+                                       unsigned x) {
+#pragma unroll
+  for (int kc = 0; kc < KT / 2; ++kc) {
+    const unsigned a[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]),
+                           pack_bf16(p[2 * kc][2], p[2 * kc][3]),
+                           pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                           pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      unsigned b[4];
+      frag_b<LD>(b, x, kc * 16, np * 16);
+      mma(acc[2 * np], a, b[0], b[1]);
+      mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Loads the A fragments of the warp's 16 rows of a tile into registers.
+template <int LD, int KC>
+__device__ __forceinline__ void frags_a(unsigned (&a)[KC][4], unsigned tile, int row0) {
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) frag_a<LD>(a[kc], tile, row0, kc * 16);
+}
+
+// Writes a warp's 16 x HD accumulator (times `ka` for rows gr, `kb` for rows gr + 8) as bf16 to
+// rows [r0, r0 + 16) of `dst` (row stride `stride`, from element `col`), through the warp's own
+// 16 rows of the padded tile `stage`; rows at or past T are not written.
+template <int HD>
+__device__ __forceinline__ void store_rows(bf16* dst, long long stride, long long col, int r0,
+                                           int T, const float (&acc)[HD / 8][4], float ka,
+                                           float kb, bf16* stage) {
+  constexpr int LD = HD + 8, CH = HD / 8;
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  __syncwarp();
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    *(unsigned*)(stage + gr * LD + n * 8 + 2 * tg) = pack_bf16(acc[n][0] * ka, acc[n][1] * ka);
+    *(unsigned*)(stage + (gr + 8) * LD + n * 8 + 2 * tg) =
+        pack_bf16(acc[n][2] * kb, acc[n][3] * kb);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int u = 0; u < CH / 2; ++u) {
+    const int c = lane + 32 * u, r = c / CH, k = c % CH, t = r0 + r;
+    if (t < T) {
+      *(Chunk*)(dst + (long long)t * stride + col + k * 8) = *(const Chunk*)(stage + r * LD + k * 8);
+    }
+  }
+}
+
+// Largest of a value over the four lanes that share a row.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(FULL, v, 1));
+  return fmaxf(v, __shfl_xor_sync(FULL, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(FULL, v, 1);
+  return v + __shfl_xor_sync(FULL, v, 2);
+}
+
+// Forward. Grid (ceil(T / 16 WARPS), nq), 32 WARPS threads; query tiles in reverse order, so
+// the tiles with the most keys start first. Each block takes 16 WARPS queries of head h and
+// sweeps key tiles of BK through STAGES shared buffers. QREG keeps the Q fragments in registers.
+// out [T, nq, HD] (bf16), lse [T, nq] (f32), qkv [T, (nq + 2 nkv) HD] (bf16).
+// Dynamic shared memory: (16 WARPS + 2 STAGES BK) (HD + 8) bf16.
+template <int HD, int WARPS, int BK, int STAGES, bool QREG>
+__device__ __forceinline__ void flash_forward(bf16* out, float* lse, const bf16* qkv,
+                                              const int* cu, int docs, int T, int nq, int nkv,
+                                              int window, float scale) {
+  constexpr int BQ = 16 * WARPS, LD = HD + 8, THREADS = 32 * WARPS, KC = HD / 16;
+  require_smem((BQ + 2 * STAGES * BK) * LD * 2);
+  bf16* Qs = (bf16*)flash_smem;
+  const unsigned qs = smem_addr(flash_smem), ks = qs + BQ * LD * 2, vs = ks + STAGES * BK * LD * 2;
+  const long long width = (long long)(nq + 2 * nkv) * HD;
+  const int h = blockIdx.y, g = h / (nq / nkv);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int kstart = first_key(cu, docs, q0, window);
+  const int ntiles = (min(q0 + BQ, T) - kstart + BK - 1) / BK;
+  load_rows_async<BQ, HD, THREADS>(qs, qkv, width, (long long)h * HD, q0, T);
+  load_rows_async<BK, HD, THREADS>(ks, qkv, width, kcol, kstart, T);
+  load_rows_async<BK, HD, THREADS>(vs, qkv, width, vcol, kstart, T);
+  cp_commit();
+
+  // This thread's rows (clamped to the last token) and the warp's bounds.
+  const int w0 = q0 + 16 * warp, wlast = min(w0 + 15, T - 1);
+  const int ia = min(w0 + gr, T - 1), ib = min(w0 + gr + 8, T - 1);
+  const int fa = first_key(cu, docs, ia, window), fb = first_key(cu, docs, ib, window);
+  const int wfirst_lo = __shfl_sync(FULL, fa, 0), wfirst_hi = __shfl_sync(FULL, fb, 28);
+  const float sc = scale * LOG2E;
+
+  unsigned qf[QREG ? KC : 1][4];
+  float o[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int k0 = kstart + t * BK;
+    if (STAGES == 2 && t + 1 < ntiles) {
+      const int nb = (t + 1) & 1;
+      load_rows_async<BK, HD, THREADS>(ks + nb * BK * LD * 2, qkv, width, kcol, k0 + BK, T);
+      load_rows_async<BK, HD, THREADS>(vs + nb * BK * LD * 2, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    if constexpr (QREG) {
+      if (t == 0) frags_a<LD, KC>(qf, qs, 16 * warp);
+    }
+    const unsigned kt = ks + (STAGES == 2 ? (t & 1) : 0) * BK * LD * 2;
+    const unsigned vt = vs + (STAGES == 2 ? (t & 1) : 0) * BK * LD * 2;
+    if (w0 < T && k0 <= wlast && k0 + BK > wfirst_lo) {
+      float s[BK / 8][4];
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      mma_abt<LD, KC, BK / 8, QREG>(s, qf, qs, 16 * warp, kt);
+      if (!(k0 >= wfirst_hi && k0 + BK - 1 <= w0)) {
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = k0 + n * 8 + 2 * tg + e;
+            if (j < fa || j > ia) s[n][e] = NEG_INF;
+            if (j < fb || j > ib) s[n][2 + e] = NEG_INF;
+          }
+        }
+      }
+      float xa = NEG_INF, xb = NEG_INF;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+        xa = fmaxf(xa, fmaxf(s[n][0], s[n][1]));
+        xb = fmaxf(xb, fmaxf(s[n][2], s[n][3]));
+      }
+      const float na = fmaxf(ma, quad_max(xa) * sc), nb = fmaxf(mb, quad_max(xb) * sc);
+      const float ua = na == NEG_INF ? 0.0f : na, ub = nb == NEG_INF ? 0.0f : nb;
+      const float ca = ex2(ma - ua), cb = ex2(mb - ub);
+      ma = na;
+      mb = nb;
+      float suma = 0.0f, sumb = 0.0f;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+        s[n][0] = ex2(fmaf(s[n][0], sc, -ua));
+        s[n][1] = ex2(fmaf(s[n][1], sc, -ua));
+        s[n][2] = ex2(fmaf(s[n][2], sc, -ub));
+        s[n][3] = ex2(fmaf(s[n][3], sc, -ub));
+        suma += s[n][0] + s[n][1];
+        sumb += s[n][2] + s[n][3];
+      }
+      la = la * ca + suma;
+      lb = lb * cb + sumb;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        o[n][0] *= ca;
+        o[n][1] *= ca;
+        o[n][2] *= cb;
+        o[n][3] *= cb;
+      }
+      mma_pb<LD, BK / 8, HD / 8>(o, s, vt);
+    }
+    __syncthreads();
+    if (STAGES == 1 && t + 1 < ntiles) {
+      load_rows_async<BK, HD, THREADS>(ks, qkv, width, kcol, k0 + BK, T);
+      load_rows_async<BK, HD, THREADS>(vs, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+    }
+  }
+  if (w0 >= T) return;
+  la = quad_sum(la);
+  lb = quad_sum(lb);
+  // Every stored row saw at least itself, so l >= 1.
+  store_rows<HD>(out, (long long)nq * HD, (long long)h * HD, w0, T, o, 1.0f / la, 1.0f / lb,
+                 Qs + 16 * warp * LD);
+  if (tg == 0) {
+    if (w0 + gr < T) lse[(long long)(w0 + gr) * nq + h] = ma * LN2 + logf(la);
+    if (w0 + gr + 8 < T) lse[(long long)(w0 + gr + 8) * nq + h] = mb * LN2 + logf(lb);
+  }
+}
+
+// dq. Grid (ceil(T / 16 WARPS), nq), 32 WARPS threads, query tiles in reverse order. Each block
+// takes 16 WARPS queries of head h and sweeps the key tiles they see, recomputing
+// P = exp(s − lse) and dS = P (dout · v − D): dq_i = scale Σ_j dS_ij k_j.
+// dqkv [T, width] (writes the query heads), dout [T, nq, HD], lse and dsum [T, nq].
+// Dynamic shared memory: (32 WARPS + 2 STAGES BK) (HD + 8) bf16.
+template <int HD, int WARPS, int BK, int STAGES, bool QREG>
+__device__ __forceinline__ void flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                  const float* lse, const float* dsum,
+                                                  const int* cu, int docs, int T, int nq,
+                                                  int nkv, int window, float scale) {
+  constexpr int BQ = 16 * WARPS, LD = HD + 8, THREADS = 32 * WARPS, KC = HD / 16;
+  require_smem((2 * BQ + 2 * STAGES * BK) * LD * 2);
+  bf16* Qs = (bf16*)flash_smem;
+  const unsigned qs = smem_addr(flash_smem), gs = qs + BQ * LD * 2, ks = gs + BQ * LD * 2;
+  const unsigned vs = ks + STAGES * BK * LD * 2;
+  const long long width = (long long)(nq + 2 * nkv) * HD;
+  const int h = blockIdx.y, g = h / (nq / nkv);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int kstart = first_key(cu, docs, q0, window);
+  const int ntiles = (min(q0 + BQ, T) - kstart + BK - 1) / BK;
+  load_rows_async<BQ, HD, THREADS>(qs, qkv, width, (long long)h * HD, q0, T);
+  load_rows_async<BQ, HD, THREADS>(gs, dout, (long long)nq * HD, (long long)h * HD, q0, T);
+  load_rows_async<BK, HD, THREADS>(ks, qkv, width, kcol, kstart, T);
+  load_rows_async<BK, HD, THREADS>(vs, qkv, width, vcol, kstart, T);
+  cp_commit();
+
+  const int w0 = q0 + 16 * warp, wlast = min(w0 + 15, T - 1);
+  const int ia = min(w0 + gr, T - 1), ib = min(w0 + gr + 8, T - 1);
+  const int fa = first_key(cu, docs, ia, window), fb = first_key(cu, docs, ib, window);
+  const int wfirst_lo = __shfl_sync(FULL, fa, 0), wfirst_hi = __shfl_sync(FULL, fb, 28);
+  const float sc = scale * LOG2E;
+  const float La = lse[(long long)ia * nq + h] * LOG2E, Lb = lse[(long long)ib * nq + h] * LOG2E;
+  const float Da = dsum[(long long)ia * nq + h], Db = dsum[(long long)ib * nq + h];
+
+  unsigned qf[QREG ? KC : 1][4], gf[QREG ? KC : 1][4];
+  float dq[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int k0 = kstart + t * BK;
+    if (STAGES == 2 && t + 1 < ntiles) {
+      const int nb = (t + 1) & 1;
+      load_rows_async<BK, HD, THREADS>(ks + nb * BK * LD * 2, qkv, width, kcol, k0 + BK, T);
+      load_rows_async<BK, HD, THREADS>(vs + nb * BK * LD * 2, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    if constexpr (QREG) {
+      if (t == 0) {
+        frags_a<LD, KC>(qf, qs, 16 * warp);
+        frags_a<LD, KC>(gf, gs, 16 * warp);
+      }
+    }
+    const unsigned kt = ks + (STAGES == 2 ? (t & 1) : 0) * BK * LD * 2;
+    const unsigned vt = vs + (STAGES == 2 ? (t & 1) : 0) * BK * LD * 2;
+    if (w0 < T && k0 <= wlast && k0 + BK > wfirst_lo) {
+      float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+      }
+      mma_abt<LD, KC, BK / 8, QREG>(s, qf, qs, 16 * warp, kt);
+      mma_abt<LD, KC, BK / 8, QREG>(dp, gf, gs, 16 * warp, vt);
+      const bool full = k0 >= wfirst_hi && k0 + BK - 1 <= w0;
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = k0 + n * 8 + 2 * tg + e;
+          const bool va = full || (j >= fa && j <= ia), vb = full || (j >= fb && j <= ib);
+          const float pa = va ? ex2(fmaf(s[n][e], sc, -La)) : 0.0f;
+          const float pb = vb ? ex2(fmaf(s[n][2 + e], sc, -Lb)) : 0.0f;
+          s[n][e] = pa * (dp[n][e] - Da);
+          s[n][2 + e] = pb * (dp[n][2 + e] - Db);
+        }
+      }
+      mma_pb<LD, BK / 8, HD / 8>(dq, s, kt);
+    }
+    __syncthreads();
+    if (STAGES == 1 && t + 1 < ntiles) {
+      load_rows_async<BK, HD, THREADS>(ks, qkv, width, kcol, k0 + BK, T);
+      load_rows_async<BK, HD, THREADS>(vs, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+    }
+  }
+  if (w0 >= T) return;
+  store_rows<HD>(dqkv, width, (long long)h * HD, w0, T, dq, scale, scale, Qs + 16 * warp * LD);
+}
+
+// dk and dv (MODE 3), dv alone (MODE 1) or dk alone (MODE 2). Grid (ceil(T / 16 WARPS), nkv),
+// 32 WARPS threads. Each block takes 16 WARPS keys of kv head g and, for every query head of
+// its group in order, sweeps the query tiles of BQ that see them (so each sum over heads and
+// queries runs in a fixed order): with S^T = K Q^T, P^T = exp(S^T − lse), dS^T = P^T (V dout^T
+// − D), dv_j = Σ_i P_ij dout_i and dk_j = scale Σ_i dS_ij q_i.
+// dqkv [T, width] (writes the key and/or value heads), dout [T, nq, HD], lse and dsum [T, nq].
+// Dynamic shared memory: (MODE & 2 ? 2 : 1) 16 WARPS (HD + 8) bf16
+//   + STAGES (2 BQ (HD + 8) bf16 + 2 BQ f32).
+template <int HD, int WARPS, int BQ, int STAGES, int MODE>
+__device__ __forceinline__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                   const float* lse, const float* dsum,
+                                                   const int* cu, int docs, int T, int nq,
+                                                   int nkv, int window, float scale) {
+  constexpr bool DV = MODE & 1, DK = MODE & 2;
+  constexpr int BKV = 16 * WARPS, LD = HD + 8, THREADS = 32 * WARPS, KC = HD / 16;
+  constexpr int STAGE = 2 * BQ * LD * 2 + 2 * BQ * 4;  // bytes: Q, dout, lse, D
+  require_smem((DK ? 2 : 1) * BKV * LD * 2 + STAGES * STAGE);
+  bf16* Ks = (bf16*)flash_smem;
+  bf16* Vs = Ks + BKV * LD;  // only with DK
+  const unsigned ks = smem_addr(flash_smem), vs = ks + BKV * LD * 2;
+  const unsigned stages = ks + (DK ? 2 : 1) * BKV * LD * 2;
+  const long long width = (long long)(nq + 2 * nkv) * HD, gstride = (long long)nq * HD;
+  const int g = blockIdx.y, group = nq / nkv;
+  const int k0 = blockIdx.x * BKV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int klast = min(k0 + BKV, T) - 1;
+  const int nqt = (query_end(cu, docs, klast, window) - k0 + BQ - 1) / BQ;
+  const int total = group * nqt;
+  // Issues the copies of step `it` (query head, query tile) into stage buffer `b`.
+  auto issue = [&](int it, int b) {
+    const int h = g * group + it / nqt, qt = k0 + (it % nqt) * BQ;
+    const unsigned st = stages + b * STAGE;
+    load_rows_async<BQ, HD, THREADS>(st, qkv, width, (long long)h * HD, qt, T);
+    load_rows_async<BQ, HD, THREADS>(st + BQ * LD * 2, dout, gstride, (long long)h * HD, qt, T);
+    for (int c = threadIdx.x; c < 2 * BQ; c += THREADS) {
+      const int i = qt + c % BQ;
+      const float* src = c < BQ ? lse : dsum;
+      cp_async4(st + 2 * BQ * LD * 2 + 4 * c, src + (long long)(i < T ? i : 0) * nq + h, i < T);
+    }
+  };
+  load_rows_async<BKV, HD, THREADS>(ks, qkv, width, kcol, k0, T);
+  if (DK) load_rows_async<BKV, HD, THREADS>(vs, qkv, width, vcol, k0, T);
+  issue(0, 0);
+  cp_commit();
+
+  // This thread's keys; a key past T sees no query (query_end 0).
+  const int w0 = k0 + 16 * warp, ja = w0 + gr, jb = w0 + gr + 8;
+  const int ea = ja < T ? query_end(cu, docs, ja, window) : 0;
+  const int eb = jb < T ? query_end(cu, docs, jb, window) : 0;
+  // The warp's smallest and largest query end.
+  const int wend_lo = w0 + 15 < T ? __shfl_sync(FULL, ea, 0) : 0;
+  int wend_hi = max(ea, eb);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wend_hi = max(wend_hi, __shfl_xor_sync(FULL, wend_hi, o));
+  const float sc = scale * LOG2E;
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+  }
+  const unsigned none[1][4] = {{0, 0, 0, 0}};
+
+  for (int it = 0; it < total; ++it) {
+    const int qt = k0 + (it % nqt) * BQ;
+    if (STAGES == 2 && it + 1 < total) {
+      issue(it + 1, (it + 1) & 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const int b = STAGES == 2 ? (it & 1) : 0;
+    const unsigned qt_s = stages + b * STAGE, gt_s = qt_s + BQ * LD * 2;
+    const float* Lt = (const float*)((const unsigned char*)(Ks + (DK ? 2 : 1) * BKV * LD) +
+                                     b * STAGE + 2 * BQ * LD * 2);
+    const float* Dt = Lt + BQ;
+    if (w0 < T && qt + BQ > w0 && qt < wend_hi) {
+      float s[BQ / 8][4], dp[BQ / 8][4];
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+      }
+      mma_abt<LD, KC, BQ / 8, false>(s, none, ks, 16 * warp, qt_s);
+      if (DK) mma_abt<LD, KC, BQ / 8, false>(dp, none, vs, 16 * warp, gt_s);
+      const bool full = qt >= w0 + 15 && qt + BQ <= wend_lo;
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = n * 8 + 2 * tg + e, i = qt + c;
+          const float L = Lt[c] * LOG2E;
+          const bool va = full || (i >= ja && i < ea), vb = full || (i >= jb && i < eb);
+          const float pa = va ? ex2(fmaf(s[n][e], sc, -L)) : 0.0f;
+          const float pb = vb ? ex2(fmaf(s[n][2 + e], sc, -L)) : 0.0f;
+          s[n][e] = pa;
+          s[n][2 + e] = pb;
+          if (DK) {
+            dp[n][e] = pa * (dp[n][e] - Dt[c]);
+            dp[n][2 + e] = pb * (dp[n][2 + e] - Dt[c]);
+          }
+        }
+      }
+      if (DV) mma_pb<LD, BQ / 8, HD / 8>(dv, s, gt_s);
+      if (DK) mma_pb<LD, BQ / 8, HD / 8>(dk, dp, qt_s);
+    }
+    __syncthreads();
+    if (STAGES == 1 && it + 1 < total) {
+      issue(it + 1, 0);
+      cp_commit();
+    }
+  }
+  if (w0 >= T) return;
+  if (DK) store_rows<HD>(dqkv, width, kcol, w0, T, dk, scale, scale, Ks + 16 * warp * LD);
+  if (DV) {
+    store_rows<HD>(dqkv, width, vcol, w0, T, dv, 1.0f, 1.0f, (DK ? Vs : Ks) + 16 * warp * LD);
+  }
+}
+
+#define FLASH_ENTRY_POINTS(HD, FWD_WARPS, FWD_BK, FWD_STAGES, DQ_WARPS, DQ_BK, DQ_STAGES, QREG) \
+  extern "C" __global__ void __launch_bounds__(32 * FWD_WARPS)                                  \
+      flash_forward_##HD(bf16* out, float* lse, const bf16* qkv, const int* cu, int docs, int T, \
+                         int nq, int nkv, int window, float scale) {                             \
+    flash_forward<HD, FWD_WARPS, FWD_BK, FWD_STAGES, QREG>(out, lse, qkv, cu, docs, T, nq, nkv,  \
+                                                           window, scale);                       \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(32 * DQ_WARPS) flash_backward_dq_##HD(            \
+      bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,        \
+      const int* cu, int docs, int T, int nq, int nkv, int window, float scale) {                \
+    flash_backward_dq<HD, DQ_WARPS, DQ_BK, DQ_STAGES, QREG>(dqkv, dout, qkv, lse, dsum, cu,      \
+                                                            docs, T, nq, nkv, window, scale);    \
+  }
+
+#define FLASH_DKV_ENTRY_POINT(NAME, HD, WARPS, BQ, STAGES, MODE)                                 \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS)                                       \
+      NAME(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,   \
+           const int* cu, int docs, int T, int nq, int nkv, int window, float scale) {           \
+    flash_backward_dkv<HD, WARPS, BQ, STAGES, MODE>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, \
+                                                    nkv, window, scale);                         \
+  }
+
+// Tile shapes, mirrored by `attention.rs` (which sizes the dynamic shared memory from them):
+// every kernel fits the 99 KiB a block may have on sm_86 and sm_89. At head_dim 256 the
+// Q fragments stay in shared memory and dk and dv take one kernel each (both accumulators of
+// 16 keys x 256 would need 256 registers a thread).
+FLASH_ENTRY_POINTS(64, 4, 64, 2, 4, 32, 2, true)
+FLASH_ENTRY_POINTS(80, 4, 64, 2, 4, 32, 2, true)
+FLASH_ENTRY_POINTS(96, 4, 64, 2, 4, 32, 2, true)
+FLASH_ENTRY_POINTS(128, 4, 64, 2, 4, 32, 2, true)
+FLASH_ENTRY_POINTS(256, 4, 32, 1, 2, 16, 2, false)
+FLASH_DKV_ENTRY_POINT(flash_backward_dkv_64, 64, 4, 32, 2, 3)
+FLASH_DKV_ENTRY_POINT(flash_backward_dkv_80, 80, 4, 32, 2, 3)
+FLASH_DKV_ENTRY_POINT(flash_backward_dkv_96, 96, 4, 32, 2, 3)
+FLASH_DKV_ENTRY_POINT(flash_backward_dkv_128, 128, 4, 32, 2, 3)
+FLASH_DKV_ENTRY_POINT(flash_backward_dv_256, 256, 4, 32, 1, 1)
+FLASH_DKV_ENTRY_POINT(flash_backward_dk_256, 256, 2, 16, 2, 2)
+
+// ---- scalar kernels (any head_dim up to 256) ---------------------------------------------------
+//
+// Layout: 4 warps per block. Key/value (or query/dout) tiles of 32 tokens sit in shared memory
+// transposed, [d][j] with rows padded to 34 halves (17 words), so that both "lane = token" dot
+// products and "lane = dimension" accumulations hit 32 distinct banks. Scores are one key per
+// lane; the output accumulators are one head dimension per lane (HD / 32 registers per row).
+// HD is the head-dim bucket (32, 64, 128, 256); the actual hd ≤ HD is a runtime value and the
+// tiles are zero-padded beyond it.
+
+#define KT 32
+#define KP 34
 
 // Loads tokens [t0, t0 + 32) of head slot `slot` (in head units of the qkv row) into a
 // transposed tile [HD][KP]; zero beyond T and beyond hd.
