@@ -911,11 +911,13 @@ fn training_step_every_family() {
 #[test]
 fn streaming_schedule_matches_the_reference_loop() {
     use GradientTier::{DeviceStore, HostRing, HostStore};
+    // (checkpoint tier, checkpoint interval K, gradient tier, clipping); the fixtures have 2
+    // layers, so K = 2 recomputes layer 1's input from layer 0's checkpoint.
     let tiers = [
-        (Tier::Host, HostStore, Some(1.0)),
-        (Tier::Host, DeviceStore, Some(1.0)),
-        (Tier::Device, HostRing, None),
-        (Tier::Device, DeviceStore, None),
+        (Tier::Host, 1, HostStore, Some(1.0)),
+        (Tier::Host, 2, DeviceStore, Some(1.0)),
+        (Tier::Device, 1, HostRing, None),
+        (Tier::Device, 2, DeviceStore, None),
     ];
     for case in ["llama", "qwen2", "mistral"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -923,8 +925,9 @@ fn streaming_schedule_matches_the_reference_loop() {
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
             .collect();
         let tied = spec.tie_embeddings;
-        for &(checkpoints, gradients, clip) in &tiers {
-            let what = format!("{case} {checkpoints:?} checkpoints, {gradients:?}");
+        for &(checkpoints, interval, gradients, clip) in &tiers {
+            let what =
+                format!("{case} {checkpoints:?} checkpoints every {interval}, {gradients:?}");
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
             let mut reference =
                 Trainer::new(gpu(), &spec, p.clone(), cfg.clone(), 42).expect("trainer");
@@ -932,6 +935,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                 max_tokens: 42,
                 grad_accum: 3,
                 checkpoints,
+                checkpoint_interval: interval,
                 optimizer_threads: 4,
                 resident: Vec::new(),
                 gradients,

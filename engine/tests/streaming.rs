@@ -58,13 +58,20 @@ fn config(clip: Option<f32>) -> TrainConfig {
 
 fn check(
     case: &str,
-    checkpoints: Tier,
+    (checkpoints, checkpoint_interval): (Tier, usize),
     gradients: GradientTier,
     clip: Option<f32>,
     resident: Vec<usize>,
 ) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case);
-    let (spec, params): (ModelSpec, HostParams) = HostParams::load_dir(&dir).expect("model");
+    let (spec, params): (ModelSpec, HostParams) = if case == "tiny" {
+        // The 4-layer preset: deep enough for several checkpoint groups.
+        let spec = sluice_engine::spec::preset("tiny").expect("tiny preset");
+        let params = HostParams::random(&spec, 5);
+        (spec, params)
+    } else {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case);
+        HostParams::load_dir(&dir).expect("model")
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let steps: Vec<Vec<MicroBatch>> =
         (0..STEPS).map(|_| (0..G).map(|_| micro_batch(&mut rng, spec.vocab)).collect()).collect();
@@ -75,6 +82,7 @@ fn check(
         max_tokens: 32,
         grad_accum: G,
         checkpoints,
+        checkpoint_interval,
         optimizer_threads: 2,
         resident,
         gradients,
@@ -112,7 +120,10 @@ fn check(
             let on = |stream: &str| {
                 got.timeline.iter().filter(|s| s.unit == unit && s.stream == stream).count()
             };
-            let compute = if unit == layers + 1 { 1 } else { 2 };
+            // With K > 1 a layer below the top of its group also recomputes its output.
+            let interval = checkpoint_interval;
+            let recomputed = (1..=layers).contains(&unit) && unit % interval != 0 && unit != layers;
+            let compute = if unit == layers + 1 { 1 } else { 2 + usize::from(recomputed) };
             let deferred = gradients == GradientTier::DeviceStore && k == 0 && unit > 1;
             let landings = if deferred { 0 } else { 1 };
             assert_eq!(
@@ -144,16 +155,16 @@ fn check(
 #[test]
 fn streaming_equals_reference_host_checkpoints_clipped() {
     for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
-        check(case, Tier::Host, GradientTier::HostStore, Some(1.0), Vec::new());
-        check(case, Tier::Host, GradientTier::DeviceStore, Some(1.0), Vec::new());
+        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new());
+        check(case, (Tier::Host, 1), GradientTier::DeviceStore, Some(1.0), Vec::new());
     }
 }
 
 #[test]
 fn streaming_equals_reference_device_checkpoints_unclipped() {
     for case in ["llama", "qwen2", "qwen3", "mistral"] {
-        check(case, Tier::Device, GradientTier::HostRing, None, Vec::new());
-        check(case, Tier::Device, GradientTier::DeviceStore, None, Vec::new());
+        check(case, (Tier::Device, 1), GradientTier::HostRing, None, Vec::new());
+        check(case, (Tier::Device, 1), GradientTier::DeviceStore, None, Vec::new());
     }
 }
 
@@ -161,6 +172,19 @@ fn streaming_equals_reference_device_checkpoints_unclipped() {
 fn resident_units_give_the_same_results_with_less_traffic() {
     // The embedding, the first layer and the head stay on the device.
     for case in ["llama", "qwen2"] {
-        check(case, Tier::Device, GradientTier::HostStore, Some(1.0), vec![0, 1, 3]);
+        check(case, (Tier::Device, 1), GradientTier::HostStore, Some(1.0), vec![0, 1, 3]);
+    }
+}
+
+#[test]
+fn a_checkpoint_interval_recomputes_to_the_same_results() {
+    // Over 4 layers: K = 2 makes two groups of two, K = 3 a group of three under a group of
+    // one, K = 8 one group with every input but the first recomputed; in both tiers. The
+    // 2-layer fixtures cover an untied model (bitwise equality) and a tied one.
+    for case in ["tiny", "llama", "qwen2"] {
+        for k in [2, 3, 8] {
+            check(case, (Tier::Device, k), GradientTier::HostStore, Some(1.0), Vec::new());
+            check(case, (Tier::Host, k), GradientTier::HostRing, None, Vec::new());
+        }
     }
 }

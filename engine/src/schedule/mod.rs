@@ -7,6 +7,8 @@
 //! head      weights(head); for b: loss, dx[b], d_head += (f32)
 //! backward  for layer l = L-1..0: weights(l) -> slot; for b: recompute f_l from x[l][b];
 //!               dx[b] <- backprop(dx[b]); dW(l) += (f32 on the device)
+//!           (checkpoint interval K > 1: only x[l] with l % K == 0 is kept; each group of K
+//!           layers first recomputes its other inputs forward from that one)
 //!           embedding: dW(0) += scatter(dx[b])
 //!           gradients wait on the device or land on the host (`grads`, by gradient tier)
 //! optimizer clipping on:  after the backward, once the global norm is known, AdamW for units
@@ -63,6 +65,9 @@ pub struct ScheduleOptions {
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
     pub checkpoints: Tier,
+    /// Keep the input of every K-th layer only (K = 1: every layer); the backward recomputes the
+    /// K - 1 inputs in between from it, once per group, into K - 1 device buffers.
+    pub checkpoint_interval: usize,
     /// Threads of the optimizer worker's pool (0: one per core).
     pub optimizer_threads: usize,
     /// Units whose weights stay on the device: uploaded once per step (after their update)
@@ -139,11 +144,18 @@ pub struct Streamer<'b, B: Backend> {
     grads: Grads<B>,
     /// The tied LM head's gradient, which joins the embedding's at the end of the backward.
     tied_grad: Option<B::Floats>,
-    /// Device tier: `ckpt[c][b]` is the input of layer `c` (`c = layers`: of the head).
+    /// Device tier: `ckpt_device[l][b]` is the input of layer `l` (`l = layers`: of the head);
+    /// empty for layers whose input is not kept.
     ckpt_device: Vec<Vec<B::Floats>>,
-    /// Host tier: the same, in host slabs; `work` holds the device copies in use.
+    /// Host tier: the same for layers below the head, in host slabs.
     ckpt_host: Vec<Vec<HostSlab>>,
+    /// Layer inputs that are not kept (and, host tier, all of them) flow through these in the
+    /// forward: layer l reads `work[l % 2]` and writes `work[(l + 1) % 2]`. The backward
+    /// brings host checkpoints back into `work[0]`.
     work: [Vec<B::Floats>; 2],
+    /// K > 1: `regen[j][b]` holds the recomputed input of layer `s + 1 + j` of the group that
+    /// starts at layer `s`.
+    regen: Vec<Vec<B::Floats>>,
     /// Activation gradients per micro-batch, flowing down the layers.
     dx: [Vec<B::Floats>; 2],
     layer_out: B::Floats,
@@ -168,6 +180,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
     ) -> Result<Self> {
         if options.max_tokens == 0 || options.grad_accum == 0 {
             return Err(Error::invalid("a step needs at least one micro-batch of one token"));
+        }
+        if options.checkpoint_interval == 0 {
+            return Err(Error::invalid("the checkpoint interval must be at least 1 layer"));
         }
         let layout = params.layout.clone();
         if *layout != ModelLayout::new(spec) {
@@ -222,26 +237,39 @@ impl<'b, B: Backend> Streamer<'b, B> {
             b.alloc(n, FloatKind::Accum)
         };
         let per_mb = |n: usize| (0..g).map(|_| act(n)).collect::<Result<Vec<_>>>();
-        let (ckpt_device, ckpt_host, work) = match options.checkpoints {
+        // Layer inputs kept between the forward and the backward: every K-th layer's, and on the
+        // device the head's input too. The rest pass through the two working sets.
+        let k = options.checkpoint_interval;
+        let layers = spec.layers;
+        let kept = |l: usize| l.is_multiple_of(k);
+        let (ckpt_device, ckpt_host) = match options.checkpoints {
             Tier::Device => {
-                let c = (0..=spec.layers).map(|_| per_mb(t * h)).collect::<Result<Vec<_>>>()?;
-                (c, Vec::new(), [Vec::new(), Vec::new()])
+                let c = (0..=layers)
+                    .map(|l| if kept(l) || l == layers { per_mb(t * h) } else { Ok(Vec::new()) })
+                    .collect::<Result<Vec<_>>>()?;
+                (c, Vec::new())
             }
             Tier::Host => {
                 let bytes = t * h * b.elem_bytes(FloatKind::Activation);
-                let mut host = Vec::with_capacity(spec.layers + 1);
-                for _ in 0..=spec.layers {
-                    let mut row = Vec::with_capacity(g);
-                    for _ in 0..g {
+                let mut host = Vec::with_capacity(layers);
+                for l in 0..layers {
+                    let mut row = Vec::new();
+                    for _ in 0..if kept(l) { g } else { 0 } {
                         let mut slab = HostSlab::zeroed(bytes)?;
                         b.pin(&mut slab)?;
                         row.push(slab);
                     }
                     host.push(row);
                 }
-                (Vec::new(), host, [per_mb(t * h)?, per_mb(t * h)?])
+                (Vec::new(), host)
             }
         };
+        let work = if options.checkpoints == Tier::Host || k > 1 {
+            [per_mb(t * h)?, per_mb(t * h)?]
+        } else {
+            [Vec::new(), Vec::new()]
+        };
+        let regen = (1..k.min(layers.max(1))).map(|_| per_mb(t * h)).collect::<Result<_>>()?;
         let tied = spec.tie_embeddings;
         let embed_len = layout.units[0].len;
         let units = layout.units.len();
@@ -294,6 +322,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             ckpt_device,
             ckpt_host,
             work,
+            regen,
             dx: [per_mb(t * h)?, per_mb(t * h)?],
             layer_out: act(t * h)?,
             device_bytes: 0,
@@ -652,36 +681,48 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.span(0, "compute", started);
         self.prefetch(1)?;
 
-        // Layer l reads checkpoint l and writes checkpoint l + 1 (host tier: through the two
-        // working sets, l's input in work[l % 2]).
+        // Layer l reads its input and writes layer l + 1's: a kept input stays in its checkpoint
+        // (device tier), every other one in a working set; the host tier copies the kept ones
+        // out of the working sets.
+        let k = self.options.checkpoint_interval;
         for l in 0..layers {
             let slot = self.load_unit(l + 1)?;
             let started = Instant::now();
+            let input = if !host && l % k == 0 { Act::Ckpt(l) } else { Act::Work(l % 2) };
+            let next = l + 1;
+            let output = if !host && (next % k == 0 || next == layers) {
+                Act::Ckpt(next)
+            } else {
+                Act::Work(next % 2)
+            };
+            let copy_out = host && keep && next % k == 0 && next < layers;
             if host {
                 // This layer overwrites the working set whose checkpoints the layer before the
                 // last copied out: wait for those copies.
-                b.wait(&self.compute, &self.events.work_free[(l + 1) % 2])?;
+                b.wait(&self.compute, &self.events.work_free[next % 2])?;
             }
             for mb in 0..g {
                 let batch = &self.batches[mb];
-                if host {
-                    let [w0, w1] = &mut self.work;
-                    let (x_in, x_out) =
-                        if l % 2 == 0 { (&w0[mb], &mut w1[mb]) } else { (&w1[mb], &mut w0[mb]) };
-                    self.decoder.layer_forward(
-                        b,
-                        x_out,
-                        x_in,
-                        &self.slots[slot],
-                        &mut self.scratch,
-                        batch,
-                        l,
-                    )?;
-                    if !keep {
-                        continue;
-                    }
+                let (x_in, x_out) = acts(
+                    &mut self.ckpt_device,
+                    &mut self.work,
+                    &mut self.regen,
+                    input,
+                    output,
+                    mb,
+                )?;
+                self.decoder.layer_forward(
+                    b,
+                    x_out,
+                    x_in,
+                    &self.slots[slot],
+                    &mut self.scratch,
+                    batch,
+                    l,
+                )?;
+                if copy_out {
                     let n = batch.tokens * h;
-                    let dst = &mut self.ckpt_host[l + 1][mb];
+                    let dst = &mut self.ckpt_host[next][mb];
                     self.traffic.d2h_bytes += Self::checkpoint_out(
                         b,
                         &self.compute,
@@ -691,22 +732,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         x_out,
                         n,
                     )?;
-                } else {
-                    let (done, rest) = self.ckpt_device.split_at_mut(l + 1);
-                    let (x_in, x_out) = (&done[l][mb], &mut rest[0][mb]);
-                    self.decoder.layer_forward(
-                        b,
-                        x_out,
-                        x_in,
-                        &self.slots[slot],
-                        &mut self.scratch,
-                        batch,
-                        l,
-                    )?;
                 }
             }
-            if host && keep {
-                b.record(&self.events.work_free[(l + 1) % 2], &self.d2h)?;
+            if copy_out {
+                b.record(&self.events.work_free[next % 2], &self.d2h)?;
             }
             self.release_slot(slot)?;
             self.span(l + 1, "compute", started);
@@ -796,68 +825,84 @@ impl<'b, B: Backend> Streamer<'b, B> {
     }
 
     /// Layers from the top down, recomputing each from its checkpoint, then the embedding.
-    /// Each unit's gradients wait or land as their tier says once they are complete.
+    /// With K > 1, each group of K layers first recomputes the inputs of its upper layers from
+    /// the group's checkpoint. Each unit's gradients wait or land as their tier says once they
+    /// are complete.
     fn backward(&mut self, g: usize, early: Option<f32>) -> Result<()> {
-        let (b, layers, h) = (self.b, self.decoder.spec.layers, self.decoder.spec.hidden);
+        let (b, layers) = (self.b, self.decoder.spec.layers);
         let host = self.options.checkpoints == Tier::Host;
+        let passes = backward_passes(layers, self.options.checkpoint_interval);
         // dx[cur][mb] holds the gradient with respect to the current layer's output.
         let mut cur = 0;
-        for l in (0..layers).rev() {
+        let mut group = None;
+        for (i, &Pass { layer: l, start, recompute }) in passes.iter().enumerate() {
             let slot = self.load_unit(l + 1)?;
             let started = Instant::now();
-            self.grads.begin(b, &self.worker, l + 1)?;
-            if host {
-                // Bring the layer's checkpoints back into working buffers compute no longer
-                // reads (the upload waits for all compute queued so far).
-                b.record(&self.events.activations_ready, &self.compute)?;
-                b.wait(&self.h2d, &self.events.activations_ready)?;
-                for mb in 0..g {
-                    let n = self.batches[mb].tokens * h;
-                    let dst = b.view_mut(&mut self.work[0][mb], 0..n);
-                    // SAFETY: the checkpoint slab lives as long as the streamer and is written
-                    // again only by the next forward's copies out, which d2h queues after
-                    // compute has consumed this upload.
-                    unsafe { b.upload_on(&self.h2d, dst, &self.ckpt_host[l][mb], 0)? };
-                    self.traffic.h2d_bytes += (n * b.elem_bytes(FloatKind::Activation)) as u64;
+            if group != Some(start) {
+                group = Some(start);
+                if host {
+                    self.checkpoints_in(g, start)?;
                 }
-                b.record(&self.events.checkpoints_moved, &self.h2d)?;
-                b.wait(&self.compute, &self.events.checkpoints_moved)?;
             }
-            for mb in 0..g {
-                let batch = &self.batches[mb];
-                let x_in = if host { &self.work[0][mb] } else { &self.ckpt_device[l][mb] };
-                let w = &self.slots[slot];
-                self.decoder.layer_forward(
-                    b,
-                    &mut self.layer_out,
-                    x_in,
-                    w,
-                    &mut self.scratch,
-                    batch,
-                    l,
-                )?;
-                let [d0, d1] = &mut self.dx;
-                let (dx_out, dx_in) =
-                    if cur == 0 { (&d0[mb], &mut d1[mb]) } else { (&d1[mb], &mut d0[mb]) };
-                self.decoder.layer_backward(
-                    b,
-                    dx_in,
-                    self.grads.acc(l + 1),
-                    dx_out,
-                    x_in,
-                    w,
-                    &mut self.scratch,
-                    batch,
-                    l,
-                )?;
+            // The group's first input is its checkpoint; the others were recomputed.
+            let input = match (l == start, host) {
+                (true, true) => Act::Work(0),
+                (true, false) => Act::Ckpt(start),
+                (false, _) => Act::Regen(l - start - 1),
+            };
+            if recompute {
+                for mb in 0..g {
+                    let (x_in, x_out) = acts(
+                        &mut self.ckpt_device,
+                        &mut self.work,
+                        &mut self.regen,
+                        input,
+                        Act::Regen(l - start),
+                        mb,
+                    )?;
+                    let (w, batch) = (&self.slots[slot], &self.batches[mb]);
+                    self.decoder.layer_forward(b, x_out, x_in, w, &mut self.scratch, batch, l)?;
+                }
+            } else {
+                self.grads.begin(b, &self.worker, l + 1)?;
+                for mb in 0..g {
+                    let batch = &self.batches[mb];
+                    let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
+                    let w = &self.slots[slot];
+                    self.decoder.layer_forward(
+                        b,
+                        &mut self.layer_out,
+                        x_in,
+                        w,
+                        &mut self.scratch,
+                        batch,
+                        l,
+                    )?;
+                    let [d0, d1] = &mut self.dx;
+                    let (dx_out, dx_in) =
+                        if cur == 0 { (&d0[mb], &mut d1[mb]) } else { (&d1[mb], &mut d0[mb]) };
+                    self.decoder.layer_backward(
+                        b,
+                        dx_in,
+                        self.grads.acc(l + 1),
+                        dx_out,
+                        x_in,
+                        w,
+                        &mut self.scratch,
+                        batch,
+                        l,
+                    )?;
+                }
+                cur = 1 - cur;
             }
-            cur = 1 - cur;
             self.release_slot(slot)?;
             self.span(l + 1, "compute", started);
-            if l > 0 {
-                self.prefetch(l)?;
+            if let Some(next) = passes.get(i + 1) {
+                self.prefetch(next.layer + 1)?;
             }
-            self.grads_done(l + 1, early)?;
+            if !recompute {
+                self.grads_done(l + 1, early)?;
+            }
         }
 
         // The embedding's gradient: a tied head's contribution first, then the scatter.
@@ -878,6 +923,25 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.span(0, "compute", started);
         self.grads_done(0, early)?;
         self.grads.flush(b, &self.worker)
+    }
+
+    /// Host tier: brings layer `l`'s checkpoints back into `work[0]`, which compute no longer
+    /// reads (the upload waits for all compute queued so far).
+    fn checkpoints_in(&mut self, g: usize, l: usize) -> Result<()> {
+        let (b, h) = (self.b, self.decoder.spec.hidden);
+        b.record(&self.events.activations_ready, &self.compute)?;
+        b.wait(&self.h2d, &self.events.activations_ready)?;
+        for mb in 0..g {
+            let n = self.batches[mb].tokens * h;
+            let dst = b.view_mut(&mut self.work[0][mb], 0..n);
+            // SAFETY: the checkpoint slab lives as long as the streamer and is written again only
+            // by the next forward's copies out, which d2h queues after compute has consumed this
+            // upload (compute waits for `checkpoints_moved` below).
+            unsafe { b.upload_on(&self.h2d, dst, &self.ckpt_host[l][mb], 0)? };
+            self.traffic.h2d_bytes += (n * b.elem_bytes(FloatKind::Activation)) as u64;
+        }
+        b.record(&self.events.checkpoints_moved, &self.h2d)?;
+        b.wait(&self.compute, &self.events.checkpoints_moved)
     }
 
     /// This step's spans plus the optimizer's updates that finished during it, in start order.
@@ -973,6 +1037,107 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         Ok(())
     }
+}
+
+/// Where a layer's input or output lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Act {
+    /// `ckpt_device[l]`.
+    Ckpt(usize),
+    /// `work[i]`.
+    Work(usize),
+    /// `regen[j]`.
+    Regen(usize),
+}
+
+/// One layer's work in the backward: recomputing its output (the next layer's input) for the
+/// group that starts at `start`, or its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pass {
+    layer: usize,
+    start: usize,
+    recompute: bool,
+}
+
+/// The backward's passes, top group first: for the group of layers `s..e`, recompute layers
+/// `s..e-1` forward, then run the backward of layers `e-1` down to `s`.
+fn backward_passes(layers: usize, k: usize) -> Vec<Pass> {
+    let mut passes = Vec::new();
+    let mut starts: Vec<usize> = (0..layers).step_by(k.max(1)).collect();
+    starts.reverse();
+    for start in starts {
+        let end = (start + k).min(layers);
+        passes.extend((start..end - 1).map(|layer| Pass { layer, start, recompute: true }));
+        passes.extend((start..end).rev().map(|layer| Pass { layer, start, recompute: false }));
+    }
+    passes
+}
+
+fn pick<'a, F>(
+    ckpt: &'a [Vec<F>],
+    work: &'a [Vec<F>; 2],
+    regen: &'a [Vec<F>],
+    a: Act,
+) -> Option<&'a Vec<F>> {
+    match a {
+        Act::Ckpt(i) => ckpt.get(i),
+        Act::Work(i) => work.get(i),
+        Act::Regen(i) => regen.get(i),
+    }
+}
+
+/// Micro-batch `mb` of activation buffer `a`.
+fn act<'a, F>(
+    ckpt: &'a [Vec<F>],
+    work: &'a [Vec<F>; 2],
+    regen: &'a [Vec<F>],
+    a: Act,
+    mb: usize,
+) -> Result<&'a F> {
+    pick(ckpt, work, regen, a)
+        .and_then(|v| v.get(mb))
+        .ok_or_else(|| Error::invalid(format!("no activation buffer {a:?}[{mb}]")))
+}
+
+fn at<F>(v: &[Vec<F>], i: usize, mb: usize) -> Option<&F> {
+    v.get(i)?.get(mb)
+}
+
+fn at_mut<F>(v: &mut [Vec<F>], i: usize, mb: usize) -> Option<&mut F> {
+    v.get_mut(i)?.get_mut(mb)
+}
+
+/// Micro-batch `mb` of buffers `input` (read) and `output` (written), which must differ.
+fn acts<'a, F>(
+    ckpt: &'a mut [Vec<F>],
+    work: &'a mut [Vec<F>; 2],
+    regen: &'a mut [Vec<F>],
+    input: Act,
+    output: Act,
+    mb: usize,
+) -> Result<(&'a F, &'a mut F)> {
+    fn split<F>(v: &mut [Vec<F>], i: usize, o: usize, mb: usize) -> Option<(&F, &mut F)> {
+        if i == o || i.max(o) >= v.len() {
+            return None;
+        }
+        let (low, high) = v.split_at_mut(i.max(o));
+        let (lo, hi) = (at_mut(low, i.min(o), mb)?, at_mut(high, 0, mb)?);
+        Some(if i < o { (&*lo, hi) } else { (&*hi, lo) })
+    }
+    let found = match (input, output) {
+        (Act::Ckpt(i), Act::Ckpt(o)) => split(ckpt, i, o, mb),
+        (Act::Work(i), Act::Work(o)) => split(work, i, o, mb),
+        (Act::Regen(i), Act::Regen(o)) => split(regen, i, o, mb),
+        (Act::Ckpt(i), Act::Work(o)) => at(ckpt, i, mb).zip(at_mut(work, o, mb)),
+        (Act::Ckpt(i), Act::Regen(o)) => at(ckpt, i, mb).zip(at_mut(regen, o, mb)),
+        (Act::Work(i), Act::Ckpt(o)) => at(work, i, mb).zip(at_mut(ckpt, o, mb)),
+        (Act::Work(i), Act::Regen(o)) => at(work, i, mb).zip(at_mut(regen, o, mb)),
+        (Act::Regen(i), Act::Ckpt(o)) => at(regen, i, mb).zip(at_mut(ckpt, o, mb)),
+        (Act::Regen(i), Act::Work(o)) => at(regen, i, mb).zip(at_mut(work, o, mb)),
+    };
+    found.ok_or_else(|| {
+        Error::invalid(format!("activation buffers {input:?} -> {output:?}[{mb}] unavailable"))
+    })
 }
 
 impl<B: Backend> Drop for Streamer<'_, B> {

@@ -280,6 +280,7 @@ pub fn run<B: Backend>(
         max_tokens: options.micro_batch * options.seq_len,
         grad_accum: per_step,
         checkpoints: options.checkpoints,
+        checkpoint_interval: 1,
         optimizer_threads: 0,
         resident: Vec::new(),
         gradients: ScheduleOptions::host_gradients(config.max_grad_norm.is_some()),
