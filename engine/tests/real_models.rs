@@ -376,6 +376,7 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
         save_every: None,
         save_dtype: SaveDtype::Bf16,
         checkpoints: Tier::Device,
+        resident: Vec::new(),
         eval_every: None,
     };
     let mut losses = Losses(Vec::new());

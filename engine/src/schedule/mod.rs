@@ -17,6 +17,7 @@
 //! `compute`; events are named after what they guard. Nothing is allocated on the device inside
 //! the step: every buffer is sized when the streamer is built.
 
+pub mod from_plan;
 mod optimizer;
 
 use std::sync::Arc;

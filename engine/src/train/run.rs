@@ -65,9 +65,12 @@ pub struct RunOptions {
     /// final one.
     pub save_every: Option<u64>,
     pub save_dtype: SaveDtype,
-    /// Where layer inputs wait between forward and backward.
+    /// Where layer inputs wait between forward and backward (the planner's choice).
     #[serde(default = "default_tier")]
     pub checkpoints: Tier,
+    /// Units whose weights stay on the device (the planner's choice).
+    #[serde(default)]
+    pub resident: Vec<usize>,
     /// Hold out the last twentieth of the micro-batches (at least one) and report their mean
     /// loss every this many steps and after the last.
     #[serde(default)]
@@ -96,8 +99,9 @@ pub struct LoadedModel {
     pub extra_files: Vec<(String, Vec<u8>)>,
 }
 
-/// Loads a model folder or builds a preset.
-pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
+/// The model's shape alone (`config.json` or the preset), for planning before anything is
+/// loaded.
+pub fn model_spec(source: &ModelSource) -> Result<ModelSpec> {
     match source {
         ModelSource::Dir(dir) => {
             if !dir.is_dir() {
@@ -106,7 +110,17 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
                     "not a model folder (expected config.json, weights and tokenizer.json)",
                 ));
             }
-            let spec = ModelSpec::from_path(dir)?;
+            ModelSpec::from_path(dir)
+        }
+        ModelSource::Preset(name) => spec::preset(name),
+    }
+}
+
+/// Loads a model folder or builds a preset.
+pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
+    match source {
+        ModelSource::Dir(dir) => {
+            let spec = model_spec(source)?;
             let tokenizer = Tokenizer::from_dir(dir)?;
             let params = HostParams::load(&spec, &TensorSource::open(dir)?)?;
             let mut extra_files = Vec::new();
@@ -143,7 +157,8 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
 }
 
 impl RunOptions {
-    fn validate(&self) -> Result<()> {
+    /// Checks the options alone (sizes, rates, intervals), before any file is read.
+    pub fn validate(&self) -> Result<()> {
         let positive = [
             ("sequence length", self.seq_len),
             ("micro-batch size", self.micro_batch),
@@ -266,7 +281,7 @@ pub fn run<B: Backend>(
         grad_accum: per_step,
         checkpoints: options.checkpoints,
         optimizer_threads: 0,
-        resident: Vec::new(),
+        resident: options.resident.clone(),
     };
     let params = match &state {
         Some(s) => s.master.clone(),

@@ -5,6 +5,7 @@
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
 mod bench;
+mod device;
 mod generate;
 mod import_gguf;
 mod plan;

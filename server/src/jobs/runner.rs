@@ -339,6 +339,7 @@ async fn prepare(state: &AppState, job: &JobRow) -> Result<Option<(RunOptions, u
         save_every: config.save_every,
         save_dtype: SaveDtype::F32,
         checkpoints: Tier::Device,
+        resident: Vec::new(),
         // About ten evaluations over the job; the engine holds out the data for them.
         eval_every: Some(steps.map_or(10, |s| (s / 10).max(1))),
     };
