@@ -376,6 +376,9 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
         save_every: None,
         save_dtype: SaveDtype::Bf16,
         checkpoints: Tier::Device,
+        checkpoint_interval: 1,
+        resident: Vec::new(),
+        gradients: None,
         eval_every: None,
         eval_data: None,
     };

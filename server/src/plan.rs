@@ -26,7 +26,7 @@ pub(crate) fn router() -> Router<AppState> {
 pub struct PlanInput<'a> {
     pub spec: &'a ModelSpec,
     pub device: &'a DeviceInfo,
-    /// Total memory of the host, bytes.
+    /// Host memory available to a job (MemAvailable), bytes.
     pub host_memory: u64,
     pub seq_len: usize,
     pub micro_batch: usize,
@@ -121,13 +121,18 @@ fn engine_verdict(input: &PlanInput) -> Verdict {
             grad_accum: input.grad_accum,
         },
         clipping: true,
+        // Free GPU memory (NVML's total less used) and MemAvailable, as `sluice plan` and
+        // `sluice train` read them (see `MachineMemory::detect`).
         memory: MachineMemory {
             gpu_bytes: input.device.memory_total.saturating_sub(input.device.memory_used),
             gpu_source: MemorySource::Measured,
+            gpu_total: Some(input.device.memory_total),
             host_bytes: input.host_memory,
             host_source: MemorySource::Measured,
+            host_total: None,
         },
         rates: MachineRates::default(),
+        supports: sluice_engine::schedule::from_plan::STREAMER,
     };
     let convert = |t: &plan::Tier| Tier {
         name: t.tier.label().into(),
@@ -231,7 +236,8 @@ pub fn verdict_for(
             known.join(", ")
         )));
     };
-    let (host_memory, _) = crate::gpus::host_memory();
+    // MemAvailable, not MemTotal: what other processes hold is not the job's to use.
+    let (_, host_memory) = crate::gpus::host_memory();
     Ok(plan_verdict(&PlanInput {
         spec: &model.spec,
         device,

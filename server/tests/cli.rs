@@ -184,3 +184,51 @@ fn config_file_with_an_unknown_key_is_refused() -> anyhow::Result<()> {
     assert!(stderr.contains("bad config file") && stderr.contains("adress"), "stderr:\n{stderr}");
     Ok(())
 }
+
+#[test]
+fn bench_train_on_the_cpu_reports_every_step_a_summary_and_a_replayable_first_step()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (json, check) = (dir.path().join("bench.json"), dir.path().join("check"));
+    let (output, stderr) = run(sluice()
+        .args(["bench", "train", "--device", "cpu", "--preset", "tiny", "--seq-len", "64"])
+        .args(["--micro-batch", "2", "--grad-accum", "2", "--steps", "3", "--json"])
+        .arg(&json)
+        .arg("--check-dir")
+        .arg(&check))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.starts_with("device: cpu\n"), "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("step ")).count(), 3, "{stdout}");
+    assert!(stdout.contains("summary (median of steps 3..3): "), "{stdout}");
+    assert!(stdout.contains("TFLOPS by 6 x params x tokens"), "{stdout}");
+
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json)?)?;
+    let steps = report["steps"].as_array().map_or(0, Vec::len);
+    assert_eq!(steps, 3, "{report}");
+    // 2 micro-batches x 2 rows x 64 tokens per step.
+    assert_eq!(report["steps"][0]["tokens"], 256, "{report}");
+    assert!(report["summary"]["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{report}");
+    assert!(report["summary"]["host_store_bytes"].as_u64().is_some_and(|b| b > 0), "{report}");
+
+    // What PyTorch needs to replay step 1: its weights, its tokens, its loss and unit norms.
+    for file in ["model/config.json", "model/model.safetensors", "batches.json", "step1.json"] {
+        assert!(check.join(file).is_file(), "{file} missing");
+    }
+    let step1: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(check.join("step1.json"))?)?;
+    assert_eq!(step1["loss"], report["steps"][0]["loss"], "{step1}");
+    assert_eq!(step1["trained_tokens"], 256, "{step1}");
+    // The tiny model's units: embedding (with the tied LM head), 4 layers, the final norm.
+    let units = step1["units"].as_array().cloned().unwrap_or_default();
+    assert_eq!(units.len(), 6, "{step1}");
+    assert_eq!(units[5]["tensors"], serde_json::json!(["model.norm.weight"]), "{step1}");
+    let squares: f64 = units.iter().filter_map(|u| u["grad_norm"].as_f64()).map(|n| n * n).sum();
+    let norm = step1["grad_norm"].as_f64().unwrap_or(f64::NAN);
+    // The reported global norm is rounded to f32 as torch's clip_grad_norm_ returns it.
+    assert!((squares.sqrt() - norm).abs() < 1e-6 * norm, "{} vs {norm}", squares.sqrt());
+    let batches: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(check.join("batches.json"))?)?;
+    assert_eq!(batches["micro_batches"].as_array().map_or(0, Vec::len), 2);
+    Ok(())
+}

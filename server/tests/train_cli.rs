@@ -261,3 +261,34 @@ fn a_run_killed_mid_way_resumes_to_the_same_bits() {
     assert!(stdout.contains("resuming after step"), "{stdout}");
     assert_eq!(weight_bits(&cut.join("final")), weight_bits(&whole.join("final")));
 }
+
+#[test]
+fn a_job_that_cannot_fit_is_refused_by_the_planner_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // The CPU backend: one memory holds the training state and the buffers; 1 MB holds neither.
+    let result = train(
+        &["--preset", "tiny", "--steps", "1", "--host-mem", "1000000", "--out"],
+        &[&out, Path::new("--data"), &demo_data()],
+    );
+    let stdout = result.1.clone();
+    assert_fails_with(result, "does not fit: host memory (the CPU backend");
+    // The same details `sluice plan` prints: the machine, and the closest placement's budget.
+    assert!(stdout.contains("memory of the closest placement"), "{stdout}");
+    assert!(stdout.contains("host 1.0 MiB (given)"), "{stdout}");
+    assert!(!out.exists(), "a refused run must not leave a run folder");
+
+    // Enough memory for one row per micro-batch but not four: the refusal names what fits.
+    let (code, stdout, stderr) = train(
+        &["--preset", "tiny", "--steps", "1", "--seq-len", "2048", "--micro-batch", "4"],
+        &[Path::new("--host-mem"), Path::new("60000000"), Path::new("--out"), &out]
+            .into_iter()
+            .chain([Path::new("--data"), &demo_data()])
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(code, Some(1), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let fits = stderr.split("--micro-batch ").nth(1).and_then(|s| s.split([',', ' ', '\n']).next());
+    let m: usize = fits.and_then(|m| m.parse().ok()).unwrap_or(0);
+    assert!((1..4).contains(&m), "no smaller micro-batch suggested:\n{stderr}");
+    assert!(!out.exists(), "a refused run must not leave a run folder");
+}

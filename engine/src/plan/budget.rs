@@ -9,6 +9,8 @@ use super::{CheckpointTier, GradientTier};
 /// and allocator slack: the schedule allocates every buffer at job start, so fragmentation is
 /// bounded, but the libraries allocate on their own.
 pub const DEVICE_RESERVE: u64 = 1 << 30;
+/// The name of that part of the device budget.
+pub const RUNTIME_RESERVE: &str = "runtime reserve (CUDA context, cuBLAS workspace)";
 /// Alignment of every unit's slab in the host store (DMA bursts start on a page).
 pub const SLAB_ALIGN: u64 = 4096;
 
@@ -200,7 +202,7 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
         format!("token batches ({g} micro-batches, i32)"),
         s.batch.step_tokens() * TOKEN_ARRAYS * 4 + g * 4,
     ));
-    parts.push(("runtime reserve (CUDA context, cuBLAS workspace)".to_string(), DEVICE_RESERVE));
+    parts.push((RUNTIME_RESERVE.to_string(), DEVICE_RESERVE));
     parts
 }
 

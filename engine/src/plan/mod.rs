@@ -14,7 +14,10 @@
 //! or host store) is a candidate. Each candidate then keeps as many units' weights resident as
 //! spare device memory allows, most-used first. Candidates that fit are timed by a
 //! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
-//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device).
+//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device). Only layouts the
+//! executing schedule implements are candidates ([`Capabilities`]). For the CPU backend the
+//! device is host memory ([`MemorySource::SharedWithHost`]): nothing is kept resident, and the
+//! device's buffers and the host store must fit the host together.
 
 pub mod budget;
 pub mod rates;
@@ -25,7 +28,7 @@ pub mod timing;
 use serde::Serialize;
 
 pub use budget::{Budget, Part, Tier, TierName};
-pub use rates::{H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
+pub use rates::{GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
 pub use sizes::BatchShape;
 
 use crate::error::{Error, Result};
@@ -44,7 +47,7 @@ pub enum CheckpointTier {
 }
 
 /// Where weight gradients wait before the optimizer uses them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GradientTier {
     /// Clipping on: every unit's fp32 gradients stay on the device until the global norm is
@@ -76,7 +79,8 @@ pub enum Bottleneck {
     CpuAdam,
 }
 
-/// The problem: a model, a batch shape, clipping and a machine.
+/// The problem: a model, a batch shape, clipping, a machine, and what the schedule that will
+/// run the plan implements.
 #[derive(Debug, Clone)]
 pub struct PlanInput<'a> {
     pub spec: &'a ModelSpec,
@@ -85,6 +89,31 @@ pub struct PlanInput<'a> {
     pub clipping: bool,
     pub memory: MachineMemory,
     pub rates: MachineRates,
+    pub supports: Capabilities,
+}
+
+/// The placements a schedule can execute. The planner offers only those, so a plan never asks
+/// for a layout the trainer would have to approximate (and whose memory it would then not
+/// match): `schedule::from_plan::STREAMER` says what the streamer implements today.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// Largest checkpoint interval K (1: every layer's input is kept).
+    pub max_checkpoint_interval: usize,
+    /// With clipping on, gradients can wait on the device for the global norm
+    /// ([`GradientTier::DeviceStore`]); otherwise they wait in the host store.
+    pub device_gradient_store: bool,
+    /// With clipping off, gradients land in a two-slot ring ([`GradientTier::HostRing`]);
+    /// otherwise in a full host store.
+    pub gradient_ring: bool,
+}
+
+impl Capabilities {
+    /// Every placement the planner models.
+    pub const ALL: Capabilities = Capabilities {
+        max_checkpoint_interval: usize::MAX,
+        device_gradient_store: true,
+        gradient_ring: true,
+    };
 }
 
 /// The model as the plan describes it.
@@ -270,18 +299,27 @@ struct Evaluated {
 /// The candidate layouts (nothing resident yet), each with its preference rank (lower is
 /// simpler): device checkpoints with K = 1, then host checkpoints, then growing K; gradients on
 /// the device before the host.
-fn candidates(s: &Sizes, clipping: bool) -> Vec<(Layout, usize)> {
-    let max_k = ((s.layers as f64).sqrt().ceil() as usize).max(1);
-    let mut ckpts = vec![(CheckpointTier::Device, 1, 0), (CheckpointTier::Host, 1, 1)];
+fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
+    let caps = input.supports;
+    let max_k = ((s.layers as f64).sqrt().ceil() as usize).clamp(1, caps.max_checkpoint_interval);
+    let mut ckpts = vec![(CheckpointTier::Device, 1, 0)];
+    // Where the device is host memory, a host checkpoint would only be a second host copy.
+    if !input.memory.shared() {
+        ckpts.push((CheckpointTier::Host, 1, 1));
+    }
     ckpts.extend((2..=max_k).map(|k| (CheckpointTier::Device, k, k)));
-    let grads: &[(GradientTier, usize)] = if clipping {
-        &[(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)]
-    } else {
-        &[(GradientTier::HostRing, 0)]
+    let grads: Vec<(GradientTier, usize)> = match (input.clipping, caps) {
+        (true, c) if c.device_gradient_store => {
+            vec![(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)]
+        }
+        (false, c) if c.gradient_ring => vec![(GradientTier::HostRing, 0)],
+        // Without a ring, unclipped gradients land in the host store too. The event model then
+        // times updates after the backward, not as gradients land: an upper bound on the step.
+        _ => vec![(GradientTier::HostStore, 0)],
     };
     let mut out = Vec::new();
     for &(checkpoints, interval, ck_rank) in &ckpts {
-        for &(gradients, g_rank) in grads {
+        for &(gradients, g_rank) in &grads {
             let layout =
                 Layout { checkpoints, interval, gradients, resident: vec![false; s.units.len()] };
             out.push((layout, 2 * ck_rank + g_rank));
@@ -295,7 +333,11 @@ fn candidates(s: &Sizes, clipping: bool) -> Vec<(Layout, usize)> {
 /// two for a tied embedding (its own two visits and the head's), one for layers and an untied
 /// embedding (two with K > 1, whose recompute pass is a third visit), none for the head. Ties go
 /// to the larger unit, whose residency also shrinks the streaming slots.
-fn fill_resident(s: &Sizes, layout: &mut Layout, gpu: u64, host: u64) {
+fn fill_resident(s: &Sizes, layout: &mut Layout, memory: &MachineMemory) {
+    // Where the device is host memory, a resident unit is only a second copy in the same RAM.
+    if memory.shared() {
+        return;
+    }
     let visits = |u: usize| -> usize {
         match u {
             0 if s.tied => 3,
@@ -311,7 +353,7 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, gpu: u64, host: u64) {
     });
     for u in order {
         layout.resident[u] = true;
-        if budget::budget(s, layout, gpu, host).device_over() > 0 {
+        if budget_for(s, layout, memory).device_over() > 0 {
             layout.resident[u] = false;
         }
     }
@@ -319,11 +361,10 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, gpu: u64, host: u64) {
 
 /// The best fitting layout, or the closest one when none fits.
 fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<Evaluated> {
-    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
     let mut fitting = Vec::new();
-    for (mut layout, rank) in candidates(s, input.clipping) {
-        fill_resident(s, &mut layout, gpu, host);
-        let b = budget::budget(s, &layout, gpu, host);
+    for (mut layout, rank) in candidates(s, input) {
+        fill_resident(s, &mut layout, &input.memory);
+        let b = budget_for(s, &layout, &input.memory);
         if b.fits() {
             let cost = timing::simulate(s, &layout, &input.rates, 1.0);
             fitting.push(Evaluated { layout, budget: b, rank, cost });
@@ -331,6 +372,21 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<Evaluated> {
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
     fitting.into_iter().filter(|e| e.cost.step <= fastest * 1.01).min_by_key(|e| e.rank)
+}
+
+/// The budget of a layout on a machine. Where the device is host memory (the CPU backend), the
+/// device's capacity is what the host parts leave of the host's.
+fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
+    let host = memory.host_bytes;
+    if !memory.shared() {
+        return budget::budget(s, l, memory.gpu_bytes, host);
+    }
+    let gpu = host.saturating_sub(budget::budget(s, l, 0, host).host_used());
+    let mut b = budget::budget(s, l, gpu, host);
+    // No CUDA context or cuBLAS workspace to keep room for.
+    b.device.parts.retain(|p| p.name != budget::RUNTIME_RESERVE);
+    b.device.used = b.device.parts.iter().map(|p| p.bytes).sum();
+    b
 }
 
 fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
@@ -395,23 +451,25 @@ struct Leanest {
 }
 
 fn leanest(s: &Sizes, input: &PlanInput<'_>) -> Leanest {
-    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
-    let budgets: Vec<Budget> = candidates(s, input.clipping)
-        .into_iter()
-        .map(|(l, _)| budget::budget(s, &l, gpu, host))
-        .collect();
+    let budgets: Vec<Budget> =
+        candidates(s, input).into_iter().map(|(l, _)| budget_for(s, &l, &input.memory)).collect();
     let device_min = budgets.iter().map(|b| b.device.used).min().unwrap_or(0);
     let host_min = budgets.iter().map(Budget::host_used).min().unwrap_or(0);
     let device_fits = budgets.iter().filter(|b| b.device_over() == 0).min_by_key(|b| b.host_used());
     let host_fits = budgets.iter().filter(|b| b.host_over() == 0).min_by_key(|b| b.device.used);
     let closest = budgets.iter().min_by_key(|b| b.device_over() + b.host_over());
-    let shown = device_fits
-        .or(host_fits)
-        .or(closest)
-        .cloned()
-        .unwrap_or_else(|| budget::budget(s, &candidates(s, input.clipping)[0].0, gpu, host));
+    // The candidate list always holds device checkpoints with K = 1.
+    let shown = device_fits.or(host_fits).or(closest).cloned().unwrap_or_else(|| {
+        let first = &candidates(s, input)[0].0;
+        budget_for(s, first, &input.memory)
+    });
+    // Where the device is host memory, the host must hold both.
+    let shared_needed = budgets.iter().map(|b| b.device.used + b.host_used()).min();
     Leanest {
-        host_needed: device_fits.map_or(host_min, Budget::host_used),
+        host_needed: match shared_needed {
+            Some(both) if input.memory.shared() => both,
+            _ => device_fits.map_or(host_min, Budget::host_used),
+        },
         device_needed: host_fits.map_or(device_min, |b| b.device.used),
         shown,
         device_min,
@@ -423,8 +481,17 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
     let lean = leanest(s, input);
     let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
     let mut overflows = Vec::new();
+    if input.memory.shared() {
+        // One memory holds everything: it is the reason.
+        overflows.push(Overflow {
+            memory: Memory::Host,
+            needed: lean.host_needed,
+            capacity: host,
+            over_by: lean.host_needed.saturating_sub(host),
+        });
+    }
     // A memory is named only when no placement fits it: then it is the reason.
-    if lean.device_min > gpu {
+    if overflows.is_empty() && lean.device_min > gpu {
         overflows.push(Overflow {
             memory: Memory::Device,
             needed: lean.device_min,
@@ -432,7 +499,7 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
             over_by: lean.device_min - gpu,
         });
     }
-    if lean.host_min > host {
+    if overflows.is_empty() && lean.host_min > host {
         overflows.push(Overflow {
             memory: Memory::Host,
             needed: lean.host_min,
@@ -468,6 +535,13 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
                 report::gib(o.capacity),
                 report::gib(o.over_by)
             ),
+            Memory::Host if input.memory.shared() => format!(
+                "host memory (the CPU backend's buffers and the training state): needs {} of {} \
+                 (over by {})",
+                report::gib(o.needed),
+                report::gib(o.capacity),
+                report::gib(o.over_by)
+            ),
             Memory::Host => format!(
                 "host memory (pinned + pageable): needs {} of {} (over by {})",
                 report::gib(o.needed),
@@ -491,10 +565,7 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
 /// Whether a batch shape fits (any candidate).
 fn fits_with(input: &PlanInput<'_>, batch: BatchShape) -> bool {
     let s = Sizes::new(input.spec, batch);
-    let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
-    candidates(&s, input.clipping)
-        .into_iter()
-        .any(|(l, _)| budget::budget(&s, &l, gpu, host).fits())
+    candidates(&s, input).into_iter().any(|(l, _)| budget_for(&s, &l, &input.memory).fits())
 }
 
 /// The largest `n` in `1..limit` with `fits(n)`, assuming fitting is monotone (memory grows with
@@ -521,7 +592,7 @@ fn suggestions(input: &PlanInput<'_>, lean: &Leanest) -> Vec<Suggestion> {
     if lean.host_needed > input.memory.host_bytes {
         out.push(Suggestion::HostMemory(lean.host_needed));
     }
-    if lean.device_needed > input.memory.gpu_bytes {
+    if lean.device_needed > input.memory.gpu_bytes && !input.memory.shared() {
         out.push(Suggestion::GpuMemory(lean.device_needed));
     }
     out

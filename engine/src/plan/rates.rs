@@ -69,15 +69,31 @@ impl MachineRates {
 pub const H200_GPU_BYTES: u64 = 139 << 30;
 
 /// Where a memory capacity came from, so the output can say when it is an assumption.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemorySource {
     /// Given by the caller (a command-line flag or the web form).
     Given,
-    /// Read from the machine (`/proc/meminfo` MemAvailable for the host, the driver for a GPU).
+    /// Read from the machine: the host's MemAvailable (`/proc/meminfo`), a GPU's free memory
+    /// (the driver's `cuMemGetInfo`, or NVML's total less used).
     Measured,
     /// No GPU could be read: the H200 figure is assumed.
     AssumedH200,
+    /// The CPU backend: there is no device memory, the buffers a GPU would hold are host memory
+    /// too, so the device's capacity is whatever the host parts of the plan leave.
+    SharedWithHost,
+}
+
+/// Which GPU's memory a plan is for, when its capacity is not given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuQuery {
+    /// A job on this GPU: its memory must be readable, or the plan is an error.
+    Ordinal(usize),
+    /// No device named (`sluice plan`): GPU 0 if the driver answers, else an H200 is assumed,
+    /// so a plan can be made on a machine without the GPU it is for.
+    FirstOrH200,
+    /// The CPU backend: no GPU; host memory holds everything.
+    HostOnly,
 }
 
 /// Memory capacities of the two places a job can use.
@@ -86,39 +102,90 @@ pub struct MachineMemory {
     /// Device memory the job may use, bytes.
     pub gpu_bytes: u64,
     pub gpu_source: MemorySource,
+    /// The GPU's whole memory when it was read (the plan uses the free part, `gpu_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_total: Option<u64>,
     /// Host memory the job may use (pinned and pageable together), bytes.
     pub host_bytes: u64,
     pub host_source: MemorySource,
+    /// MemTotal when the host was read (the plan uses MemAvailable, `host_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_total: Option<u64>,
 }
 
 impl MachineMemory {
-    /// Fills what the caller did not give: host memory from `/proc/meminfo` (MemAvailable), GPU
-    /// memory from the driver when a GPU backend can be asked, else the H200 assumption.
-    pub fn detect(gpu_bytes: Option<u64>, host_bytes: Option<u64>) -> Result<MachineMemory> {
-        let (host_bytes, host_source) = match host_bytes {
-            Some(b) => (b, MemorySource::Given),
-            None => (host_available()?, MemorySource::Measured),
+    /// Both capacities as given (flags, tests).
+    pub fn given(gpu_bytes: u64, host_bytes: u64) -> MachineMemory {
+        MachineMemory {
+            gpu_bytes,
+            gpu_source: MemorySource::Given,
+            gpu_total: None,
+            host_bytes,
+            host_source: MemorySource::Given,
+            host_total: None,
+        }
+    }
+
+    /// Fills what the caller did not give from the machine itself.
+    ///
+    /// Host: MemAvailable from `/proc/meminfo`, not MemTotal. MemTotal includes what the kernel,
+    /// other processes and unreclaimable caches already hold; a plan against it passes jobs that
+    /// then swap or are killed. MemAvailable is the kernel's estimate of what can be allocated
+    /// without swapping (free memory plus reclaimable cache), read before the job allocates.
+    ///
+    /// GPU: the driver's free memory for the same reason (another process may hold part of the
+    /// card), read through `cuMemGetInfo` inside the primary context the job will use.
+    pub fn detect(
+        gpu: GpuQuery,
+        gpu_bytes: Option<u64>,
+        host_bytes: Option<u64>,
+    ) -> Result<MachineMemory> {
+        let (host_bytes, host_source, host_total) = match host_bytes {
+            Some(b) => (b, MemorySource::Given, None),
+            None => {
+                let (available, total) = host_memory()?;
+                (available, MemorySource::Measured, Some(total))
+            }
         };
-        // No GPU backend exists yet to ask the driver; the CUDA backend will fill this in.
-        let (gpu_bytes, gpu_source) = match gpu_bytes {
-            Some(b) => (b, MemorySource::Given),
-            None => (H200_GPU_BYTES, MemorySource::AssumedH200),
+        let (gpu_bytes, gpu_source, gpu_total) = match (gpu, gpu_bytes) {
+            (GpuQuery::HostOnly, Some(_)) => {
+                return Err(Error::invalid("the CPU backend has no GPU memory to give"));
+            }
+            (GpuQuery::HostOnly, None) => (host_bytes, MemorySource::SharedWithHost, None),
+            (_, Some(b)) => (b, MemorySource::Given, None),
+            (GpuQuery::Ordinal(n), None) => {
+                let (free, total) = crate::backend::cuda::device_memory(n)?;
+                (free, MemorySource::Measured, Some(total))
+            }
+            (GpuQuery::FirstOrH200, None) => match crate::backend::cuda::device_memory(0) {
+                Ok((free, total)) => (free, MemorySource::Measured, Some(total)),
+                Err(_) => (H200_GPU_BYTES, MemorySource::AssumedH200, None),
+            },
         };
-        Ok(MachineMemory { gpu_bytes, gpu_source, host_bytes, host_source })
+        Ok(MachineMemory { gpu_bytes, gpu_source, gpu_total, host_bytes, host_source, host_total })
+    }
+
+    /// Whether the device's buffers come out of host memory (the CPU backend).
+    pub fn shared(&self) -> bool {
+        self.gpu_source == MemorySource::SharedWithHost
     }
 }
 
-/// MemAvailable from `/proc/meminfo`, in bytes.
-pub fn host_available() -> Result<u64> {
+/// (MemAvailable, MemTotal) from `/proc/meminfo`, in bytes.
+pub fn host_memory() -> Result<(u64, u64)> {
     let path = "/proc/meminfo";
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    parse_mem_available(&text).ok_or_else(|| {
-        Error::invalid(format!("{path}: no MemAvailable line in kB; give the host memory instead"))
-    })
+    let field = |name| {
+        meminfo_kib(&text, name).ok_or_else(|| {
+            Error::invalid(format!("{path}: no {name} line in kB; give the host memory instead"))
+        })
+    };
+    Ok((field("MemAvailable")?, field("MemTotal")?))
 }
 
-fn parse_mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+/// A `NAME: <n> kB` line of `/proc/meminfo`, in bytes.
+fn meminfo_kib(meminfo: &str, name: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.split(':').next() == Some(name))?;
     let mut words = line.split_whitespace().skip(1);
     let kib: u64 = words.next()?.parse().ok()?;
     (words.next()? == "kB").then_some(kib * 1024)
@@ -129,21 +196,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_mem_available_in_bytes() {
+    fn reads_meminfo_fields_in_bytes() {
         let text = "MemTotal:       24604160 kB\nMemFree:  100 kB\nMemAvailable:   21000000 kB\n";
-        assert_eq!(parse_mem_available(text), Some(21_000_000 * 1024));
-        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
-        assert_eq!(parse_mem_available("MemAvailable: lots kB\n"), None);
-        assert_eq!(parse_mem_available("MemAvailable: 5 MB\n"), None);
+        assert_eq!(meminfo_kib(text, "MemAvailable"), Some(21_000_000 * 1024));
+        assert_eq!(meminfo_kib(text, "MemTotal"), Some(24_604_160 * 1024));
+        assert_eq!(meminfo_kib("MemTotal: 5 kB\n", "MemAvailable"), None);
+        assert_eq!(meminfo_kib("MemAvailable: lots kB\n", "MemAvailable"), None);
+        assert_eq!(meminfo_kib("MemAvailable: 5 MB\n", "MemAvailable"), None);
     }
 
     #[test]
-    fn detect_keeps_given_values_and_says_when_it_assumes() {
-        let m = MachineMemory::detect(None, Some(7)).expect("host given");
-        assert_eq!((m.host_bytes, m.host_source), (7, MemorySource::Given));
+    fn detect_keeps_given_values_and_says_where_the_rest_came_from() {
+        let m = MachineMemory::detect(GpuQuery::Ordinal(0), Some(5), Some(7)).expect("given");
+        assert_eq!(m, MachineMemory::given(5, 7));
+        // The CPU backend: the device is host memory, and no GPU capacity can be given.
+        let m = MachineMemory::detect(GpuQuery::HostOnly, None, Some(7)).expect("host given");
+        assert_eq!((m.gpu_bytes, m.gpu_source), (7, MemorySource::SharedWithHost));
+        assert!(m.shared());
+        let err = MachineMemory::detect(GpuQuery::HostOnly, Some(5), Some(7)).expect_err("gpu");
+        assert!(err.to_string().contains("no GPU memory"), "{err}");
+        // Host memory read from this machine: MemAvailable, with MemTotal beside it.
+        let m = MachineMemory::detect(GpuQuery::HostOnly, None, None).expect("meminfo");
+        assert_eq!(m.host_source, MemorySource::Measured);
+        assert!(m.host_total.is_some_and(|t| t >= m.host_bytes && m.host_bytes > 0), "{m:?}");
+    }
+
+    #[test]
+    fn without_a_gpu_sluice_plan_assumes_an_h200_and_a_job_on_one_is_an_error() {
+        // Only meaningful where no NVIDIA driver answers (CI and the development machines).
+        if crate::backend::cuda::device_memory(0).is_ok() {
+            return;
+        }
+        let m = MachineMemory::detect(GpuQuery::FirstOrH200, None, Some(7)).expect("assumed");
         assert_eq!((m.gpu_bytes, m.gpu_source), (H200_GPU_BYTES, MemorySource::AssumedH200));
-        let m = MachineMemory::detect(Some(5), Some(7)).expect("both given");
-        assert_eq!((m.gpu_bytes, m.gpu_source), (5, MemorySource::Given));
+        let err = MachineMemory::detect(GpuQuery::Ordinal(0), None, Some(7)).expect_err("no GPU");
+        assert!(err.to_string().contains("NVIDIA") || err.to_string().contains("GPU"), "{err}");
     }
 
     #[test]

@@ -5,8 +5,8 @@ use std::fmt;
 
 use super::sizes::Sizes;
 use super::{
-    Bottleneck, Budget, CheckpointTier, GradientTier, MemorySource, OptimizerMode, Plan, Refusal,
-    Suggestion,
+    Bottleneck, Budget, CheckpointTier, GradientTier, MachineMemory, MemorySource, OptimizerMode,
+    Plan, Refusal, Suggestion,
 };
 
 /// Bytes as GiB with two decimals ("13.27 GiB"); small sizes in MiB.
@@ -51,6 +51,25 @@ fn source(s: &MemorySource) -> &'static str {
         MemorySource::Given => "given",
         MemorySource::Measured => "read from this machine",
         MemorySource::AssumedH200 => "no GPU could be read: assuming an H200",
+        MemorySource::SharedWithHost => "the CPU backend: host memory",
+    }
+}
+
+/// "139.20 GiB (read from this machine: free of 139.80 GiB)".
+fn capacity(bytes: u64, s: &MemorySource, total: Option<u64>, what: &str) -> String {
+    match total {
+        Some(t) => format!("{} ({}: {what} of {})", gib(bytes), source(s), gib(t)),
+        None => format!("{} ({})", gib(bytes), source(s)),
+    }
+}
+
+fn write_machine(f: &mut fmt::Formatter<'_>, mem: &MachineMemory) -> fmt::Result {
+    let host = capacity(mem.host_bytes, &mem.host_source, mem.host_total, "MemAvailable");
+    if mem.shared() {
+        writeln!(f, "machine: host {host}, which also holds what a GPU would")
+    } else {
+        let gpu = capacity(mem.gpu_bytes, &mem.gpu_source, mem.gpu_total, "free");
+        writeln!(f, "machine: GPU {gpu}, host {host}")
     }
 }
 
@@ -92,14 +111,7 @@ impl fmt::Display for Plan {
             self.tokens_per_step,
             if self.clipping { "on" } else { "off" }
         )?;
-        writeln!(
-            f,
-            "machine: GPU {} ({}), host {} ({})",
-            gib(self.memory.gpu_bytes),
-            source(&self.memory.gpu_source),
-            gib(self.memory.host_bytes),
-            source(&self.memory.host_source)
-        )?;
+        write_machine(f, &self.memory)?;
         let p = &self.placement;
         writeln!(f, "placement:")?;
         writeln!(
@@ -199,6 +211,7 @@ impl Refusal {
         impl fmt::Display for Details<'_> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 writeln!(f, "does not fit: {}", self.0)?;
+                write_machine(f, &self.0.memory)?;
                 writeln!(f, "memory of the closest placement:")?;
                 write_budget(f, &self.0.budget)
             }

@@ -14,13 +14,9 @@ fn check(name: &str, batch: (usize, usize, usize), mem: (u64, u64), clipping: bo
         spec: &spec,
         batch: BatchShape { seq_len, micro_batch, grad_accum },
         clipping,
-        memory: MachineMemory {
-            gpu_bytes: mem.0,
-            gpu_source: MemorySource::Given,
-            host_bytes: mem.1,
-            host_source: MemorySource::Given,
-        },
+        memory: MachineMemory::given(mem.0, mem.1),
         rates: MachineRates::default(),
+        supports: Capabilities::ALL,
     };
     plan(&input).expect("valid input")
 }
@@ -297,8 +293,9 @@ fn bottleneck_moves_to_compute_as_tokens_per_step_grow() {
             spec: &spec,
             batch: BatchShape { seq_len: 1024, micro_batch, grad_accum },
             clipping: false,
-            memory: MachineMemory::detect(Some(24 * GIB), Some(H200.1)).expect("given"),
+            memory: MachineMemory::given(24 * GIB, H200.1),
             rates: MachineRates { adam_params: 20e9, ..MachineRates::default() },
+            supports: Capabilities::ALL,
         };
         fits(plan(&input).expect("valid"))
     };
@@ -349,8 +346,9 @@ fn invalid_input_is_an_error() {
         spec: &spec,
         batch: BatchShape { seq_len: 0, micro_batch: 1, grad_accum: 1 },
         clipping: true,
-        memory: MachineMemory::detect(Some(H200.0), Some(H200.1)).expect("given"),
+        memory: MachineMemory::given(H200.0, H200.1),
         rates: MachineRates::default(),
+        supports: Capabilities::ALL,
     };
     let err = plan(&input).expect_err("seq_len 0");
     assert!(err.to_string().contains("seq_len"), "{err}");
@@ -374,4 +372,70 @@ fn verdict_serialises_for_the_web_form_and_refusal_becomes_an_error() {
     assert_eq!(serde_json::to_value(&v).expect("json")["verdict"], "refused");
     let err = v.into_plan().expect_err("refused");
     assert!(err.to_string().contains("does not fit: host memory"), "{err}");
+}
+
+fn plan_with(
+    name: &str,
+    batch: (usize, usize, usize),
+    memory: MachineMemory,
+    caps: Capabilities,
+) -> Verdict {
+    let spec = preset(name).expect("preset");
+    let (seq_len, micro_batch, grad_accum) = batch;
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len, micro_batch, grad_accum },
+        clipping: true,
+        memory,
+        rates: MachineRates::default(),
+        supports: caps,
+    };
+    plan(&input).expect("valid input")
+}
+
+#[test]
+fn only_placements_the_schedule_implements_are_offered() {
+    // Without a device gradient store the gradients wait in the host store: 18 bytes per
+    // parameter on the host, 137 GB for Qwen2.5-7B, more than the machine's 125 GiB.
+    let host_only_grads = Capabilities {
+        max_checkpoint_interval: 1,
+        device_gradient_store: false,
+        gradient_ring: false,
+    };
+    let memory = MachineMemory::given(H200.0, H200.1);
+    let r = refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), host_only_grads));
+    assert_eq!(r.overflows[0].memory, Memory::Host, "{r}");
+    let all = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), Capabilities::ALL));
+    assert_eq!(all.placement.gradients, GradientTier::DeviceStore, "{all}");
+
+    let p = fits(plan_with("qwen2.5-3b", (1024, 8, 8), memory, host_only_grads));
+    assert_eq!(p.placement.gradients, GradientTier::HostStore, "{p}");
+    // Where device memory is short, K > 1 is not offered: host checkpoints instead.
+    let small_gpu = MachineMemory::given(24 * GIB, H200.1);
+    let p = fits(plan_with("qwen2.5-3b", (4096, 4, 8), small_gpu, host_only_grads));
+    assert_eq!(p.placement.checkpoint_interval, 1, "{p}");
+}
+
+#[test]
+fn on_the_cpu_one_memory_holds_the_state_and_the_buffers() {
+    let host = |bytes| MachineMemory::detect(GpuQuery::HostOnly, None, Some(bytes)).expect("given");
+    let p = fits(plan_with("tiny", (128, 4, 1), host(GIB), Capabilities::ALL));
+    // Nothing is resident (it would be a second copy in the same memory), checkpoints stay in
+    // the backend's own buffers, and both tiers together fit the one memory.
+    assert!(p.placement.resident_units.is_empty(), "{p}");
+    assert_eq!(p.placement.checkpoints, CheckpointTier::Device, "{p}");
+    assert!(p.budget.device.used + p.budget.host_used() <= GIB, "{p}");
+
+    // A refusal names the least memory any placement needs; with exactly that it fits.
+    let r = refused(plan_with("tiny", (128, 4, 1), host(1 << 20), Capabilities::ALL));
+    assert_eq!(r.overflows.len(), 1, "{r}");
+    assert_eq!(r.overflows[0].memory, Memory::Host, "{r}");
+    let need = r.overflows[0].needed;
+    assert!(need <= p.budget.device.used + p.budget.host_used(), "{r}");
+    assert!(r.to_string().contains("host memory (the CPU backend"), "{r}");
+    assert!(r.fits.contains(&Suggestion::HostMemory(need)), "{r}");
+    assert!(!r.fits.iter().any(|s| matches!(s, Suggestion::GpuMemory(_))), "{r}");
+    let p = fits(plan_with("tiny", (128, 4, 1), host(need), Capabilities::ALL));
+    assert_eq!(p.budget.device.used + p.budget.host_used(), need, "{p}");
+    refused(plan_with("tiny", (128, 4, 1), host(need - 1), Capabilities::ALL));
 }

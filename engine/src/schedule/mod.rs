@@ -26,6 +26,7 @@
 //! reused, and an optimizer update before its unit's weights are uploaded. Timeline spans are
 //! host times: when the schedule issued a unit's work and, where it waits, when that finished.
 
+pub mod from_plan;
 mod grads;
 mod optimizer;
 

@@ -12,8 +12,8 @@ mod trainer;
 use std::time::Duration;
 
 pub use run::{
-    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, read_run_options, run,
-    save_checkpoint,
+    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_options,
+    run, save_checkpoint,
 };
 pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;

@@ -13,7 +13,7 @@ use crate::backend::Backend;
 use crate::data::{self, DataOptions, DatasetSource, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
-use crate::schedule::{ScheduleOptions, Streamer, Tier};
+use crate::schedule::{GradientTier, ScheduleOptions, Streamer, Tier};
 use crate::spec::{self, ModelSpec};
 use crate::weights::{
     DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder,
@@ -65,9 +65,19 @@ pub struct RunOptions {
     /// final one.
     pub save_every: Option<u64>,
     pub save_dtype: SaveDtype,
-    /// Where layer inputs wait between forward and backward.
+    /// Where layer inputs wait between forward and backward (the planner's choice).
     #[serde(default = "default_tier")]
     pub checkpoints: Tier,
+    /// Keep every K-th layer's input only (the planner's choice; 1: every layer's).
+    #[serde(default = "every_layer")]
+    pub checkpoint_interval: usize,
+    /// Units whose weights stay on the device (the planner's choice).
+    #[serde(default)]
+    pub resident: Vec<usize>,
+    /// Where weight gradients wait for the optimizer (the planner's choice); `None`: the host
+    /// store with clipping, the ring without.
+    #[serde(default)]
+    pub gradients: Option<GradientTier>,
     /// Hold out the last twentieth of the micro-batches (at least one) and report their mean
     /// loss every this many steps and after the last.
     #[serde(default)]
@@ -80,6 +90,10 @@ pub struct RunOptions {
 
 fn default_tier() -> Tier {
     Tier::Device
+}
+
+fn every_layer() -> usize {
+    1
 }
 
 /// What a finished run reports.
@@ -100,8 +114,9 @@ pub struct LoadedModel {
     pub extra_files: Vec<(String, Vec<u8>)>,
 }
 
-/// Loads a model folder or builds a preset.
-pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
+/// The model's shape alone (`config.json` or the preset), for planning before anything is
+/// loaded.
+pub fn model_spec(source: &ModelSource) -> Result<ModelSpec> {
     match source {
         ModelSource::Dir(dir) => {
             if !dir.is_dir() {
@@ -110,7 +125,17 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
                     "not a model folder (expected config.json, weights and tokenizer.json)",
                 ));
             }
-            let spec = ModelSpec::from_path(dir)?;
+            ModelSpec::from_path(dir)
+        }
+        ModelSource::Preset(name) => spec::preset(name),
+    }
+}
+
+/// Loads a model folder or builds a preset.
+pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
+    match source {
+        ModelSource::Dir(dir) => {
+            let spec = model_spec(source)?;
             let tokenizer = Tokenizer::from_dir(dir)?;
             let params = HostParams::load(&spec, &TensorSource::open(dir)?)?;
             let mut extra_files = Vec::new();
@@ -147,7 +172,8 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
 }
 
 impl RunOptions {
-    fn validate(&self) -> Result<()> {
+    /// Checks the options alone (sizes, rates, intervals), before any file is read.
+    pub fn validate(&self) -> Result<()> {
         let positive = [
             ("sequence length", self.seq_len),
             ("micro-batch size", self.micro_batch),
@@ -280,10 +306,12 @@ pub fn run<B: Backend>(
         max_tokens: options.micro_batch * options.seq_len,
         grad_accum: per_step,
         checkpoints: options.checkpoints,
-        checkpoint_interval: 1,
+        checkpoint_interval: options.checkpoint_interval,
         optimizer_threads: 0,
-        resident: Vec::new(),
-        gradients: ScheduleOptions::host_gradients(config.max_grad_norm.is_some()),
+        resident: options.resident.clone(),
+        gradients: options
+            .gradients
+            .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
     };
     let params = match &state {
         Some(s) => s.master.clone(),

@@ -22,6 +22,9 @@ enum Bench {
     /// Fused multi-threaded AdamW (grad, m, v, master in; m, v, master, bf16 copy out) against a
     /// naive single-threaded scalar loop.
     Adam(AdamArgs),
+    /// Training steps of a random-init (or loaded) model on synthetic tokens: TFLOPS, tokens/s,
+    /// time per phase, PCIe traffic, memory, against the planner's prediction.
+    Train(super::bench_train::TrainArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -64,6 +67,7 @@ const BYTES_PER_PARAM: f64 = 4.0 * 4.0 + 3.0 * 4.0 + 2.0;
 pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         Bench::Adam(a) => adam(a),
+        Bench::Train(a) => super::bench_train::run(a),
     }
 }
 

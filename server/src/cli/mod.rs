@@ -5,6 +5,8 @@
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
 mod bench;
+mod bench_train;
+mod device;
 mod generate;
 mod import_gguf;
 mod plan;

@@ -4,8 +4,13 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use sluice_engine::plan::{BatchShape, MachineMemory, MachineRates, PlanInput, Verdict, plan};
+use sluice_engine::plan::{
+    BatchShape, GpuQuery, MachineMemory, MachineRates, PlanInput, Verdict, plan,
+};
+use sluice_engine::schedule::from_plan::STREAMER;
 use sluice_engine::spec::{ModelSpec, preset};
+
+use super::device::Device;
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
@@ -30,7 +35,12 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     grad_accum: usize,
 
-    /// GPU memory in bytes [default: read from the GPU; an H200's 139 GiB if none can be read].
+    /// Device the job would run on: cpu (host memory holds everything), cuda or cuda:N
+    /// [default: GPU 0, or an H200 assumed when no GPU can be read].
+    #[arg(long)]
+    device: Option<Device>,
+
+    /// GPU memory in bytes [default: the GPU's free memory, read through the driver].
     #[arg(long, value_name = "BYTES")]
     gpu_mem: Option<u64>,
 
@@ -53,7 +63,8 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         (None, Some(name)) => preset(name)?,
         (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
     };
-    let memory = MachineMemory::detect(args.gpu_mem, args.host_mem)
+    let gpu = args.device.map_or(GpuQuery::FirstOrH200, Device::gpu_query);
+    let memory = MachineMemory::detect(gpu, args.gpu_mem, args.host_mem)
         .context("reading the machine's memory")?;
     let input = PlanInput {
         spec: &spec,
@@ -65,6 +76,8 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         clipping: !args.no_clip,
         memory,
         rates: MachineRates::default(),
+        // What `sluice train` would run, not every placement the planner can model.
+        supports: STREAMER,
     };
     let verdict = plan(&input)?;
     if args.json {

@@ -9,11 +9,17 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
+use sluice_engine::plan::{
+    BatchShape, CheckpointTier, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
+};
 use sluice_engine::schedule::Tier;
+use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::train::{
-    Event, ModelSource, Observer, RunOptions, TrainConfig, read_run_options,
+    Event, ModelSource, Observer, RunOptions, TrainConfig, model_spec, read_run_options,
 };
 use sluice_engine::weights::SaveDtype;
+
+use super::device::Device;
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset", "resume"])))]
@@ -23,7 +29,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
-        "save_every", "save_dtype", "checkpoints", "eval_every", "eval_data",
+        "save_every", "save_dtype", "eval_every", "eval_data",
     ])]
     resume: Option<PathBuf>,
 
@@ -111,31 +117,37 @@ pub(crate) struct TrainArgs {
 
     /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: Device,
 
-    /// Where layer inputs wait between forward and backward: device or host memory.
-    #[arg(long, default_value = "device", value_parser = ["device", "host"])]
-    checkpoints: String,
+    /// GPU memory the job may use, in bytes [default: the GPU's free memory, from the driver].
+    #[arg(long, value_name = "BYTES")]
+    gpu_mem: Option<u64>,
+
+    /// Host memory the job may use, in bytes [default: MemAvailable from /proc/meminfo].
+    #[arg(long, value_name = "BYTES")]
+    host_mem: Option<u64>,
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let device = args.device.clone();
-    let (options, resume) = match &args.resume {
+    let (device, gpu_mem, host_mem) = (args.device, args.gpu_mem, args.host_mem);
+    let (mut options, resume) = match &args.resume {
         Some(out) => (read_run_options(out).context("cannot resume")?, true),
         None => (options(args)?, false),
     };
+    // The planner decides where everything lives, and refuses a job that cannot fit, before
+    // anything is loaded or allocated.
+    options.validate()?;
+    let plan = plan_run(&options, device, gpu_mem, host_mem)?;
+    let schedule = schedule_options(&plan, 0)?;
+    options.checkpoints = schedule.checkpoints;
+    options.checkpoint_interval = schedule.checkpoint_interval;
+    options.resident = schedule.resident;
+    options.gradients = Some(schedule.gradients);
+    print_plan(&plan, device);
     let mut printer = Printer { bar: None };
-    let summary = match device.as_str() {
-        "cpu" => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
-        other => {
-            let ordinal = match other.strip_prefix("cuda") {
-                Some("") => 0,
-                Some(n) => n
-                    .trim_start_matches(':')
-                    .parse()
-                    .with_context(|| format!("--device {other}: expected cpu, cuda or cuda:N"))?,
-                None => anyhow::bail!("--device {other}: expected cpu, cuda or cuda:N"),
-            };
+    let summary = match device {
+        Device::Cpu => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
+        Device::Cuda(ordinal) => {
             let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
             sluice_engine::train::run(&cuda, &options, resume, &mut printer)
         }
@@ -189,10 +201,76 @@ fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
         train_on_prompt: args.train_on_prompt,
         save_every: args.save_every,
         save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
-        checkpoints: if args.checkpoints == "host" { Tier::Host } else { Tier::Device },
+        // Both are the planner's choice, set once the run is planned.
+        checkpoints: Tier::Device,
+        checkpoint_interval: 1,
+        resident: Vec::new(),
+        gradients: None,
         eval_every: args.eval_every,
         eval_data: args.eval_data.map(DatasetSource::File),
     })
+}
+
+/// Plans the run on this machine (or the memory given) with what the streamer implements; a
+/// job that does not fit is an error carrying the planner's reason and what would fit, after
+/// the same details `sluice plan` prints.
+fn plan_run(
+    options: &RunOptions,
+    device: Device,
+    gpu_mem: Option<u64>,
+    host_mem: Option<u64>,
+) -> anyhow::Result<Plan> {
+    let spec = model_spec(&options.model)?;
+    let memory = MachineMemory::detect(device.gpu_query(), gpu_mem, host_mem)
+        .with_context(|| format!("reading the memory of {device}"))?;
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape {
+            seq_len: options.seq_len,
+            micro_batch: options.micro_batch,
+            grad_accum: options.grad_accum,
+        },
+        clipping: options.train.max_grad_norm.is_some(),
+        memory,
+        rates: MachineRates::default(),
+        supports: STREAMER,
+    };
+    match plan(&input)? {
+        Verdict::Fits(plan) => Ok(*plan),
+        Verdict::Refused(r) => {
+            print!("{}", r.details());
+            Err(anyhow::anyhow!("does not fit: {r}"))
+        }
+    }
+}
+
+/// One line: where the job's bytes will live and, on a GPU, the predicted step time.
+fn print_plan(plan: &Plan, device: Device) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let budget = &plan.budget;
+    match device {
+        Device::Cpu => println!(
+            "plan: {:.2} GiB of {:.2} GiB host memory",
+            gib(budget.device.used + budget.host_used()),
+            gib(plan.memory.host_bytes)
+        ),
+        Device::Cuda(_) => println!(
+            "plan: {} of {} units resident ({}), checkpoints {}; {:.2} GiB of {:.2} GiB GPU \
+             memory, {:.2} GiB of {:.2} GiB host; {:.2} s per step predicted",
+            plan.placement.resident_units.len(),
+            plan.model.units,
+            plan.placement.resident_summary,
+            match plan.placement.checkpoints {
+                CheckpointTier::Device => "on the device",
+                CheckpointTier::Host => "in host memory",
+            },
+            gib(budget.device.used),
+            gib(plan.memory.gpu_bytes),
+            gib(budget.host_used()),
+            gib(plan.memory.host_bytes),
+            plan.time.total_s,
+        ),
+    }
 }
 
 /// Prints events: a summary at the start, one line per step above a progress bar.

@@ -339,6 +339,9 @@ async fn prepare(state: &AppState, job: &JobRow) -> Result<Option<(RunOptions, u
         save_every: config.save_every,
         save_dtype: SaveDtype::F32,
         checkpoints: Tier::Device,
+        checkpoint_interval: 1,
+        resident: Vec::new(),
+        gradients: None,
         // About ten evaluations over the job; the engine holds out the data for them.
         eval_every: Some(steps.map_or(10, |s| (s / 10).max(1))),
         eval_data: None,

@@ -50,6 +50,37 @@ pub fn probe() -> Result<usize> {
     Ok(count)
 }
 
+/// Free and total memory of GPU `ordinal` in bytes, as the driver reports them
+/// (`cuMemGetInfo`). Needs only the driver, not the libraries the backend loads, so a planner can
+/// ask before anything is built; the reading is taken inside the device's primary context, the
+/// one a training run then shares, so that context's own reservation is already deducted from
+/// `free`.
+pub fn device_memory(ordinal: usize) -> Result<(u64, u64)> {
+    // SAFETY: only tries to dlopen libcuda under its usual names.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(err("no NVIDIA driver: libcuda.so could not be loaded"));
+    }
+    let count = match CudaContext::device_count() {
+        Ok(n) => usize::try_from(n).unwrap_or(0),
+        Err(e) if e.0 == cu::CUresult::CUDA_ERROR_NO_DEVICE => 0,
+        Err(e) => return Err(err(format!("the NVIDIA driver failed to start: {e}"))),
+    };
+    if ordinal >= count {
+        return Err(err(format!("no GPU {ordinal}: the driver sees {count}")));
+    }
+    let ctx = drv("creating the CUDA context", CudaContext::new(ordinal))?;
+    let (free, total) = drv("cuMemGetInfo", ctx.mem_get_info())?;
+    Ok((free as u64, total as u64))
+}
+
+impl super::Cuda {
+    /// Free and total memory of this backend's GPU right now, in bytes (`cuMemGetInfo`).
+    pub fn memory(&self) -> Result<(u64, u64)> {
+        let (free, total) = drv("cuMemGetInfo", self.ctx.mem_get_info())?;
+        Ok((free as u64, total as u64))
+    }
+}
+
 /// The CUDA driver's version, e.g. 13000 for CUDA 13.0.
 pub(super) fn driver_version() -> Result<i32> {
     let mut v = 0;

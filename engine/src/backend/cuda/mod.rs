@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
-pub use device::{PinnedBuffer, probe};
+pub use device::{PinnedBuffer, device_memory, probe};
 
 use super::{AttentionShape, Backend, FloatKind, WeightDtype};
 use crate::error::Result;

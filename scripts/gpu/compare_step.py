@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Replays step 1 of `sluice bench train --check-dir DIR` in PyTorch/transformers on a GPU and
+compares the loss and every unit's gradient norm with Sluice's.
+
+    sluice bench train --preset qwen2.5-3b --seq-len 1024 --micro-batch 8 --grad-accum 8 \\
+        --steps 1 --check-dir /tmp/check
+    python3 scripts/gpu/compare_step.py /tmp/check
+
+DIR/model is the initial weights in bf16 (exactly the copies Sluice's device computes with),
+DIR/batches.json the step's micro-batches, DIR/step1.json Sluice's loss and per-unit gradient
+norms before clipping. The reference is plain transformers: `from_pretrained` in bfloat16 on
+cuda, the standard forward (bf16 logits from `lm_head`, upcast to f32 for the loss as
+transformers' own loss does), cross-entropy summed over the trained targets and divided by the
+step's trained-token count, one backward per micro-batch. Each parameter's bf16 gradient is
+added into an f32 buffer after every micro-batch (Sluice accumulates in f32 on the device), so
+the comparison is not limited by bf16 accumulation across micro-batches.
+
+Units are Sluice's: the embedding (with a tied LM head's gradient, which is the same tensor in
+transformers), each decoder layer, and the head (final norm, plus lm_head when untied). The
+tensors of each unit come from step1.json, by their Hugging Face names.
+
+Exit status 1 when the loss or any unit's norm differs by more than the tolerance (see
+LOSS_RTOL and NORM_RTOL), 2 for bad input.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+# Tolerances, relative to the PyTorch figure.
+#
+# Both sides compute with the same bf16 weights and bf16 activations and differ only in where
+# they round: transformers rounds the logits, the residual stream after each add, the attention
+# output and each micro-batch's weight gradient to bf16, Sluice keeps f32 in its reductions and
+# accumulators. One bf16 rounding is a relative error of at most 2^-9 (round to nearest, 8
+# significant bits), about 2e-3, and these errors are unbiased and independent across elements.
+#
+# LOSS_RTOL: the loss is a mean over every trained token (65,536 at 64 x 1024) of a log-softmax
+# over the vocabulary; independent per-token errors of ~1e-3 average down by sqrt(tokens), so
+# anything beyond one bf16 rounding of the loss itself (2e-3) is a real difference.
+LOSS_RTOL = 2e-3
+# NORM_RTOL: a unit's gradient norm sums millions of squared elements, so elementwise rounding
+# noise largely cancels; what does not cancel is the drift of the activation gradient as it is
+# rounded again in every layer it flows down through (36 layers for Qwen2.5-3B). With a few
+# bf16 roundings per layer compounding as a random walk, the bottom layer's gradient carries
+# up to about sqrt(36 x 4) x 2e-3 = 2.4e-2 of relative noise elementwise, and much less in its
+# norm. 2e-2 admits that and still catches any real error: a wrong scale, a missing term, a
+# mis-ordered tensor or a wrong unit assignment moves a norm by far more than 2%.
+NORM_RTOL = 2e-2
+
+
+def bad_input(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_inputs(d: Path):
+    for name in ("model/config.json", "batches.json", "step1.json"):
+        if not (d / name).is_file():
+            bad_input(f"{d / name} is missing; run `sluice bench train ... --check-dir {d}`")
+    batches = json.loads((d / "batches.json").read_text())["micro_batches"]
+    step = json.loads((d / "step1.json").read_text())
+    if not batches:
+        bad_input("batches.json holds no micro-batch")
+    return batches, step
+
+
+def load_model(d: Path, torch, device: str):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.bfloat16)
+    except TypeError:
+        # transformers before 4.56 names the argument torch_dtype.
+        model = AutoModelForCausalLM.from_pretrained(d / "model", torch_dtype=torch.bfloat16)
+    model.to(device)
+    model.config.use_cache = False
+    # Dropout is 0 in these configs; train() only makes that explicit where it is not.
+    model.train()
+    check_rope(d, model, torch, device)
+    return model
+
+
+def check_rope(d: Path, model, torch, device: str):
+    """The rotary frequencies must be the ones config.json asks for: a transformers version that
+    read another rope_theta would compare a different model."""
+    cfg = json.loads((d / "model/config.json").read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    rotary = getattr(model.model, "rotary_emb", None)
+    if theta is None or rotary is None or cfg.get("rope_scaling"):
+        return
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    want = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    have = rotary.inv_freq.float()
+    if not torch.allclose(have, want, rtol=1e-5):
+        bad_input(f"transformers built rotary frequencies for another rope_theta than {theta}")
+
+
+def replay(model, batches, trained_total: int, torch, device: str):
+    """Runs every micro-batch forward and backward; returns the summed loss and the f32
+    gradients by parameter name."""
+    import torch.nn.functional as F
+
+    params = dict(model.named_parameters())
+    acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
+    loss_sum = 0.0
+    for i, mb in enumerate(batches):
+        rows, s = mb["rows"], mb["seq_len"]
+        as_tensor = lambda k: torch.tensor(mb[k], dtype=torch.long, device=device).view(rows, s)
+        ids, targets, positions = as_tensor("ids"), as_tensor("targets"), as_tensor("positions")
+        hidden = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+        logits = model.lm_head(hidden)
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]),
+            targets.view(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        (loss / trained_total).backward()
+        loss_sum += loss.item()
+        for n, p in params.items():
+            if p.grad is not None:
+                acc[n] += p.grad.float()
+                p.grad = None
+        del hidden, logits, loss
+        print(f"  micro-batch {i + 1}/{len(batches)}", flush=True)
+    return loss_sum, acc
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b != 0 else (0.0 if a == 0 else math.inf)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="the folder written by --check-dir")
+    ap.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
+    ap.add_argument("--norm-rtol", type=float, default=NORM_RTOL)
+    ap.add_argument("--device", default="cuda",
+                    help="torch device (cpu only as a smoke test of this script: Sluice's CPU "
+                         "backend computes in f32, not with the bf16 copies)")
+    args = ap.parse_args()
+
+    batches, step = load_inputs(args.dir)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        bad_input("no CUDA device for PyTorch")
+    trained = sum(1 for mb in batches for t in mb["targets"] if t != -100)
+    if trained != step["trained_tokens"]:
+        bad_input(f"batches.json trains {trained} tokens, step1.json says {step['trained_tokens']}")
+
+    started = time.time()
+    model = load_model(args.dir, torch, args.device)
+    print(f"loaded {args.dir / 'model'} in {time.time() - started:.1f} s; "
+          f"{len(batches)} micro-batches of {batches[0]['rows']} x {batches[0]['seq_len']} tokens")
+    started = time.time()
+    loss_sum, grads = replay(model, batches, trained, torch, args.device)
+    print(f"replayed in {time.time() - started:.1f} s")
+
+    units = step["units"]
+    claimed = [t for u in units for t in u["tensors"]]
+    missing = sorted(set(grads) - set(claimed))
+    unknown = sorted(set(claimed) - set(grads))
+    if missing or unknown:
+        bad_input(f"units do not match the model's parameters: "
+                  f"unassigned {missing[:5]}, not in the model {unknown[:5]}")
+
+    failures = []
+    torch_loss = loss_sum / trained
+    loss_rel = rel(step["loss"], torch_loss)
+    print(f"\n{'':<12} {'sluice':>14} {'pytorch':>14} {'rel diff':>10}")
+    print(f"{'loss':<12} {step['loss']:>14.6f} {torch_loss:>14.6f} {loss_rel:>10.2e}")
+    if not loss_rel <= args.loss_rtol:
+        failures.append(f"loss differs by {loss_rel:.2e} (tolerance {args.loss_rtol:.0e})")
+    total_sq = 0.0
+    worst = (0.0, "")
+    for u in units:
+        sq = sum(float(grads[t].double().pow(2).sum()) for t in u["tensors"])
+        total_sq += sq
+        ours, theirs = u["grad_norm"], math.sqrt(sq)
+        r = rel(ours, theirs)
+        worst = max(worst, (r, u["name"]))
+        print(f"{u['name']:<12} {ours:>14.6e} {theirs:>14.6e} {r:>10.2e}")
+        if not r <= args.norm_rtol:
+            failures.append(f"{u['name']}: gradient norm differs by {r:.2e} (tolerance {args.norm_rtol:.0e})")
+    theirs = math.sqrt(total_sq)
+    print(f"{'global norm':<12} {step['grad_norm']:>14.6e} {theirs:>14.6e} "
+          f"{rel(step['grad_norm'], theirs):>10.2e}")
+    print(f"\nlargest unit difference: {worst[0]:.2e} ({worst[1]}); "
+          f"tolerances: loss {args.loss_rtol:.0e}, norms {args.norm_rtol:.0e}")
+    if failures:
+        print("FAIL: " + "; ".join(failures[:10]))
+        return 1
+    print("PASS: loss and every unit's gradient norm match within bf16 tolerance")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,591 @@
+//! `sluice bench train`: optimizer steps of the streaming trainer on synthetic tokens, measured
+//! phase by phase and set beside the planner's prediction for the same job.
+//!
+//! The streamer is built directly from freshly initialised (or loaded) weights, which it takes
+//! over: one fp32 copy of the model exists, never two. Placement (resident units, checkpoint
+//! tier) is the planner's, through the mapping `sluice train` uses.
+//!
+//! Figures per step: model TFLOPS as `6 x params x tokens / step time` (the figure peers
+//! report) and the hardware figure with the recompute (the planner's FLOP count of the step:
+//! forward, recompute and backward GEMMs plus attention); tokens/s; forward, backward and the
+//! tail (norm, clip, hand-off to the optimizer); PCIe bytes and average GB/s each way; device
+//! memory (the driver's used memory after the step, and what the streamer allocated); host
+//! memory (the store and the process's peak RSS); optimizer time and the part hidden behind
+//! device work. With clipping on, the optimizer of step N runs during step N + 1, so each
+//! step reports the previous step's updates.
+//!
+//! With `--check-dir DIR` the first step can be replayed by PyTorch
+//! (`scripts/gpu/compare_step.py DIR`): DIR/model holds the initial weights in bf16 (the copies
+//! the device computes with), DIR/batches.json the step's micro-batches, DIR/step1.json the loss
+//! and every unit's gradient norm before clipping.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use sluice_engine::backend::Backend;
+use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::data::MicroBatch;
+use sluice_engine::model::HostParams;
+use sluice_engine::optim::Schedule;
+use sluice_engine::plan::{
+    BatchShape, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
+};
+use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
+use sluice_engine::schedule::{ScheduleOptions, Streamer};
+use sluice_engine::spec::{ModelSpec, preset};
+use sluice_engine::train::{ModelSource, TrainConfig, model_spec};
+use sluice_engine::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, save_hf_folder};
+
+use super::device::Device;
+
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
+pub(crate) struct TrainArgs {
+    /// Random-init model shape: tiny, qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b, llama3-8b, ...
+    #[arg(long, value_name = "NAME")]
+    preset: Option<String>,
+
+    /// Hugging Face model folder to load instead of a preset.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+
+    /// Tokens per row.
+    #[arg(long, default_value_t = 1024)]
+    seq_len: usize,
+
+    /// Rows per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    micro_batch: usize,
+
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 8)]
+    grad_accum: usize,
+
+    /// Optimizer steps to run; the summary is the median of steps 3..N.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+
+    /// cpu, cuda or cuda:N [default: cuda:0 when a GPU can be used, else cpu].
+    #[arg(long)]
+    device: Option<Device>,
+
+    /// GPU memory the plan may use, in bytes [default: the GPU's free memory].
+    #[arg(long, value_name = "BYTES")]
+    gpu_mem: Option<u64>,
+
+    /// Host memory the plan may use, in bytes [default: MemAvailable].
+    #[arg(long, value_name = "BYTES")]
+    host_mem: Option<u64>,
+
+    /// Turn global-norm clipping off (updates then start as gradients land).
+    #[arg(long)]
+    no_clip: bool,
+
+    /// Threads of the optimizer [default: every core].
+    #[arg(long, default_value_t = 0)]
+    optimizer_threads: usize,
+
+    /// Seed of the initialisation and of the synthetic tokens.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+
+    /// Write the per-step records and the summary to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+
+    /// Write what PyTorch needs to replay step 1 into this folder (see the module docs).
+    #[arg(long, value_name = "DIR")]
+    check_dir: Option<PathBuf>,
+}
+
+/// One step's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Record {
+    step: u64,
+    loss: f64,
+    grad_norm: f64,
+    step_s: f64,
+    forward_s: f64,
+    backward_s: f64,
+    /// Norm, clip coefficient and hand-off to the optimizer after the backward.
+    tail_s: f64,
+    tokens: usize,
+    tokens_per_s: f64,
+    model_tflops: f64,
+    hardware_tflops: f64,
+    h2d_bytes: u64,
+    d2h_bytes: u64,
+    h2d_gb_s: f64,
+    d2h_gb_s: f64,
+    /// Time spent in the weight uploads and gradient landings, from the step's timeline. The
+    /// spans are host-side: while the backend queues its copies behind compute and waits for
+    /// them, they include that wait, so they bound the copies' time from above.
+    h2d_busy_s: f64,
+    d2h_busy_s: f64,
+    optimizer_s: f64,
+    optimizer_exposed_s: f64,
+    optimizer_hidden_s: f64,
+    /// Device memory in use after the step (the driver's total less free), if readable.
+    gpu_used_bytes: Option<u64>,
+    peak_rss_bytes: Option<u64>,
+}
+
+pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    let device = match args.device {
+        Some(d) => {
+            println!("device: {d}");
+            d
+        }
+        None => {
+            let (d, why) = Device::detect();
+            println!("device: {d} ({why})");
+            d
+        }
+    };
+    let (spec, source) = match (&args.model, &args.preset) {
+        (Some(dir), _) => {
+            let source = ModelSource::Dir(dir.clone());
+            (model_spec(&source)?, source)
+        }
+        (None, Some(name)) => (preset(name)?, ModelSource::Preset(name.clone())),
+        (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
+    };
+    let plan = plan_job(&args, &spec, device)?;
+    let options = schedule_options(&plan, args.optimizer_threads)?;
+    print_plan(&plan);
+    match device {
+        Device::Cpu => bench(&Cpu, None, &args, &spec, &source, &plan, options),
+        Device::Cuda(n) => {
+            let cuda = Cuda::new(n).context("cannot use the GPU")?;
+            bench(&cuda, Some(&cuda), &args, &spec, &source, &plan, options)
+        }
+    }
+}
+
+/// The planner's verdict for the job on this machine; a refusal prints what `sluice plan` does.
+fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Result<Plan> {
+    let memory = MachineMemory::detect(device.gpu_query(), args.gpu_mem, args.host_mem)
+        .with_context(|| format!("reading the memory of {device}"))?;
+    let input = PlanInput {
+        spec,
+        batch: BatchShape {
+            seq_len: args.seq_len,
+            micro_batch: args.micro_batch,
+            grad_accum: args.grad_accum,
+        },
+        clipping: !args.no_clip,
+        memory,
+        rates: MachineRates::default(),
+        supports: STREAMER,
+    };
+    match plan(&input)? {
+        Verdict::Fits(p) => Ok(*p),
+        Verdict::Refused(r) => {
+            print!("{}", r.details());
+            Err(anyhow::anyhow!("does not fit: {r}"))
+        }
+    }
+}
+
+fn print_plan(p: &Plan) {
+    let m = &p.model;
+    println!(
+        "model: {} family, {:.3}B parameters, {} layers, hidden {}, vocab {}{}",
+        m.family,
+        m.params as f64 / 1e9,
+        m.layers,
+        m.hidden,
+        m.vocab,
+        if m.tied_embeddings { ", tied embeddings" } else { "" }
+    );
+    println!(
+        "batch: {} micro-batches x {} rows x {} tokens = {} tokens per step",
+        p.batch.grad_accum, p.batch.micro_batch, p.batch.seq_len, p.tokens_per_step
+    );
+    println!(
+        "plan: {} of {} units resident ({}), checkpoints {:?}, gradients {:?}; device {} of {}, \
+         host {} of {}",
+        p.placement.resident_units.len(),
+        m.units,
+        p.placement.resident_summary,
+        p.placement.checkpoints,
+        p.placement.gradients,
+        gib(p.budget.device.used),
+        gib(p.memory.gpu_bytes),
+        gib(p.budget.host_used()),
+        gib(p.memory.host_bytes),
+    );
+    if p.memory.shared() {
+        println!("predicted: no step-time model for the CPU backend (the planner times GPUs)");
+        return;
+    }
+    let t = &p.time;
+    println!(
+        "predicted: {:.3} s per step, {:.0} TFLOPS ({:.0} with recompute), {:.0} tokens/s; \
+         bottleneck {:?}",
+        t.total_s,
+        t.model_tflops,
+        t.flops / t.total_s / 1e12,
+        t.tokens_per_s,
+        t.bottleneck
+    );
+}
+
+/// Initialises (or loads) the weights, builds the streamer, runs the steps and reports.
+fn bench<B: Backend>(
+    b: &B,
+    cuda: Option<&Cuda>,
+    args: &TrainArgs,
+    spec: &ModelSpec,
+    source: &ModelSource,
+    plan: &Plan,
+    options: ScheduleOptions,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let params = match source {
+        ModelSource::Dir(dir) => HostParams::load_dir(dir).map(|(_, p)| p)?,
+        ModelSource::Preset(_) => HostParams::random(spec, args.seed),
+    };
+    println!("weights: {:.1} s ({})", started.elapsed().as_secs_f64(), source_name(source));
+    if let Some(dir) = &args.check_dir {
+        let started = Instant::now();
+        write_check_model(dir, spec, &params)?;
+        println!(
+            "check: initial weights written to {} in {:.1} s",
+            dir.join("model").display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    let config = TrainConfig {
+        lr: 1e-5,
+        schedule: Schedule::Constant,
+        total_steps: args.steps as u64,
+        max_grad_norm: (!args.no_clip).then_some(1.0),
+        ..TrainConfig::default()
+    };
+    let started = Instant::now();
+    let mut streamer = Streamer::new(b, spec, params, config, options)?;
+    let store = streamer.store().bytes();
+    println!(
+        "streamer: {:.1} s to build; device buffers {}, host store {} (master {}, moments {}, \
+         streaming copy {}, gradients {})",
+        started.elapsed().as_secs_f64(),
+        gib(streamer.device_bytes as u64),
+        gib(store.total() as u64),
+        gib(store.master as u64),
+        gib(store.moments as u64),
+        gib(store.streaming as u64),
+        gib(store.grads as u64),
+    );
+
+    let params = plan.model.params as f64;
+    let mut rng = StdRng::seed_from_u64(args.seed ^ 0x5eed_70c5);
+    let mut records = Vec::with_capacity(args.steps);
+    for step in 1..=args.steps {
+        let micro = synthetic_step(&mut rng, spec.vocab, &plan.batch);
+        if step == 1
+            && let Some(dir) = &args.check_dir
+        {
+            write_batches(dir, &micro)?;
+        }
+        let (m, traffic) = streamer.step(&micro)?;
+        if step == 1
+            && let Some(dir) = &args.check_dir
+        {
+            write_step(dir, &streamer, m.loss, m.grad_norm, m.trained_tokens)?;
+        }
+        let t = m.elapsed.as_secs_f64().max(1e-9);
+        let busy = |stream: &str| -> f64 {
+            m.timeline.iter().filter(|s| s.stream == stream).map(|s| s.end - s.start).sum()
+        };
+        let gpu_used_bytes = match cuda {
+            Some(c) => Some(c.memory().map(|(free, total)| total - free)?),
+            None => None,
+        };
+        let r = Record {
+            step: m.step,
+            loss: m.loss,
+            grad_norm: m.grad_norm,
+            step_s: t,
+            forward_s: traffic.forward.as_secs_f64(),
+            backward_s: traffic.backward.as_secs_f64(),
+            tail_s: (m.elapsed - traffic.forward - traffic.backward).as_secs_f64(),
+            tokens: m.tokens,
+            tokens_per_s: m.tokens as f64 / t,
+            model_tflops: 6.0 * params * m.tokens as f64 / t / 1e12,
+            hardware_tflops: plan.time.flops / t / 1e12,
+            h2d_bytes: m.h2d_bytes,
+            d2h_bytes: m.d2h_bytes,
+            h2d_gb_s: m.h2d_bytes as f64 / t / 1e9,
+            d2h_gb_s: m.d2h_bytes as f64 / t / 1e9,
+            h2d_busy_s: busy("h2d"),
+            d2h_busy_s: busy("d2h"),
+            optimizer_s: m.optimizer_time.as_secs_f64(),
+            optimizer_exposed_s: m.optimizer_exposed.as_secs_f64(),
+            optimizer_hidden_s: m.optimizer_time.saturating_sub(m.optimizer_exposed).as_secs_f64(),
+            gpu_used_bytes,
+            peak_rss_bytes: peak_rss(),
+        };
+        print_record(&r);
+        records.push(r);
+    }
+    // Dropping the streamer waits for the last step's updates (the optimizer worker finishes
+    // its queue) and frees everything; `finish` would also copy the master weights out. (An
+    // error in those last updates goes unreported: nothing reads the weights they make.)
+    let device_bytes = streamer.device_bytes as u64;
+    let started = Instant::now();
+    drop(streamer);
+    let drain = started.elapsed();
+
+    let summary = summarise(&records, plan, device_bytes, store.total() as u64);
+    print_summary(&summary, drain);
+    if let Some(path) = &args.json {
+        let report = json!({
+            "device": b.name(),
+            "plan": plan,
+            "steps": records,
+            "summary": summary,
+            "last_updates_and_teardown_s": drain.as_secs_f64(),
+        });
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        println!("records: {}", path.display());
+    }
+    Ok(())
+}
+
+fn source_name(source: &ModelSource) -> String {
+    match source {
+        ModelSource::Dir(dir) => format!("loaded from {}", dir.display()),
+        ModelSource::Preset(name) => format!("random init of {name}"),
+    }
+}
+
+/// G micro-batches of `rows x seq_len` uniformly random tokens, one document per row, every
+/// position trained on the next token (each row draws `seq_len + 1` tokens).
+fn synthetic_step(rng: &mut StdRng, vocab: usize, batch: &BatchShape) -> Vec<MicroBatch> {
+    let (rows, s) = (batch.micro_batch, batch.seq_len);
+    let vocab = i32::try_from(vocab).unwrap_or(i32::MAX);
+    (0..batch.grad_accum)
+        .map(|_| {
+            let mut mb = MicroBatch {
+                rows,
+                seq_len: s,
+                ids: Vec::with_capacity(rows * s),
+                targets: Vec::with_capacity(rows * s),
+                positions: Vec::with_capacity(rows * s),
+                cu_seqlens: (0..=rows).map(|r| (r * s) as i32).collect(),
+            };
+            for _ in 0..rows {
+                let row: Vec<i32> = (0..=s).map(|_| rng.random_range(0..vocab)).collect();
+                mb.ids.extend_from_slice(&row[..s]);
+                mb.targets.extend_from_slice(&row[1..]);
+                mb.positions.extend((0..s).map(|p| p as i32));
+            }
+            mb
+        })
+        .collect()
+}
+
+fn print_record(r: &Record) {
+    let mut line = format!(
+        "step {:>3}  loss {:.4}  norm {:.3}  {:.3} s (fwd {:.3}, bwd {:.3}, tail {:.3})  \
+         {:.1} TFLOPS ({:.1} with recompute)  {:.0} tokens/s  h2d {:.2} GB/s, d2h {:.2} GB/s  \
+         optimizer {:.3} s ({:.3} s exposed)",
+        r.step,
+        r.loss,
+        r.grad_norm,
+        r.step_s,
+        r.forward_s,
+        r.backward_s,
+        r.tail_s,
+        r.model_tflops,
+        r.hardware_tflops,
+        r.tokens_per_s,
+        r.h2d_gb_s,
+        r.d2h_gb_s,
+        r.optimizer_s,
+        r.optimizer_exposed_s,
+    );
+    if let Some(used) = r.gpu_used_bytes {
+        line += &format!("  GPU {} used", gib(used));
+    }
+    if let Some(rss) = r.peak_rss_bytes {
+        line += &format!("  peak RSS {}", gib(rss));
+    }
+    println!("{line}");
+}
+
+/// Medians over steps 3..N (all steps when there are fewer than three), peaks over all steps.
+fn summarise(records: &[Record], plan: &Plan, device_bytes: u64, store_bytes: u64) -> Value {
+    let steady = if records.len() >= 3 { &records[2..] } else { records };
+    let median = |f: fn(&Record) -> f64| -> f64 {
+        let mut v: Vec<f64> = steady.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    };
+    let step_s = median(|r| r.step_s);
+    let optimizer_s = median(|r| r.optimizer_s);
+    let hidden_s = median(|r| r.optimizer_hidden_s);
+    let mut summary = json!({
+        "steps": if records.len() >= 3 { format!("3..{}", records.len()) }
+                 else { format!("1..{} (fewer than 3 steps)", records.len()) },
+        "step_s": step_s,
+        "forward_s": median(|r| r.forward_s),
+        "backward_s": median(|r| r.backward_s),
+        "tail_s": median(|r| r.tail_s),
+        "tokens_per_s": median(|r| r.tokens_per_s),
+        "model_tflops": median(|r| r.model_tflops),
+        "hardware_tflops": median(|r| r.hardware_tflops),
+        "h2d_gb_s": median(|r| r.h2d_gb_s),
+        "d2h_gb_s": median(|r| r.d2h_gb_s),
+        "h2d_busy_s": median(|r| r.h2d_busy_s),
+        "d2h_busy_s": median(|r| r.d2h_busy_s),
+        "optimizer_s": optimizer_s,
+        "optimizer_hidden_s": hidden_s,
+        "optimizer_hidden_fraction": if optimizer_s > 0.0 { hidden_s / optimizer_s } else { f64::NAN },
+        "peak_gpu_used_bytes": records.iter().filter_map(|r| r.gpu_used_bytes).max(),
+        "streamer_device_bytes": device_bytes,
+        "planned_device_bytes": plan.budget.device.used,
+        "host_store_bytes": store_bytes,
+        "planned_host_bytes": plan.budget.host_used(),
+        "peak_rss_bytes": records.iter().filter_map(|r| r.peak_rss_bytes).max(),
+    });
+    if !plan.memory.shared() {
+        summary["predicted_step_s"] = json!(plan.time.total_s);
+        summary["predicted_bottleneck"] = json!(plan.time.bottleneck);
+        summary["measured_over_predicted"] = json!(step_s / plan.time.total_s);
+    }
+    summary
+}
+
+fn print_summary(s: &Value, drain: Duration) {
+    let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
+    let bytes = |k: &str| s[k].as_u64().map_or_else(|| "n/a".to_string(), gib);
+    println!(
+        "summary (median of steps {}): {:.3} s per step, {:.1} TFLOPS by 6 x params x tokens \
+         ({:.1} with recompute), {:.0} tokens/s; forward {:.3} s, backward {:.3} s, tail {:.3} s; \
+         PCIe h2d {:.2} GB/s, d2h {:.2} GB/s; optimizer {:.3} s, {:.0}% hidden",
+        s["steps"].as_str().unwrap_or("?"),
+        f("step_s"),
+        f("model_tflops"),
+        f("hardware_tflops"),
+        f("tokens_per_s"),
+        f("forward_s"),
+        f("backward_s"),
+        f("tail_s"),
+        f("h2d_gb_s"),
+        f("d2h_gb_s"),
+        f("optimizer_s"),
+        100.0 * f("optimizer_hidden_fraction"),
+    );
+    println!(
+        "memory: GPU peak {} used (driver), streamer {} allocated, planned {}; host store {}, \
+         planned {}, peak RSS {}; last updates and teardown {:.3} s",
+        bytes("peak_gpu_used_bytes"),
+        bytes("streamer_device_bytes"),
+        bytes("planned_device_bytes"),
+        bytes("host_store_bytes"),
+        bytes("planned_host_bytes"),
+        bytes("peak_rss_bytes"),
+        drain.as_secs_f64(),
+    );
+    if s["predicted_step_s"].is_null() {
+        return;
+    }
+    println!(
+        "planner: {:.3} s per step predicted (bottleneck {}); measured / predicted = {:.2}",
+        f("predicted_step_s"),
+        s["predicted_bottleneck"].as_str().unwrap_or("?"),
+        f("measured_over_predicted"),
+    );
+}
+
+/// The initial weights as a Hugging Face folder in bf16: the round-to-nearest-even copies the
+/// host store streams to the device, so PyTorch computes with the same values.
+fn write_check_model(dir: &Path, spec: &ModelSpec, params: &HostParams) -> anyhow::Result<()> {
+    let folder = HfFolder {
+        tensors: params.tensor_refs(),
+        dtype: SaveDtype::Bf16,
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        config: spec.to_hf_config(),
+        extra_files: Vec::new(),
+    };
+    save_hf_folder(dir.join("model"), &folder)?;
+    Ok(())
+}
+
+/// The first step's micro-batches: `[rows, seq_len]` ids, targets and positions each.
+fn write_batches(dir: &Path, micro: &[MicroBatch]) -> anyhow::Result<()> {
+    let batches: Vec<Value> = micro
+        .iter()
+        .map(|mb| {
+            json!({
+                "rows": mb.rows,
+                "seq_len": mb.seq_len,
+                "ids": mb.ids,
+                "targets": mb.targets,
+                "positions": mb.positions,
+            })
+        })
+        .collect();
+    let path = dir.join("batches.json");
+    std::fs::write(&path, serde_json::to_vec(&json!({ "micro_batches": batches }))?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// The first step's loss and every unit's gradient norm before clipping, with the tensors each
+/// unit holds (a tied LM head's gradient is part of the embedding's).
+fn write_step<B: Backend>(
+    dir: &Path,
+    streamer: &Streamer<'_, B>,
+    loss: f64,
+    grad_norm: f64,
+    trained_tokens: usize,
+) -> anyhow::Result<()> {
+    let spec = streamer.spec();
+    let layout = sluice_engine::model::ModelLayout::new(spec);
+    let norms = streamer.grad_norms();
+    let mut units = Vec::new();
+    for (unit, &norm) in layout.units.iter().zip(&norms) {
+        let name = match unit.kind {
+            sluice_engine::model::UnitKind::Embedding => "embedding".to_string(),
+            sluice_engine::model::UnitKind::Layer(l) => format!("layer {l}"),
+            sluice_engine::model::UnitKind::Head => "head".to_string(),
+        };
+        let tensors: Vec<&str> = unit.tensors.iter().map(|t| t.name.as_str()).collect();
+        units.push(json!({ "name": name, "tensors": tensors, "grad_norm": norm }));
+    }
+    let report = json!({
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "trained_tokens": trained_tokens,
+        "tied_embeddings": spec.tie_embeddings,
+        "units": units,
+    });
+    let path = dir.join("step1.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// VmHWM from `/proc/self/status`: the process's peak resident memory, in bytes.
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
