@@ -95,6 +95,8 @@ impl HostStore {
                 master,
             };
             refresh_stream(&mut state, weight_dtype);
+            first_touch(&mut state.m);
+            first_touch(&mut state.v);
             units.push(Mutex::new(state));
         }
         let ring = match landing {
@@ -195,14 +197,30 @@ impl HostStore {
     }
 }
 
+/// Writes every page of a fresh moment vector now, on all cores, so the first optimizer update
+/// does not pay the page faults (seconds for a 7B model's 60 GB of moments) in the middle of
+/// training.
+fn first_touch(v: &mut [f32]) {
+    use rayon::prelude::*;
+    v.par_chunks_mut(1 << 16).for_each(|chunk| {
+        chunk.fill(0.0);
+        // The memory is already zero: keep the compiler from proving the writes redundant.
+        std::hint::black_box(chunk);
+    });
+}
+
 /// Rewrites a unit's streaming copy from its master weights (bf16 by round-to-nearest-even).
 pub fn refresh_stream(state: &mut UnitState, dtype: WeightDtype) {
     match dtype {
         WeightDtype::F32 => state.stream.as_f32_mut().copy_from_slice(&state.master),
         WeightDtype::Bf16 => {
-            for (dst, &x) in state.stream.as_u16_mut().iter_mut().zip(&state.master) {
-                *dst = half::bf16::from_f32(x).to_bits();
-            }
+            use rayon::prelude::*;
+            let (dst, src) = (state.stream.as_u16_mut(), &state.master);
+            dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| {
+                for (d, &x) in d.iter_mut().zip(s) {
+                    *d = half::bf16::from_f32(x).to_bits();
+                }
+            });
         }
     }
 }

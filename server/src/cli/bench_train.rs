@@ -86,6 +86,11 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     no_clip: bool,
 
+    /// Train on the same micro-batches every step (the loss must then fall: a quick check that
+    /// the updates are right), instead of fresh random tokens.
+    #[arg(long)]
+    repeat_batch: bool,
+
     /// Threads of the optimizer [default: every core].
     #[arg(long, default_value_t = 0)]
     optimizer_threads: usize,
@@ -287,8 +292,13 @@ fn bench<B: Backend>(
     let params = plan.model.params as f64;
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0x5eed_70c5);
     let mut records = Vec::with_capacity(args.steps);
+    let first = synthetic_step(&mut rng, spec.vocab, &plan.batch);
     for step in 1..=args.steps {
-        let micro = synthetic_step(&mut rng, spec.vocab, &plan.batch);
+        let micro = if step == 1 || args.repeat_batch {
+            first.clone()
+        } else {
+            synthetic_step(&mut rng, spec.vocab, &plan.batch)
+        };
         if step == 1
             && let Some(dir) = &args.check_dir
         {
