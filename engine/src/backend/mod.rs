@@ -19,7 +19,8 @@
 //!
 //! A backend stores floats in its own precision (f32 on the CPU; bf16 activations and weights
 //! with f32 gradient accumulators on a GPU), chosen by [`FloatKind`] at allocation. The trait is
-//! deliberately small: only what the decoder in `model` calls.
+//! deliberately small: only what the decoder in `model` and the KV-cached inference forward in
+//! `generate` call.
 
 pub mod cpu;
 pub mod cuda;
@@ -79,6 +80,31 @@ impl AttentionShape {
     /// Width of one token's fused `qkv` row.
     pub fn qkv_width(&self) -> usize {
         (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// The shapes of an attention call of a few new queries against a key/value cache
+/// ([`Backend::attention_decode`]): one sequence, no documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeShape {
+    /// Positions already in the cache before the new tokens.
+    pub past: usize,
+    /// New query tokens, at positions `past..past + tokens`; the cache holds their keys too.
+    pub tokens: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads; divides `q_heads` (grouped-query attention).
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Sliding window in tokens, itself included; `None` for full causal attention.
+    pub window: Option<usize>,
+}
+
+impl DecodeShape {
+    /// Positions the cache holds for this call: `past + tokens`.
+    pub fn positions(&self) -> usize {
+        self.past + self.tokens
     }
 }
 
@@ -166,6 +192,13 @@ pub trait Backend: Send + Sync {
 
     /// A zero-filled float buffer of `len` elements.
     fn alloc(&self, len: usize, kind: FloatKind) -> Result<Self::Floats>;
+    /// A buffer holding `src`'s values in the precision `kind` chooses. The CPU backend keeps
+    /// the vector itself (no copy); others allocate and upload.
+    fn upload_vec(&self, src: Vec<f32>, kind: FloatKind) -> Result<Self::Floats> {
+        let mut buf = self.alloc(src.len(), kind)?;
+        self.upload(self.view_mut(&mut buf, 0..src.len()), &src)?;
+        Ok(buf)
+    }
     /// A zero-filled int buffer of `len` elements.
     fn alloc_ints(&self, len: usize) -> Result<Self::Ints>;
     /// Number of elements in a float buffer.
@@ -359,6 +392,20 @@ pub trait Backend: Send + Sync {
         lse: Self::View<'_>,
         cu_seqlens: &Self::Ints,
         shape: &AttentionShape,
+    ) -> Result<()>;
+
+    /// Attention of `tokens` new queries at positions `past..past + tokens` against the keys
+    /// and values of every position up to theirs (the inference forward's KV cache): causal,
+    /// grouped-query, within the sliding window, scale `1/sqrt(hd)`; no lse (nothing runs
+    /// backward). out `[tokens, nq hd]`, q `[tokens, nq hd]` (after RoPE), k_cache and v_cache
+    /// `[past + tokens, nkv hd]` (keys after RoPE; the new tokens' rows already appended).
+    fn attention_decode(
+        &self,
+        out: Self::ViewMut<'_>,
+        q: Self::View<'_>,
+        k_cache: Self::View<'_>,
+        v_cache: Self::View<'_>,
+        shape: &DecodeShape,
     ) -> Result<()>;
 
     // ---- MLP ------------------------------------------------------------------------------

@@ -1,29 +1,82 @@
-//! The decoder's inference forward on the CPU with a key/value cache: the same math as the
-//! training forward ([`crate::model::Decoder::layer_forward`], built from the CPU backend's free
-//! functions), except that attention reads every earlier position from the cache instead of the
-//! current batch, so each new token costs one row of work per layer.
+//! The decoder's inference forward with a key/value cache, on any [`Backend`]: the ops of the
+//! training forward ([`crate::model::Decoder::layer_forward`]) in the same order, except that
+//! each layer appends the new tokens' keys and values to the cache and attention reads every
+//! earlier position from there ([`Backend::attention_decode`]), so each new token costs one row
+//! of work per layer.
+//!
+//! The cache lives on the backend, one key and one value buffer per layer, sized when it is made
+//! (for a generation: prompt + new tokens) so decoding allocates nothing; appending is a copy at
+//! the next free row. The working buffers are kept with the cache and reused by every call that
+//! fits them.
 
-use crate::backend::AttentionShape;
-use crate::backend::cpu::{
-    bias_forward, embedding_forward, head_rmsnorm_forward, matmul_forward, rmsnorm_forward,
-    rope_forward, swiglu_forward,
-};
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::backend::cpu::Cpu;
+use crate::backend::{AttentionShape, Backend, DecodeShape, FloatKind};
 use crate::error::{Error, Result};
-use crate::model::HostParams;
+use crate::model::{HostParams, ModelLayout};
 use crate::spec::ModelSpec;
 
-/// Keys and values of every position seen so far, per layer: `k[l]` and `v[l]` are
-/// `[len, nkv · hd]` (after RoPE for keys).
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
+use FloatKind::{Accum, Activation};
+
+/// A model's weights on a backend: one buffer per unit (the host slabs, in the backend's
+/// weight precision) and the RoPE frequencies.
+pub(super) struct Model<B: Backend> {
+    pub spec: ModelSpec,
+    layout: Arc<ModelLayout>,
+    units: Vec<B::Floats>,
+    inv_freq: B::Floats, // [hd / 2]
 }
 
-impl KvCache {
-    pub fn new(layers: usize) -> KvCache {
-        KvCache { k: vec![Vec::new(); layers], v: vec![Vec::new(); layers], len: 0 }
+impl<B: Backend> Model<B> {
+    /// Moves `params` onto the backend (the CPU keeps the slabs themselves).
+    pub fn new(b: &B, spec: ModelSpec, params: HostParams) -> Result<Self> {
+        let layout = params.layout.clone();
+        let units = params
+            .units
+            .into_iter()
+            .map(|unit| b.upload_vec(unit, Activation))
+            .collect::<Result<Vec<_>>>()?;
+        let inv_freq = b.upload_vec(spec.inv_freq(), Accum)?;
+        Ok(Model { spec, layout, units, inv_freq })
+    }
+}
+
+/// Keys and values of every position seen so far, per layer, on the backend: `k[l]` and `v[l]`
+/// are `[capacity, nkv hd]`, of which the first `len` rows are filled (keys after RoPE).
+pub struct KvCache<B: Backend = Cpu> {
+    layers: usize,
+    k: Vec<B::Floats>,
+    v: Vec<B::Floats>,
+    len: usize,
+    capacity: usize,
+    work: Option<Work<B>>,
+}
+
+impl<B: Backend> std::fmt::Debug for KvCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("layers", &self.layers)
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache of `layers` layers that allocates on first use.
+    pub(super) fn empty(layers: usize) -> Self {
+        KvCache { layers, k: Vec::new(), v: Vec::new(), len: 0, capacity: 0, work: None }
+    }
+
+    /// An empty cache for `spec` with room for `capacity` positions (allocated now).
+    pub(super) fn new(b: &B, spec: &ModelSpec, capacity: usize) -> Result<Self> {
+        let mut cache = KvCache::empty(spec.layers);
+        if capacity > 0 {
+            cache.reserve(b, spec, capacity)?;
+        }
+        Ok(cache)
     }
 
     /// Positions cached.
@@ -35,32 +88,105 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Forgets every position (start a new sequence).
+    /// Positions the cache holds before it must grow.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position (start a new sequence); keeps the buffers.
     pub fn clear(&mut self) {
-        self.k.iter_mut().chain(self.v.iter_mut()).for_each(Vec::clear);
         self.len = 0;
+    }
+
+    /// Makes room for `positions` positions, keeping what is cached. A cache made for a whole
+    /// generation never grows; one made empty doubles, so growing costs amortised O(1) per token.
+    fn reserve(&mut self, b: &B, spec: &ModelSpec, positions: usize) -> Result<()> {
+        if positions <= self.capacity {
+            return Ok(());
+        }
+        let capacity = positions.max(2 * self.capacity).min(spec.max_positions.max(positions));
+        let width = spec.kv_heads * spec.head_dim;
+        let filled = 0..self.len * width;
+        let grow = |old: Option<&B::Floats>| -> Result<B::Floats> {
+            let mut new = b.alloc(capacity * width, Activation)?;
+            if let Some(old) = old {
+                b.copy(b.view_mut(&mut new, filled.clone()), b.view(old, filled.clone()))?;
+            }
+            Ok(new)
+        };
+        let k = (0..spec.layers).map(|l| grow(self.k.get(l))).collect::<Result<Vec<_>>>()?;
+        let v = (0..spec.layers).map(|l| grow(self.v.get(l))).collect::<Result<Vec<_>>>()?;
+        (self.k, self.v, self.capacity) = (k, v, capacity);
+        Ok(())
     }
 }
 
-/// Runs `ids` at positions `cache.len()..` and appends their keys and values to the cache.
-/// Returns the logits `[rows, V]` of the last `rows` new positions.
-pub(super) fn forward(
-    spec: &ModelSpec,
-    params: &HostParams,
-    inv_freq: &[f32],
-    cache: &mut KvCache,
+/// One call's intermediates for up to `tokens` tokens and `rows` logit rows.
+struct Work<B: Backend> {
+    tokens: usize,
+    rows: usize,
+    ids: B::Ints,       // [n]
+    positions: B::Ints, // [n]
+    x: B::Floats,       // [n, H] the residual stream
+    normed: B::Floats,  // [n, H]
+    rstd: B::Floats,    // [n]
+    qkv_pre: B::Floats, // [n, Dqkv] before the q/k norm (qwen3 only)
+    qk_rstd: B::Floats, // [n, nq + nkv]
+    qkv: B::Floats,     // [n, Dqkv] after the q/k norm and RoPE
+    q: B::Floats,       // [n, nq hd] the queries, contiguous
+    att: B::Floats,     // [n, nq hd]
+    tmp: B::Floats,     // [n, H]
+    gate_up: B::Floats, // [n, 2I]
+    act: B::Floats,     // [n, I]
+    logits: B::Floats,  // [rows, V]
+}
+
+impl<B: Backend> Work<B> {
+    fn new(b: &B, spec: &ModelSpec, tokens: usize, rows: usize) -> Result<Self> {
+        let (n, h, i) = (tokens, spec.hidden, spec.intermediate);
+        let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
+        let qk = if spec.qk_norm { 1 } else { 0 };
+        Ok(Work {
+            tokens,
+            rows,
+            ids: b.alloc_ints(n)?,
+            positions: b.alloc_ints(n)?,
+            x: b.alloc(n * h, Activation)?,
+            normed: b.alloc(n * h, Activation)?,
+            rstd: b.alloc(n, Accum)?,
+            qkv_pre: b.alloc(qk * n * dqkv, Activation)?,
+            qk_rstd: b.alloc(qk * n * (spec.q_heads + spec.kv_heads), Accum)?,
+            qkv: b.alloc(n * dqkv, Activation)?,
+            q: b.alloc(n * datt, Activation)?,
+            att: b.alloc(n * datt, Activation)?,
+            tmp: b.alloc(n * h, Activation)?,
+            gate_up: b.alloc(n * 2 * i, Activation)?,
+            act: b.alloc(n * i, Activation)?,
+            // f32 on every backend: sampling reads them.
+            logits: b.alloc(rows * spec.vocab, Accum)?,
+        })
+    }
+}
+
+/// Runs `ids` at positions `cache.len()..`, appends their keys and values to the cache and
+/// returns the logits `[rows, V]` of the last `rows` new positions. The cache is unchanged
+/// (same length) when this fails.
+pub(super) fn forward<B: Backend>(
+    b: &B,
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
     ids: &[u32],
     rows: usize,
 ) -> Result<Vec<f32>> {
+    let spec = &model.spec;
     let n = ids.len();
     if n == 0 || rows == 0 || rows > n {
         return Err(Error::invalid(format!("cannot return {rows} logit rows for {n} new tokens")));
     }
-    if cache.k.len() != spec.layers {
+    if cache.layers != spec.layers {
         return Err(Error::invalid(format!(
             "the cache was made for {} layers, the model has {}",
-            cache.k.len(),
-            spec.layers
+            cache.layers, spec.layers
         )));
     }
     let start = cache.len;
@@ -71,12 +197,6 @@ pub(super) fn forward(
             spec.max_positions
         )));
     }
-    let (h, inter, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
-    let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
-    let kv_width = spec.kv_heads * hd;
-    let layout = &params.layout;
-    let r = &layout.layer;
-
     let ids_i32: Vec<i32> = ids
         .iter()
         .map(|&id| {
@@ -86,152 +206,183 @@ pub(super) fn forward(
     let positions: Vec<i32> = (start..start + n)
         .map(|p| i32::try_from(p).map_err(|_| Error::invalid("position too large")))
         .collect::<Result<_>>()?;
-    let embed = &params.units[0];
-    let table = &embed[..spec.vocab * h];
 
-    let mut x = vec![0.0f32; n * h]; // [n, H]
-    embedding_forward(&mut x, &ids_i32, table, n, h)?;
-    let mut normed = vec![0.0f32; n * h];
-    let mut rstd = vec![0.0f32; n];
-    let mut qkv_pre = vec![0.0f32; if spec.qk_norm { n * dqkv } else { 0 }];
-    let mut qk_rstd =
-        vec![0.0f32; if spec.qk_norm { n * (spec.q_heads + spec.kv_heads) } else { 0 }];
-    let mut qkv = vec![0.0f32; n * dqkv];
-    let mut att = vec![0.0f32; n * datt];
-    let mut tmp = vec![0.0f32; n * h];
-    let mut gate_up = vec![0.0f32; n * 2 * inter];
-    let mut act = vec![0.0f32; n * inter];
+    cache.reserve(b, spec, start + n)?;
+    if cache.work.as_ref().is_none_or(|w| w.tokens < n || w.rows < rows) {
+        let (tokens, old_rows) = cache.work.as_ref().map_or((0, 0), |w| (w.tokens, w.rows));
+        cache.work = None; // free the old buffers before allocating larger ones
+        cache.work = Some(Work::new(b, spec, tokens.max(n), old_rows.max(rows))?);
+    }
+    let KvCache { k: k_cache, v: v_cache, work, .. } = cache;
+    let w = work.as_mut().ok_or_else(|| Error::invalid("no working buffers"))?;
+    b.upload_ints(&mut w.ids, &ids_i32)?;
+    b.upload_ints(&mut w.positions, &positions)?;
+
+    let (h, inter, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
+    let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
+    let kv_width = spec.kv_heads * hd;
+    let layout = &model.layout;
+    let r = &layout.layer;
+    let th = 0..n * h;
+    let table = b.view(&model.units[0], 0..spec.vocab * h);
+    b.embedding_forward(b.view_mut(&mut w.x, th.clone()), &w.ids, table, n, h)?;
 
     for l in 0..spec.layers {
-        let w = &params.units[l + 1];
+        let unit = &model.units[l + 1];
+        let wv = |range: &Range<usize>| b.view(unit, range.clone());
+        let window = spec.windows.get(l).copied().flatten();
         let shape = AttentionShape {
             tokens: n,
             q_heads: spec.q_heads,
             kv_heads: spec.kv_heads,
             head_dim: hd,
             docs: 1,
-            window: spec.windows.get(l).copied().flatten(),
+            window,
         };
-        rmsnorm_forward(&mut normed, &mut rstd, &x, &w[r.ln1.clone()], n, h, spec.rms_eps)?;
-        let proj = if spec.qk_norm { &mut qkv_pre } else { &mut qkv };
-        matmul_forward(proj, &normed, &w[r.qkv_w.clone()], n, h, dqkv)?;
+        b.rmsnorm_forward(
+            b.view_mut(&mut w.normed, th.clone()),
+            b.view_mut(&mut w.rstd, 0..n),
+            b.view(&w.x, th.clone()),
+            wv(&r.ln1),
+            n,
+            h,
+            spec.rms_eps,
+        )?;
+        // The projection lands in `qkv` directly unless qwen3's q/k norm reads it afterwards.
+        let proj = if spec.qk_norm { &mut w.qkv_pre } else { &mut w.qkv };
+        b.matmul_forward(
+            b.view_mut(proj, 0..n * dqkv),
+            b.view(&w.normed, th.clone()),
+            wv(&r.qkv_w),
+            n,
+            h,
+            dqkv,
+        )?;
         if let Some(bias) = &r.qkv_b {
-            bias_forward(proj, &w[bias.clone()], n, dqkv)?;
+            b.bias_forward(b.view_mut(proj, 0..n * dqkv), wv(bias), n, dqkv)?;
         }
         if let Some(norm) = &r.qk_norm {
-            head_rmsnorm_forward(
-                &mut qkv,
-                &mut qk_rstd,
-                &qkv_pre,
-                &w[norm.clone()],
+            let heads = spec.q_heads + spec.kv_heads;
+            b.head_rmsnorm_forward(
+                b.view_mut(&mut w.qkv, 0..n * dqkv),
+                b.view_mut(&mut w.qk_rstd, 0..n * heads),
+                b.view(&w.qkv_pre, 0..n * dqkv),
+                wv(norm),
                 &shape,
                 spec.rms_eps,
             )?;
         }
-        rope_forward(&mut qkv, &positions, inv_freq, &shape)?;
-        let (ck, cv) = (&mut cache.k[l], &mut cache.v[l]);
-        for row in qkv.chunks_exact(dqkv) {
-            let (_, kv) = row.split_at(datt);
-            let (k, v) = kv.split_at(kv_width);
-            ck.extend_from_slice(k);
-            cv.extend_from_slice(v);
-        }
-        cached_attention(&mut att, &qkv, ck, cv, spec, start, shape.window);
+        b.rope_forward(
+            b.view_mut(&mut w.qkv, 0..n * dqkv),
+            &w.positions,
+            b.view(&model.inv_freq, 0..hd / 2),
+            &shape,
+        )?;
 
-        matmul_forward(&mut tmp, &att, &w[r.o_w.clone()], n, datt, h)?;
+        // Each new row is `[q | k | v]`: its keys and values go to the next free cache rows.
+        for t in 0..n {
+            let (row, at) = (t * dqkv + datt, (start + t) * kv_width);
+            let (k, v) = (row..row + kv_width, row + kv_width..row + 2 * kv_width);
+            b.copy(b.view_mut(&mut k_cache[l], at..at + kv_width), b.view(&w.qkv, k))?;
+            b.copy(b.view_mut(&mut v_cache[l], at..at + kv_width), b.view(&w.qkv, v))?;
+        }
+        // One token's queries are already contiguous; several tokens' are gathered.
+        let q = if n == 1 {
+            b.view(&w.qkv, 0..datt)
+        } else {
+            for t in 0..n {
+                let src = b.view(&w.qkv, t * dqkv..t * dqkv + datt);
+                b.copy(b.view_mut(&mut w.q, t * datt..(t + 1) * datt), src)?;
+            }
+            b.view(&w.q, 0..n * datt)
+        };
+        let cached = 0..(start + n) * kv_width;
+        b.attention_decode(
+            b.view_mut(&mut w.att, 0..n * datt),
+            q,
+            b.view(&k_cache[l], cached.clone()),
+            b.view(&v_cache[l], cached),
+            &DecodeShape {
+                past: start,
+                tokens: n,
+                q_heads: spec.q_heads,
+                kv_heads: spec.kv_heads,
+                head_dim: hd,
+                window,
+            },
+        )?;
+        b.matmul_forward(
+            b.view_mut(&mut w.tmp, th.clone()),
+            b.view(&w.att, 0..n * datt),
+            wv(&r.o_w),
+            n,
+            datt,
+            h,
+        )?;
         if let Some(bias) = &r.o_b {
-            bias_forward(&mut tmp, &w[bias.clone()], n, h)?;
+            b.bias_forward(b.view_mut(&mut w.tmp, th.clone()), wv(bias), n, h)?;
         }
-        x.iter_mut().zip(&tmp).for_each(|(x, t)| *x += t);
+        b.add_assign(b.view_mut(&mut w.x, th.clone()), b.view(&w.tmp, th.clone()))?;
 
-        rmsnorm_forward(&mut normed, &mut rstd, &x, &w[r.ln2.clone()], n, h, spec.rms_eps)?;
-        matmul_forward(&mut gate_up, &normed, &w[r.gate_up_w.clone()], n, h, 2 * inter)?;
-        swiglu_forward(&mut act, &gate_up, n, inter)?;
-        matmul_forward(&mut tmp, &act, &w[r.down_w.clone()], n, inter, h)?;
-        x.iter_mut().zip(&tmp).for_each(|(x, t)| *x += t);
+        b.rmsnorm_forward(
+            b.view_mut(&mut w.normed, th.clone()),
+            b.view_mut(&mut w.rstd, 0..n),
+            b.view(&w.x, th.clone()),
+            wv(&r.ln2),
+            n,
+            h,
+            spec.rms_eps,
+        )?;
+        b.matmul_forward(
+            b.view_mut(&mut w.gate_up, 0..n * 2 * inter),
+            b.view(&w.normed, th.clone()),
+            wv(&r.gate_up_w),
+            n,
+            h,
+            2 * inter,
+        )?;
+        b.swiglu_forward(
+            b.view_mut(&mut w.act, 0..n * inter),
+            b.view(&w.gate_up, 0..n * 2 * inter),
+            n,
+            inter,
+        )?;
+        b.matmul_forward(
+            b.view_mut(&mut w.tmp, th.clone()),
+            b.view(&w.act, 0..n * inter),
+            wv(&r.down_w),
+            n,
+            inter,
+            h,
+        )?;
+        b.add_assign(b.view_mut(&mut w.x, th.clone()), b.view(&w.tmp, th.clone()))?;
     }
-    cache.len += n;
 
-    let head = &params.units[layout.head_unit()];
-    let last = &x[(n - rows) * h..];
-    let mut out_norm = vec![0.0f32; rows * h];
-    let mut out_rstd = vec![0.0f32; rows];
-    rmsnorm_forward(
-        &mut out_norm,
-        &mut out_rstd,
-        last,
-        &head[layout.head.norm.clone()],
+    let head = &model.units[layout.head_unit()];
+    b.rmsnorm_forward(
+        b.view_mut(&mut w.normed, 0..rows * h),
+        b.view_mut(&mut w.rstd, 0..rows),
+        b.view(&w.x, (n - rows) * h..n * h),
+        b.view(head, layout.head.norm.clone()),
         rows,
         h,
         spec.rms_eps,
     )?;
     let lm = match &layout.head.lm_head {
-        Some(range) => &head[range.clone()],
+        Some(range) => b.view(head, range.clone()),
         None => table,
     };
-    let mut logits = vec![0.0f32; rows * spec.vocab];
-    matmul_forward(&mut logits, &out_norm, lm, rows, h, spec.vocab)?;
-    Ok(logits)
-}
-
-/// Attention of the new queries over the cache, as `attention_forward` computes it for one
-/// document (reference: `eager_attention_forward` in transformers' modeling_llama.py): query at
-/// position `p` sees keys `max(0, p + 1 − W)..=p`; scores `q · k / sqrt(hd)` in f32, softmax
-/// with the maximum subtracted, then the probability-weighted sum of values.
-/// att `[n, nq hd]`, qkv `[n, Dqkv]` (after RoPE), keys/values `[start + n, nkv hd]`.
-fn cached_attention(
-    att: &mut [f32],
-    qkv: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    spec: &ModelSpec,
-    start: usize,
-    window: Option<usize>,
-) {
-    use rayon::prelude::*;
-    let (hd, nq) = (spec.head_dim, spec.q_heads);
-    let group = spec.q_heads / spec.kv_heads;
-    let (dqkv, kv_width) = (spec.qkv_width(), spec.kv_heads * hd);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let window = window.unwrap_or(usize::MAX);
-    att.par_chunks_mut(nq * hd).zip(qkv.par_chunks(dqkv)).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (i, (out, row))| {
-            let p = start + i;
-            let first = (p + 1).saturating_sub(window);
-            for (hq, o) in out.chunks_mut(hd).enumerate() {
-                let q = &row[hq * hd..(hq + 1) * hd];
-                let g = hq / group;
-                let key = |j: usize| &keys[j * kv_width + g * hd..j * kv_width + (g + 1) * hd];
-                let value = |j: usize| &values[j * kv_width + g * hd..j * kv_width + (g + 1) * hd];
-                scores.clear();
-                scores.extend((first..=p).map(|j| dot(q, key(j)) * scale));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                o.fill(0.0);
-                for (&pr, j) in scores.iter().zip(first..=p) {
-                    let alpha = pr / sum;
-                    o.iter_mut().zip(value(j)).for_each(|(o, &v)| *o += alpha * v);
-                }
-            }
-        },
-    );
-}
-
-/// The dot product with eight partial sums, summed in the same order as the CPU backend's
-/// attention, so cached and uncached scores agree bit for bit.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
-    let mut lanes = [0.0f32; 8];
-    for (x, y) in a8.zip(b8) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
+    let logits = 0..rows * spec.vocab;
+    b.matmul_forward(
+        b.view_mut(&mut w.logits, logits.clone()),
+        b.view(&w.normed, 0..rows * h),
+        lm,
+        rows,
+        h,
+        spec.vocab,
+    )?;
+    let mut out = vec![0.0f32; rows * spec.vocab];
+    b.download(&mut out, b.view(&w.logits, logits))?;
+    cache.len += n;
+    Ok(out)
 }

@@ -1,8 +1,10 @@
-//! Text generation on the CPU: a KV-cached forward that matches the training forward's logits,
-//! greedy or temperature/top-p sampling, stopping at end-of-sequence tokens.
+//! Text generation with a KV cache on any backend (the CPU, or a GPU): a KV-cached forward that
+//! matches the training forward's logits, greedy or temperature/top-p sampling, stopping at
+//! end-of-sequence tokens.
 //!
 //! ```text
-//! let generator = Generator::load_dir(dir)?;
+//! let generator = Generator::load_dir(dir)?;              // on the CPU
+//! let generator = Generator::load_dir_on(Cuda::new(0)?, dir)?; // or on a GPU
 //! let prompt = generator.prompt_ids("Hello", PromptStyle::Chat)?;
 //! let out = generator.generate(&prompt, &GenerateOptions::greedy(32), &mut |_id| true)?;
 //! ```
@@ -19,10 +21,13 @@ use std::path::Path;
 pub use forward::KvCache;
 pub use sample::{GenerateOptions, Sampler};
 
+use crate::backend::Backend;
+use crate::backend::cpu::Cpu;
 use crate::data::{ChatTemplate, Message, Role, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::{HostParams, ModelLayout};
 use crate::spec::ModelSpec;
+use forward::Model;
 
 /// How a prompt string becomes token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,19 +38,20 @@ pub enum PromptStyle {
     Chat,
 }
 
-/// A model ready to generate: weights on the host, the tokenizer if the folder has one.
-pub struct Generator {
-    spec: ModelSpec,
-    params: HostParams,
-    inv_freq: Vec<f32>,
+/// A model ready to generate: its backend, the weights on it, the tokenizer if the folder has
+/// one.
+pub struct Generator<B: Backend = Cpu> {
+    backend: B,
+    model: Model<B>,
     tokenizer: Option<Tokenizer>,
 }
 
-impl std::fmt::Debug for Generator {
+impl<B: Backend> std::fmt::Debug for Generator<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Generator")
-            .field("family", &self.spec.family)
-            .field("layers", &self.spec.layers)
+            .field("backend", &self.backend.name())
+            .field("family", &self.model.spec.family)
+            .field("layers", &self.model.spec.layers)
             .field("tokenizer", &self.tokenizer)
             .finish()
     }
@@ -61,9 +67,27 @@ pub struct Generated {
     pub stopped_at_eos: bool,
 }
 
-impl Generator {
-    /// A generator for `params` of the model `spec`, with an optional tokenizer for text.
+impl Generator<Cpu> {
+    /// A generator on the CPU for `params` of the model `spec`, with an optional tokenizer.
     pub fn new(spec: ModelSpec, params: HostParams, tokenizer: Option<Tokenizer>) -> Result<Self> {
+        Generator::on(Cpu, spec, params, tokenizer)
+    }
+
+    /// Loads a Hugging Face folder (config, weights and `tokenizer.json`) onto the CPU.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        Generator::load_dir_on(Cpu, dir)
+    }
+}
+
+impl<B: Backend> Generator<B> {
+    /// A generator on `backend` for `params` of the model `spec`, with an optional tokenizer.
+    /// The weights move onto the backend in its weight precision (bf16 on a GPU).
+    pub fn on(
+        backend: B,
+        spec: ModelSpec,
+        params: HostParams,
+        tokenizer: Option<Tokenizer>,
+    ) -> Result<Self> {
         let expected = ModelLayout::new(&spec);
         let sizes_match =
             params.units.iter().zip(&expected.units).all(|(slab, unit)| slab.len() == unit.len);
@@ -71,19 +95,23 @@ impl Generator {
         {
             return Err(Error::invalid("parameters do not match the model spec's layout"));
         }
-        let inv_freq = spec.inv_freq();
-        Ok(Generator { spec, params, inv_freq, tokenizer })
+        let model = Model::new(&backend, spec, params)?;
+        Ok(Generator { backend, model, tokenizer })
     }
 
-    /// Loads a Hugging Face folder: config, weights and `tokenizer.json`.
-    pub fn load_dir(dir: &Path) -> Result<Generator> {
+    /// Loads a Hugging Face folder (config, weights and `tokenizer.json`) onto `backend`.
+    pub fn load_dir_on(backend: B, dir: &Path) -> Result<Self> {
         let (spec, params) = HostParams::load_dir(dir)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        Generator::new(spec, params, Some(tokenizer))
+        Generator::on(backend, spec, params, Some(tokenizer))
     }
 
     pub fn spec(&self) -> &ModelSpec {
-        &self.spec
+        &self.model.spec
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -94,20 +122,27 @@ impl Generator {
         self.tokenizer.as_ref().ok_or_else(|| Error::invalid("this generator has no tokenizer"))
     }
 
-    /// An empty cache for this model.
-    pub fn cache(&self) -> KvCache {
-        KvCache::new(self.spec.layers)
+    /// An empty cache that allocates on first use and grows as positions arrive.
+    pub fn cache(&self) -> KvCache<B> {
+        KvCache::empty(self.model.spec.layers)
+    }
+
+    /// An empty cache with room for `positions` positions, allocated now (at most the model's
+    /// context), so runs that stay within it allocate no cache memory.
+    pub fn cache_for(&self, positions: usize) -> Result<KvCache<B>> {
+        let positions = positions.min(self.model.spec.max_positions);
+        KvCache::new(&self.backend, &self.model.spec, positions)
     }
 
     /// Runs `ids` after what `cache` holds and returns the logits `[ids.len(), V]` of every new
     /// position.
-    pub fn logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
-        forward::forward(&self.spec, &self.params, &self.inv_freq, cache, ids, ids.len())
+    pub fn logits(&self, cache: &mut KvCache<B>, ids: &[u32]) -> Result<Vec<f32>> {
+        forward::forward(&self.backend, &self.model, cache, ids, ids.len())
     }
 
     /// As [`Generator::logits`], returning only the last position's logits `[V]`.
-    pub fn next_logits(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
-        forward::forward(&self.spec, &self.params, &self.inv_freq, cache, ids, 1)
+    pub fn next_logits(&self, cache: &mut KvCache<B>, ids: &[u32]) -> Result<Vec<f32>> {
+        forward::forward(&self.backend, &self.model, cache, ids, 1)
     }
 
     /// The token ids of a prompt, plain or as one chat turn in the model's template.
@@ -133,7 +168,7 @@ impl Generator {
 
     /// The ids that end generation: the config's eos ids and the tokenizer's eos.
     pub fn stop_ids(&self) -> Vec<u32> {
-        let mut ids = self.spec.eos_token_ids.clone();
+        let mut ids = self.model.spec.eos_token_ids.clone();
         if let Some(id) = self.tokenizer.as_ref().and_then(Tokenizer::eos_token_id)
             && !ids.contains(&id)
         {
@@ -155,7 +190,8 @@ impl Generator {
         }
         let mut sampler = Sampler::new(options)?;
         let stop = self.stop_ids();
-        let mut cache = self.cache();
+        // Room for the whole generation now: decoding then allocates nothing.
+        let mut cache = self.cache_for(prompt.len() + options.max_new_tokens)?;
         let mut logits = self.next_logits(&mut cache, prompt)?;
         let mut ids = Vec::new();
         while ids.len() < options.max_new_tokens {
@@ -167,7 +203,7 @@ impl Generator {
             if !on_token(next) || ids.len() == options.max_new_tokens {
                 break;
             }
-            if cache.len() + 1 > self.spec.max_positions {
+            if cache.len() + 1 > self.model.spec.max_positions {
                 break;
             }
             logits = self.next_logits(&mut cache, &[next])?;

@@ -140,13 +140,13 @@ fn sampling_is_reproducible_for_a_seed_and_respects_top_p() {
 fn stops_at_eos_and_when_the_callback_says_so() {
     let spec = spec("llama", json!({}));
     let p = params(&spec, 3);
-    let g = Generator::new(spec.clone(), p, None).unwrap();
+    let g = Generator::new(spec.clone(), p.clone(), None).unwrap();
     let free = g.generate(&[1, 2], &GenerateOptions::greedy(3), &mut |_| true).unwrap();
     let first = free.ids[0];
     // Make the first greedy token the eos: generation stops before emitting anything.
     let mut spec_eos = spec.clone();
     spec_eos.eos_token_ids = vec![first];
-    let g2 = Generator::new(spec_eos, g.params.clone(), None).unwrap();
+    let g2 = Generator::new(spec_eos, p, None).unwrap();
     let stopped = g2.generate(&[1, 2], &GenerateOptions::greedy(3), &mut |_| true).unwrap();
     assert_eq!(stopped, Generated { ids: vec![], stopped_at_eos: true });
     let mut seen = 0;
@@ -175,4 +175,29 @@ fn bad_input_is_an_error() {
     assert!(g.prompt_ids("hi", PromptStyle::Plain).is_err());
     let other = self::spec("qwen2", json!({}));
     assert!(Generator::new(other, params(&spec, 1), None).is_err());
+}
+
+#[test]
+fn a_cache_sized_for_the_run_never_grows_and_clearing_restarts_the_sequence() {
+    let spec = spec("mistral", json!({"sliding_window": 5}));
+    let g = Generator::new(spec.clone(), params(&spec, 4), None).unwrap();
+    let ids = [7u32, 1, 30, 2, 2, 44, 9, 13];
+    let mut grown = g.cache();
+    let want = g.logits(&mut grown, &ids).unwrap();
+    assert_eq!(grown.capacity(), ids.len());
+
+    let mut sized = g.cache_for(ids.len()).unwrap();
+    assert_eq!((sized.len(), sized.capacity()), (0, ids.len()));
+    let mut got = g.logits(&mut sized, &ids[..3]).unwrap();
+    for &id in &ids[3..] {
+        got.extend(g.logits(&mut sized, &[id]).unwrap());
+    }
+    assert_eq!(sized.capacity(), ids.len(), "the cache grew");
+    assert_eq!(got, want, "a prompt then single tokens must give the whole sequence's logits");
+
+    sized.clear();
+    assert!(sized.is_empty());
+    assert_eq!(g.logits(&mut sized, &ids).unwrap(), want);
+    // Past the model's context a cache is capped there, and the forward refuses to overflow it.
+    assert_eq!(g.cache_for(1000).unwrap().capacity(), spec.max_positions);
 }

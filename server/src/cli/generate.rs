@@ -1,11 +1,18 @@
-//! `sluice generate`: continue a prompt with a model folder on the CPU, streaming tokens to
-//! stdout; `--dump-logits` also writes the prompt's logits for comparison with transformers.
+//! `sluice generate`: continue a prompt with a model folder on the CPU or a GPU, streaming
+//! tokens to stdout and the speed to stderr; `--dump-logits` also writes the prompt's logits for
+//! comparison with transformers.
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use anyhow::Context;
+use sluice_engine::backend::Backend;
+use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle, write_logits};
+
+use super::{Device, parse_device};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct GenerateArgs {
@@ -40,10 +47,26 @@ pub(crate) struct GenerateArgs {
     /// Also write the prompt's token ids and logits (safetensors: input_ids, logits).
     #[arg(long, value_name = "FILE")]
     dump_logits: Option<PathBuf>,
+
+    /// Device to run on: cpu, or cuda / cuda:N for an NVIDIA GPU (bf16 weights and activations,
+    /// f32 logits).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
 }
 
 pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let generator = Generator::load_dir(&args.model)
+    match args.device {
+        Device::Cpu => generate_on(Cpu, &args),
+        Device::Cuda(ordinal) => {
+            let gpu = Cuda::new(ordinal)
+                .with_context(|| format!("--device cuda:{ordinal}: cannot use the GPU"))?;
+            generate_on(gpu, &args)
+        }
+    }
+}
+
+fn generate_on<B: Backend>(backend: B, args: &GenerateArgs) -> anyhow::Result<()> {
+    let generator = Generator::load_dir_on(backend, &args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let style = if args.chat { PromptStyle::Chat } else { PromptStyle::Plain };
     let prompt = generator.prompt_ids(&args.prompt, style)?;
@@ -67,7 +90,11 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut printed = String::new();
     let mut out = std::io::stdout().lock();
     let mut failure = None;
-    generator.generate(&prompt, &options, &mut |id| {
+    let start = Instant::now();
+    // When the first new token arrives the prompt has run; the rest is decoding.
+    let mut first_token = None;
+    let generated = generator.generate(&prompt, &options, &mut |id| {
+        first_token.get_or_insert_with(Instant::now);
         ids.push(id);
         match generator.decode(&ids) {
             Ok(text) if !text.ends_with('\u{FFFD}') => {
@@ -93,5 +120,24 @@ pub(crate) fn run(args: GenerateArgs) -> anyhow::Result<()> {
         write!(out, "{rest}")?;
     }
     writeln!(out)?;
+    if let Some(first) = first_token {
+        // Tokens after the first each cost one decode step (and their detokenisation).
+        let decoded = generated.ids.len().saturating_sub(1);
+        let decode_s = first.elapsed().as_secs_f64();
+        let rate = if decoded > 0 {
+            format!(
+                ", {decoded} more in {decode_s:.3} s ({:.1} tokens/s)",
+                decoded as f64 / decode_s
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "{} prompt tokens and the first new token in {:.3} s{rate} on {}",
+            prompt.len(),
+            (first - start).as_secs_f64(),
+            generator.backend().name()
+        );
+    }
     Ok(())
 }

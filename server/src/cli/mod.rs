@@ -40,10 +40,11 @@ enum Command {
     /// Run the web appliance (what `sluice` with no subcommand does).
     Serve(serve::ServeArgs),
     /// Train a model on a dataset from the terminal and write Hugging Face checkpoints.
-    Train(train::TrainArgs),
+    // Boxed: its many options would make every other variant as large.
+    Train(Box<train::TrainArgs>),
     /// Convert a llama.cpp GGUF file into a Hugging Face model folder (f32 weights).
     ImportGguf(import_gguf::ImportGgufArgs),
-    /// Generate text from a model folder on the CPU (greedy or sampled, KV-cached).
+    /// Generate text from a model folder on the CPU or a GPU (greedy or sampled, KV-cached).
     Generate(generate::GenerateArgs),
     /// Plan a training job: memory per tier, placement and predicted step time, or why it does
     /// not fit.
@@ -70,11 +71,31 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve::run(args),
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
         Command::ImportGguf(args) => import_gguf::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
+    }
+}
+
+/// Where a subcommand computes: `--device cpu`, `cuda` (GPU 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+/// Parses a `--device` value (clap's `value_parser`; an unknown value is a usage error).
+pub(crate) fn parse_device(value: &str) -> Result<Device, String> {
+    match value {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => value
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| "expected cpu, cuda or cuda:N".to_string()),
     }
 }
 
@@ -96,4 +117,19 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_values() {
+        assert_eq!(parse_device("cpu"), Ok(Device::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(Device::Cuda(0)));
+        assert_eq!(parse_device("cuda:3"), Ok(Device::Cuda(3)));
+        for bad in ["gpu", "cuda3", "cuda:", "cuda:-1", "CPU", ""] {
+            assert!(parse_device(bad).is_err(), "{bad:?} must be refused");
+        }
+    }
 }

@@ -82,7 +82,7 @@ impl<'a> Layout<'a> {
 
 /// Dot product over eight independent partial sums: one running f32 sum must be added in order,
 /// eight can fill the SIMD lanes (a several-fold speed-up on head-sized vectors).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
     let mut lanes = [0.0f32; 8];
@@ -95,11 +95,11 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `acc += alpha · x`.
-fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
+pub(super) fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, &x)| *a += alpha * x);
 }
 
-fn scale(hd: usize) -> f32 {
+pub(super) fn scale(hd: usize) -> f32 {
     1.0 / (hd as f32).sqrt()
 }
 

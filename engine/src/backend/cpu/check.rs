@@ -1,7 +1,7 @@
 //! Argument checks shared by the CPU ops. Every op validates all of its inputs before it writes
 //! anything, so a rejected call leaves its outputs untouched.
 
-use crate::backend::{AttentionShape, IGNORE};
+use crate::backend::{AttentionShape, DecodeShape, IGNORE};
 use crate::error::{Error, Result};
 
 /// The backend error for `op`.
@@ -120,4 +120,23 @@ pub(crate) fn documents(
         ));
     }
     Ok(docs)
+}
+
+/// Checks the head counts and window of a decode shape (as [`attention_shape`] does) and that
+/// its positions fit `usize`.
+pub(crate) fn decode_shape(op: &str, shape: &DecodeShape) -> Result<()> {
+    let as_attention = AttentionShape {
+        tokens: shape.tokens,
+        q_heads: shape.q_heads,
+        kv_heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        docs: 1,
+        window: shape.window,
+    };
+    attention_shape(op, &as_attention)?;
+    shape
+        .past
+        .checked_add(shape.tokens)
+        .map(|_| ())
+        .ok_or_else(|| err(op, format!("past {} + tokens {} overflow", shape.past, shape.tokens)))
 }

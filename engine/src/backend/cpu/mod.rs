@@ -11,6 +11,7 @@
 
 mod attention;
 pub(in crate::backend) mod check;
+mod decode;
 mod elementwise;
 mod embedding;
 mod loss;
@@ -25,6 +26,7 @@ mod testutil;
 use std::ops::Range;
 
 pub use attention::{attention_backward, attention_forward};
+pub use decode::attention_decode;
 pub use elementwise::{add, add_assign, sum, sum_squares};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use loss::{cross_entropy_backward, cross_entropy_forward};
@@ -33,7 +35,7 @@ pub use mlp::{swiglu_backward, swiglu_forward};
 pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 
-use super::{AttentionShape, Backend, FloatKind, WeightDtype};
+use super::{AttentionShape, Backend, DecodeShape, FloatKind, WeightDtype};
 use crate::error::Result;
 use crate::store::HostSlab;
 
@@ -135,6 +137,10 @@ impl Backend for Cpu {
 
     fn alloc(&self, len: usize, _kind: FloatKind) -> Result<Vec<f32>> {
         Ok(vec![0.0; len])
+    }
+
+    fn upload_vec(&self, src: Vec<f32>, _kind: FloatKind) -> Result<Vec<f32>> {
+        Ok(src)
     }
 
     fn alloc_ints(&self, len: usize) -> Result<Vec<i32>> {
@@ -357,6 +363,17 @@ impl Backend for Cpu {
         shape: &AttentionShape,
     ) -> Result<()> {
         attention_backward(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+    }
+
+    fn attention_decode(
+        &self,
+        out: &mut [f32],
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        shape: &DecodeShape,
+    ) -> Result<()> {
+        attention_decode(out, q, k_cache, v_cache, shape)
     }
 
     fn swiglu_forward(

@@ -4,7 +4,7 @@
 
 use super::View;
 use crate::backend::cpu::check as shared;
-use crate::backend::{AttentionShape, FloatKind};
+use crate::backend::{AttentionShape, DecodeShape, FloatKind};
 use crate::error::{Error, Result};
 
 pub(super) fn err(op: &str, message: impl std::fmt::Display) -> Error {
@@ -73,4 +73,9 @@ pub(super) fn attention_shape(op: &str, shape: &AttentionShape) -> Result<usize>
 /// Checks `cu_seqlens`: `docs + 1` bounds from 0 to `tokens`, never decreasing.
 pub(super) fn documents(op: &str, cu: &[i32], shape: &AttentionShape) -> Result<()> {
     relabel(shared::documents(op, cu, shape)).map(|_| ())
+}
+
+/// Checks the head counts and window of a decode shape.
+pub(super) fn decode_shape(op: &str, shape: &DecodeShape) -> Result<()> {
+    relabel(shared::decode_shape(op, shape))
 }

@@ -89,6 +89,16 @@ pub const SOURCES: &[KernelSource] = &[
         source: include_str!("kernels/loss.cu"),
         entry_points: &["cross_entropy_rows", "cross_entropy_grad_rows"],
     },
+    KernelSource {
+        name: "decode",
+        source: include_str!("kernels/decode.cu"),
+        entry_points: &[
+            "attention_decode_32",
+            "attention_decode_64",
+            "attention_decode_128",
+            "attention_decode_256",
+        ],
+    },
 ];
 
 /// The full text NVRTC compiles for `k`: the shared prelude, then the file.

@@ -20,6 +20,7 @@ mod attention;
 mod blas;
 mod check;
 pub mod compile;
+mod decode;
 mod device;
 mod elementwise;
 mod loss;
@@ -37,7 +38,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 pub use device::{PinnedBuffer, device_memory, probe};
 
-use super::{AttentionShape, Backend, FloatKind, WeightDtype};
+use super::{AttentionShape, Backend, DecodeShape, FloatKind, WeightDtype};
 use crate::error::Result;
 use crate::store::HostSlab;
 use device::{Kernels, drv, err};
@@ -546,6 +547,17 @@ impl Backend for Cuda {
         shape: &AttentionShape,
     ) -> Result<()> {
         self.attention_backward_op(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+    }
+
+    fn attention_decode(
+        &self,
+        out: ViewMut<'_>,
+        q: View<'_>,
+        k_cache: View<'_>,
+        v_cache: View<'_>,
+        shape: &DecodeShape,
+    ) -> Result<()> {
+        self.attention_decode_op(out, q, k_cache, v_cache, shape)
     }
 
     fn swiglu_forward(

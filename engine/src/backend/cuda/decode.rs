@@ -1,0 +1,77 @@
+//! Attention of new queries against the key/value cache (`kernels/decode.cu`), for the inference
+//! forward; the CPU twin is `backend/cpu/decode.rs`. q, the caches and out are bf16.
+
+use cudarc::driver::LaunchConfig;
+
+use super::device::Arg;
+use super::{Cuda, View, ViewMut, check};
+use crate::backend::{DecodeShape, FloatKind};
+use crate::error::Result;
+
+/// The kernel instantiation for a head size.
+fn bucket(op: &str, hd: usize) -> Result<usize> {
+    match hd {
+        0..=32 => Ok(32),
+        33..=64 => Ok(64),
+        65..=128 => Ok(128),
+        129..=256 => Ok(256),
+        _ => Err(check::err(op, format!("head_dim {hd} exceeds the largest supported, 256"))),
+    }
+}
+
+/// Threads per block: the kernel's `DW` warps.
+const THREADS: u32 = 8 * 32;
+
+impl Cuda {
+    pub(super) fn attention_decode_op(
+        &self,
+        out: ViewMut<'_>,
+        q: View<'_>,
+        k_cache: View<'_>,
+        v_cache: View<'_>,
+        shape: &DecodeShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_decode";
+        check::decode_shape(OP, shape)?;
+        let (n, nq, nkv, hd) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
+        let o = out.as_view();
+        check::len(OP, "out", o.len, &[n, nq, hd])?;
+        check::len(OP, "q", q.len, &[n, nq, hd])?;
+        check::len(OP, "k_cache", k_cache.len, &[shape.positions(), nkv, hd])?;
+        check::len(OP, "v_cache", v_cache.len, &[shape.positions(), nkv, hd])?;
+        for (name, v) in [("out", &o), ("q", &q), ("k_cache", &k_cache), ("v_cache", &v_cache)] {
+            check::kind(OP, name, v, FloatKind::Activation)?;
+        }
+        let bucket = bucket(OP, hd)?;
+        if nq > 65535 {
+            return Err(check::err(OP, format!("{nq} query heads exceed the grid's 65535")));
+        }
+        // The kernel forms positions as `int`; a window covering every position is no window.
+        check::int(OP, "past + tokens", shape.positions())?;
+        let window = match shape.window {
+            Some(w) if w < shape.positions() => w as i32,
+            _ => 0,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (check::int(OP, "tokens", n)? as u32, nq as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            &format!("attention_decode_{bucket}"),
+            cfg,
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::Ptr(self.ptr(&q)),
+                Arg::Ptr(self.ptr(&k_cache)),
+                Arg::Ptr(self.ptr(&v_cache)),
+                Arg::I32(check::int(OP, "past", shape.past)?),
+                Arg::I32(nq as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(window),
+                Arg::F32(1.0 / (hd as f32).sqrt()),
+            ],
+        )
+    }
+}
