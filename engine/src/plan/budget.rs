@@ -1,5 +1,6 @@
 //! Bytes per memory tier for one placement, part by part.
 
+use crate::schedule::RING_SLOTS;
 use serde::Serialize;
 
 use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};
@@ -234,8 +235,8 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
             pinned.push(("gradient store (fp32, waits for the global norm)".to_string(), p * F32))
         }
         GradientTier::DeviceStore | GradientTier::HostRing => pinned.push((
-            "gradient landing ring (2 x largest unit, fp32)".to_string(),
-            2 * largest * F32,
+            format!("gradient landing ring ({RING_SLOTS} x largest unit, fp32)"),
+            RING_SLOTS as u64 * largest * F32,
         )),
     }
     if l.checkpoints == CheckpointTier::Host {

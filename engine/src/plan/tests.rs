@@ -118,13 +118,14 @@ fn hand_shapes_match_the_published_parameter_counts() {
     assert_eq!(QWEN72.params(), 72_706_203_648);
 }
 
-/// Host bytes by hand: 14 per parameter, plus the gradient ring (two slots of the largest unit
-/// in fp32: the untied head, its norm and LM head) or the 4-byte gradient store, token staging (4 i32 arrays per token
-/// and one bound per micro-batch) and one 4 KiB alignment page per unit per array (4 arrays).
+/// Host bytes by hand: 14 per parameter, plus the gradient ring (four slots of the largest unit
+/// in fp32: the untied head, its norm and LM head) or the 4-byte gradient store, token staging
+/// (4 i32 arrays per token and one bound per micro-batch) and one 4 KiB alignment page per unit
+/// per array (4 arrays).
 fn host_by_hand(s: &Shape, grads_on_host: bool, tokens: u64, g: u64) -> (u64, u64) {
     let p = s.params();
     let units = s.layers + 2;
-    let grads = if grads_on_host { 4 * p } else { 2 * (s.vocab * s.hidden + s.hidden) * 4 };
+    let grads = if grads_on_host { 4 * p } else { 4 * (s.vocab * s.hidden + s.hidden) * 4 };
     let pinned = 2 * p + grads + tokens * 16 + g * 4 + units * 4096;
     let pageable = 12 * p + 3 * units * 4096;
     (pinned, pageable)
@@ -194,7 +195,7 @@ fn seventy_two_b_is_refused_for_host_memory_with_what_it_needs() {
     let p = QWEN72.params();
     assert!(14 * p > 125 * GIB, "the premise: 14 bytes/param exceeds the host");
     let host = r.overflows.iter().find(|o| o.memory == Memory::Host).expect("host overflows");
-    // The leanest host placement keeps gradients on the device (a two-slot ring on the host),
+    // The leanest host placement keeps gradients on the device (a four-slot ring on the host),
     // but 4 bytes/param of gradients (291 GB) do not fit 139 GiB, so RAM for the host store
     // is what it takes.
     let (lean_pinned, lean_pageable) = host_by_hand(&QWEN72, false, 8 * 8 * 1024, 8);

@@ -9,9 +9,12 @@
 //! - **host ring** (clipping off): the same two accumulators, landing in the two-slot ring and
 //!   handed to the optimizer at once.
 //!
-//! A *lane* is one of two landing paths, each with its own event and at most one copy in
-//! flight: with two accumulators lane `i` copies accumulator `i`, and a ring landing uses ring
-//! slot `i`. Finishing a lane waits for its copy and hands the unit's update to the optimizer.
+//! A *lane* is a landing path with its own event and at most one copy in flight: with two
+//! accumulators lane `i` copies accumulator `i`; the device store has one lane per ring slot,
+//! so up to [`RING_SLOTS`] - 1 units land ahead of the one the forward needs and the optimizer
+//! never waits for a copy. Finishing a lane waits for its copy and hands the unit's update to
+//! the optimizer. Ring slots rotate independently of lanes, so an update may lag its landing by
+//! a few units before the schedule waits for a free slot.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -21,6 +24,10 @@ use crate::backend::{Backend, FloatKind};
 use crate::error::{Error, Result};
 use crate::plan::GradientTier;
 use crate::store::HostStore;
+
+/// Slots of the host gradient ring: the updates that may be queued or running while the next
+/// unit's gradients land.
+pub const RING_SLOTS: usize = 4;
 
 /// A copy in flight on a lane: the unit, and the update to submit once it has landed (none when
 /// the update waits for the global norm).
@@ -48,11 +55,13 @@ pub(super) struct Grads<B: Backend> {
     /// The accumulator the current unit uses (two-accumulator tiers).
     current: usize,
     next_lane: usize,
-    in_flight: [Option<Landing>; 2],
+    in_flight: Vec<Option<Landing>>,
+    /// The ring slot the next landing uses.
+    next_slot: usize,
     /// Compute has finished a unit's gradients: the copy may start.
     ready: B::Event,
     /// A lane's copy has finished: its destination may be read, its source reused.
-    landed: [B::Event; 2],
+    landed: Vec<B::Event>,
     /// Per unit, this step's sum of squared gradients.
     pub sumsq: Vec<f64>,
     /// Device store: updates whose gradients still wait on the device, in forward order.
@@ -70,15 +79,17 @@ impl<B: Backend> Grads<B> {
         let acc = sizes.iter().map(|&n| b.alloc(n, FloatKind::Accum)).collect::<Result<_>>()?;
         let bytes = sizes.iter().sum::<usize>() * b.elem_bytes(FloatKind::Accum);
         let units = lens.len();
+        let lanes = if tier == GradientTier::DeviceStore { RING_SLOTS } else { 2 };
         let grads = Grads {
             tier,
             acc,
             lens,
             current: 0,
             next_lane: 0,
-            in_flight: [None, None],
+            in_flight: vec![None; lanes],
+            next_slot: 0,
             ready: b.new_event()?,
-            landed: [b.new_event()?, b.new_event()?],
+            landed: (0..lanes).map(|_| b.new_event()).collect::<Result<_>>()?,
             sumsq: vec![0.0; units],
             waiting: VecDeque::new(),
         };
@@ -111,8 +122,14 @@ impl<B: Backend> Grads<B> {
 
     fn take_lane(&mut self) -> usize {
         let lane = self.next_lane;
-        self.next_lane = 1 - lane;
+        self.next_lane = (lane + 1) % self.landed.len();
         lane
+    }
+
+    fn take_slot(&mut self) -> usize {
+        let slot = self.next_slot;
+        self.next_slot = (slot + 1) % RING_SLOTS;
+        slot
     }
 
     /// Unit `u`'s gradients are complete (queued on `compute`): records their sum of squares
@@ -140,8 +157,9 @@ impl<B: Backend> Grads<B> {
         let mut landed = Landed::default();
         let dest = match self.tier {
             GradientTier::HostRing => {
-                landed.waited = store.ring().acquire(lane)?;
-                GradAt::Ring(lane)
+                let slot = self.take_slot();
+                landed.waited = store.ring().acquire(slot)?;
+                GradAt::Ring(slot)
             }
             _ => GradAt::Unit,
         };
@@ -206,8 +224,11 @@ impl<B: Backend> Grads<B> {
 
     /// Waits for every copy in flight and submits their updates.
     pub fn flush(&mut self, b: &B, worker: &OptimizerWorker) -> Result<()> {
-        self.finish(b, worker, 0)?;
-        self.finish(b, worker, 1)
+        for i in 0..self.landed.len() {
+            let lane = (self.next_lane + i) % self.landed.len();
+            self.finish(b, worker, lane)?;
+        }
+        Ok(())
     }
 
     /// Device store: queues every unit's update (forward order) for [`Grads::pump`].
@@ -215,10 +236,11 @@ impl<B: Backend> Grads<B> {
         self.waiting.extend(jobs);
     }
 
-    /// Device store: lands waiting gradients in the ring, in forward order, until unit `upto`
-    /// and the one after it are in flight (all of them with `None`), and submits the update of
-    /// every unit up to `upto`. Unit `upto`'s update is then queued, so the caller may wait for
-    /// it; the next unit's copy overlaps that update.
+    /// Device store: lands waiting gradients in the ring, in forward order, until units `upto`
+    /// to `upto + RING_SLOTS - 1` are landed or in flight (all of them with `None`), and submits
+    /// the update of every landed unit but the newest (and of unit `upto` in any case). Unit
+    /// `upto`'s update is then queued, so the caller may wait for it, while the updates of the
+    /// next units queue behind it and their copies run.
     #[allow(clippy::too_many_arguments)]
     pub fn pump(
         &mut self,
@@ -231,8 +253,9 @@ impl<B: Backend> Grads<B> {
     ) -> Result<Landed> {
         let mut landed = Landed::default();
         let bound = upto.unwrap_or(usize::MAX);
+        let lanes = self.landed.len();
         while let Some(job) = self.waiting.front().copied() {
-            if job.unit > bound.saturating_add(1) {
+            if job.unit > bound.saturating_add(lanes - 1) {
                 break;
             }
             self.waiting.pop_front();
@@ -249,9 +272,12 @@ impl<B: Backend> Grads<B> {
             let job = AdamJob { grad: dest, ..job };
             self.in_flight[lane] = Some(Landing { unit: job.unit, job: Some(job) });
         }
-        // Hand over every landed unit up to the bound, oldest lane first.
-        for lane in [self.next_lane, 1 - self.next_lane] {
-            if self.in_flight[lane].is_some_and(|l| l.unit <= bound) {
+        // Hand over, oldest first, every landing but the one just queued (their copies have had
+        // a unit's compute to finish), and that one too if the caller needs its unit now.
+        for i in 0..lanes {
+            let lane = (self.next_lane + i) % lanes;
+            let newest = i == lanes - 1;
+            if self.in_flight[lane].is_some_and(|l| !newest || l.unit <= bound) {
                 self.finish(b, worker, lane)?;
             }
         }

@@ -45,6 +45,7 @@ use crate::spec::ModelSpec;
 use crate::store::{GradLanding, HostSlab, HostStore};
 use crate::train::{Span, StepMetrics, TrainConfig};
 use grads::Grads;
+pub use grads::RING_SLOTS;
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -198,7 +199,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let landing = match options.gradients {
             GradientTier::HostStore => GradLanding::PerUnit,
-            GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(2),
+            GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(RING_SLOTS),
         };
         let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing)?);
         for u in 0..store.units() {
@@ -593,7 +594,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             });
             if self.grads.tier == GradientTier::DeviceStore {
                 // Gradients leave the device as the next forward asks for each unit; start
-                // with unit 0 (and 1) now so its update runs while this step returns.
+                // with unit 0 (and the next few) now so its update runs while this step
+                // returns.
                 self.grads.defer(jobs);
                 let started = Instant::now();
                 let landed = self.grads.pump(
