@@ -132,7 +132,7 @@ fn engine_verdict(input: &PlanInput) -> Verdict {
             host_total: None,
         },
         rates: MachineRates::default(),
-        supports: sluice_engine::schedule::from_plan::STREAMER,
+        supports: crate::jobs::RUNNER,
     };
     let convert = |t: &plan::Tier| Tier {
         name: t.tier.label().into(),

@@ -102,7 +102,7 @@ pub struct Capabilities {
     /// With clipping on, gradients can wait on the device for the global norm
     /// ([`GradientTier::DeviceStore`]); otherwise they wait in the host store.
     pub device_gradient_store: bool,
-    /// With clipping off, gradients land in a two-slot ring ([`GradientTier::HostRing`]);
+    /// With clipping off, gradients land in a small ring ([`GradientTier::HostRing`]);
     /// otherwise in a full host store.
     pub gradient_ring: bool,
 }

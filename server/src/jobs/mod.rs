@@ -4,6 +4,15 @@
 pub mod runner;
 pub mod store;
 
+/// The placements a job runs with today: every layer checkpointed on the device, no resident
+/// units, gradients in the host store (clipping) or the ring (no clipping). The web form's plan
+/// verdict budgets exactly these, so a job it accepts fits.
+pub const RUNNER: sluice_engine::plan::Capabilities = sluice_engine::plan::Capabilities {
+    max_checkpoint_interval: 1,
+    device_gradient_store: false,
+    gradient_ring: true,
+};
+
 use std::convert::Infallible;
 
 use axum::extract::State;
