@@ -128,6 +128,7 @@ fn engine_verdict(input: &PlanInput) -> Verdict {
             host_source: MemorySource::Measured,
         },
         rates: MachineRates::default(),
+        gpus: 1,
     };
     let convert = |t: &plan::Tier| Tier {
         name: t.tier.label().into(),

@@ -15,8 +15,14 @@
 //! spare device memory allows, most-used first. Candidates that fit are timed by a
 //! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
 //! 1% of it the simplest (device checkpoints, K = 1, gradients on the device).
+//!
+//! Several GPUs of one host (data parallelism, [`parallel`]): each GPU runs the same schedule on
+//! its share of the micro-batches, planned as one GPU with that share; their PCIe links share
+//! the host's memory bandwidth, and the gradients' all-reduce adds to each step. The plan then
+//! carries the predicted speed-up over one GPU.
 
 pub mod budget;
+mod parallel;
 pub mod rates;
 mod report;
 pub mod sizes;
@@ -25,6 +31,7 @@ pub mod timing;
 use serde::Serialize;
 
 pub use budget::{Budget, Part, Tier, TierName};
+pub use parallel::{ALLREDUCE_BUS_BYTES, Parallel};
 pub use rates::{H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
 pub use sizes::BatchShape;
 
@@ -85,6 +92,9 @@ pub struct PlanInput<'a> {
     pub clipping: bool,
     pub memory: MachineMemory,
     pub rates: MachineRates,
+    /// GPUs of this host the job's micro-batches are shared among (data parallelism); the
+    /// memory figures are each GPU's.
+    pub gpus: usize,
 }
 
 /// The model as the plan describes it.
@@ -158,7 +168,10 @@ pub struct Plan {
     pub rates: MachineRates,
     pub placement: Placement,
     pub budget: Budget,
+    /// Several GPUs: the whole step's time and tokens; PCIe and GPU figures are one GPU's.
     pub time: StepTime,
+    /// Several GPUs: how the step is shared and what they gain over one.
+    pub parallel: Option<Parallel>,
 }
 
 /// Which memory overflowed.
@@ -227,6 +240,15 @@ impl Verdict {
 /// Plans a job. Errors only for invalid input (zero sizes, a sequence longer than the model's
 /// positions, non-positive rates); a job that does not fit is [`Verdict::Refused`].
 pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
+    match input.gpus {
+        0 => Err(Error::invalid("a plan needs at least one GPU")),
+        1 => plan_one(input),
+        _ => parallel::plan(input),
+    }
+}
+
+/// Plans a job on one GPU.
+fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
     input.batch.validate(input.spec)?;
     input.rates.validate()?;
     let sizes = Sizes::new(input.spec, input.batch);
@@ -253,6 +275,7 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
                 placement,
                 budget: best.budget,
                 time,
+                parallel: None,
             })))
         }
         None => Ok(Verdict::Refused(Box::new(refusal(&sizes, input, model)))),

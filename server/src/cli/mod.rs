@@ -38,7 +38,8 @@ enum Command {
     /// Run the web appliance (what `sluice` with no subcommand does).
     Serve(serve::ServeArgs),
     /// Train a model on a dataset from the terminal and write Hugging Face checkpoints.
-    Train(train::TrainArgs),
+    // Boxed: its many options would make every command as large.
+    Train(Box<train::TrainArgs>),
     /// Convert a llama.cpp GGUF file into a Hugging Face model folder (f32 weights).
     ImportGguf(import_gguf::ImportGgufArgs),
     /// Generate text from a model folder on the CPU (greedy or sampled, KV-cached).
@@ -68,7 +69,7 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve(cli.serve)) {
         Command::Serve(args) => serve::run(args),
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
         Command::ImportGguf(args) => import_gguf::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Plan(args) => plan::run(args),

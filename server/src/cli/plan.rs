@@ -38,6 +38,11 @@ pub(crate) struct PlanArgs {
     #[arg(long, value_name = "BYTES")]
     host_mem: Option<u64>,
 
+    /// GPUs of this host sharing each step's micro-batches (data parallelism); the GPU memory
+    /// is each one's.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+
     /// Plan with global-norm gradient clipping off (gradients then need no store).
     #[arg(long)]
     no_clip: bool,
@@ -65,6 +70,7 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         clipping: !args.no_clip,
         memory,
         rates: MachineRates::default(),
+        gpus: args.gpus,
     };
     let verdict = plan(&input)?;
     if args.json {

@@ -5,8 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use sluice_engine::backend::AllReduce;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::backend::cuda::nccl::Communicator;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
 use sluice_engine::schedule::Tier;
@@ -109,7 +111,9 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     eval_data: Option<PathBuf>,
 
-    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
+    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU, or cuda:0,1,... for several
+    /// GPUs of this host sharing each step's micro-batches (data parallelism through NCCL;
+    /// --grad-accum must be at least the number of GPUs).
     #[arg(long, default_value = "cpu")]
     device: String,
 
@@ -125,19 +129,24 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         None => (options(args)?, false),
     };
     let mut printer = Printer { bar: None };
-    let summary = match device.as_str() {
-        "cpu" => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
-        other => {
-            let ordinal = match other.strip_prefix("cuda") {
-                Some("") => 0,
-                Some(n) => n
-                    .trim_start_matches(':')
-                    .parse()
-                    .with_context(|| format!("--device {other}: expected cpu, cuda or cuda:N"))?,
-                None => anyhow::bail!("--device {other}: expected cpu, cuda or cuda:N"),
-            };
+    let summary = match gpu_ordinals(&device)?.as_slice() {
+        [] => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
+        &[ordinal] => {
             let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
             sluice_engine::train::run(&cuda, &options, resume, &mut printer)
+        }
+        ordinals => {
+            let gpus = ordinals
+                .iter()
+                .map(|&o| Cuda::new(o).with_context(|| format!("cannot use GPU {o}")))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let refs: Vec<&Cuda> = gpus.iter().collect();
+            let peers: Vec<Box<dyn AllReduce<Cuda>>> = Communicator::local(&refs)
+                .context("cannot link the GPUs through NCCL")?
+                .into_iter()
+                .map(|c| Box::new(c) as Box<dyn AllReduce<Cuda>>)
+                .collect();
+            sluice_engine::train::run_parallel(&refs, peers, &options, resume, &mut printer)
         }
     }
     .context("training failed")?;
@@ -152,6 +161,29 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         summary.final_checkpoint.display()
     );
     Ok(())
+}
+
+/// The GPUs `--device` names: none for `cpu`, one for `cuda` or `cuda:N`, several for
+/// `cuda:0,1,...` (distinct).
+fn gpu_ordinals(device: &str) -> anyhow::Result<Vec<usize>> {
+    let expected = || format!("--device {device}: expected cpu, cuda, cuda:N or cuda:N,M,...");
+    if device == "cpu" {
+        return Ok(Vec::new());
+    }
+    let list = match device.strip_prefix("cuda") {
+        Some("") => return Ok(vec![0]),
+        Some(rest) => rest.strip_prefix(':').with_context(expected)?,
+        None => anyhow::bail!(expected()),
+    };
+    let mut ordinals = Vec::new();
+    for n in list.split(',') {
+        let o: usize = n.trim().parse().with_context(expected)?;
+        if ordinals.contains(&o) {
+            anyhow::bail!("--device {device}: GPU {o} is named twice");
+        }
+        ordinals.push(o);
+    }
+    Ok(ordinals)
 }
 
 /// The run's options from the command line.
@@ -282,6 +314,23 @@ impl Observer for Printer {
                 self.line(format!("saved step {step} to {}", path.display()));
             }
             Event::Notice(text) => self.line(format!("note: {text}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_ordinals;
+
+    #[test]
+    fn device_names_one_or_several_gpus() {
+        assert_eq!(gpu_ordinals("cpu").expect("cpu"), Vec::<usize>::new());
+        assert_eq!(gpu_ordinals("cuda").expect("cuda"), [0]);
+        assert_eq!(gpu_ordinals("cuda:3").expect("cuda:3"), [3]);
+        assert_eq!(gpu_ordinals("cuda:0,1, 2").expect("three"), [0, 1, 2]);
+        for bad in ["gpu", "cuda0", "cuda:", "cuda:0,x", "cuda:1,1"] {
+            let e = gpu_ordinals(bad).expect_err(bad).to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
         }
     }
 }
