@@ -124,8 +124,7 @@ fn check(
             let interval = checkpoint_interval;
             let recomputed = (1..=layers).contains(&unit) && unit % interval != 0 && unit != layers;
             let compute = if unit == layers + 1 { 1 } else { 2 + usize::from(recomputed) };
-            let deferred =
-                gradients == GradientTier::DeviceStore && k == 0 && unit >= RING_SLOTS;
+            let deferred = gradients == GradientTier::DeviceStore && k == 0 && unit >= RING_SLOTS;
             let landings = if deferred { 0 } else { 1 };
             assert_eq!(
                 (on("compute"), on("d2h")),

@@ -133,6 +133,7 @@ fn engine_verdict(input: &PlanInput) -> Verdict {
         },
         rates: MachineRates::default(),
         supports: crate::jobs::RUNNER,
+        gpus: 1,
     };
     let convert = |t: &plan::Tier| Tier {
         name: t.tier.label().into(),

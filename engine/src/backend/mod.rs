@@ -109,6 +109,18 @@ impl DecodeShape {
 }
 
 /// A compute device and its memory. Only the schedule in `train` drives it.
+/// One rank's link to the other ranks of a data-parallel group: sums a buffer over every rank,
+/// in place. Implementations: NCCL on GPUs (`cuda::nccl`), shared memory between threads on the
+/// CPU (`schedule::CpuGroup`).
+pub trait AllReduce<B: Backend>: Send {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// `x[i] = sum over ranks of x[i]`, queued on `b`'s compute stream after the work already
+    /// there. Every rank calls it with the same length, in the same order; afterwards every
+    /// rank holds the same bits.
+    fn all_reduce_sum(&self, b: &B, x: B::ViewMut<'_>) -> Result<()>;
+}
+
 pub trait Backend: Send + Sync {
     /// An owned float buffer in device memory.
     type Floats: Send;

@@ -18,8 +18,14 @@
 //! executing schedule implements are candidates ([`Capabilities`]). For the CPU backend the
 //! device is host memory ([`MemorySource::SharedWithHost`]): nothing is kept resident, and the
 //! device's buffers and the host store must fit the host together.
+//!
+//! Several GPUs of one host (data parallelism, [`parallel`]): each GPU runs the same schedule on
+//! its share of the micro-batches, planned as one GPU with that share; their PCIe links share
+//! the host's memory bandwidth, and the gradients' all-reduce adds to each step. The plan then
+//! carries the predicted speed-up over one GPU.
 
 pub mod budget;
+mod parallel;
 pub mod rates;
 mod report;
 pub mod sizes;
@@ -28,6 +34,7 @@ pub mod timing;
 use serde::Serialize;
 
 pub use budget::{Budget, Part, Tier, TierName};
+pub use parallel::{ALLREDUCE_BUS_BYTES, Parallel};
 pub use rates::{GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
 pub use sizes::BatchShape;
 
@@ -90,6 +97,9 @@ pub struct PlanInput<'a> {
     pub memory: MachineMemory,
     pub rates: MachineRates,
     pub supports: Capabilities,
+    /// GPUs of this host the job's micro-batches are shared among (data parallelism); the
+    /// memory figures are each GPU's.
+    pub gpus: usize,
 }
 
 /// The placements a schedule can execute. The planner offers only those, so a plan never asks
@@ -187,7 +197,10 @@ pub struct Plan {
     pub rates: MachineRates,
     pub placement: Placement,
     pub budget: Budget,
+    /// Several GPUs: the whole step's time and tokens; PCIe and GPU figures are one GPU's.
     pub time: StepTime,
+    /// Several GPUs: how the step is shared and what they gain over one.
+    pub parallel: Option<Parallel>,
 }
 
 /// Which memory overflowed.
@@ -256,6 +269,15 @@ impl Verdict {
 /// Plans a job. Errors only for invalid input (zero sizes, a sequence longer than the model's
 /// positions, non-positive rates); a job that does not fit is [`Verdict::Refused`].
 pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
+    match input.gpus {
+        0 => Err(Error::invalid("a plan needs at least one GPU")),
+        1 => plan_one(input),
+        _ => parallel::plan(input),
+    }
+}
+
+/// Plans a job on one GPU.
+fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
     input.batch.validate(input.spec)?;
     input.rates.validate()?;
     let sizes = Sizes::new(input.spec, input.batch);
@@ -282,6 +304,7 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
                 placement,
                 budget: best.budget,
                 time,
+                parallel: None,
             })))
         }
         None => Ok(Verdict::Refused(Box::new(refusal(&sizes, input, model)))),

@@ -144,7 +144,25 @@ impl fmt::Display for Plan {
                 OptimizerMode::AsGradientsLand => "as gradients land, overlapped with the backward",
             }
         )?;
-        writeln!(f, "memory:")?;
+        if let Some(par) = &self.parallel {
+            writeln!(
+                f,
+                "GPUs: {} sharing each step ({} micro-batches each); PCIe {:.1} GB/s each way per \
+                 GPU (host memory bandwidth shared); gradient all-reduce {:.3} s per step",
+                par.gpus,
+                par.micro_batches_per_gpu,
+                par.link_bytes_per_s / 1e9,
+                par.allreduce_s
+            )?;
+            match (par.one_gpu_step_s, par.speedup) {
+                (Some(one), Some(x)) => {
+                    writeln!(f, "  speed-up over one GPU: {x:.2}x (one GPU: {one:.3} s per step)")?
+                }
+                _ => writeln!(f, "  the same batch does not fit one GPU")?,
+            }
+        }
+        let shared = if self.parallel.is_some() { " (device: per GPU; host: shared)" } else { "" };
+        writeln!(f, "memory{shared}:")?;
         write_budget(f, &self.budget)?;
         let t = &self.time;
         writeln!(

@@ -62,6 +62,7 @@ mod tests {
             memory: MachineMemory::given(gpu, 125 * GIB),
             rates: MachineRates::default(),
             supports,
+            gpus: 1,
         };
         match plan(&input).expect("valid") {
             Verdict::Fits(p) => *p,

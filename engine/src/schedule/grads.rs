@@ -62,6 +62,9 @@ pub(super) struct Grads<B: Backend> {
     ready: B::Event,
     /// A lane's copy has finished: its destination may be read, its source reused.
     landed: Vec<B::Event>,
+    /// Whether this rank lands gradients (data parallelism: rank 0 alone does; the others only
+    /// contribute to the sum and measure it).
+    pub lands: bool,
     /// Per unit, this step's sum of squared gradients.
     pub sumsq: Vec<f64>,
     /// Device store: updates whose gradients still wait on the device, in forward order.
@@ -70,7 +73,12 @@ pub(super) struct Grads<B: Backend> {
 
 impl<B: Backend> Grads<B> {
     /// Allocates the accumulators for `tier`; returns them with their device bytes.
-    pub fn new(b: &B, tier: GradientTier, lens: Vec<usize>) -> Result<(Grads<B>, usize)> {
+    pub fn new(
+        b: &B,
+        tier: GradientTier,
+        lens: Vec<usize>,
+        lands: bool,
+    ) -> Result<(Grads<B>, usize)> {
         let largest = lens.iter().copied().max().unwrap_or(0);
         let sizes: Vec<usize> = match tier {
             GradientTier::DeviceStore => lens.clone(),
@@ -82,6 +90,7 @@ impl<B: Backend> Grads<B> {
         let lanes = if tier == GradientTier::DeviceStore { RING_SLOTS } else { 2 };
         let grads = Grads {
             tier,
+            lands,
             acc,
             lens,
             current: 0,
@@ -150,7 +159,7 @@ impl<B: Backend> Grads<B> {
         // Waits for the unit's backward: the schedule prefetched the next unit's weights before
         // calling this, so the device keeps copying while the host waits.
         self.sumsq[u] = b.sum_squares(b.view(self.acc(u), 0..len))?;
-        if self.per_unit() {
+        if self.per_unit() || !self.lands {
             return Ok(Landed::default());
         }
         let lane = self.current;

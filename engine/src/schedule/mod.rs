@@ -29,13 +29,15 @@
 pub mod from_plan;
 mod grads;
 mod optimizer;
+mod parallel;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use optimizer::{AdamJob, GradAt, OptimizerWorker};
+pub use parallel::{CpuGroup, CpuPeer, DataParallel, split_micro};
 
-use crate::backend::{Backend, FloatKind};
+use crate::backend::{AllReduce, Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
@@ -116,6 +118,14 @@ struct Events<B: Backend> {
     activations_ready: B::Event,
 }
 
+/// What the ranks of a data-parallel group hold in common.
+#[derive(Clone)]
+struct Shared {
+    layout: Arc<ModelLayout>,
+    store: Arc<HostStore>,
+    worker: Arc<OptimizerWorker>,
+}
+
 pub struct Streamer<'b, B: Backend> {
     b: &'b B,
     pub config: TrainConfig,
@@ -123,7 +133,10 @@ pub struct Streamer<'b, B: Backend> {
     layout: Arc<ModelLayout>,
     decoder: Decoder<B>,
     store: Arc<HostStore>,
-    worker: OptimizerWorker,
+    worker: Arc<OptimizerWorker>,
+    /// Data parallelism: this rank's link to the others, through which each unit's gradients
+    /// are summed before they are measured and landed. `None`: a single device.
+    peers: Option<Box<dyn AllReduce<B> + 'b>>,
     /// Optimizer steps submitted.
     pub step: u64,
     h2d: B::Stream,
@@ -180,6 +193,21 @@ impl<'b, B: Backend> Streamer<'b, B> {
         config: TrainConfig,
         options: ScheduleOptions,
     ) -> Result<Self> {
+        let layout = params.layout.clone();
+        let (store, worker) = Self::shared_state(b, spec, params, &config, &options)?;
+        let shared = Shared { layout, store, worker };
+        Self::with_state(b, spec, shared, None, config, options)
+    }
+
+    /// The state every rank of a data-parallel group shares: the host store (its slabs pinned
+    /// through `b`, which every device can reach: see `Backend::pin`) and the optimizer worker.
+    fn shared_state(
+        b: &B,
+        spec: &ModelSpec,
+        params: HostParams,
+        config: &TrainConfig,
+        options: &ScheduleOptions,
+    ) -> Result<(Arc<HostStore>, Arc<OptimizerWorker>)> {
         if options.max_tokens == 0 || options.grad_accum == 0 {
             return Err(Error::invalid("a step needs at least one micro-batch of one token"));
         }
@@ -219,12 +247,22 @@ impl<'b, B: Backend> Streamer<'b, B> {
             weight_decay: config.weight_decay,
         };
         hyper.validate()?;
-        let worker = OptimizerWorker::spawn(
-            store.clone(),
-            layout.clone(),
-            hyper,
-            options.optimizer_threads,
-        )?;
+        let worker =
+            OptimizerWorker::spawn(store.clone(), layout, hyper, options.optimizer_threads)?;
+        Ok((store, Arc::new(worker)))
+    }
+
+    /// A streamer on `b` over a store and optimizer worker it may share with other ranks;
+    /// `peers` links it to them (rank 0 alone lands gradients and submits updates).
+    fn with_state(
+        b: &'b B,
+        spec: &ModelSpec,
+        shared: Shared,
+        peers: Option<Box<dyn AllReduce<B> + 'b>>,
+        config: TrainConfig,
+        options: ScheduleOptions,
+    ) -> Result<Self> {
+        let Shared { layout, store, worker } = shared;
         let decoder = Decoder::new(b, spec, layout.layer.clone(), layout.head.clone())?;
 
         let largest = layout.units.iter().map(|u| u.len).max().unwrap_or(0);
@@ -288,7 +326,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
         }
         let lens = layout.units.iter().map(|u| u.len).collect();
-        let (grads, grad_bytes) = Grads::new(b, options.gradients, lens)?;
+        let lands = peers.as_ref().is_none_or(|p| p.rank() == 0);
+        let (grads, grad_bytes) = Grads::new(b, options.gradients, lens, lands)?;
         counted.set(counted.get() + grad_bytes);
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;
@@ -301,6 +340,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             decoder,
             store,
             worker,
+            peers,
             step: 0,
             h2d: b.new_stream()?,
             compute: b.compute_stream(),
@@ -464,6 +504,12 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// Unit `u`'s gradients are complete: see [`Grads::end`]. `early` carries the learning
     /// rate when the update should follow the gradients as soon as they land (clipping off).
     fn grads_done(&mut self, u: usize, early: Option<f32>) -> Result<()> {
+        if let Some(peers) = &self.peers {
+            // Every rank sums the same units in the same order, so the collectives pair up;
+            // each rank then measures (and rank 0 lands) the sum over all micro-batches.
+            let len = self.layout.units[u].len;
+            peers.all_reduce_sum(self.b, self.b.view_mut(self.grads.acc(u), 0..len))?;
+        }
         let started = Instant::now();
         let job = early.map(|lr| AdamJob {
             unit: u,
@@ -531,6 +577,18 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
     /// One optimizer step over the G micro-batches of `micro`.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<(StepMetrics, StepTraffic)> {
+        let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
+        self.step_part(micro, trained)
+    }
+
+    /// This rank's share `micro` of a step whose micro-batches, over every rank, train
+    /// `trained` tokens: the loss and the gradients are scaled by `1 / trained`, so summing
+    /// them over the ranks gives the step's mean. The reported loss is this share's part.
+    fn step_part(
+        &mut self,
+        micro: &[MicroBatch],
+        trained: usize,
+    ) -> Result<(StepMetrics, StepTraffic)> {
         let start = Instant::now();
         let g = micro.len();
         if g == 0 || g > self.options.grad_accum {
@@ -539,7 +597,6 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 self.options.grad_accum
             )));
         }
-        let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
         if trained == 0 {
             return Err(Error::invalid(
                 "no token in this step carries loss (all are prompt or padding)",
@@ -582,7 +639,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
             None => 1.0,
         };
-        if early.is_none() {
+        if early.is_none() && self.grads.lands {
             // Forward order: the next step needs unit 0 first.
             let step = self.step;
             let jobs = (0..self.store.units()).map(move |unit| AdamJob {
@@ -615,7 +672,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.traffic.forward = forward_done - start;
         self.traffic.backward = backward_done - forward_done;
-        self.traffic.optimizer_busy = self.worker.take_busy();
+        if self.grads.lands {
+            // Shared by every rank: the one that submits the updates accounts for them.
+            self.traffic.optimizer_busy = self.worker.take_busy();
+        }
         let elapsed = start.elapsed();
         let metrics = StepMetrics {
             step: self.step,
@@ -952,7 +1012,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let origin = self.step_start;
         let at = |t: Instant| t.saturating_duration_since(origin).as_secs_f64();
         let mut spans = std::mem::take(&mut self.timeline);
-        for (unit, from, to) in self.worker.take_spans() {
+        let updates = if self.grads.lands { self.worker.take_spans() } else { Vec::new() };
+        for (unit, from, to) in updates {
             spans.push(Span { unit, stream: "optimizer", start: at(from), end: at(to) });
         }
         spans.sort_by(|a, b| a.start.total_cmp(&b.start));

@@ -35,9 +35,11 @@ pub struct AdamJob {
     pub grad: GradAt,
 }
 
+/// The worker is shared by reference: the data-parallel driver's ranks hold it together, and only
+/// the rank that lands gradients submits to it.
 pub struct OptimizerWorker {
-    tx: Option<Sender<AdamJob>>,
-    handle: Option<JoinHandle<Result<()>>>,
+    tx: Mutex<Option<Sender<AdamJob>>>,
+    handle: Mutex<Option<JoinHandle<Result<()>>>>,
     busy: Arc<Mutex<Duration>>,
     /// (unit, start, end) of every update since the last `take_spans`.
     spans: Arc<Mutex<Vec<(usize, Instant, Instant)>>>,
@@ -84,12 +86,18 @@ impl OptimizerWorker {
                 Ok(())
             })
             .map_err(|e| Error::invalid(format!("cannot start the optimizer thread: {e}")))?;
-        Ok(OptimizerWorker { tx: Some(tx), handle: Some(handle), busy, spans })
+        Ok(OptimizerWorker {
+            tx: Mutex::new(Some(tx)),
+            handle: Mutex::new(Some(handle)),
+            busy,
+            spans,
+        })
     }
 
     /// Queues an update; fails if the worker has stopped (its error comes from `finish`).
     pub fn submit(&self, job: AdamJob) -> Result<()> {
-        let sent = self.tx.as_ref().map(|tx| tx.send(job).is_ok()).unwrap_or(false);
+        let tx = self.tx.lock().map_err(|_| Error::invalid("optimizer queue poisoned"))?;
+        let sent = tx.as_ref().map(|tx| tx.send(job).is_ok()).unwrap_or(false);
         if sent { Ok(()) } else { Err(Error::invalid("the optimizer worker has stopped")) }
     }
 
@@ -104,9 +112,11 @@ impl OptimizerWorker {
     }
 
     /// Stops the worker after its queued jobs and returns its error, if it had one.
-    pub fn finish(&mut self) -> Result<()> {
-        drop(self.tx.take());
-        match self.handle.take().map(JoinHandle::join) {
+    pub fn finish(&self) -> Result<()> {
+        let poisoned = || Error::invalid("optimizer worker poisoned");
+        drop(self.tx.lock().map_err(|_| poisoned())?.take());
+        let handle = self.handle.lock().map_err(|_| poisoned())?.take();
+        match handle.map(JoinHandle::join) {
             Some(Ok(result)) => result,
             Some(Err(_)) => Err(Error::invalid("the optimizer thread panicked")),
             None => Ok(()),

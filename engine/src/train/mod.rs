@@ -13,7 +13,7 @@ use std::time::Duration;
 
 pub use run::{
     LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_options,
-    run, save_checkpoint,
+    run, run_parallel, save_checkpoint,
 };
 pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;

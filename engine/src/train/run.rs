@@ -9,12 +9,13 @@ use serde_json::{Value, json};
 
 use super::state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 use super::{Event, Observer, TrainConfig};
-use crate::backend::Backend;
+use crate::backend::{AllReduce, Backend};
 use crate::data::{self, DataOptions, DatasetSource, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
-use crate::schedule::{GradientTier, ScheduleOptions, Streamer, Tier};
+use crate::schedule::{DataParallel, GradientTier, Moments, ScheduleOptions, Streamer, Tier};
 use crate::spec::{self, ModelSpec};
+use crate::store::StoreBytes;
 use crate::weights::{
     DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder,
     write_file_atomically,
@@ -241,6 +242,117 @@ pub fn run<B: Backend>(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
+    let build = |spec: &ModelSpec, params, config, schedule| {
+        Streamer::new(b, spec, params, config, schedule)
+    };
+    run_with(b.name(), build, options, resume, observer)
+}
+
+/// [`run`] on several devices of one host (data parallelism): `peers[r]` links rank r, on
+/// `backends[r]`, to the others. Each step's micro-batches are shared among the devices, so
+/// `grad_accum` must be at least their number.
+pub fn run_parallel<'b, B: Backend>(
+    backends: &[&'b B],
+    peers: Vec<Box<dyn AllReduce<B> + 'b>>,
+    options: &RunOptions,
+    resume: bool,
+    observer: &mut dyn Observer,
+) -> Result<RunSummary>
+where
+    Streamer<'b, B>: Send,
+{
+    let names: Vec<String> = backends.iter().map(|b| b.name()).collect();
+    let build = |spec: &ModelSpec, params, config, schedule| {
+        DataParallel::new(backends, peers, spec, params, config, schedule)
+    };
+    run_with(names.join(" + "), build, options, resume, observer)
+}
+
+/// What a run drives: one streamer, or several sharing each step.
+trait Stepper {
+    fn step(&mut self, micro: &[MicroBatch]) -> Result<super::StepMetrics>;
+    fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64>;
+    fn params(&mut self) -> Result<HostParams>;
+    fn moments(&mut self) -> Result<Moments>;
+    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()>;
+    fn finish(&mut self) -> Result<HostParams>;
+    /// Optimizer steps taken.
+    fn taken(&self) -> u64;
+    fn store_bytes(&self) -> StoreBytes;
+    /// Device bytes per device.
+    fn device_bytes(&self) -> usize;
+}
+
+impl<B: Backend> Stepper for Streamer<'_, B> {
+    fn step(&mut self, micro: &[MicroBatch]) -> Result<super::StepMetrics> {
+        Streamer::step(self, micro).map(|(m, _)| m)
+    }
+    fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
+        Streamer::eval_loss(self, micro)
+    }
+    fn params(&mut self) -> Result<HostParams> {
+        Streamer::params(self)
+    }
+    fn moments(&mut self) -> Result<Moments> {
+        Streamer::moments(self)
+    }
+    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
+        Streamer::restore(self, step, m, v)
+    }
+    fn finish(&mut self) -> Result<HostParams> {
+        Streamer::finish(self)
+    }
+    fn taken(&self) -> u64 {
+        self.step
+    }
+    fn store_bytes(&self) -> StoreBytes {
+        self.store().bytes()
+    }
+    fn device_bytes(&self) -> usize {
+        self.device_bytes
+    }
+}
+
+impl<'b, B: Backend> Stepper for DataParallel<'b, B>
+where
+    Streamer<'b, B>: Send,
+{
+    fn step(&mut self, micro: &[MicroBatch]) -> Result<super::StepMetrics> {
+        DataParallel::step(self, micro).map(|(m, _)| m)
+    }
+    fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
+        DataParallel::eval_loss(self, micro)
+    }
+    fn params(&mut self) -> Result<HostParams> {
+        DataParallel::params(self)
+    }
+    fn moments(&mut self) -> Result<Moments> {
+        DataParallel::moments(self)
+    }
+    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
+        DataParallel::restore(self, step, m, v)
+    }
+    fn finish(&mut self) -> Result<HostParams> {
+        DataParallel::finish(self)
+    }
+    fn taken(&self) -> u64 {
+        self.lead().step
+    }
+    fn store_bytes(&self) -> StoreBytes {
+        self.lead().store().bytes()
+    }
+    fn device_bytes(&self) -> usize {
+        self.lead().device_bytes
+    }
+}
+
+fn run_with<S: Stepper>(
+    backend: String,
+    build: impl FnOnce(&ModelSpec, HostParams, TrainConfig, ScheduleOptions) -> Result<S>,
+    options: &RunOptions,
+    resume: bool,
+    observer: &mut dyn Observer,
+) -> Result<RunSummary> {
     options.validate()?;
     let model = load_model(&options.model, options.seed)?;
     if model.tokenizer.vocab_size() > model.spec.vocab {
@@ -317,7 +429,7 @@ pub fn run<B: Backend>(
         Some(s) => s.master.clone(),
         None => model.params.clone(),
     };
-    let mut streamer = Streamer::new(b, &model.spec, params, config, schedule)?;
+    let mut streamer = build(&model.spec, params, config, schedule)?;
     let mut cursor = 0usize;
     if let Some(s) = &state {
         streamer.restore(s.step, &s.m, &s.v)?;
@@ -330,29 +442,29 @@ pub fn run<B: Backend>(
     }
     observer.event(&Event::Started {
         params: model.spec.total_params(),
-        backend: b.name(),
+        backend,
         total_steps: steps,
         data: packed.stats,
-        host_store: streamer.store().bytes(),
-        device_bytes: streamer.device_bytes,
-        resumed_at: streamer.step,
+        host_store: streamer.store_bytes(),
+        device_bytes: streamer.device_bytes(),
+        resumed_at: streamer.taken(),
     });
     for notice in notices {
         observer.event(&Event::Notice(notice));
     }
 
-    if !eval.is_empty() && streamer.step == 0 {
+    if !eval.is_empty() && streamer.taken() == 0 {
         let loss = streamer.eval_loss(&eval)?;
         observer.event(&Event::Notice(format!("held-out loss before training: {loss:.4}")));
     }
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
-    let save = |streamer: &mut Streamer<'_, B>, cursor: usize, dir: &Path| -> Result<()> {
+    let save = |streamer: &mut S, cursor: usize, dir: &Path| -> Result<()> {
         let params = streamer.params()?;
         save_checkpoint(dir, &model, &params, options.save_dtype)?;
         let (m, v) = streamer.moments()?;
         let state = TrainingState {
-            step: streamer.step,
+            step: streamer.taken(),
             cursor,
             data_fingerprint: fingerprint.clone(),
             master: params,
@@ -361,7 +473,7 @@ pub fn run<B: Backend>(
         };
         state.save(&options.out.join(STATE_DIR), &model.spec)
     };
-    while streamer.step < steps {
+    while streamer.taken() < steps {
         if !observer.keep_going() {
             break;
         }
@@ -369,7 +481,7 @@ pub fn run<B: Backend>(
         let step_batches: Vec<MicroBatch> =
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
         cursor = (cursor + per_step) % batches.len();
-        let (mut metrics, _) = streamer.step(&step_batches)?;
+        let mut metrics = streamer.step(&step_batches)?;
         let due =
             metrics.step == steps || options.eval_every.is_some_and(|n| metrics.step % n == 0);
         if !eval.is_empty() && due {
@@ -390,9 +502,9 @@ pub fn run<B: Backend>(
     let final_dir = options.out.join("final");
     save(&mut streamer, cursor, &final_dir)?;
     streamer.finish()?;
-    observer.event(&Event::Saved { path: final_dir.clone(), step: streamer.step });
+    observer.event(&Event::Saved { path: final_dir.clone(), step: streamer.taken() });
     Ok(RunSummary {
-        steps: streamer.step,
+        steps: streamer.taken(),
         first_loss,
         last_loss,
         data: packed.stats,

@@ -188,6 +188,7 @@ fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Resul
         memory,
         rates: MachineRates::default(),
         supports: STREAMER,
+        gpus: 1,
     };
     match plan(&input)? {
         Verdict::Fits(p) => Ok(*p),

@@ -48,6 +48,11 @@ pub(crate) struct PlanArgs {
     #[arg(long, value_name = "BYTES")]
     host_mem: Option<u64>,
 
+    /// GPUs of this host sharing each step's micro-batches (data parallelism); the GPU memory
+    /// is each one's.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+
     /// Plan with global-norm gradient clipping off (gradients then need no store).
     #[arg(long)]
     no_clip: bool,
@@ -78,6 +83,7 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         rates: MachineRates::default(),
         // What `sluice train` would run, not every placement the planner can model.
         supports: STREAMER,
+        gpus: args.gpus,
     };
     let verdict = plan(&input)?;
     if args.json {

@@ -5,8 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use sluice_engine::backend::AllReduce;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::backend::cuda::nccl::Communicator;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{
@@ -115,9 +117,11 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     eval_data: Option<PathBuf>,
 
-    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU.
+    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU, or cuda:0,1,... for several
+    /// GPUs of this host sharing each step's micro-batches (data parallelism through NCCL;
+    /// --grad-accum must be at least the number of GPUs).
     #[arg(long, default_value = "cpu")]
-    device: Device,
+    device: String,
 
     /// GPU memory the job may use, in bytes [default: the GPU's free memory, from the driver].
     #[arg(long, value_name = "BYTES")]
@@ -129,7 +133,10 @@ pub(crate) struct TrainArgs {
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let (device, gpu_mem, host_mem) = (args.device, args.gpu_mem, args.host_mem);
+    let (gpu_mem, host_mem) = (args.gpu_mem, args.host_mem);
+    let ordinals = gpu_ordinals(&args.device)?;
+    // The plan is each GPU's: the first one's memory, its share of the micro-batches.
+    let device = ordinals.first().map_or(Device::Cpu, |&o| Device::Cuda(o));
     let (mut options, resume) = match &args.resume {
         Some(out) => (read_run_options(out).context("cannot resume")?, true),
         None => (options(args)?, false),
@@ -137,7 +144,7 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     // The planner decides where everything lives, and refuses a job that cannot fit, before
     // anything is loaded or allocated.
     options.validate()?;
-    let plan = plan_run(&options, device, gpu_mem, host_mem)?;
+    let plan = plan_run(&options, device, ordinals.len().max(1), gpu_mem, host_mem)?;
     let schedule = schedule_options(&plan, 0)?;
     options.checkpoints = schedule.checkpoints;
     options.checkpoint_interval = schedule.checkpoint_interval;
@@ -145,11 +152,24 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     options.gradients = Some(schedule.gradients);
     print_plan(&plan, device);
     let mut printer = Printer { bar: None };
-    let summary = match device {
-        Device::Cpu => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
-        Device::Cuda(ordinal) => {
+    let summary = match ordinals.as_slice() {
+        [] => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
+        &[ordinal] => {
             let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
             sluice_engine::train::run(&cuda, &options, resume, &mut printer)
+        }
+        ordinals => {
+            let gpus = ordinals
+                .iter()
+                .map(|&o| Cuda::new(o).with_context(|| format!("cannot use GPU {o}")))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let refs: Vec<&Cuda> = gpus.iter().collect();
+            let peers: Vec<Box<dyn AllReduce<Cuda>>> = Communicator::local(&refs)
+                .context("cannot link the GPUs through NCCL")?
+                .into_iter()
+                .map(|c| Box::new(c) as Box<dyn AllReduce<Cuda>>)
+                .collect();
+            sluice_engine::train::run_parallel(&refs, peers, &options, resume, &mut printer)
         }
     }
     .context("training failed")?;
@@ -164,6 +184,29 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         summary.final_checkpoint.display()
     );
     Ok(())
+}
+
+/// The GPUs `--device` names: none for `cpu`, one for `cuda` or `cuda:N`, several for
+/// `cuda:0,1,...` (distinct).
+fn gpu_ordinals(device: &str) -> anyhow::Result<Vec<usize>> {
+    let expected = || format!("--device {device}: expected cpu, cuda, cuda:N or cuda:N,M,...");
+    if device == "cpu" {
+        return Ok(Vec::new());
+    }
+    let list = match device.strip_prefix("cuda") {
+        Some("") => return Ok(vec![0]),
+        Some(rest) => rest.strip_prefix(':').with_context(expected)?,
+        None => anyhow::bail!(expected()),
+    };
+    let mut ordinals = Vec::new();
+    for n in list.split(',') {
+        let o: usize = n.trim().parse().with_context(expected)?;
+        if ordinals.contains(&o) {
+            anyhow::bail!("--device {device}: GPU {o} is named twice");
+        }
+        ordinals.push(o);
+    }
+    Ok(ordinals)
 }
 
 /// The run's options from the command line.
@@ -217,6 +260,7 @@ fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
 fn plan_run(
     options: &RunOptions,
     device: Device,
+    gpus: usize,
     gpu_mem: Option<u64>,
     host_mem: Option<u64>,
 ) -> anyhow::Result<Plan> {
@@ -234,6 +278,7 @@ fn plan_run(
         memory,
         rates: MachineRates::default(),
         supports: STREAMER,
+        gpus,
     };
     match plan(&input)? {
         Verdict::Fits(plan) => Ok(*plan),
@@ -360,6 +405,23 @@ impl Observer for Printer {
                 self.line(format!("saved step {step} to {}", path.display()));
             }
             Event::Notice(text) => self.line(format!("note: {text}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_ordinals;
+
+    #[test]
+    fn device_names_one_or_several_gpus() {
+        assert_eq!(gpu_ordinals("cpu").expect("cpu"), Vec::<usize>::new());
+        assert_eq!(gpu_ordinals("cuda").expect("cuda"), [0]);
+        assert_eq!(gpu_ordinals("cuda:3").expect("cuda:3"), [3]);
+        assert_eq!(gpu_ordinals("cuda:0,1, 2").expect("three"), [0, 1, 2]);
+        for bad in ["gpu", "cuda0", "cuda:", "cuda:0,x", "cuda:1,1"] {
+            let e = gpu_ordinals(bad).expect_err(bad).to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
         }
     }
 }

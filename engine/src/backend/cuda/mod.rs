@@ -26,6 +26,7 @@ mod elementwise;
 mod loss;
 mod matmul;
 mod memory;
+pub mod nccl;
 mod norm;
 mod transfer;
 

@@ -88,7 +88,9 @@ impl Drop for Event {
 }
 
 impl Cuda {
-    /// Page-locks a slab (flags 0: cached, not write-combined, since the CPU reads it too).
+    /// Page-locks a slab: cached, not write-combined, since the CPU reads it too, and portable,
+    /// so every GPU's context can copy to and from it (the ranks of a data-parallel group share
+    /// one host store, pinned once).
     pub(super) fn pin_slab(&self, slab: &mut HostSlab) -> Result<()> {
         if slab.is_pinned() || slab.bytes() == 0 {
             return Ok(());
@@ -98,7 +100,12 @@ impl Cuda {
         // SAFETY: the slab owns `bytes` bytes at `ptr` (page-aligned) for as long as the guard
         // lives; the guard unregisters them before the slab frees its memory.
         drv("cuMemHostRegister", unsafe {
-            cu::cuMemHostRegister_v2(ptr.cast::<c_void>(), slab.bytes(), 0).result()
+            cu::cuMemHostRegister_v2(
+                ptr.cast::<c_void>(),
+                slab.bytes(),
+                cu::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+            .result()
         })?;
         slab.set_pin_guard(Box::new(Registered { ptr: ptr as usize, ctx: self.ctx.clone() }));
         Ok(())
