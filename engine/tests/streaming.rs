@@ -1,11 +1,12 @@
 //! The streaming schedule against the plain reference loop: same losses, same gradient norms,
 //! same final parameters, for every family, with G = 4 micro-batches per step.
 
+mod support;
+
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use sluice_engine::backend::IGNORE;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
@@ -14,35 +15,10 @@ use sluice_engine::schedule::{GradientTier, RING_SLOTS, ScheduleOptions, Streame
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{TrainConfig, Trainer};
 
+use support::micro_batch;
+
 const G: usize = 4;
 const STEPS: usize = 5;
-
-/// A micro-batch of 2 rows of 16 tokens, each row two documents, a third of targets untrained.
-fn micro_batch(rng: &mut ChaCha8Rng, vocab: usize) -> MicroBatch {
-    let (rows, seq) = (2, 16);
-    let mut mb = MicroBatch {
-        rows,
-        seq_len: seq,
-        ids: Vec::new(),
-        targets: Vec::new(),
-        positions: Vec::new(),
-        cu_seqlens: vec![0],
-    };
-    for r in 0..rows {
-        let split = rng.random_range(3..seq - 3);
-        for (start, len) in [(0, split), (split, seq - split)] {
-            for p in 0..len {
-                mb.ids.push(rng.random_range(0..vocab) as i32);
-                mb.positions.push(p as i32);
-                let last = p + 1 == len;
-                let trained = !last && rng.random_range(0..3) > 0;
-                mb.targets.push(if trained { rng.random_range(0..vocab) as i32 } else { IGNORE });
-            }
-            mb.cu_seqlens.push((r * seq + start + len) as i32);
-        }
-    }
-    mb
-}
 
 fn config(clip: Option<f32>) -> TrainConfig {
     TrainConfig {
