@@ -5,7 +5,7 @@
 //! admin can delete it (it is not registered again after that).
 
 mod preview;
-mod upload;
+pub(crate) mod upload;
 
 use std::path::PathBuf;
 

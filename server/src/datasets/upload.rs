@@ -17,10 +17,10 @@ use crate::db::now;
 use crate::error::{ApiError, ApiResult};
 
 /// Multipart framing and the `name` field on top of the file itself.
-const MULTIPART_OVERHEAD: u64 = 64 << 10;
+pub(crate) const MULTIPART_OVERHEAD: u64 = 64 << 10;
 
 /// Deletes the temporary file unless the upload is kept.
-struct TempFile(Option<PathBuf>);
+pub(crate) struct TempFile(pub(crate) Option<PathBuf>);
 
 impl Drop for TempFile {
     fn drop(&mut self) {
@@ -30,7 +30,7 @@ impl Drop for TempFile {
     }
 }
 
-fn too_large(limit: u64) -> ApiError {
+pub(crate) fn too_large(limit: u64) -> ApiError {
     ApiError::TooLarge(format!(
         "the file is larger than the upload limit of {} (set max_upload_mb to raise it)",
         human_bytes(limit)

@@ -165,9 +165,20 @@ impl Client {
         Ok(reply)
     }
 
-    /// A multipart upload of one file (and a `name` field when given).
+    /// A multipart dataset upload of one file (and a `name` field when given).
     pub async fn upload(
         &self,
+        file_name: &str,
+        bytes: &[u8],
+        name: Option<&str>,
+    ) -> anyhow::Result<Reply> {
+        self.upload_to("/api/datasets", file_name, bytes, name).await
+    }
+
+    /// A multipart upload of one file (and a `name` field when given) to `path`.
+    pub async fn upload_to(
+        &self,
+        path: &str,
         file_name: &str,
         bytes: &[u8],
         name: Option<&str>,
@@ -190,7 +201,7 @@ impl Client {
         body.extend_from_slice(bytes);
         body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
         let request = self
-            .builder(Method::POST, "/api/datasets")
+            .builder(Method::POST, path)
             .header(header::CONTENT_TYPE, format!("multipart/form-data; boundary={boundary}"))
             .body(Body::from(body))?;
         self.send(request).await

@@ -8,3 +8,5 @@ mod datasets;
 mod isolation;
 mod jobs;
 mod misc;
+mod models;
+mod try_checkpoint;

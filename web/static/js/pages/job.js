@@ -1,5 +1,6 @@
 // One job: status, progress and ETA; live charts fed by server-sent events on top of the stored
-// history (so a reload loses nothing); the log; checkpoints to download; cancel and resume.
+// history (so a reload loses nothing); the log; checkpoints to download or try; cancel and
+// resume.
 import { ApiError, get, post, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
@@ -133,6 +134,7 @@ async function refreshCheckpoints() {
     return;
   }
   const byStep = [...list].sort((a, b) => (b.step ?? 0) - (a.step ?? 0));
+  renderTryChoices(byStep);
   fill(box, byStep.map((c) => {
     const total = (c.files || []).reduce((sum, f) => sum + (f.size || 0), 0);
     return el('div', { class: 'checkpoint', dataset: { checkpoint: c.name } },
@@ -144,6 +146,47 @@ async function refreshCheckpoints() {
           el('a', { href: fileUrl(c, f), download: f.name }, f.name), el('span', { class: 'muted num' }, fmtBytes(f.size)))))));
   }));
 }
+
+// --- try a checkpoint ------------------------------------------------------------------------
+
+// The list is rebuilt only when the checkpoints change, so a choice (and the typed prompt, which
+// lives outside the list) survive the periodic refresh.
+function renderTryChoices(checkpoints) {
+  const select = $('#try-checkpoint');
+  const names = checkpoints.map((c) => c.name);
+  const current = [...select.options].map((o) => o.value);
+  $('#try').hidden = names.length === 0;
+  if (names.join('\n') === current.join('\n')) return;
+  const chosen = select.value;
+  fill(select, names.map((n) => el('option', { value: n }, n)));
+  if (names.includes(chosen)) select.value = chosen;
+}
+
+$('#try-form').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  const name = $('#try-checkpoint').value;
+  const prompt = $('#try-prompt').value;
+  if (!name || !prompt.trim()) return;
+  const button = $('#try-button');
+  const answer = $('#try-answer');
+  showError($('#try-error'), null);
+  button.disabled = true;
+  answer.hidden = false;
+  answer.textContent = 'Generating…';
+  try {
+    const reply = await post(`/api/jobs/${id}/checkpoints/${encodeURIComponent(name)}/generate`, {
+      prompt,
+      max_new_tokens: Number($('#try-tokens').value) || 64,
+      temperature: Number($('#try-temperature').value) || 0,
+    });
+    answer.textContent = reply.text || '(the model ended at once, with no text)';
+  } catch (err) {
+    answer.hidden = true;
+    showError($('#try-error'), err);
+  } finally {
+    button.disabled = false;
+  }
+});
 
 // --- log -------------------------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
 //! Models a job can train: the engine's random-init presets (`preset:<name>`) and Hugging Face
-//! folders under `DATA_DIR/models/<folder>` (`local:<folder>`).
+//! folders under `DATA_DIR/models/<folder>` (`local:<folder>`), some of them imported from GGUF
+//! uploads (see [`import`]).
 
-use std::path::PathBuf;
+mod import;
+
+use std::path::{Path, PathBuf};
 
 use axum::extract::State;
 use axum::routing::get;
@@ -17,7 +20,11 @@ use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiResult};
 
 pub(crate) fn router() -> Router<AppState> {
-    Router::new().route("/api/models", get(list))
+    Router::new()
+        .route("/api/models", get(list))
+        .route("/api/models/import", axum::routing::post(import::import))
+        // The import counts its own bytes against the configured limit while streaming.
+        .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -105,15 +112,8 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
             if !entry.path().is_dir() || !crate::paths::is_plain_name(&folder) {
                 continue;
             }
-            match ModelSpec::from_path(&entry.path()) {
-                Ok(spec) => local.push(ModelView {
-                    id: format!("local:{folder}"),
-                    name: folder.clone(),
-                    family: spec.family.model_type(),
-                    params: spec.total_params(),
-                    kind: "local",
-                    description: format!("model folder models/{folder}"),
-                }),
+            match local_view(&folder, &entry.path()) {
+                Ok(view) => local.push(view),
                 Err(err) => warn!("skipping the model folder {}: {err}", entry.path().display()),
             }
         }
@@ -121,6 +121,19 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
     local.sort_by(|a, b| a.name.cmp(&b.name));
     models.extend(local);
     models
+}
+
+/// The listing entry of the model folder `dir` named `folder`.
+fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<ModelView> {
+    let spec = ModelSpec::from_path(dir)?;
+    Ok(ModelView {
+        id: format!("local:{folder}"),
+        name: folder.to_string(),
+        family: spec.family.model_type(),
+        params: spec.total_params(),
+        kind: "local",
+        description: format!("model folder models/{folder}"),
+    })
 }
 
 async fn list(

@@ -1,0 +1,248 @@
+//! GGUF import through the models API: a tiny llama written here becomes a listed local model;
+//! files the importer refuses get 400 and leave nothing in the models area.
+
+use axum::http::StatusCode;
+use serde_json::Value;
+
+use crate::common::{Client, TestApp};
+
+/// A GGUF metadata value of the few types the tiny file needs.
+enum Meta {
+    U32(u32),
+    F32(f32),
+    Str(&'static str),
+    Strs(Vec<&'static str>),
+    I32s(Vec<i32>),
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+/// GGUF v3 with `kv` metadata and f32 `tensors` (GGUF dims, innermost first), data aligned to 32.
+fn gguf_bytes(kv: &[(&str, Meta)], tensors: &[(&str, Vec<u64>)]) -> Vec<u8> {
+    const U32: u32 = 4;
+    const I32: u32 = 5;
+    const F32: u32 = 6;
+    const STRING: u32 = 8;
+    const ARRAY: u32 = 9;
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kv.len() as u64).to_le_bytes());
+    for (key, value) in kv {
+        put_str(&mut out, key);
+        match value {
+            Meta::U32(x) => {
+                out.extend(U32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::F32(x) => {
+                out.extend(F32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::Str(s) => {
+                out.extend(STRING.to_le_bytes());
+                put_str(&mut out, s);
+            }
+            Meta::Strs(items) => {
+                out.extend(ARRAY.to_le_bytes());
+                out.extend(STRING.to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                items.iter().for_each(|s| put_str(&mut out, s));
+            }
+            Meta::I32s(items) => {
+                out.extend(ARRAY.to_le_bytes());
+                out.extend(I32.to_le_bytes());
+                out.extend((items.len() as u64).to_le_bytes());
+                items.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            }
+        }
+    }
+    let mut offset = 0u64;
+    let mut data = Vec::new();
+    for (index, (name, dims)) in tensors.iter().enumerate() {
+        put_str(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+        out.extend(0u32.to_le_bytes()); // ggml type F32
+        out.extend(offset.to_le_bytes());
+        let elements = dims.iter().product::<u64>();
+        let mut bytes: Vec<u8> = (0..elements)
+            .flat_map(|i| (((i * 7 + index as u64 * 3) % 19) as f32 / 19.0 - 0.5).to_le_bytes())
+            .collect();
+        bytes.resize(bytes.len().div_ceil(32) * 32, 0);
+        offset += bytes.len() as u64;
+        data.extend(bytes);
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    out.extend(data);
+    out
+}
+
+/// A one-layer llama: hidden 64, two heads of 32 sharing one kv head, vocabulary 8, tied
+/// embeddings, a byte-level BPE tokenizer and a chat template.
+fn tiny_gguf() -> Vec<u8> {
+    let kv = [
+        ("general.architecture", Meta::Str("llama")),
+        ("general.alignment", Meta::U32(32)),
+        ("llama.context_length", Meta::U32(128)),
+        ("llama.embedding_length", Meta::U32(64)),
+        ("llama.block_count", Meta::U32(1)),
+        ("llama.feed_forward_length", Meta::U32(128)),
+        ("llama.attention.head_count", Meta::U32(2)),
+        ("llama.attention.head_count_kv", Meta::U32(1)),
+        ("llama.rope.freq_base", Meta::F32(10000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5)),
+        ("tokenizer.ggml.model", Meta::Str("gpt2")),
+        ("tokenizer.ggml.pre", Meta::Str("smollm")),
+        (
+            "tokenizer.ggml.tokens",
+            Meta::Strs(vec!["<|end|>", "a", "b", "c", "Ġ", "ab", "Ġa", "abc"]),
+        ),
+        ("tokenizer.ggml.token_type", Meta::I32s(vec![3, 1, 1, 1, 1, 1, 1, 1])),
+        ("tokenizer.ggml.merges", Meta::Strs(vec!["a b", "Ġ a", "ab c"])),
+        ("tokenizer.ggml.eos_token_id", Meta::U32(0)),
+        (
+            "tokenizer.chat_template",
+            Meta::Str("{% for m in messages %}{{ m.content }}{% endfor %}"),
+        ),
+    ];
+    let tensors = [
+        ("token_embd.weight", vec![64, 8]),
+        ("blk.0.attn_norm.weight", vec![64]),
+        ("blk.0.attn_q.weight", vec![64, 64]),
+        ("blk.0.attn_k.weight", vec![64, 32]),
+        ("blk.0.attn_v.weight", vec![64, 32]),
+        ("blk.0.attn_output.weight", vec![64, 64]),
+        ("blk.0.ffn_norm.weight", vec![64]),
+        ("blk.0.ffn_gate.weight", vec![64, 128]),
+        ("blk.0.ffn_up.weight", vec![64, 128]),
+        ("blk.0.ffn_down.weight", vec![128, 64]),
+        ("output_norm.weight", vec![64]),
+    ];
+    gguf_bytes(&kv, &tensors)
+}
+
+async fn import(client: &Client, file_name: &str, bytes: &[u8], name: Option<&str>) -> Value {
+    match client.upload_to("/api/models/import", file_name, bytes, name).await {
+        Ok(reply) => {
+            serde_json::json!({"status": reply.status.as_u16(), "body": reply.json().ok()})
+        }
+        Err(err) => serde_json::json!({"status": 0, "body": err.to_string()}),
+    }
+}
+
+/// The names in the models area, hidden ones included, sorted.
+fn models_area(app: &TestApp) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(app.state.models_dir())
+        .map(|entries| {
+            entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn a_gguf_upload_becomes_a_local_model() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let user = app.user(&admin, "alice").await?;
+
+    let reply = import(&user, "Tiny Llama.gguf", &tiny_gguf(), None).await;
+    assert_eq!(reply["status"], 201, "{reply}");
+    let model = &reply["body"];
+    assert_eq!(model["id"], "local:Tiny-Llama", "{model}");
+    assert_eq!(model["kind"], "local");
+    assert_eq!(model["family"], "llama");
+    assert!(model["params"].as_u64().is_some_and(|p| p > 0), "{model}");
+
+    let listed = admin.get("/api/models").await?.json()?;
+    assert!(
+        listed.as_array().is_some_and(|l| l.iter().any(|m| m["id"] == "local:Tiny-Llama")),
+        "{listed}"
+    );
+    assert_eq!(models_area(&app), ["Tiny-Llama"], "the upload and staging folder are gone");
+    let folder = app.state.models_dir().join("Tiny-Llama");
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(folder.join(file).is_file(), "{file}");
+    }
+
+    // A job can pick it: the planner resolves the id against the folder.
+    let plan = admin
+        .post(
+            "/api/plan",
+            serde_json::json!({"model": "local:Tiny-Llama", "gpu": "cpu", "seq_len": 32}),
+        )
+        .await?;
+    assert_eq!(plan.status, StatusCode::OK, "{}", plan.text());
+
+    let again = import(&user, "x.gguf", &tiny_gguf(), Some("Tiny-Llama")).await;
+    assert_eq!(again["status"], 409, "{again}");
+    assert_eq!(models_area(&app), ["Tiny-Llama"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn refused_files_get_400_and_leave_nothing() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let good = tiny_gguf();
+    let cases: [(&str, Vec<u8>); 3] = [
+        ("garbage", b"this is not a GGUF file at all, just some text\n".repeat(50)),
+        ("truncated", good[..good.len() / 2].to_vec()),
+        ("gguf-header-only", good[..24].to_vec()),
+    ];
+    for (name, bytes) in cases {
+        let reply = import(&admin, "model.gguf", &bytes, Some(name)).await;
+        assert_eq!(reply["status"], 400, "{name}: {reply}");
+        let error = reply["body"]["error"].as_str().unwrap_or_default();
+        assert!(error.starts_with("cannot import model.gguf"), "{name}: {error}");
+        assert!(!error.contains(".upload-"), "no temporary path in {error}");
+        if name == "garbage" {
+            assert!(error.contains("not a GGUF file"), "{error}");
+        }
+        if name == "truncated" {
+            assert!(error.contains("truncated"), "{error}");
+        }
+        assert!(models_area(&app).is_empty(), "{name}: {:?}", models_area(&app));
+    }
+
+    for bad_name in ["../escape", ".hidden", "a b"] {
+        let reply = import(&admin, "model.gguf", &good, Some(bad_name)).await;
+        assert_eq!(reply["status"], 400, "{bad_name}: {reply}");
+    }
+    let empty = import(&admin, "model.gguf", b"", Some("empty")).await;
+    assert_eq!(empty["status"], 400, "{empty}");
+    assert!(models_area(&app).is_empty(), "{:?}", models_area(&app));
+    Ok(())
+}
+
+#[tokio::test]
+async fn importing_needs_a_session_and_the_csrf_token() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let mut no_csrf = app.client();
+    no_csrf.cookie = admin.cookie.clone();
+    let reply = import(&no_csrf, "model.gguf", &tiny_gguf(), Some("m")).await;
+    assert_eq!(reply["status"], 403, "{reply}");
+
+    let mut anonymous = app.client();
+    anonymous.session().await?;
+    let reply = import(&anonymous, "model.gguf", &tiny_gguf(), Some("m")).await;
+    assert_eq!(reply["status"], 401, "{reply}");
+    assert!(models_area(&app).is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn uploads_over_the_limit_get_413() -> anyhow::Result<()> {
+    let app = TestApp::with_config(|c| c.max_upload_bytes = 1000).await?;
+    let admin = app.admin().await?;
+    let reply = import(&admin, "model.gguf", &tiny_gguf(), Some("big")).await;
+    assert_eq!(reply["status"], 413, "{reply}");
+    assert!(models_area(&app).is_empty());
+    Ok(())
+}
