@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use axum::Json;
+use axum::extract::multipart::Field;
 use axum::extract::{Multipart, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use sluice_engine::data::Layout;
@@ -30,6 +31,40 @@ impl Drop for TempFile {
     }
 }
 
+/// 413 before reading anything when the declared body is larger than `limit` allows.
+pub(crate) fn refuse_declared_oversize(headers: &HeaderMap, limit: u64) -> ApiResult<()> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit.saturating_add(MULTIPART_OVERHEAD)) {
+        return Err(too_large(limit));
+    }
+    Ok(())
+}
+
+/// Streams a multipart field into a new file at `path`, counting it against `limit` as it
+/// arrives; returns the file (deleted on drop unless kept) and its size.
+pub(crate) async fn stream_to_temp(
+    field: &mut Field<'_>,
+    path: PathBuf,
+    limit: u64,
+) -> ApiResult<(TempFile, u64)> {
+    let temp = TempFile(Some(path.clone()));
+    let mut out = tokio::fs::File::create(&path).await?;
+    let mut size = 0u64;
+    while let Some(chunk) = field.chunk().await? {
+        size += chunk.len() as u64;
+        if size > limit {
+            return Err(too_large(limit));
+        }
+        out.write_all(&chunk).await?;
+    }
+    out.flush().await?;
+    out.sync_all().await?;
+    Ok((temp, size))
+}
+
 pub(crate) fn too_large(limit: u64) -> ApiError {
     ApiError::TooLarge(format!(
         "the file is larger than the upload limit of {} (set max_upload_mb to raise it)",
@@ -54,13 +89,7 @@ pub(super) async fn upload(
     mut multipart: Multipart,
 ) -> ApiResult<(StatusCode, Json<Dataset>)> {
     let limit = state.config().max_upload_bytes;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit.saturating_add(MULTIPART_OVERHEAD)) {
-        return Err(too_large(limit));
-    }
+    refuse_declared_oversize(&headers, limit)?;
 
     let mut name: Option<String> = None;
     let mut file: Option<(TempFile, u64, Option<String>)> = None;
@@ -73,18 +102,7 @@ pub(super) async fn upload(
                 }
                 let original = field.file_name().map(str::to_string);
                 let path = state.datasets_dir().join(format!(".upload-{}", random_token()));
-                let temp = TempFile(Some(path.clone()));
-                let mut out = tokio::fs::File::create(&path).await?;
-                let mut size = 0u64;
-                while let Some(chunk) = field.chunk().await? {
-                    size += chunk.len() as u64;
-                    if size > limit {
-                        return Err(too_large(limit));
-                    }
-                    out.write_all(&chunk).await?;
-                }
-                out.flush().await?;
-                out.sync_all().await?;
+                let (temp, size) = stream_to_temp(&mut field, path, limit).await?;
                 file = Some((temp, size, original));
             }
             Some("name") => {

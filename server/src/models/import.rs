@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 
 use axum::Json;
 use axum::extract::{Multipart, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::weights::gguf::import_gguf;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
@@ -16,7 +15,7 @@ use super::{ModelView, local_view};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
-use crate::datasets::upload::{MULTIPART_OVERHEAD, TempFile, too_large};
+use crate::datasets::upload::{TempFile, refuse_declared_oversize, stream_to_temp};
 use crate::error::{ApiError, ApiResult};
 
 /// Converting holds every weight in f32 in memory: one import at a time keeps a burst of uploads
@@ -74,13 +73,7 @@ pub(super) async fn import(
     mut multipart: Multipart,
 ) -> ApiResult<(StatusCode, Json<ModelView>)> {
     let limit = state.config().max_upload_bytes;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit.saturating_add(MULTIPART_OVERHEAD)) {
-        return Err(too_large(limit));
-    }
+    refuse_declared_oversize(&headers, limit)?;
     let models_dir = state.models_dir();
     tokio::fs::create_dir_all(&models_dir).await?;
 
@@ -95,17 +88,7 @@ pub(super) async fn import(
                 }
                 let original = field.file_name().map(str::to_string);
                 let path = models_dir.join(format!(".upload-{}.gguf", random_token()));
-                let temp = TempFile(Some(path.clone()));
-                let mut out = tokio::fs::File::create(&path).await?;
-                let mut size = 0u64;
-                while let Some(chunk) = field.chunk().await? {
-                    size += chunk.len() as u64;
-                    if size > limit {
-                        return Err(too_large(limit));
-                    }
-                    out.write_all(&chunk).await?;
-                }
-                out.flush().await?;
+                let (temp, size) = stream_to_temp(&mut field, path, limit).await?;
                 file = Some((temp, size, original));
             }
             Some("name") => name = Some(field.text().await?.trim().to_string()),
