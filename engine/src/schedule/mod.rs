@@ -428,41 +428,38 @@ impl<'b, B: Backend> Streamer<'b, B> {
     fn upload_unit(&mut self, u: usize, slot: usize) -> Result<usize> {
         let b = self.b;
         self.wait_updated(u)?;
-        let len = self.layout.units[u].len;
         b.wait(&self.h2d, &self.events.slot_free[slot])?;
+        self.queue_weights(u, slot)?;
+        b.record(&self.events.weights_ready[slot], &self.h2d)?;
+        self.slot_holds[slot] = Some((u, self.step));
+        Ok(slot)
+    }
+
+    /// Queues the copy of unit `u`'s streaming weights into `slot` on `h2d` (the caller orders
+    /// it with events on either side).
+    fn queue_weights(&mut self, u: usize, slot: usize) -> Result<()> {
+        let b = self.b;
+        let len = self.layout.units[u].len;
         let started = Instant::now();
         {
             let unit = self.store.lock(u)?;
             let dst = b.view_mut(&mut self.slots[slot], 0..len);
             // SAFETY: the streaming copy lives in the store for the whole run and the optimizer
             // rewrites it only in unit `u`'s next update, which is submitted after the backward
-            // has read this slot (compute waits for `weights_ready` first, and the update only
-            // after the gradients computed from it have landed). The slot is not freed while
-            // the streamer lives, and `Drop` drains the streams.
+            // has read this slot (compute waits for the upload's event first, and the update
+            // only after the gradients computed from it have landed). The slot is not freed
+            // while the streamer lives, and `Drop` drains the streams.
             unsafe { b.upload_on(&self.h2d, dst, &unit.stream, 0)? };
         }
-        b.record(&self.events.weights_ready[slot], &self.h2d)?;
-        self.slot_holds[slot] = Some((u, self.step));
         self.span(u, "h2d", started);
         self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
-        Ok(slot)
+        Ok(())
     }
 
     /// Blocks until unit `u` has had every update submitted so far, first landing its
     /// gradients (device store) so that update can start.
     fn wait_updated(&mut self, u: usize) -> Result<()> {
-        if self.grads.has_waiting() {
-            let started = Instant::now();
-            let landed = self.grads.pump(
-                self.b,
-                &self.store,
-                &self.worker,
-                &self.compute,
-                &self.d2h,
-                Some(u),
-            )?;
-            self.note_landed(&landed, started);
-        }
+        self.pump_grads(Some(u))?;
         self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
         Ok(())
     }
@@ -473,23 +470,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let b = self.b;
         self.wait_updated(u)?;
-        let len = self.layout.units[u].len;
         // Compute may still read last step's weights: the upload waits for all work so far.
         b.record(&self.events.activations_ready, &self.compute)?;
         b.wait(&self.h2d, &self.events.activations_ready)?;
-        let started = Instant::now();
-        {
-            let unit = self.store.lock(u)?;
-            let dst = b.view_mut(&mut self.slots[slot], 0..len);
-            // SAFETY: as in `upload_unit`: the streaming copy outlives the copy and is not
-            // rewritten before the unit's next update, which follows this step's backward.
-            unsafe { b.upload_on(&self.h2d, dst, &unit.stream, 0)? };
-        }
+        self.queue_weights(u, slot)?;
         b.record(&self.events.resident_ready, &self.h2d)?;
-        self.span(u, "h2d", started);
         b.wait(&self.compute, &self.events.resident_ready)?;
         self.resident_step[u] = Some(self.step);
-        self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
         Ok(slot)
     }
 
@@ -520,6 +507,19 @@ impl<'b, B: Backend> Streamer<'b, B> {
         });
         let landed =
             self.grads.end(self.b, &self.store, &self.worker, &self.compute, &self.d2h, u, job)?;
+        self.note_landed(&landed, started);
+        Ok(())
+    }
+
+    /// Device store: lands gradients still on the device up to unit `upto` (all with `None`)
+    /// and hands their updates over; see [`Grads::pump`].
+    fn pump_grads(&mut self, upto: Option<usize>) -> Result<()> {
+        if !self.grads.has_waiting() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let (b, store, worker) = (self.b, &self.store, &self.worker);
+        let landed = self.grads.pump(b, store, worker, &self.compute, &self.d2h, upto)?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -654,16 +654,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 // with unit 0 (and the next few) now so its update runs while this step
                 // returns.
                 self.grads.defer(jobs);
-                let started = Instant::now();
-                let landed = self.grads.pump(
-                    self.b,
-                    &self.store,
-                    &self.worker,
-                    &self.compute,
-                    &self.d2h,
-                    Some(0),
-                )?;
-                self.note_landed(&landed, started);
+                self.pump_grads(Some(0))?;
             } else {
                 for job in jobs {
                     self.worker.submit(job)?;
@@ -1045,18 +1036,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
     /// Lands every gradient still waiting on the device and waits for every submitted update.
     fn settle(&mut self) -> Result<()> {
-        if self.grads.has_waiting() {
-            let started = Instant::now();
-            let landed = self.grads.pump(
-                self.b,
-                &self.store,
-                &self.worker,
-                &self.compute,
-                &self.d2h,
-                None,
-            )?;
-            self.note_landed(&landed, started);
-        }
+        self.pump_grads(None)?;
         for u in 0..self.store.units() {
             self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
         }
