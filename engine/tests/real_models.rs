@@ -15,9 +15,9 @@ use sluice_engine::data::{DatasetSource, Tokenizer};
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
-use sluice_engine::schedule::Tier;
-use sluice_engine::train::{Event, ModelSource, Observer, RunOptions, TrainConfig};
-use sluice_engine::weights::SaveDtype;
+use sluice_engine::train::{
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, RunPlacement,
+};
 use sluice_engine::weights::gguf::{GgufFile, MetaValue, import_gguf};
 
 fn assets() -> PathBuf {
@@ -362,26 +362,23 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
     let data = tmp.path().join("champ.jsonl");
     let lines: Vec<String> = champ_messages(3).iter().map(Value::to_string).collect();
     std::fs::write(&data, lines.join("\n") + "\n").expect("writes");
-    let options = RunOptions {
+    let job = Job {
         model: ModelSource::Dir(imported().to_path_buf()),
         data: DatasetSource::File(data),
-        out: tmp.path().join("run"),
-        seq_len: 256,
-        micro_batch: 1,
-        grad_accum: 1,
-        steps: Some(4),
-        train: TrainConfig { lr: 1e-4, schedule: Schedule::Constant, ..TrainConfig::default() },
-        seed: 0,
-        train_on_prompt: false,
-        save_every: None,
-        save_dtype: SaveDtype::Bf16,
-        checkpoints: Tier::Device,
-        checkpoint_interval: 1,
-        resident: Vec::new(),
-        gradients: None,
-        eval_every: None,
         eval_data: None,
+        devices: Devices::Cpu,
+        settings: JobSettings {
+            seq_len: 256,
+            micro_batch: 1,
+            grad_accum: 1,
+            steps: Some(4),
+            lr: Some(1e-4),
+            schedule: Schedule::Constant,
+            ..JobSettings::default()
+        },
     };
+    let options =
+        RunOptions { job, out: tmp.path().join("run"), placement: RunPlacement::default() };
     let mut losses = Losses(Vec::new());
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut losses).expect("trains");

@@ -30,6 +30,13 @@ pub struct JobLimits {
     pub max_active_jobs_per_user: u32,
 }
 
+impl JobLimits {
+    /// The engine's limits lowered to this appliance's.
+    pub fn engine(&self) -> sluice_engine::train::Limits {
+        sluice_engine::train::Limits::ENGINE.at_most(self.max_steps, self.max_seq_len)
+    }
+}
+
 impl Config {
     pub const DEFAULT_ADDR: &'static str = "127.0.0.1:8080";
     pub const DEFAULT_DATA_DIR: &'static str = "./sluice-data";

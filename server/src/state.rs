@@ -58,7 +58,7 @@ impl AppState {
         }
         let pool = db::open(&config.database_path()).await?;
         jobs::runner::mark_interrupted(&pool).await?;
-        let queue = Queue::new(&gpus.device_ids());
+        let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let state = AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events }) };
         datasets::register_demo(&state).await?;

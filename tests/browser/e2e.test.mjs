@@ -15,6 +15,7 @@ const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const SHOTS = path.join(repoRoot, 'docs', 'screenshots');
 const DEMO = path.join(repoRoot, 'datasets', 'demo-alpaca.jsonl');
 const STEPS = 30;
+const SAVE_EVERY = 15;
 const ADMIN = { username: 'ada', password: 'correct horse battery' };
 const OTHER = { username: 'bob', password: 'another long password' };
 
@@ -148,12 +149,37 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.click('#presets button[data-preset="demo"]');
     await page.fill('#steps', String(STEPS));
     await page.fill('#seq_len', '128');
+    // The rest is folded away until asked for; checkpoints default to bf16.
+    assert.ok(await page.locator('#save_dtype').isHidden(), 'the advanced settings start folded');
+    await page.click('#advanced > summary');
+    assert.equal(await page.inputValue('#save_dtype'), 'bf16');
+    await page.selectOption('#save_dtype', 'f32');
+    await page.fill('#save_every', String(SAVE_EVERY));
+    // The card re-plans with the same body the job is submitted with; wait for that answer.
+    await page.waitForSelector('#plan-card[data-state="ready"]');
+    const refused = page.locator('#plan-error');
+    if (await refused.count()) assert.fail(`the plan answered an error: ${await refused.innerText()}`);
     await page.waitForSelector('#plan-fits[data-fits="true"]');
     await page.waitForSelector('.tier .bar');
+    assert.equal(await page.locator('#plan-placement').count(), 1, 'the plan card shows no placement line (the plan answered no `placement`)');
+    assert.match(await page.locator('#plan-placement').innerText(), /^Placement\s*\S/);
+    assert.ok(await page.locator('#command').isHidden(), 'the command is shown before it is asked for');
+    assert.ok(await page.locator('#show-command').isEnabled(), 'no command to show (the plan answered no `command`)');
+    await page.click('#show-command');
+    const command = (await page.locator('#command').innerText()).trim();
+    assert.match(command, /^sluice train\b/, `the equivalent command: ${command}`);
+    assert.match(command, /f32/, `the equivalent command does not carry save_dtype f32: ${command}`);
+    await page.evaluate(() => window.scrollTo(0, 0));
     await screenshot('new-job');
     await page.click('#submit');
     await page.waitForURL(/\/jobs\/\d+$/);
     jobId = Number(new URL(page.url()).pathname.split('/').pop());
+    // The job page lists the settings it runs with, and its disk use.
+    const saveDtype = page.locator('#settings [data-setting="save_dtype"] dd');
+    await saveDtype.waitFor();
+    assert.equal(await saveDtype.innerText(), 'f32');
+    assert.match(await page.locator('#settings [data-setting="save_every"] dd').innerText(), new RegExp(`^${SAVE_EVERY}\\b`));
+    assert.match(await page.locator('[data-fact="disk"] .v').innerText(), /^\d[\d.]* (B|KiB|MiB|GiB|TiB)$/);
     noErrorsSoFar();
   });
 
@@ -194,6 +220,9 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForFunction((n) => Number(document.querySelector('[data-chart="loss"]')?.dataset.points) === n, before);
     assert.equal(await chartPoints('lr'), lrBefore);
     assert.ok(await page.locator('[data-chart="loss"] canvas').count() >= 1, 'the loss chart is drawn');
+    // The finished run's folder holds its checkpoints: more than nothing on disk.
+    const disk = await page.locator('[data-fact="disk"] .v').innerText();
+    assert.match(disk, /^\d[\d.]* (KiB|MiB|GiB|TiB)$/, `disk used after the run: ${disk}`);
     noErrorsSoFar();
   });
 

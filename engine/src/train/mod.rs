@@ -5,15 +5,19 @@
 //! and an observer that needs to do slow work (write to a database, push to browsers) queues
 //! them itself.
 
+mod job;
+mod launch;
 mod run;
 mod state;
 mod trainer;
 
 use std::time::Duration;
 
+pub use job::{DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, Job, JobSettings, Limits};
+pub use launch::run_on;
 pub use run::{
-    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_options,
-    run, run_parallel, save_checkpoint,
+    LoadedModel, ModelSource, RunOptions, RunPlacement, RunSummary, load_model, model_spec,
+    read_run_options, run, run_parallel, save_checkpoint,
 };
 pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;

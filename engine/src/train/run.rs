@@ -7,12 +7,15 @@ use std::io::Write;
 
 use serde_json::{Value, json};
 
+use super::job::{Job, Limits};
 use super::state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 use super::{Event, Observer, TrainConfig};
 use crate::backend::{AllReduce, Backend};
-use crate::data::{self, DataOptions, DatasetSource, MicroBatch, Stats, Tokenizer};
+use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
+use crate::plan::Plan;
+use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{DataParallel, GradientTier, Moments, ScheduleOptions, Streamer, Tier};
 use crate::spec::{self, ModelSpec};
 use crate::store::StoreBytes;
@@ -40,61 +43,78 @@ pub enum ModelSource {
     Preset(String),
 }
 
-/// Everything a run needs besides the backend; saved as `OUT/run.json` so `--resume OUT`
-/// continues with exactly the same options.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+/// What a run executes: the job, its run folder and the planner's placement; saved as
+/// `OUT/run.json` so a resume continues with exactly the same options.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RunOptions {
-    pub model: ModelSource,
-    pub data: DatasetSource,
-    /// Run folder: checkpoints go to `OUT/checkpoint-<step>` and `OUT/final`.
+    pub job: Job,
+    /// Run folder: checkpoints go to `OUT/checkpoint-<step>` and `OUT/final`, the resumable
+    /// state to `OUT/state`.
     pub out: PathBuf,
-    /// Tokens per packed row.
-    pub seq_len: usize,
-    /// Rows per micro-batch.
-    pub micro_batch: usize,
-    /// Micro-batches per optimizer step (G).
-    pub grad_accum: usize,
-    /// Optimizer steps; `None` runs one pass over the data.
-    pub steps: Option<u64>,
-    /// Hyperparameters; `total_steps` is set from `steps`.
-    pub train: TrainConfig,
-    /// Seeds random initialisation and the shuffle of samples.
-    pub seed: u64,
-    /// Train on prompt tokens too, not only on assistant turns.
-    pub train_on_prompt: bool,
-    /// Save a checkpoint (and the full training state) every this many steps, besides the
-    /// final one.
-    pub save_every: Option<u64>,
-    pub save_dtype: SaveDtype,
-    /// Where layer inputs wait between forward and backward (the planner's choice).
-    #[serde(default = "default_tier")]
+    #[serde(default)]
+    pub placement: RunPlacement,
+}
+
+/// Where the streamer keeps things: the planner's choice ([`RunOptions::planned`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunPlacement {
+    /// Where layer inputs wait between forward and backward.
     pub checkpoints: Tier,
-    /// Keep every K-th layer's input only (the planner's choice; 1: every layer's).
-    #[serde(default = "every_layer")]
+    /// Keep every K-th layer's input only (1: every layer's).
     pub checkpoint_interval: usize,
-    /// Units whose weights stay on the device (the planner's choice).
-    #[serde(default)]
+    /// Units whose weights stay on the device.
     pub resident: Vec<usize>,
-    /// Where weight gradients wait for the optimizer (the planner's choice); `None`: the host
-    /// store with clipping, the ring without.
-    #[serde(default)]
+    /// Where weight gradients wait for the optimizer; `None`: the host store with clipping,
+    /// the ring without.
     pub gradients: Option<GradientTier>,
-    /// Hold out the last twentieth of the micro-batches (at least one) and report their mean
-    /// loss every this many steps and after the last.
-    #[serde(default)]
-    pub eval_every: Option<u64>,
-    /// A separate held-out dataset to evaluate on instead of the training data's tail: its loss
-    /// is reported before the first step, every `eval_every` steps (if set) and after the last.
-    #[serde(default)]
-    pub eval_data: Option<DatasetSource>,
 }
 
-fn default_tier() -> Tier {
-    Tier::Device
+impl Default for RunPlacement {
+    /// The simplest placement: every layer's input checkpointed on the device, nothing
+    /// resident, gradients on the host.
+    fn default() -> Self {
+        RunPlacement {
+            checkpoints: Tier::Device,
+            checkpoint_interval: 1,
+            resident: Vec::new(),
+            gradients: None,
+        }
+    }
 }
 
-fn every_layer() -> usize {
-    1
+impl RunPlacement {
+    /// The placement `plan` chose, as the streamer runs it.
+    pub fn of(plan: &Plan) -> Result<RunPlacement> {
+        let schedule = schedule_options(plan, 0)?;
+        Ok(RunPlacement {
+            checkpoints: schedule.checkpoints,
+            checkpoint_interval: schedule.checkpoint_interval,
+            resident: schedule.resident,
+            gradients: Some(schedule.gradients),
+        })
+    }
+
+    /// One line for logs and the job page: "3 of 30 units resident, checkpoints on the
+    /// device every layer, gradients wait on the device".
+    pub fn describe(&self, units: usize) -> String {
+        let checkpoints = match self.checkpoints {
+            Tier::Device => "on the device",
+            Tier::Host => "in host memory",
+        };
+        let interval = match self.checkpoint_interval {
+            1 => "every layer".to_string(),
+            k => format!("every {k} layers"),
+        };
+        let gradients = match self.gradients {
+            Some(GradientTier::DeviceStore) => "gradients wait on the device",
+            Some(GradientTier::HostStore) | None => "gradients wait in host memory",
+            Some(GradientTier::HostRing) => "gradients go straight to the optimizer",
+        };
+        format!(
+            "{} of {units} units resident, checkpoints {checkpoints} {interval}, {gradients}",
+            self.resident.len()
+        )
+    }
 }
 
 /// What a finished run reports.
@@ -173,37 +193,10 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
 }
 
 impl RunOptions {
-    /// Checks the options alone (sizes, rates, intervals), before any file is read.
-    pub fn validate(&self) -> Result<()> {
-        let positive = [
-            ("sequence length", self.seq_len),
-            ("micro-batch size", self.micro_batch),
-            ("gradient accumulation", self.grad_accum),
-        ];
-        for (what, n) in positive {
-            if n == 0 {
-                return Err(Error::invalid(format!("{what} must be at least 1")));
-            }
-        }
-        if self.steps == Some(0) {
-            return Err(Error::invalid("steps must be at least 1"));
-        }
-        if self.eval_every == Some(0) {
-            return Err(Error::invalid("evaluation interval must be at least 1 step"));
-        }
-        if self.save_every == Some(0) {
-            return Err(Error::invalid("save interval must be at least 1 step"));
-        }
-        let t = &self.train;
-        if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(Error::invalid(format!("learning rate must be positive, got {}", t.lr)));
-        }
-        if let Some(max) = t.max_grad_norm
-            && !(max.is_finite() && max > 0.0)
-        {
-            return Err(Error::invalid(format!("max grad norm must be positive, got {max}")));
-        }
-        Ok(())
+    /// The run of `job` in `out` with the placement of `plan` (the planner's answer for this
+    /// job on this machine): what `sluice train` and the appliance's runner execute.
+    pub fn planned(job: Job, out: PathBuf, plan: &Plan) -> Result<RunOptions> {
+        Ok(RunOptions { job, out, placement: RunPlacement::of(plan)? })
     }
 }
 
@@ -232,7 +225,7 @@ pub fn read_run_options(out: &Path) -> Result<RunOptions> {
         .map_err(|e| Error::invalid(format!("{}: not a run description: {e}", path.display())))
 }
 
-/// Trains `options.model` on `options.data` and writes checkpoints; reports progress to
+/// Trains `options.job.model` on `options.job.data` and writes checkpoints; reports progress to
 /// `observer`. Everything is checked (options, model, every dataset record) before the first
 /// step, so a bad input fails fast and writes nothing. With `resume`, continues from the
 /// training state saved in `options.out` (exactly: same data order, same updates).
@@ -353,8 +346,10 @@ fn run_with<S: Stepper>(
     resume: bool,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
-    options.validate()?;
-    let model = load_model(&options.model, options.seed)?;
+    let job = &options.job;
+    let settings = &job.settings;
+    job.validate(&Limits::ENGINE)?;
+    let model = load_model(&job.model, settings.seed)?;
     if model.tokenizer.vocab_size() > model.spec.vocab {
         return Err(Error::invalid(format!(
             "the tokenizer has {} tokens but the model's vocabulary is {}",
@@ -363,23 +358,23 @@ fn run_with<S: Stepper>(
         )));
     }
     let data_options = DataOptions {
-        seq_len: options.seq_len,
-        train_on_prompt: options.train_on_prompt,
-        shuffle_seed: Some(options.seed),
+        seq_len: settings.seq_len,
+        train_on_prompt: settings.train_on_prompt,
+        shuffle_seed: Some(settings.seed),
     };
-    let packed = data::load(&options.data, &model.tokenizer, &data_options)?;
-    let batches: Vec<MicroBatch> = packed.micro_batches(options.micro_batch)?;
+    let packed = data::load(&job.data, &model.tokenizer, &data_options)?;
+    let batches: Vec<MicroBatch> = packed.micro_batches(settings.micro_batch)?;
     if batches.is_empty() {
         return Err(Error::invalid("the dataset produced no training rows"));
     }
     let fingerprint = data_fingerprint(&batches);
     let mut batches = batches;
     let mut notices = Vec::new();
-    let eval: Vec<MicroBatch> = match (&options.eval_data, options.eval_every) {
+    let eval: Vec<MicroBatch> = match (&job.eval_data, settings.eval_every) {
         (Some(source), _) => {
             let eval_options = DataOptions { shuffle_seed: None, ..data_options };
             let held_out = data::load(source, &model.tokenizer, &eval_options)?;
-            let eval = held_out.micro_batches(options.micro_batch)?;
+            let eval = held_out.micro_batches(settings.micro_batch)?;
             if eval.iter().all(|mb| mb.trained_tokens() == 0) {
                 return Err(Error::invalid(
                     "the evaluation dataset has no token that carries loss",
@@ -388,7 +383,9 @@ fn run_with<S: Stepper>(
             eval
         }
         (None, Some(_)) if batches.len() >= 2 => {
-            let held_out = (batches.len() / 20).max(1);
+            // At least one micro-batch, and always one left to train on.
+            let fraction = (batches.len() as f64 * settings.held_out).floor() as usize;
+            let held_out = fraction.clamp(1, batches.len() - 1);
             batches.split_off(batches.len() - held_out)
         }
         (None, Some(_)) => {
@@ -397,8 +394,8 @@ fn run_with<S: Stepper>(
         }
         (None, None) => Vec::new(),
     };
-    let per_step = options.grad_accum;
-    let steps = options.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
+    let per_step = settings.grad_accum;
+    let steps = settings.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
 
     let state = if resume {
         let state = TrainingState::load(&options.out.join(STATE_DIR), &model.spec)?;
@@ -412,16 +409,17 @@ fn run_with<S: Stepper>(
         None
     };
 
-    let mut config = options.train.clone();
+    let mut config = job.train_config();
     config.total_steps = steps;
+    let placement = &options.placement;
     let schedule = ScheduleOptions {
-        max_tokens: options.micro_batch * options.seq_len,
+        max_tokens: settings.micro_batch * settings.seq_len,
         grad_accum: per_step,
-        checkpoints: options.checkpoints,
-        checkpoint_interval: options.checkpoint_interval,
+        checkpoints: placement.checkpoints,
+        checkpoint_interval: placement.checkpoint_interval,
         optimizer_threads: 0,
-        resident: options.resident.clone(),
-        gradients: options
+        resident: placement.resident.clone(),
+        gradients: placement
             .gradients
             .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
     };
@@ -461,7 +459,7 @@ fn run_with<S: Stepper>(
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let save = |streamer: &mut S, cursor: usize, dir: &Path| -> Result<()> {
         let params = streamer.params()?;
-        save_checkpoint(dir, &model, &params, options.save_dtype)?;
+        save_checkpoint(dir, &model, &params, settings.save_dtype)?;
         let (m, v) = streamer.moments()?;
         let state = TrainingState {
             step: streamer.taken(),
@@ -483,7 +481,7 @@ fn run_with<S: Stepper>(
         cursor = (cursor + per_step) % batches.len();
         let mut metrics = streamer.step(&step_batches)?;
         let due =
-            metrics.step == steps || options.eval_every.is_some_and(|n| metrics.step % n == 0);
+            metrics.step == steps || settings.eval_every.is_some_and(|n| metrics.step % n == 0);
         if !eval.is_empty() && due {
             metrics.eval_loss = Some(streamer.eval_loss(&eval)?);
         }
@@ -493,13 +491,20 @@ fn run_with<S: Stepper>(
         last_loss = metrics.loss;
         let step = metrics.step;
         observer.event(&Event::Step(metrics));
-        if options.save_every.is_some_and(|n| step % n == 0 && step < steps) {
+        if settings.save_every.is_some_and(|n| step % n == 0 && step < steps) {
             let dir = options.out.join(format!("checkpoint-{step}"));
             save(&mut streamer, cursor, &dir)?;
             observer.event(&Event::Saved { path: dir, step });
         }
     }
-    let final_dir = options.out.join("final");
+    // A run stopped before its last step (cancelled) leaves a checkpoint of where it stopped,
+    // never one called final.
+    let taken = streamer.taken();
+    let final_dir = if taken >= steps {
+        options.out.join("final")
+    } else {
+        options.out.join(format!("checkpoint-{taken}"))
+    };
     save(&mut streamer, cursor, &final_dir)?;
     streamer.finish()?;
     observer.event(&Event::Saved { path: final_dir.clone(), step: streamer.taken() });

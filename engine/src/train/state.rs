@@ -82,6 +82,21 @@ impl TrainingState {
         )
     }
 
+    /// The step of the state saved in `dir`, without reading its tensors; `None` when no
+    /// complete state is there (the folder is written atomically, so a present trainer file
+    /// means a complete state).
+    pub fn saved_step(dir: &Path) -> Result<Option<u64>> {
+        let path = dir.join(TRAINER_FILE);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        let trainer: TrainerFile = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(format!("{}: not a trainer state: {e}", path.display())))?;
+        Ok(Some(trainer.step))
+    }
+
     pub fn load(dir: &Path, spec: &ModelSpec) -> Result<TrainingState> {
         let path = dir.join(TRAINER_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;

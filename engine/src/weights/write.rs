@@ -34,6 +34,15 @@ pub enum SaveDtype {
     Bf16,
 }
 
+impl std::fmt::Display for SaveDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SaveDtype::F32 => "f32",
+            SaveDtype::Bf16 => "bf16",
+        })
+    }
+}
+
 impl SaveDtype {
     pub fn bytes_per_element(self) -> usize {
         match self {

@@ -1,9 +1,11 @@
-//! `--device cpu|cuda|cuda:N`, shared by the subcommands that train or plan.
+//! `--device` for the subcommands that compute on one device (`generate`, `plan`, `bench
+//! train`): the engine's one parser of device names ([`Devices`]), limited to one device.
 
 use std::fmt;
 use std::str::FromStr;
 
 use sluice_engine::plan::GpuQuery;
+use sluice_engine::train::Devices;
 
 /// Where a job computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,14 +18,10 @@ impl FromStr for Device {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Device, String> {
-        let bad = || format!("{s:?}: expected cpu, cuda or cuda:N");
-        match s {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
-            other => {
-                let n = other.strip_prefix("cuda:").ok_or_else(bad)?;
-                n.parse().map(Device::Cuda).map_err(|_| bad())
-            }
+        match s.parse::<Devices>().map_err(|e| e.to_string())? {
+            Devices::Cpu => Ok(Device::Cpu),
+            Devices::Cuda(ordinals) if ordinals.len() == 1 => Ok(Device::Cuda(ordinals[0])),
+            Devices::Cuda(_) => Err(format!("{s:?}: this subcommand runs on one device")),
         }
     }
 }
@@ -64,10 +62,12 @@ mod tests {
         assert_eq!("cpu".parse(), Ok(Device::Cpu));
         assert_eq!("cuda".parse(), Ok(Device::Cuda(0)));
         assert_eq!("cuda:3".parse(), Ok(Device::Cuda(3)));
-        for bad in ["gpu", "cuda:", "cuda:x", "cuda3"] {
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda3", "cuda:-1", "CPU", ""] {
             let err = bad.parse::<Device>().expect_err(bad);
-            assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+            assert!(err.contains("expected cpu, cuda, cuda:N"), "{err}");
         }
+        let err = "cuda:0,1".parse::<Device>().expect_err("two");
+        assert!(err.contains("one device"), "{err}");
         assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
     }
 }

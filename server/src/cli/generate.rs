@@ -12,7 +12,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle, write_logits};
 
-use super::{Device, parse_device};
+use super::device::Device;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct GenerateArgs {
@@ -50,7 +50,7 @@ pub(crate) struct GenerateArgs {
 
     /// Device to run on: cpu, or cuda / cuda:N for an NVIDIA GPU (bf16 weights and activations,
     /// f32 logits).
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, default_value = "cpu")]
     device: Device,
 }
 

@@ -11,7 +11,7 @@ mod generate;
 mod import_gguf;
 mod plan;
 mod serve;
-mod train;
+pub(crate) mod train;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -79,26 +79,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Where a subcommand computes: `--device cpu`, `cuda` (GPU 0) or `cuda:N`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Device {
-    Cpu,
-    Cuda(usize),
-}
-
-/// Parses a `--device` value (clap's `value_parser`; an unknown value is a usage error).
-pub(crate) fn parse_device(value: &str) -> Result<Device, String> {
-    match value {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        _ => value
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| "expected cpu, cuda or cuda:N".to_string()),
-    }
-}
-
 /// Logs go to stderr so that a subcommand's stdout stays machine-readable. `RUST_LOG` selects
 /// what is logged; the default is `info`.
 fn init_logging() {
@@ -117,19 +97,4 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_values() {
-        assert_eq!(parse_device("cpu"), Ok(Device::Cpu));
-        assert_eq!(parse_device("cuda"), Ok(Device::Cuda(0)));
-        assert_eq!(parse_device("cuda:3"), Ok(Device::Cuda(3)));
-        for bad in ["gpu", "cuda3", "cuda:", "cuda:-1", "CPU", ""] {
-            assert!(parse_device(bad).is_err(), "{bad:?} must be refused");
-        }
-    }
 }

@@ -1,37 +1,30 @@
 //! `sluice train`: fine-tune a model folder (or train a random-init preset) on a dataset from
 //! the terminal, with a progress bar and one line per step.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_engine::backend::AllReduce;
-use sluice_engine::backend::cpu::Cpu;
-use sluice_engine::backend::cuda::Cuda;
-use sluice_engine::backend::cuda::nccl::Communicator;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::optim::Schedule;
-use sluice_engine::plan::{
-    BatchShape, CheckpointTier, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
-};
-use sluice_engine::schedule::Tier;
-use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
+use sluice_engine::plan::{CheckpointTier, MachineMemory, Plan, Verdict, plan};
 use sluice_engine::train::{
-    Event, ModelSource, Observer, RunOptions, TrainConfig, model_spec, read_run_options,
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, model_spec,
+    read_run_options, run_on,
 };
 use sluice_engine::weights::SaveDtype;
 
-use super::device::Device;
-
+/// Every setting is optional here: what is not given is the engine's default
+/// ([`JobSettings::default`]), the same as for a job submitted to the appliance.
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset", "resume"])))]
 pub(crate) struct TrainArgs {
     /// Continue the run in this folder exactly where its last saved state left it, with the
-    /// options it was started with (no other option may be given).
+    /// options it was started with (no other option but --device and the memory limits).
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
-        "save_every", "save_dtype", "eval_every", "eval_data",
+        "save_every", "save_dtype", "eval_every", "eval_data", "held_out",
     ])]
     resume: Option<PathBuf>,
 
@@ -60,68 +53,74 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     steps: Option<u64>,
 
-    /// Tokens per packed row.
-    #[arg(long, default_value_t = 256)]
-    seq_len: usize,
+    /// Tokens per packed row [default: 256].
+    #[arg(long)]
+    seq_len: Option<usize>,
 
-    /// Rows per micro-batch.
-    #[arg(long, default_value_t = 4)]
-    micro_batch: usize,
+    /// Rows per micro-batch [default: 4].
+    #[arg(long)]
+    micro_batch: Option<usize>,
 
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 1)]
-    grad_accum: usize,
+    /// Micro-batches per optimizer step [default: 1].
+    #[arg(long)]
+    grad_accum: Option<usize>,
 
     /// Peak learning rate [default: 2e-5 for a model folder, 1e-3 for a random-init preset].
     #[arg(long)]
     lr: Option<f32>,
 
-    /// Learning-rate schedule after warmup: constant, linear or cosine.
-    #[arg(long, default_value = "cosine")]
-    schedule: Schedule,
+    /// Learning-rate schedule after warmup: constant, linear or cosine [default: cosine].
+    #[arg(long)]
+    schedule: Option<Schedule>,
 
-    /// Linear warmup steps.
-    #[arg(long, default_value_t = 0)]
-    warmup: u64,
+    /// Linear warmup steps [default: 0].
+    #[arg(long)]
+    warmup: Option<u64>,
 
-    /// AdamW weight decay (matrices only).
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f32,
+    /// AdamW weight decay, matrices only [default: 0].
+    #[arg(long)]
+    weight_decay: Option<f32>,
 
-    /// Clip the global gradient norm to this; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0)]
-    max_grad_norm: f32,
+    /// Clip the global gradient norm to this; 0 turns clipping off [default: 1].
+    #[arg(long)]
+    max_grad_norm: Option<f32>,
 
-    /// Seed for initialisation and data order.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed for initialisation and data order [default: 0].
+    #[arg(long)]
+    seed: Option<u64>,
 
     /// Compute the loss on prompt tokens too, not only on assistant turns.
     #[arg(long)]
     train_on_prompt: bool,
 
-    /// Also save a checkpoint every N steps.
+    /// Also save a checkpoint (and the resumable state) every N steps.
     #[arg(long, value_name = "N")]
     save_every: Option<u64>,
 
-    /// Precision of saved weights: f32 (the exact master weights) or bf16 (half the size).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
-    save_dtype: String,
+    /// Precision of saved weights: bf16 (half the size) or f32 (the exact master weights)
+    /// [default: bf16; the resumable state is always f32].
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    save_dtype: Option<String>,
 
-    /// Hold out the last twentieth of the data and report its loss every N steps.
+    /// Report the held-out loss every N steps (and after the last).
     #[arg(long, value_name = "N")]
     eval_every: Option<u64>,
 
-    /// Evaluate on this held-out dataset (same formats as --data) instead of the data's tail:
-    /// its loss before the first step, every --eval-every steps and after the last.
+    /// Without --eval-data, the fraction of the data held out for evaluation [default: 0.05].
+    #[arg(long, value_name = "FRACTION")]
+    held_out: Option<f64>,
+
+    /// Evaluate on this held-out dataset (same formats as --data) instead of part of the
+    /// data: its loss before the first step, every --eval-every steps and after the last.
     #[arg(long, value_name = "FILE")]
     eval_data: Option<PathBuf>,
 
     /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU, or cuda:0,1,... for several
     /// GPUs of this host sharing each step's micro-batches (data parallelism through NCCL;
-    /// --grad-accum must be at least the number of GPUs).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    /// --grad-accum must be at least the number of GPUs) [default: cpu, or the run's with
+    /// --resume].
+    #[arg(long)]
+    device: Option<Devices>,
 
     /// GPU memory the job may use, in bytes [default: the GPU's free memory, from the driver].
     #[arg(long, value_name = "BYTES")]
@@ -134,45 +133,28 @@ pub(crate) struct TrainArgs {
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     let (gpu_mem, host_mem) = (args.gpu_mem, args.host_mem);
-    let ordinals = gpu_ordinals(&args.device)?;
-    // The plan is each GPU's: the first one's memory, its share of the micro-batches.
-    let device = ordinals.first().map_or(Device::Cpu, |&o| Device::Cuda(o));
-    let (mut options, resume) = match &args.resume {
-        Some(out) => (read_run_options(out).context("cannot resume")?, true),
-        None => (options(args)?, false),
+    let (job, out, resume) = match &args.resume {
+        Some(out) => {
+            let mut job = read_run_options(out).context("cannot resume")?.job;
+            if let Some(devices) = args.device.clone() {
+                job.devices = devices;
+            }
+            (job, out.clone(), true)
+        }
+        None => {
+            let (job, out) = job(args)?;
+            (job, out, false)
+        }
     };
+    job.validate(&sluice_engine::train::Limits::ENGINE)?;
     // The planner decides where everything lives, and refuses a job that cannot fit, before
     // anything is loaded or allocated.
-    options.validate()?;
-    let plan = plan_run(&options, device, ordinals.len().max(1), gpu_mem, host_mem)?;
-    let schedule = schedule_options(&plan, 0)?;
-    options.checkpoints = schedule.checkpoints;
-    options.checkpoint_interval = schedule.checkpoint_interval;
-    options.resident = schedule.resident;
-    options.gradients = Some(schedule.gradients);
-    print_plan(&plan, device);
+    let plan = plan_run(&job, gpu_mem, host_mem)?;
+    let options = RunOptions::planned(job, out, &plan)?;
+    print_plan(&plan, &options);
     let mut printer = Printer { bar: None };
-    let summary = match ordinals.as_slice() {
-        [] => sluice_engine::train::run(&Cpu, &options, resume, &mut printer),
-        &[ordinal] => {
-            let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
-            sluice_engine::train::run(&cuda, &options, resume, &mut printer)
-        }
-        ordinals => {
-            let gpus = ordinals
-                .iter()
-                .map(|&o| Cuda::new(o).with_context(|| format!("cannot use GPU {o}")))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let refs: Vec<&Cuda> = gpus.iter().collect();
-            let peers: Vec<Box<dyn AllReduce<Cuda>>> = Communicator::local(&refs)
-                .context("cannot link the GPUs through NCCL")?
-                .into_iter()
-                .map(|c| Box::new(c) as Box<dyn AllReduce<Cuda>>)
-                .collect();
-            sluice_engine::train::run_parallel(&refs, peers, &options, resume, &mut printer)
-        }
-    }
-    .context("training failed")?;
+    let summary =
+        run_on(&options.job.devices, &options, resume, &mut printer).context("training failed")?;
     if let Some(bar) = printer.bar.take() {
         bar.finish_and_clear();
     }
@@ -186,37 +168,14 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The GPUs `--device` names: none for `cpu`, one for `cuda` or `cuda:N`, several for
-/// `cuda:0,1,...` (distinct).
-fn gpu_ordinals(device: &str) -> anyhow::Result<Vec<usize>> {
-    let expected = || format!("--device {device}: expected cpu, cuda, cuda:N or cuda:N,M,...");
-    if device == "cpu" {
-        return Ok(Vec::new());
-    }
-    let list = match device.strip_prefix("cuda") {
-        Some("") => return Ok(vec![0]),
-        Some(rest) => rest.strip_prefix(':').with_context(expected)?,
-        None => anyhow::bail!(expected()),
-    };
-    let mut ordinals = Vec::new();
-    for n in list.split(',') {
-        let o: usize = n.trim().parse().with_context(expected)?;
-        if ordinals.contains(&o) {
-            anyhow::bail!("--device {device}: GPU {o} is named twice");
-        }
-        ordinals.push(o);
-    }
-    Ok(ordinals)
-}
-
-/// The run's options from the command line.
-fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
-    let (model, default_out, default_lr) = match (&args.model, &args.preset) {
+/// The job the command line describes, and its run folder.
+fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
+    let (model, default_out) = match (&args.model, &args.preset) {
         (Some(dir), _) => {
             let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            (ModelSource::Dir(dir.clone()), name, 2e-5)
+            (ModelSource::Dir(dir.clone()), name)
         }
-        (None, Some(name)) => (ModelSource::Preset(name.clone()), name.clone(), 1e-3),
+        (None, Some(name)) => (ModelSource::Preset(name.clone()), name.clone()),
         (None, None) => anyhow::bail!("give --model DIR, --preset NAME or --resume OUT"),
     };
     let Some(data) = args.data.clone() else { anyhow::bail!("give --data FILE") };
@@ -224,63 +183,127 @@ fn options(args: TrainArgs) -> anyhow::Result<RunOptions> {
         Some(name) => DatasetSource::Registry { registry: data, name: name.clone() },
         None => DatasetSource::File(data),
     };
-    Ok(RunOptions {
-        model,
-        data,
-        out: args.out.unwrap_or_else(|| PathBuf::from("runs").join(default_out)),
-        seq_len: args.seq_len,
-        micro_batch: args.micro_batch,
-        grad_accum: args.grad_accum,
+    let d = JobSettings::default();
+    let settings = JobSettings {
+        seq_len: args.seq_len.unwrap_or(d.seq_len),
+        micro_batch: args.micro_batch.unwrap_or(d.micro_batch),
+        grad_accum: args.grad_accum.unwrap_or(d.grad_accum),
         steps: args.steps,
-        train: TrainConfig {
-            lr: args.lr.unwrap_or(default_lr),
-            schedule: args.schedule,
-            warmup_steps: args.warmup,
-            weight_decay: args.weight_decay,
-            max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
-            ..TrainConfig::default()
-        },
-        seed: args.seed,
+        lr: args.lr,
+        schedule: args.schedule.unwrap_or(d.schedule),
+        warmup: args.warmup.unwrap_or(d.warmup),
+        weight_decay: args.weight_decay.unwrap_or(d.weight_decay),
+        max_grad_norm: args.max_grad_norm.unwrap_or(d.max_grad_norm),
+        seed: args.seed.unwrap_or(d.seed),
         train_on_prompt: args.train_on_prompt,
         save_every: args.save_every,
-        save_dtype: if args.save_dtype == "bf16" { SaveDtype::Bf16 } else { SaveDtype::F32 },
-        // Both are the planner's choice, set once the run is planned.
-        checkpoints: Tier::Device,
-        checkpoint_interval: 1,
-        resident: Vec::new(),
-        gradients: None,
+        save_dtype: match args.save_dtype.as_deref() {
+            Some("f32") => SaveDtype::F32,
+            Some(_) => SaveDtype::Bf16,
+            None => d.save_dtype,
+        },
         eval_every: args.eval_every,
+        held_out: args.held_out.unwrap_or(d.held_out),
+    };
+    let job = Job {
+        model,
+        data,
         eval_data: args.eval_data.map(DatasetSource::File),
-    })
+        devices: args.device.unwrap_or(Devices::Cpu),
+        settings,
+    };
+    let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(default_out));
+    Ok((job, out))
 }
 
-/// Plans the run on this machine (or the memory given) with what the streamer implements; a
+/// The `sluice train` command line that runs `job` (its run folder left to the default):
+/// what the appliance shows beside a job. Settings at their defaults are left out.
+pub(crate) fn command_line(job: &Job) -> String {
+    let mut words: Vec<String> = vec!["sluice".into(), "train".into()];
+    let mut flag = |name: &str, value: String| {
+        words.push(format!("--{name}"));
+        words.push(value);
+    };
+    let path = |p: &Path| p.display().to_string();
+    match &job.model {
+        ModelSource::Dir(dir) => flag("model", path(dir)),
+        ModelSource::Preset(name) => flag("preset", name.clone()),
+    }
+    match &job.data {
+        DatasetSource::File(file) => flag("data", path(file)),
+        DatasetSource::Registry { registry, name } => {
+            flag("data", path(registry));
+            flag("dataset", name.clone());
+        }
+    }
+    if let Some(DatasetSource::File(file) | DatasetSource::Registry { registry: file, .. }) =
+        &job.eval_data
+    {
+        flag("eval-data", path(file));
+    }
+    flag("device", job.devices.to_string());
+    let (s, d) = (&job.settings, JobSettings::default());
+    if let Some(steps) = s.steps {
+        flag("steps", steps.to_string());
+    }
+    flag("seq-len", s.seq_len.to_string());
+    flag("micro-batch", s.micro_batch.to_string());
+    flag("grad-accum", s.grad_accum.to_string());
+    if let Some(lr) = s.lr {
+        flag("lr", format!("{lr:e}"));
+    }
+    if s.schedule != d.schedule {
+        flag("schedule", s.schedule.to_string());
+    }
+    if s.warmup != d.warmup {
+        flag("warmup", s.warmup.to_string());
+    }
+    if s.weight_decay != d.weight_decay {
+        flag("weight-decay", s.weight_decay.to_string());
+    }
+    if s.max_grad_norm != d.max_grad_norm {
+        flag("max-grad-norm", s.max_grad_norm.to_string());
+    }
+    if s.seed != d.seed {
+        flag("seed", s.seed.to_string());
+    }
+    if let Some(n) = s.save_every {
+        flag("save-every", n.to_string());
+    }
+    if s.save_dtype != d.save_dtype {
+        flag("save-dtype", s.save_dtype.to_string());
+    }
+    if let Some(n) = s.eval_every {
+        flag("eval-every", n.to_string());
+    }
+    if s.held_out != d.held_out {
+        flag("held-out", s.held_out.to_string());
+    }
+    if s.train_on_prompt {
+        words.push("--train-on-prompt".into());
+    }
+    words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
+}
+
+/// `word` as a POSIX shell reads it back: bare when it is only safe characters, else in
+/// single quotes.
+fn shell_quote(word: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "-_./:,=+@%".contains(c);
+    if !word.is_empty() && word.chars().all(safe) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// Plans the job on this machine (or the memory given) with what the streamer implements; a
 /// job that does not fit is an error carrying the planner's reason and what would fit, after
 /// the same details `sluice plan` prints.
-fn plan_run(
-    options: &RunOptions,
-    device: Device,
-    gpus: usize,
-    gpu_mem: Option<u64>,
-    host_mem: Option<u64>,
-) -> anyhow::Result<Plan> {
-    let spec = model_spec(&options.model)?;
-    let memory = MachineMemory::detect(device.gpu_query(), gpu_mem, host_mem)
-        .with_context(|| format!("reading the memory of {device}"))?;
-    let input = PlanInput {
-        spec: &spec,
-        batch: BatchShape {
-            seq_len: options.seq_len,
-            micro_batch: options.micro_batch,
-            grad_accum: options.grad_accum,
-        },
-        clipping: options.train.max_grad_norm.is_some(),
-        memory,
-        rates: MachineRates::default(),
-        supports: STREAMER,
-        gpus,
-    };
-    match plan(&input)? {
+fn plan_run(job: &Job, gpu_mem: Option<u64>, host_mem: Option<u64>) -> anyhow::Result<Plan> {
+    let spec = model_spec(&job.model)?;
+    let memory = MachineMemory::detect(job.devices.gpu_query(), gpu_mem, host_mem)
+        .with_context(|| format!("reading the memory of {}", job.devices))?;
+    match plan(&job.plan_input(&spec, memory))? {
         Verdict::Fits(plan) => Ok(*plan),
         Verdict::Refused(r) => {
             print!("{}", r.details());
@@ -290,20 +313,19 @@ fn plan_run(
 }
 
 /// One line: where the job's bytes will live and, on a GPU, the predicted step time.
-fn print_plan(plan: &Plan, device: Device) {
+fn print_plan(plan: &Plan, options: &RunOptions) {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let budget = &plan.budget;
-    match device {
-        Device::Cpu => println!(
+    match options.job.devices {
+        Devices::Cpu => println!(
             "plan: {:.2} GiB of {:.2} GiB host memory",
             gib(budget.device.used + budget.host_used()),
             gib(plan.memory.host_bytes)
         ),
-        Device::Cuda(_) => println!(
-            "plan: {} of {} units resident ({}), checkpoints {}; {:.2} GiB of {:.2} GiB GPU \
-             memory, {:.2} GiB of {:.2} GiB host; {:.2} s per step predicted",
-            plan.placement.resident_units.len(),
-            plan.model.units,
+        Devices::Cuda(_) => println!(
+            "plan: {} ({}), checkpoints {}; {:.2} GiB of {:.2} GiB GPU memory, {:.2} GiB of \
+             {:.2} GiB host; {:.2} s per step predicted",
+            options.placement.describe(plan.model.units),
             plan.placement.resident_summary,
             match plan.placement.checkpoints {
                 CheckpointTier::Device => "on the device",
@@ -411,17 +433,114 @@ impl Observer for Printer {
 
 #[cfg(test)]
 mod tests {
-    use super::gpu_ordinals;
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Sub,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Sub {
+        Train(Box<TrainArgs>),
+    }
+
+    fn parse(line: &[&str]) -> Job {
+        let Sub::Train(args) = Cli::try_parse_from(line).expect("parses").command;
+        job(*args).expect("a job").0
+    }
 
     #[test]
-    fn device_names_one_or_several_gpus() {
-        assert_eq!(gpu_ordinals("cpu").expect("cpu"), Vec::<usize>::new());
-        assert_eq!(gpu_ordinals("cuda").expect("cuda"), [0]);
-        assert_eq!(gpu_ordinals("cuda:3").expect("cuda:3"), [3]);
-        assert_eq!(gpu_ordinals("cuda:0,1, 2").expect("three"), [0, 1, 2]);
-        for bad in ["gpu", "cuda0", "cuda:", "cuda:0,x", "cuda:1,1"] {
-            let e = gpu_ordinals(bad).expect_err(bad).to_string();
-            assert!(e.contains(bad), "{bad}: {e}");
+    fn the_shown_command_line_runs_the_same_job() {
+        let job = Job {
+            model: ModelSource::Dir("/data/models/my model's".into()),
+            data: DatasetSource::File("/data/datasets/3.jsonl".into()),
+            eval_data: Some(DatasetSource::File("/data/datasets/4.jsonl".into())),
+            devices: Devices::Cuda(vec![0, 1]),
+            settings: JobSettings {
+                seq_len: 1024,
+                micro_batch: 8,
+                grad_accum: 8,
+                steps: Some(50),
+                lr: Some(3e-5),
+                schedule: Schedule::Linear,
+                warmup: 5,
+                weight_decay: 0.1,
+                max_grad_norm: 0.0,
+                seed: 7,
+                train_on_prompt: true,
+                save_every: Some(10),
+                save_dtype: SaveDtype::F32,
+                eval_every: Some(5),
+                held_out: 0.1,
+            },
+        };
+        let line = command_line(&job);
+        assert!(line.starts_with("sluice train --model '/data/models/my model'\\''s'"), "{line}");
+        // Read back as a shell would: split on spaces outside quotes, undo the quoting.
+        let words = shell_words(&line);
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        assert_eq!(parse(&words), job, "{line}");
+        let preset = Job {
+            model: ModelSource::Preset("tiny".into()),
+            devices: Devices::Cpu,
+            eval_data: None,
+            settings: JobSettings::default(),
+            ..job
+        };
+        let line = command_line(&preset);
+        assert_eq!(
+            line,
+            "sluice train --preset tiny --data /data/datasets/3.jsonl --device cpu --seq-len 256 \
+             --micro-batch 4 --grad-accum 1"
+        );
+        let words: Vec<String> = shell_words(&line);
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        assert_eq!(parse(&words), preset);
+    }
+
+    /// POSIX words of `line` with single quotes and backslash escapes (what [`shell_quote`]
+    /// writes).
+    fn shell_words(line: &str) -> Vec<String> {
+        let (mut words, mut word, mut quoted, mut any) = (Vec::new(), String::new(), false, false);
+        let mut chars = line.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '\'' => {
+                    quoted = !quoted;
+                    any = true;
+                }
+                '\\' if !quoted => word.extend(chars.next()),
+                ' ' if !quoted => {
+                    if any || !word.is_empty() {
+                        words.push(std::mem::take(&mut word));
+                    }
+                    any = false;
+                }
+                c => word.push(c),
+            }
         }
+        if any || !word.is_empty() {
+            words.push(word);
+        }
+        words
+    }
+
+    #[test]
+    fn device_flag_names_one_or_several_gpus() {
+        let base = ["sluice", "train", "--preset", "tiny", "--data", "d.jsonl"];
+        let with = |device: &str| {
+            let mut line = base.to_vec();
+            line.extend(["--device", device]);
+            Cli::try_parse_from(line)
+        };
+        let Sub::Train(args) = with("cuda:0,1").expect("two GPUs").command;
+        assert_eq!(args.device, Some(Devices::Cuda(vec![0, 1])));
+        let err = with("cuda:1,1").expect_err("twice").to_string();
+        assert!(err.contains("GPU 1 is named twice"), "{err}");
+        assert_eq!(parse(&base).devices, Devices::Cpu);
     }
 }

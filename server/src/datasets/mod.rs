@@ -112,8 +112,10 @@ async fn remove(
         return Err(ApiError::Forbidden("only an admin can delete a shared dataset".into()));
     }
     let active: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE dataset_id = ? AND status IN ('queued', 'running')",
+        "SELECT COUNT(*) FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
+             AND status IN ('queued', 'running')",
     )
+    .bind(id)
     .bind(id)
     .fetch_one(state.pool())
     .await?;

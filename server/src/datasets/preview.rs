@@ -24,7 +24,8 @@ pub(super) struct PreviewQuery {
     model: String,
     #[serde(default = "default_limit")]
     limit: usize,
-    #[serde(default = "crate::plan::default_seq_len")]
+    /// The engine's default, as for a job.
+    #[serde(default = "default_seq_len")]
     seq_len: usize,
     #[serde(default)]
     train_on_prompt: bool,
@@ -32,6 +33,10 @@ pub(super) struct PreviewQuery {
 
 fn default_limit() -> usize {
     5
+}
+
+fn default_seq_len() -> usize {
+    sluice_engine::train::JobSettings::default().seq_len
 }
 
 #[derive(Debug, Serialize)]

@@ -1,17 +1,9 @@
 //! Jobs: submit, list, show, cancel, resume; metrics history, live events (SSE) and the log.
 //! The queue itself (dispatchers and training threads) is in [`runner`].
 
+pub mod request;
 pub mod runner;
 pub mod store;
-
-/// The placements a job runs with today: every layer checkpointed on the device, no resident
-/// units, gradients in the host store (clipping) or the ring (no clipping). The web form's plan
-/// verdict budgets exactly these, so a job it accepts fits.
-pub const RUNNER: sluice_engine::plan::Capabilities = sluice_engine::plan::Capabilities {
-    max_checkpoint_interval: 1,
-    device_gradient_store: false,
-    gradient_ring: true,
-};
 
 use std::convert::Infallible;
 
@@ -22,18 +14,19 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::{Stream, StreamExt, stream};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_stream::wrappers::BroadcastStream;
 
+use request::JobRequest;
 pub use runner::Queue;
-use store::{COLUMNS, JobConfig, JobRow};
+use sluice_engine::train::{STATE_DIR, TrainingState};
+use store::{COLUMNS, JobRow};
 
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
-use crate::{datasets, models, plan};
+use crate::plan;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -44,46 +37,6 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/jobs/{id}/metrics", get(metrics))
         .route("/api/jobs/{id}/events", get(events))
         .route("/api/jobs/{id}/log", get(log))
-}
-
-/// A job as submitted; everything but `model`, `dataset` and `gpu` has a default.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NewJob {
-    model: String,
-    dataset: i64,
-    gpu: String,
-    /// Default: one pass over the data.
-    steps: Option<u64>,
-    #[serde(default = "plan::default_seq_len")]
-    seq_len: usize,
-    #[serde(default = "plan::default_micro_batch")]
-    micro_batch: usize,
-    #[serde(default = "plan::default_grad_accum")]
-    grad_accum: usize,
-    /// Default: 1e-3 for a random-init preset, 2e-5 for a pretrained folder.
-    lr: Option<f32>,
-    #[serde(default = "default_schedule")]
-    schedule: String,
-    #[serde(default)]
-    warmup: u64,
-    #[serde(default)]
-    weight_decay: f32,
-    #[serde(default = "default_max_grad_norm")]
-    max_grad_norm: f32,
-    save_every: Option<u64>,
-    #[serde(default)]
-    seed: u64,
-    #[serde(default)]
-    train_on_prompt: bool,
-}
-
-fn default_schedule() -> String {
-    "cosine".into()
-}
-
-fn default_max_grad_norm() -> f32 {
-    1.0
 }
 
 async fn list(
@@ -107,106 +60,74 @@ async fn list(
     Ok(Json(jobs))
 }
 
-/// `POST /api/jobs`: 201 `{"id"}`. 400 for a bad field or an unknown model, dataset or GPU;
-/// 422 when the planner says it will not fit; 409 over the per-user job limit.
+/// `POST /api/jobs`: 201 `{"id"}`. 400 for a field the engine refuses (with the engine's
+/// message) or an unknown model, dataset or device; 422 when the planner says it will not fit;
+/// 409 over the per-user job limit or when the dataset was deleted meanwhile.
 async fn create(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
-    ApiJson(body): ApiJson<NewJob>,
+    ApiJson(body): ApiJson<Value>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let limits = &state.config().limits;
-    if let Some(steps) = body.steps
-        && !(1..=limits.max_steps).contains(&steps)
-    {
-        return Err(ApiError::bad_request(format!(
-            "steps must be between 1 and {}",
-            limits.max_steps
-        )));
-    }
-    if body.seq_len == 0 || body.seq_len > limits.max_seq_len {
-        return Err(ApiError::bad_request(format!(
-            "seq_len must be between 1 and {}",
-            limits.max_seq_len
-        )));
-    }
-    if body.save_every == Some(0) {
-        return Err(ApiError::bad_request("save_every must be at least 1"));
-    }
-    if body.lr.is_some_and(|lr| !(lr.is_finite() && lr > 0.0)) {
-        return Err(ApiError::bad_request("lr must be a positive number"));
-    }
-    if !(body.weight_decay.is_finite() && body.weight_decay >= 0.0) {
-        return Err(ApiError::bad_request("weight_decay must be 0 or more"));
-    }
-    if !(body.max_grad_norm.is_finite() && body.max_grad_norm >= 0.0) {
-        return Err(ApiError::bad_request("max_grad_norm must be 0 (off) or more"));
-    }
-    if body.schedule.parse::<sluice_engine::optim::Schedule>().is_err() {
-        return Err(ApiError::bad_request(format!(
-            "schedule must be constant, linear or cosine, not {:?}",
-            body.schedule
-        )));
-    }
-    let dataset = datasets::visible(&state, &user, body.dataset)
-        .await
-        .map_err(|_| ApiError::bad_request(format!("unknown dataset {}", body.dataset)))?;
-
-    let check_state = state.clone();
-    let (model_id, gpu) = (body.model.clone(), body.gpu.clone());
-    let (seq_len, micro_batch, grad_accum) = (body.seq_len, body.micro_batch, body.grad_accum);
-    let (model, verdict) = tokio::task::spawn_blocking(move || -> ApiResult<_> {
-        let verdict =
-            plan::verdict_for(&check_state, &model_id, &gpu, seq_len, micro_batch, grad_accum)?;
-        Ok((models::resolve(&check_state, &model_id)?, verdict))
+    let resolved = request::resolve(&state, &user, JobRequest::parse(body)?).await?;
+    let Some(dataset) = &resolved.dataset else {
+        return Err(ApiError::bad_request("missing field `dataset`"));
+    };
+    let (job, spec) = (resolved.job.clone(), resolved.model.spec.clone());
+    let plan_state = state.clone();
+    let verdict = tokio::task::spawn_blocking(move || -> ApiResult<plan::Verdict> {
+        let memory = plan::machine_memory(&plan_state, &job.devices)?;
+        Ok(plan::verdict(&job, &spec, memory))
     })
     .await??;
     if !verdict.fits {
         return Err(ApiError::unprocessable(verdict.reason));
     }
-
-    let active: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')",
-    )
-    .bind(user.id)
-    .fetch_one(state.pool())
-    .await?;
-    if active >= i64::from(limits.max_active_jobs_per_user) {
-        return Err(ApiError::conflict(format!(
-            "you have {active} queued or running jobs, the most allowed; wait or cancel one"
-        )));
-    }
-
-    let config = JobConfig {
-        steps: body.steps,
-        seq_len: body.seq_len,
-        micro_batch: body.micro_batch,
-        grad_accum: body.grad_accum,
-        lr: body.lr.unwrap_or(if model.is_preset() { 1e-3 } else { 2e-5 }),
-        schedule: body.schedule,
-        warmup: body.warmup,
-        weight_decay: body.weight_decay,
-        max_grad_norm: body.max_grad_norm,
-        save_every: body.save_every,
-        seed: body.seed,
-        train_on_prompt: body.train_on_prompt,
-    };
-    let config = serde_json::to_string(&config).map_err(ApiError::internal)?;
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO jobs (owner_id, model, dataset_id, device, config, status, queue_seq, total_steps, created_at)
-         VALUES (?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?)
+    let job = &resolved.job;
+    let settings = serde_json::to_string(&job.settings).map_err(ApiError::internal)?;
+    let device = job.devices.to_string();
+    let limit = i64::from(state.config().limits.max_active_jobs_per_user);
+    // One statement, so the per-user limit and the datasets' existence hold whatever runs
+    // beside it (concurrent submits, a dataset deleted meanwhile).
+    let id: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO jobs (owner_id, model, dataset_id, eval_dataset_id, device, config, status,
+                           queue_seq, total_steps, created_at)
+         SELECT ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?
+         WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?
+           AND EXISTS (SELECT 1 FROM datasets WHERE id = ?)
+           AND (? IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?))
          RETURNING id",
     )
     .bind(user.id)
-    .bind(&model.id)
+    .bind(&resolved.model.id)
     .bind(dataset.id)
-    .bind(&body.gpu)
-    .bind(&config)
-    .bind(body.steps.unwrap_or(0) as i64)
+    .bind(resolved.eval_dataset.as_ref().map(|d| d.id))
+    .bind(&device)
+    .bind(&settings)
+    .bind(job.settings.steps.unwrap_or(0) as i64)
     .bind(now())
-    .fetch_one(state.pool())
+    .bind(user.id)
+    .bind(limit)
+    .bind(dataset.id)
+    .bind(resolved.eval_dataset.as_ref().map(|d| d.id))
+    .bind(resolved.eval_dataset.as_ref().map(|d| d.id))
+    .fetch_optional(state.pool())
     .await?;
-    store::log(&state, id, &format!("queued by {} on {}", user.username, body.gpu)).await;
-    state.queue().wake(&body.gpu);
+    let Some(id) = id else {
+        let active: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')",
+        )
+        .bind(user.id)
+        .fetch_one(state.pool())
+        .await?;
+        if active >= limit {
+            return Err(ApiError::conflict(format!(
+                "you have {active} queued or running jobs, the most allowed; wait or cancel one"
+            )));
+        }
+        return Err(ApiError::conflict("the dataset was deleted meanwhile"));
+    };
+    store::log(&state, id, &format!("queued by {} on {device}", user.username)).await;
+    state.queue().wake();
     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 }
 
@@ -256,14 +177,10 @@ async fn cancel(
     )))
 }
 
-#[derive(sqlx::FromRow)]
-struct CheckpointRow {
-    name: String,
-    step: i64,
-}
-
-/// `POST /api/jobs/{id}/resume`: queues a cancelled or interrupted job again, to continue from
-/// its latest checkpoint (or from the start when it has none); 409 for other states.
+/// `POST /api/jobs/{id}/resume`: queues a cancelled or interrupted job again. It continues
+/// exactly from the run's saved training state (weights, Adam moments, schedule position and
+/// data order, saved with every checkpoint), or from the start when nothing was saved; 409 for
+/// other states.
 async fn resume(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -279,18 +196,15 @@ async fn resume(
     if job.dataset_id.is_none() {
         return Err(ApiError::conflict("the job's dataset was deleted; it cannot be resumed"));
     }
-    let run_dir = runner::run_dir(&state, id);
-    let checkpoints: Vec<CheckpointRow> =
-        sqlx::query_as("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step DESC")
-            .bind(id)
-            .fetch_all(state.pool())
-            .await?;
-    let latest = checkpoints.into_iter().find(|c| run_dir.join(&c.name).is_dir());
-    let (from, step) = match &latest {
-        Some(c) => (Some(c.name.clone()), c.step),
-        None => (None, 0),
-    };
+    let state_dir = runner::run_dir(&state, id).join(STATE_DIR);
+    let saved = tokio::task::spawn_blocking(move || TrainingState::saved_step(&state_dir))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let step = saved.unwrap_or(0) as i64;
+    let limit = i64::from(state.config().limits.max_active_jobs_per_user);
     let mut tx = state.pool().begin().await?;
+    // Steps after the saved state are taken again, identically.
     sqlx::query("DELETE FROM metrics WHERE job_id = ? AND step > ?")
         .bind(id)
         .bind(step)
@@ -298,30 +212,35 @@ async fn resume(
         .await?;
     let queued = sqlx::query(
         "UPDATE jobs SET status = 'queued', queue_seq = (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
-             error = NULL, finished_at = NULL, resume_from = ?, step = ?, start_step = ?
-         WHERE id = ? AND status IN ('cancelled', 'interrupted')",
+             error = NULL, finished_at = NULL, step = ?, start_step = ?
+         WHERE id = ? AND status IN ('cancelled', 'interrupted')
+           AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?",
     )
-    .bind(&from)
     .bind(step)
     .bind(step)
     .bind(id)
+    .bind(job.owner_id)
+    .bind(limit)
     .execute(&mut *tx)
     .await?;
     if queued.rows_affected() != 1 {
-        return Err(ApiError::conflict("the job changed state; reload and try again"));
+        return Err(ApiError::conflict(
+            "the job changed state, or its owner has the most queued or running jobs allowed; \
+             reload and try again",
+        ));
     }
     tx.commit().await?;
     state.queue().clear_cancel(id);
-    let line = match &from {
-        Some(name) => format!(
-            "resumed by {} from {name} (step {step}); optimizer state restarts",
+    let line = match saved {
+        Some(step) => format!(
+            "resumed by {} after step {step}: weights, optimizer state and data order as saved",
             user.username
         ),
-        None => format!("resumed by {} from the start (no checkpoint)", user.username),
+        None => format!("resumed by {} from the start (nothing was saved)", user.username),
     };
     store::log(&state, id, &line).await;
     store::publish_status(&state, id).await?;
-    state.queue().wake(&job.device);
+    state.queue().wake();
     let job = store::visible(&state, &user, id).await?;
     Ok(Json(store::view(&state, &job).await?))
 }

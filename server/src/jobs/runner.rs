@@ -1,74 +1,79 @@
-//! The queue's engine room: per device, one tokio task picks the next queued job and records
-//! what it reports, and one plain OS thread trains it (training blocks for minutes or days, so
-//! it never runs on the async threads).
+//! The queue's engine room: one tokio task (the dispatcher) starts queued jobs whose devices
+//! are all free, in queue order, and records what they report; each job trains on its own OS
+//! thread (training blocks for minutes or days, so it never runs on the async threads).
 //!
-//! Flow of one job: the dispatcher claims the oldest queued job of its device, builds the run
-//! options and hands them to the device thread; the thread calls `train::run` with an observer
-//! that forwards every event into an unbounded channel and returns at once (the engine never
-//! waits on the server); the dispatcher stores each event in SQLite and broadcasts it to SSE
-//! viewers; when the thread is done the channel closes, so the final status is written after
-//! the last metric.
+//! Flow of one job: the dispatcher claims it and reserves every device it names (a job on
+//! `cuda:0,1` holds both; a job waiting for a busy device also holds back later jobs that want
+//! it, so a several-GPU job is never starved by single-GPU ones). The job's thread plans it
+//! against the machine as it is now (the driver's free GPU memory, MemAvailable less what
+//! other starting jobs have planned but not yet allocated), runs exactly that plan through
+//! `train::run_on`, and forwards every event into an unbounded channel (the engine never waits
+//! on the server); the dispatcher's task for the job stores each event in SQLite and
+//! broadcasts it to SSE viewers, and writes the final status after the last event.
 //!
-//! Resume: a job restarts from its latest checkpoint folder as its model and trains the steps
-//! left. The optimizer state (Adam moments) and the learning-rate schedule restart with it until
-//! the engine can save and load them.
+//! Resume is exact: the engine keeps the latest training state (master weights, Adam moments,
+//! step and data position) in the run folder's `state/` with each checkpoint, and a start that
+//! finds one continues from it.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use serde_json::json;
-use sluice_engine::backend::cpu::Cpu;
-use sluice_engine::backend::cuda::Cuda;
-use sluice_engine::data::DatasetSource;
-use sluice_engine::optim::Schedule;
-use sluice_engine::schedule::Tier;
+use sluice_engine::plan::MachineMemory;
 use sluice_engine::train::{
-    self, Event, ModelSource, Observer, RunOptions, RunSummary, TrainConfig,
+    self, Event, Job, Observer, RunOptions, RunSummary, STATE_DIR, TrainingState,
 };
-use sluice_engine::weights::SaveDtype;
 use tokio::sync::{Notify, mpsc, oneshot};
-use tracing::{error, info, warn};
+use tracing::{error, info};
 
 use super::store::{self, COLUMNS, JobRow};
 use crate::AppState;
 use crate::db::now_f64;
-use crate::error::{ApiError, ApiResult};
-use crate::models;
+use crate::error::ApiResult;
 
-/// Folder a start writes into before its checkpoints are moved to their final names.
-const STAGING: &str = ".staging";
-
-/// Wake-ups for the dispatchers and cancel requests for running jobs.
+/// Wake-ups for the dispatcher, the devices running jobs hold, cancel requests for running
+/// jobs, and the host memory starting jobs have planned.
 #[derive(Debug, Default)]
 pub struct Queue {
-    wakers: HashMap<String, Arc<Notify>>,
+    wake: Arc<Notify>,
+    busy: Mutex<HashSet<String>>,
     cancels: Arc<Mutex<HashSet<i64>>>,
+    /// Host bytes each starting job planned, until the engine reports it has allocated them
+    /// (they are in MemAvailable from then on).
+    reserved: Arc<Mutex<HashMap<i64, u64>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Queue {
-    pub fn new(devices: &[String]) -> Queue {
-        Queue {
-            wakers: devices.iter().map(|d| (d.clone(), Arc::new(Notify::new()))).collect(),
-            cancels: Arc::default(),
-        }
-    }
-
-    /// Tells the device's dispatcher that a job was queued.
-    pub fn wake(&self, device: &str) {
-        if let Some(notify) = self.wakers.get(device) {
-            notify.notify_one();
-        }
+    /// Tells the dispatcher that a job was queued or a device came free.
+    pub fn wake(&self) {
+        self.wake.notify_one();
     }
 
     pub fn request_cancel(&self, job_id: i64) {
-        self.cancels.lock().unwrap_or_else(PoisonError::into_inner).insert(job_id);
+        lock(&self.cancels).insert(job_id);
     }
 
     /// Forgets a cancel request; says whether there was one.
     pub fn clear_cancel(&self, job_id: i64) -> bool {
-        self.cancels.lock().unwrap_or_else(PoisonError::into_inner).remove(&job_id)
+        lock(&self.cancels).remove(&job_id)
+    }
+
+    /// Host memory a new job may plan with, of `available` (MemAvailable): what starting jobs
+    /// have planned but not allocated yet is not free.
+    pub fn host_budget(&self, available: u64) -> u64 {
+        Self::budget(&self.reserved, available, None)
+    }
+
+    fn budget(reserved: &Mutex<HashMap<i64, u64>>, available: u64, except: Option<i64>) -> u64 {
+        let held: u64 =
+            lock(reserved).iter().filter(|(id, _)| Some(**id) != except).map(|(_, b)| b).sum();
+        available.saturating_sub(held)
     }
 }
 
@@ -90,164 +95,159 @@ pub async fn mark_interrupted(pool: &sqlx::SqlitePool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts a dispatcher task and a training thread per device.
+/// Starts the dispatcher.
 pub fn start(state: &AppState) {
-    for device in state.gpus().device_ids() {
-        let Some(notify) = state.queue().wakers.get(&device).cloned() else { continue };
-        let (work_tx, work_rx) = std::sync::mpsc::channel::<Work>();
-        let thread_device = device.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("sluice-{device}"))
-            .spawn(move || device_thread(&thread_device, work_rx));
-        if let Err(err) = spawned {
-            error!("cannot start the runner thread for {device}: {err}; its jobs stay queued");
-            continue;
-        }
-        tokio::spawn(dispatch(state.clone(), device, notify, work_tx));
-    }
+    tokio::spawn(dispatch(state.clone()));
 }
 
-/// What the dispatcher hands the device thread.
-struct Work {
-    options: RunOptions,
-    forwarder: Forwarder,
-    done: oneshot::Sender<Result<RunSummary, String>>,
-}
-
-/// What the observer reports back, already in the job's global step numbering.
-enum RunEvent {
-    Started { total_steps: u64, line: String },
-    Step { step: u64, point: serde_json::Value },
-    Saved { name: String, step: u64 },
-    Log(String),
-}
-
-/// Trains one job at a time on `device` ("cpu" or "cuda:N") until the dispatcher goes away.
-/// The GPU is opened once, by the first job that needs it; if it cannot be, each job on it
-/// fails with the reason.
-fn device_thread(device: &str, work: std::sync::mpsc::Receiver<Work>) {
-    let ordinal = device.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok());
-    let mut cuda: Option<Result<Cuda, String>> = None;
-    for Work { options, mut forwarder, done } in work {
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| match ordinal {
-            None => train::run(&Cpu, &options, false, &mut forwarder),
-            Some(n) => match cuda.get_or_insert_with(|| Cuda::new(n).map_err(|e| e.to_string())) {
-                Ok(gpu) => train::run(gpu, &options, false, &mut forwarder),
-                Err(reason) => {
-                    Err(sluice_engine::Error::invalid(format!("cannot use {device}: {reason}")))
-                }
-            },
-        }));
-        // Dropping the observer closes the event channel: the dispatcher has seen every event
-        // before it reads the result.
-        drop(forwarder);
-        let result = match result {
-            Ok(Ok(summary)) => Ok(summary),
-            Ok(Err(err)) => Err(err.to_string()),
-            Err(_) => Err("the trainer crashed; the server log has the details".to_string()),
-        };
-        let _ = done.send(result);
-    }
-}
-
-async fn dispatch(
-    state: AppState,
-    device: String,
-    notify: Arc<Notify>,
-    work: std::sync::mpsc::Sender<Work>,
-) {
+async fn dispatch(state: AppState) {
+    let wake = state.queue().wake.clone();
     loop {
-        match claim_next(&state, &device).await {
-            Ok(Some(job)) => run_job(&state, job, &work).await,
-            Ok(None) => notify.notified().await,
+        // Registered before looking, so a wake-up between the look and the wait is not lost.
+        let woken = wake.notified();
+        match claim_ready(&state).await {
+            Ok(Some((job, devices))) => {
+                let state = state.clone();
+                tokio::spawn(async move {
+                    run_job(&state, job).await;
+                    let queue = state.queue();
+                    let mut busy = lock(&queue.busy);
+                    for d in &devices {
+                        busy.remove(d);
+                    }
+                    drop(busy);
+                    queue.wake();
+                });
+            }
+            Ok(None) => woken.await,
             Err(err) => {
-                error!("queue for {device}: {err:?}");
+                error!("job queue: {err:?}");
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             }
         }
     }
 }
 
-async fn claim_next(state: &AppState, device: &str) -> ApiResult<Option<JobRow>> {
-    Ok(sqlx::query_as(&format!(
-        "UPDATE jobs SET status = 'running', started_at = ?, start_step = step, error = NULL,
-             finished_at = NULL
-         WHERE id = (SELECT id FROM jobs WHERE device = ? AND status = 'queued'
-                     ORDER BY queue_seq LIMIT 1)
-         RETURNING {COLUMNS}"
-    ))
-    .bind(now_f64())
-    .bind(device)
-    .fetch_optional(state.pool())
-    .await?)
+/// Claims the first queued job, in queue order, whose devices are all free and not wanted by
+/// an earlier queued job; marks them busy. Jobs naming a device this machine lacks fail.
+async fn claim_ready(state: &AppState) -> ApiResult<Option<(JobRow, Vec<String>)>> {
+    let queued: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, device FROM jobs WHERE status = 'queued' ORDER BY queue_seq")
+            .fetch_all(state.pool())
+            .await?;
+    let known = state.gpus().device_ids();
+    let mut blocked = lock(&state.queue().busy).clone();
+    for (id, device) in queued {
+        let members = match device.parse::<train::Devices>() {
+            Ok(d) => d.members(),
+            Err(e) => {
+                store::finish(state, id, "failed", Some(&e.to_string())).await?;
+                continue;
+            }
+        };
+        if let Some(missing) = members.iter().find(|d| !known.contains(d)) {
+            let message = format!("{missing} is not on this machine");
+            store::log(state, id, &format!("cannot start: {message}")).await;
+            store::finish(state, id, "failed", Some(&message)).await?;
+            continue;
+        }
+        if members.iter().any(|d| blocked.contains(d)) {
+            blocked.extend(members);
+            continue;
+        }
+        let claimed: Option<JobRow> = sqlx::query_as(&format!(
+            "UPDATE jobs SET status = 'running', started_at = ?, start_step = step, error = NULL,
+                 finished_at = NULL
+             WHERE id = ? AND status = 'queued'
+             RETURNING {COLUMNS}"
+        ))
+        .bind(now_f64())
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?;
+        if let Some(job) = claimed {
+            lock(&state.queue().busy).extend(members.iter().cloned());
+            return Ok(Some((job, members)));
+        }
+    }
+    Ok(None)
 }
 
 pub fn run_dir(state: &AppState, job_id: i64) -> PathBuf {
     state.runs_dir().join(job_id.to_string())
 }
 
-async fn run_job(state: &AppState, job: JobRow, work: &std::sync::mpsc::Sender<Work>) {
+/// What the job's thread reports back.
+enum RunEvent {
+    Planned { placement: String, line: String },
+    Started { total_steps: u64, line: String },
+    Step { step: u64, point: serde_json::Value },
+    Saved { name: String, step: u64 },
+    Log(String),
+}
+
+async fn run_job(state: &AppState, job: JobRow) {
     let id = job.id;
     let _ = store::publish_status(state, id).await;
-    let (options, offset, planned) = match prepare(state, &job).await {
-        Ok(Some(prepared)) => prepared,
-        Ok(None) => {
-            store::log(state, id, "no steps left: the job is complete").await;
-            let _ = store::finish(state, id, "completed", None).await;
-            return;
-        }
+    let engine_job = match store::job_of(state, &job).await {
+        Ok(j) => j,
         Err(message) => {
             store::log(state, id, &format!("cannot start: {message}")).await;
             let _ = store::finish(state, id, "failed", Some(&message)).await;
             return;
         }
     };
-    let from = match &options.model {
-        ModelSource::Dir(dir) if job.resume_from.is_some() => {
-            format!(
-                " from {} at step {offset}",
-                dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
-            )
-        }
-        _ => String::new(),
-    };
-    store::log(state, id, &format!("starting on {}{from} (CPU backend)", job.device)).await;
-
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let (done_tx, done) = oneshot::channel();
     let forwarder = Forwarder {
         job_id: id,
-        offset,
-        total: job.total_steps.max(0) as u64,
         params: 0,
         device_bytes: None,
-        run_dir: run_dir(state, id),
         events: events_tx,
         cancels: state.queue().cancels.clone(),
+        reserved: state.queue().reserved.clone(),
     };
-    if work.send(Work { options, forwarder, done: done_tx }).is_err() {
-        let message = format!("the runner thread for {} has stopped", job.device);
+    let out = run_dir(state, id);
+    let spawned = std::thread::Builder::new().name(format!("sluice-job-{id}")).spawn(move || {
+        let mut forwarder = forwarder;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            train_job(engine_job, out, &mut forwarder)
+        }));
+        lock(&forwarder.reserved).remove(&forwarder.job_id);
+        // Dropping the observer closes the event channel: the task has seen every event
+        // before it reads the result.
+        drop(forwarder);
+        let result = match result {
+            Ok(r) => r,
+            Err(_) => Err("the trainer crashed; the server log has the details".to_string()),
+        };
+        let _ = done_tx.send(result);
+    });
+    if let Err(err) = spawned {
+        let message = format!("cannot start a training thread: {err}");
         let _ = store::finish(state, id, "failed", Some(&message)).await;
         return;
     }
+    let mut total = job.total_steps.max(0) as u64;
     while let Some(event) = events.recv().await {
+        if let RunEvent::Started { total_steps, .. } = &event {
+            total = *total_steps;
+        }
         if let Err(err) = record(state, id, event).await {
             error!("job {id}: cannot record an event: {err:?}");
         }
     }
-    let result = done.await.unwrap_or_else(|_| Err("the runner thread stopped".to_string()));
+    let result = done.await.unwrap_or_else(|_| Err("the training thread stopped".to_string()));
     let cancelled = state.queue().clear_cancel(id);
     let (status, error) = match &result {
-        Ok(summary) if cancelled && summary.steps < planned => ("cancelled", None),
+        Ok(summary) if cancelled && summary.steps < total => ("cancelled", None),
         Ok(_) => ("completed", None),
         Err(message) => ("failed", Some(message.as_str())),
     };
     let line = match &result {
         Ok(summary) => format!(
             "{status} after step {}: loss {:.4} -> {:.4}",
-            offset + summary.steps,
-            summary.first_loss,
-            summary.last_loss
+            summary.steps, summary.first_loss, summary.last_loss
         ),
         Err(message) => format!("failed: {message}"),
     };
@@ -255,105 +255,49 @@ async fn run_job(state: &AppState, job: JobRow, work: &std::sync::mpsc::Sender<W
     if let Err(err) = store::finish(state, id, status, error).await {
         error!("job {id}: cannot store the final status: {err:?}");
     }
-    let staging = run_dir(state, id).join(STAGING);
-    if let Err(err) = tokio::fs::remove_dir_all(&staging).await
-        && err.kind() != std::io::ErrorKind::NotFound
-    {
-        warn!("job {id}: cannot remove {}: {err}", staging.display());
-    }
 }
 
-/// The run options of a claimed job, its step offset and the steps this start should take;
-/// `None` when no step is left. `Err` carries a message for the user.
-async fn prepare(state: &AppState, job: &JobRow) -> Result<Option<(RunOptions, u64, u64)>, String> {
-    let config = job.config().map_err(|e| format!("{e:?}"))?;
-    let Some(dataset_id) = job.dataset_id else {
-        return Err("the dataset was deleted".into());
-    };
-    let file_name: Option<String> =
-        sqlx::query_scalar("SELECT file_name FROM datasets WHERE id = ?")
-            .bind(dataset_id)
-            .fetch_optional(state.pool())
-            .await
-            .map_err(|e| format!("database: {e}"))?;
-    let Some(file_name) = file_name else {
-        return Err("the dataset was deleted".into());
-    };
-    let dir = run_dir(state, job.id);
-    let model = match &job.resume_from {
-        Some(name) => {
-            let checkpoint = dir.join(name);
-            if !checkpoint.is_dir() {
-                return Err(format!("the checkpoint {name} to resume from is gone"));
-            }
-            ModelSource::Dir(checkpoint)
-        }
-        None => {
-            let state = state.clone();
-            let model_id = job.model.clone();
-            tokio::task::spawn_blocking(move || models::resolve(&state, &model_id))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| match e {
-                    ApiError::BadRequest(m) => m,
-                    other => format!("{other:?}"),
-                })?
-                .source
-        }
-    };
-    let offset = job.step.max(0) as u64;
-    let steps = if job.total_steps > 0 {
-        Some((job.total_steps as u64).saturating_sub(offset))
-    } else {
-        config.steps
-    };
-    if steps == Some(0) {
-        return Ok(None);
-    }
-    let out = dir.join(STAGING);
-    if out.exists() {
-        std::fs::remove_dir_all(&out)
-            .map_err(|e| format!("cannot clear {}: {e}", out.display()))?;
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let schedule: Schedule =
-        config.schedule.parse().map_err(|e: sluice_engine::Error| e.to_string())?;
-    let options = RunOptions {
-        model,
-        data: DatasetSource::File(state.datasets_dir().join(file_name)),
-        out,
-        seq_len: config.seq_len,
-        micro_batch: config.micro_batch,
-        grad_accum: config.grad_accum,
-        steps,
-        train: TrainConfig {
-            lr: config.lr,
-            schedule,
-            warmup_steps: config.warmup.saturating_sub(offset),
-            weight_decay: config.weight_decay,
-            max_grad_norm: (config.max_grad_norm > 0.0).then_some(config.max_grad_norm),
-            ..TrainConfig::default()
-        },
-        seed: config.seed,
-        train_on_prompt: config.train_on_prompt,
-        save_every: config.save_every,
-        save_dtype: SaveDtype::F32,
-        checkpoints: Tier::Device,
-        checkpoint_interval: 1,
-        resident: Vec::new(),
-        gradients: None,
-        // About ten evaluations over the job; the engine holds out the data for them.
-        eval_every: Some(steps.map_or(10, |s| (s / 10).max(1))),
-        eval_data: None,
-    };
-    // Unknown until the first start has packed the data; then `steps` is exact.
-    let planned = steps.unwrap_or(u64::MAX);
-    Ok(Some((options, offset, planned)))
+/// On the job's thread: plans `job` on this machine now, then runs that plan in `out`,
+/// continuing from the saved training state when there is one. `Err` is for the user.
+fn train_job(job: Job, out: PathBuf, forwarder: &mut Forwarder) -> Result<RunSummary, String> {
+    let text = |e: sluice_engine::Error| e.to_string();
+    let resume = TrainingState::saved_step(&out.join(STATE_DIR)).map_err(text)?;
+    let spec = train::model_spec(&job.model).map_err(text)?;
+    let mut memory = MachineMemory::detect(job.devices.gpu_query(), None, None).map_err(text)?;
+    memory.host_bytes =
+        Queue::budget(&forwarder.reserved, memory.host_bytes, Some(forwarder.job_id));
+    let plan = sluice_engine::plan::plan(&job.plan_input(&spec, memory))
+        .map_err(text)?
+        .into_plan()
+        .map_err(text)?;
+    lock(&forwarder.reserved).insert(forwarder.job_id, plan.budget.host_used());
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let options = RunOptions::planned(job, out, &plan).map_err(text)?;
+    let placement = options.placement.describe(plan.model.units);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let line = format!(
+        "plan on {}: {placement}; {:.2} GiB device, {:.2} GiB host; {:.2} s per step predicted",
+        options.job.devices,
+        gib(plan.budget.device.used),
+        gib(plan.budget.host_used()),
+        plan.time.total_s
+    );
+    forwarder.send(RunEvent::Planned { placement, line });
+    let devices = options.job.devices.clone();
+    train::run_on(&devices, &options, resume.is_some(), forwarder).map_err(text)
 }
 
 /// Stores one event and tells live viewers.
 async fn record(state: &AppState, id: i64, event: RunEvent) -> ApiResult<()> {
     match event {
+        RunEvent::Planned { placement, line } => {
+            sqlx::query("UPDATE jobs SET placement = ? WHERE id = ?")
+                .bind(&placement)
+                .bind(id)
+                .execute(state.pool())
+                .await?;
+            store::log(state, id, &line).await;
+        }
         RunEvent::Started { total_steps, line } => {
             sqlx::query("UPDATE jobs SET total_steps = ? WHERE id = ?")
                 .bind(total_steps as i64)
@@ -392,20 +336,16 @@ async fn record(state: &AppState, id: i64, event: RunEvent) -> ApiResult<()> {
     Ok(())
 }
 
-/// The observer handed to the engine: forwards events and answers cancel requests. It never
-/// blocks; the one file-system call (a rename within the run folder) is quick.
+/// The observer handed to the engine: forwards events and answers cancel requests; never
+/// blocks.
 struct Forwarder {
     job_id: i64,
-    /// Steps taken before this start.
-    offset: u64,
-    /// Total steps of the job (0 until known).
-    total: u64,
     params: usize,
     /// Device memory the schedule allocated (GPU jobs only).
     device_bytes: Option<u64>,
-    run_dir: PathBuf,
     events: mpsc::UnboundedSender<RunEvent>,
     cancels: Arc<Mutex<HashSet<i64>>>,
+    reserved: Arc<Mutex<HashMap<i64, u64>>>,
 }
 
 impl Forwarder {
@@ -413,55 +353,49 @@ impl Forwarder {
         // A closed channel means the dispatcher is gone (runtime shutting down); nothing to do.
         let _ = self.events.send(event);
     }
-
-    /// Moves a checkpoint the engine wrote under the staging folder to
-    /// `checkpoint-<global step>`, or `final` when it ends the job.
-    fn place(&self, path: &Path, step: u64) -> Result<String, String> {
-        let is_final = path.file_name().is_some_and(|n| n == "final");
-        let name = if is_final && self.total > 0 && step >= self.total {
-            "final".to_string()
-        } else {
-            format!("checkpoint-{step}")
-        };
-        let target = self.run_dir.join(&name);
-        if target.exists() {
-            // Left by an earlier start that got further before it stopped, or the same step
-            // saved twice (a cancel right after a periodic save): the new one wins.
-            std::fs::remove_dir_all(&target)
-                .map_err(|e| format!("cannot replace {}: {e}", target.display()))?;
-        }
-        std::fs::rename(path, &target)
-            .map_err(|e| format!("cannot move the checkpoint to {}: {e}", target.display()))?;
-        Ok(name)
-    }
 }
 
 impl Observer for Forwarder {
     fn event(&mut self, event: &Event) {
         match event {
-            Event::Started { params, backend, total_steps, data, device_bytes, .. } => {
+            Event::Started {
+                params,
+                backend,
+                total_steps,
+                data,
+                device_bytes,
+                host_store,
+                resumed_at,
+            } => {
+                // The training state is allocated: it is in MemAvailable from now on.
+                lock(&self.reserved).remove(&self.job_id);
                 self.params = *params;
                 self.device_bytes = (backend != "cpu").then_some(*device_bytes as u64);
-                self.total = self.offset + total_steps;
+                let from = if *resumed_at > 0 {
+                    format!("continuing exactly after step {resumed_at}; ")
+                } else {
+                    String::new()
+                };
                 let line = format!(
-                    "model: {:.2}M parameters on {backend}; data: {} records, {} rows, {} tokens ({} trained), {} truncated samples; steps {}..{}",
+                    "{from}model: {:.2}M parameters on {backend}; host store {:.2} GiB; data: {} records, {} rows, {} tokens ({} trained), {} truncated samples; steps {}..{}",
                     *params as f64 / 1e6,
+                    host_store.total() as f64 / (1u64 << 30) as f64,
                     data.records,
                     data.rows,
                     data.tokens,
                     data.trained_tokens,
                     data.truncated_samples,
-                    self.offset + 1,
-                    self.total,
+                    resumed_at + 1,
+                    total_steps,
                 );
-                self.send(RunEvent::Started { total_steps: self.total, line });
+                self.send(RunEvent::Started { total_steps: *total_steps, line });
             }
             Event::Step(m) => {
                 let seconds = m.elapsed.as_secs_f64().max(1e-9);
                 // 6 FLOPs per parameter per token (forward 2, backward 4), attention excluded.
                 let tflops = 6.0 * self.params as f64 * m.tokens as f64 / seconds / 1e12;
                 let point = json!({
-                    "step": self.offset + m.step,
+                    "step": m.step,
                     "loss": m.loss,
                     "lr": m.lr,
                     "grad_norm": m.grad_norm,
@@ -481,20 +415,20 @@ impl Observer for Forwarder {
                     "timeline": (!m.timeline.is_empty()).then_some(&m.timeline),
                     "t": now_f64(),
                 });
-                self.send(RunEvent::Step { step: self.offset + m.step, point });
+                self.send(RunEvent::Step { step: m.step, point });
             }
             Event::Notice(text) => self.send(RunEvent::Log(text.clone())),
             Event::Saved { path, step } => {
-                let step = self.offset + step;
-                match self.place(path, step) {
-                    Ok(name) => self.send(RunEvent::Saved { name, step }),
-                    Err(message) => self.send(RunEvent::Log(message)),
-                }
+                let name = path.file_name().map_or_else(
+                    || path.display().to_string(),
+                    |n| n.to_string_lossy().into_owned(),
+                );
+                self.send(RunEvent::Saved { name, step: *step });
             }
         }
     }
 
     fn keep_going(&mut self) -> bool {
-        !self.cancels.lock().unwrap_or_else(PoisonError::into_inner).contains(&self.job_id)
+        !lock(&self.cancels).contains(&self.job_id)
     }
 }

@@ -1,32 +1,16 @@
 //! Job rows: the queries the handlers and the runners share, and the JSON a job is shown as.
 
-use serde::{Deserialize, Serialize};
+use std::path::Path;
+
 use serde_json::{Value, json};
+use sluice_engine::data::DatasetSource;
+use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
 use sqlx::FromRow;
 
 use crate::AppState;
 use crate::auth::User;
 use crate::db::{now, now_f64};
 use crate::error::{ApiError, ApiResult};
-
-/// The hyperparameters of a job as accepted (stored as JSON in `jobs.config`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct JobConfig {
-    /// `None`: one pass over the data.
-    pub steps: Option<u64>,
-    pub seq_len: usize,
-    pub micro_batch: usize,
-    pub grad_accum: usize,
-    pub lr: f32,
-    pub schedule: String,
-    pub warmup: u64,
-    pub weight_decay: f32,
-    /// 0 turns clipping off.
-    pub max_grad_norm: f32,
-    pub save_every: Option<u64>,
-    pub seed: u64,
-    pub train_on_prompt: bool,
-}
 
 #[derive(Debug, Clone, FromRow)]
 pub struct JobRow {
@@ -46,13 +30,18 @@ pub struct JobRow {
     pub finished_at: Option<i64>,
     pub resume_from: Option<String>,
     pub created_at: i64,
+    pub eval_dataset_id: Option<i64>,
+    /// The placement the latest start ran with, one line.
+    pub placement: Option<String>,
 }
 
 pub const COLUMNS: &str = "id, owner_id, model, dataset_id, device, config, status, queue_seq, \
-    error, total_steps, step, start_step, started_at, finished_at, resume_from, created_at";
+    error, total_steps, step, start_step, started_at, finished_at, resume_from, created_at, \
+    eval_dataset_id, placement";
 
 impl JobRow {
-    pub fn config(&self) -> ApiResult<JobConfig> {
+    /// The engine's settings the job was accepted with.
+    pub fn settings(&self) -> ApiResult<JobSettings> {
         serde_json::from_str(&self.config)
             .map_err(|e| ApiError::internal(anyhow::anyhow!("job {} config: {e}", self.id)))
     }
@@ -130,7 +119,27 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
     } else {
         None
     };
-    let config: Value = serde_json::from_str(&job.config).unwrap_or(Value::Null);
+    let eval_dataset_name: Option<String> = match job.eval_dataset_id {
+        Some(id) => {
+            sqlx::query_scalar("SELECT name FROM datasets WHERE id = ?")
+                .bind(id)
+                .fetch_optional(state.pool())
+                .await?
+        }
+        None => None,
+    };
+    // Every setting, defaults filled in; through text so f32 values read as written (0.001,
+    // not 0.0010000000474974513).
+    let config: Value = job
+        .settings()
+        .ok()
+        .and_then(|s| serde_json::to_string(&s).ok())
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or(Value::Null);
+    let run_dir = super::runner::run_dir(state, job.id);
+    let disk_bytes = tokio::task::spawn_blocking(move || dir_bytes(&run_dir))
+        .await
+        .map_err(ApiError::internal)?;
     let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
     Ok(json!({
         "id": job.id,
@@ -147,11 +156,63 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
         "progress": progress,
         "eta_s": job.eta_s(),
         "resumable": job.is_resumable(),
+        "eval_dataset": job.eval_dataset_id,
+        "eval_dataset_name": eval_dataset_name,
         "config": config,
+        "placement": job.placement,
+        "command": job_of(state, job).await.ok().map(|j| crate::cli::train::command_line(&j)),
+        "disk_bytes": disk_bytes,
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
     }))
+}
+
+/// The engine's job a row describes, its files named by their paths in this data directory.
+/// `Err` says, for the user, why the job can no longer run (a deleted dataset or model).
+pub async fn job_of(state: &AppState, row: &JobRow) -> Result<Job, String> {
+    let settings = row.settings().map_err(|e| format!("{e:?}"))?;
+    let devices: Devices = row.device.parse().map_err(|e: sluice_engine::Error| e.to_string())?;
+    let model = if let Some(name) = row.model.strip_prefix("preset:") {
+        ModelSource::Preset(name.to_string())
+    } else if let Some(folder) = row.model.strip_prefix("local:")
+        && crate::paths::is_plain_name(folder)
+    {
+        ModelSource::Dir(state.models_dir().join(folder))
+    } else {
+        return Err(format!("unknown model {:?}", row.model));
+    };
+    let file = |id: Option<i64>| async move {
+        let Some(id) = id else { return Ok(None) };
+        let name: Option<String> =
+            sqlx::query_scalar("SELECT file_name FROM datasets WHERE id = ?")
+                .bind(id)
+                .fetch_optional(state.pool())
+                .await
+                .map_err(|e| format!("database: {e}"))?;
+        Ok::<_, String>(name.map(|n| DatasetSource::File(state.datasets_dir().join(n))))
+    };
+    let data = file(row.dataset_id).await?.ok_or("the dataset was deleted")?;
+    let eval_data = match row.eval_dataset_id {
+        Some(_) => {
+            Some(file(row.eval_dataset_id).await?.ok_or("the evaluation dataset was deleted")?)
+        }
+        None => None,
+    };
+    Ok(Job { model, data, eval_data, devices, settings })
+}
+
+/// Bytes of the files under `dir` (0 when it does not exist): what a run takes on disk.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&entry.path()),
+            Ok(t) if t.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Appends a line to the job's log and sends it to live viewers.
@@ -175,15 +236,13 @@ pub async fn finish(
     status: &str,
     error: Option<&str>,
 ) -> ApiResult<()> {
-    sqlx::query(
-        "UPDATE jobs SET status = ?, error = ?, finished_at = ?, resume_from = NULL WHERE id = ?",
-    )
-    .bind(status)
-    .bind(error)
-    .bind(now())
-    .bind(job_id)
-    .execute(state.pool())
-    .await?;
+    sqlx::query("UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?")
+        .bind(status)
+        .bind(error)
+        .bind(now())
+        .bind(job_id)
+        .execute(state.pool())
+        .await?;
     publish_status(state, job_id).await
 }
 

@@ -100,7 +100,8 @@ async fn a_job_runs_to_completion_with_metrics_and_checkpoints() -> anyhow::Resu
     let log = admin.get(&format!("/api/jobs/{id}/log")).await?.text();
     for needle in [
         "queued by admin",
-        "starting on cpu",
+        "plan on cpu:",
+        "on cpu; host store",
         "saved checkpoint checkpoint-2 (step 2)",
         "completed after step 3",
     ] {
@@ -243,7 +244,7 @@ async fn cancel_queue_order_and_resume() -> anyhow::Result<()> {
         .await?;
     assert_eq!(again["total_steps"], 100_000);
     let log = admin.get(&format!("/api/jobs/{long}/log")).await?.text();
-    assert!(log.contains(&format!("from checkpoint-{at} at step {at}")), "{log}");
+    assert!(log.contains(&format!("continuing exactly after step {at}")), "{log}");
     let metrics = admin.get(&format!("/api/jobs/{long}/metrics")).await?.json()?;
     let steps: Vec<i64> = metrics
         .as_array()
@@ -295,6 +296,105 @@ async fn a_restart_marks_running_jobs_interrupted_and_they_resume() -> anyhow::R
     let done = client.wait_job(id, 300, |j| j["status"] == "completed").await?;
     assert_eq!(done["step"], 2, "no checkpoint: it started over, {done}");
     let log = client.get(&format!("/api/jobs/{id}/log")).await?.text();
-    assert!(log.contains("from the start (no checkpoint)"), "{log}");
+    assert!(log.contains("from the start (nothing was saved)"), "{log}");
+    Ok(())
+}
+
+/// Each setting the engine refuses is refused by `POST /api/jobs` and `POST /api/plan` with
+/// the engine's own message, whatever the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_refuses_what_the_engine_refuses_with_its_message() -> anyhow::Result<()> {
+    use sluice_engine::train::{Devices, Job, JobSettings, Limits, ModelSource};
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let limits = app.state.config().limits.engine();
+    assert_eq!(limits, Limits::ENGINE.at_most(1_000_000, 131_072));
+    let cases = [
+        json!({"seq_len": 0}),
+        json!({"seq_len": 1u64 << 40}),
+        json!({"micro_batch": 0}),
+        json!({"micro_batch": 1u64 << 56}),
+        json!({"grad_accum": 1_000_000_000}),
+        json!({"seq_len": 131_072, "micro_batch": 4096}),
+        json!({"steps": 0}),
+        json!({"steps": 2_000_000}),
+        json!({"save_every": 0}),
+        json!({"eval_every": 0}),
+        json!({"warmup": 2_000_000}),
+        json!({"lr": 0.0}),
+        json!({"lr": 5.0}),
+        json!({"weight_decay": -0.5}),
+        json!({"max_grad_norm": -1.0}),
+        json!({"held_out": 0.0}),
+        json!({"held_out": 0.75}),
+    ];
+    for settings in cases {
+        let parsed: JobSettings = serde_json::from_value(settings.clone())?;
+        let job = Job {
+            model: ModelSource::Preset("tiny".into()),
+            data: sluice_engine::data::DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices: Devices::Cpu,
+            settings: parsed,
+        };
+        let engine = job.validate(&limits).expect_err(&settings.to_string()).to_string();
+        let mut body = settings.clone();
+        body["model"] = json!("preset:tiny");
+        body["dataset"] = json!(demo);
+        body["gpu"] = json!("cpu");
+        for route in ["/api/jobs", "/api/plan"] {
+            let reply = admin.post(route, body.clone()).await?;
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{route} {body}: {}", reply.text());
+            assert_eq!(reply.error(), engine, "{route} {body}");
+        }
+    }
+    // Values of the wrong type name their field.
+    for (field, value) in
+        [("seq_len", json!("long")), ("save_dtype", json!("f16")), ("seed", json!(-1))]
+    {
+        let body = json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", field: value});
+        let reply = admin.post("/api/jobs", body.clone()).await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(reply.error().contains(&format!("{field}: ")), "{body}: {}", reply.text());
+    }
+    assert_eq!(admin.get("/api/jobs").await?.json()?, json!([]), "nothing was queued");
+    Ok(())
+}
+
+/// A plan answers with the placement the job will run and the same job's command line; a job
+/// records the placement it ran and what its run takes on disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plans_and_jobs_show_placement_command_and_disk() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let mut body = tiny_job(demo, 2);
+    body["save_dtype"] = json!("f32");
+    body["eval_every"] = json!(1);
+    body["held_out"] = json!(0.25);
+    let plan = admin.post("/api/plan", body.clone()).await?;
+    assert_eq!(plan.status, StatusCode::OK, "{}", plan.text());
+    let plan = plan.json()?;
+    assert_eq!(plan["fits"], true, "{plan}");
+    let placement = plan["placement"].as_str().unwrap_or_default().to_string();
+    assert!(placement.contains("units resident"), "{plan}");
+    let command = plan["command"].as_str().unwrap_or_default();
+    assert!(command.starts_with("sluice train --preset tiny --data "), "{plan}");
+    for flag in ["--save-dtype f32", "--eval-every 1", "--held-out 0.25", "--steps 2", "--lr 1e-3"]
+    {
+        assert!(command.contains(flag), "{flag}: {command}");
+    }
+    assert_eq!(plan["tiers"][0]["name"], "host", "one tier on the CPU: {plan}");
+
+    let id = admin.submit(body).await?;
+    let done = admin.wait_job(id, 300, |j| j["status"] == "completed").await?;
+    assert_eq!(done["placement"], json!(placement), "{done}");
+    assert_eq!(done["config"]["save_dtype"], "f32", "{done}");
+    assert_eq!(done["config"]["held_out"], 0.25, "{done}");
+    assert!(done["disk_bytes"].as_u64().is_some_and(|b| b > 10_000), "{done}");
+    assert_eq!(done["command"], plan["command"], "{done}");
+    let metrics = admin.get(&format!("/api/jobs/{id}/metrics")).await?.json()?;
+    assert!(metrics[1]["eval_loss"].as_f64().is_some_and(f64::is_finite), "{metrics}");
     Ok(())
 }

@@ -53,10 +53,13 @@ export function showError(container, err) {
   container.hidden = false;
 }
 
-/** `digits` forces the decimals (chart axes need more when ticks are close together). */
+/**
+ * Binary units, labelled as such: 1 GiB is 2^30 bytes (the planner and the server's messages
+ * count the same way). `digits` forces the decimals (chart axes need more when ticks are close).
+ */
 export function fmtBytes(bytes, digits = null) {
   if (typeof bytes !== 'number' || !Number.isFinite(bytes)) return '—';
-  const units = ['B', 'KB', 'MB', 'GB', 'TB', 'PB'];
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
   let value = bytes;
   let unit = 0;
   while (Math.abs(value) >= 1024 && unit < units.length - 1) {
@@ -157,4 +160,32 @@ export function debounce(fn, ms) {
     clearTimeout(timer);
     timer = setTimeout(() => fn(...args), ms);
   };
+}
+
+/**
+ * Puts text on the clipboard. The Clipboard API needs a secure context (https or localhost), and
+ * an appliance is often reached over plain http on the local network: there the text is copied
+ * through a selection instead. Resolves to whether it worked.
+ */
+export async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) {
+    try {
+      await navigator.clipboard.writeText(text);
+      return true;
+    } catch {
+      // Denied (no user gesture, or a policy): try the selection below.
+    }
+  }
+  const area = el('textarea', { readonly: true, 'aria-hidden': 'true', class: 'offscreen' });
+  area.value = text;
+  document.body.append(area);
+  area.select();
+  let ok = false;
+  try {
+    ok = document.execCommand('copy');
+  } catch {
+    ok = false;
+  }
+  area.remove();
+  return ok;
 }

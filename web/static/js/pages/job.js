@@ -1,11 +1,12 @@
-// One job: status, progress and ETA; live charts fed by server-sent events on top of the stored
-// history (so a reload loses nothing); the log; checkpoints to download or try; cancel and
-// resume.
+// One job: status, progress and ETA; its settings, placement, disk use and equivalent command;
+// live charts fed by server-sent events on top of the stored history (so a reload loses
+// nothing); the log; checkpoints to download or try; cancel and resume (which continues from the
+// saved training state exactly).
 import { ApiError, get, post, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
-import { $, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
-import { canResume, jobProgress, modelLabel, placeInLine, queuePosition } from './job_fields.js';
+import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
+import { canResume, deviceLabel, jobProgress, modelLabel, placeInLine, queuePosition, settingsList } from './job_fields.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -70,7 +71,7 @@ function renderJob() {
   document.title = `Job ${id} · Sluice`;
   $('#title').textContent = `Job #${id}`;
   fill($('#status'), statusBadge(job.status));
-  $('#subtitle').textContent = [modelLabel(job.model), job.dataset_name, job.gpu, me.role === 'admin' && job.owner ? `owner ${job.owner}` : null, `created ${fmtDate(job.created_at)}`]
+  $('#subtitle').textContent = [modelLabel(job.model), job.dataset_name, deviceLabel(job.gpu), me.role === 'admin' && job.owner ? `owner ${job.owner}` : null, `created ${fmtDate(job.created_at)}`]
     .filter(Boolean).join(' · ');
   $('#cancel').hidden = !(job.status === 'queued' || job.status === 'running');
   $('#resume').hidden = !canResume(job);
@@ -81,7 +82,42 @@ function renderJob() {
   } else {
     failure.hidden = true;
   }
+  renderSettings();
   renderSummary();
+}
+
+// Rebuilt only when it changes, so a selection in it survives the periodic refresh.
+let shownSettings = null;
+
+/** The settings the job runs with, the placement that ran, what it evaluates on, its command. */
+function renderSettings() {
+  const config = job.config && typeof job.config === 'object' ? job.config : {};
+  const placement = typeof job.placement === 'string' ? job.placement : '';
+  $('#job-placement-text').textContent = placement;
+  $('#job-placement').hidden = !placement;
+
+  let evaluation = '';
+  if (job.eval_dataset !== null && job.eval_dataset !== undefined) {
+    evaluation = job.eval_dataset_name || `dataset ${job.eval_dataset}`;
+  } else if (typeof config.eval_every === 'number' && typeof config.held_out === 'number') {
+    evaluation = `${Number((config.held_out * 100).toPrecision(3))}% of ${job.dataset_name || 'the training data'}, held out`;
+  }
+  $('#job-eval-text').textContent = evaluation;
+  $('#job-eval').hidden = !evaluation;
+
+  // The held-out share matters only to a job that evaluates without a dataset of its own.
+  const heldOut = typeof config.eval_every === 'number' && (job.eval_dataset === null || job.eval_dataset === undefined);
+  const rows = settingsList(config).filter((row) => row.key !== 'held_out' || heldOut);
+  const key = JSON.stringify(rows);
+  if (key !== shownSettings) {
+    shownSettings = key;
+    fill($('#settings'), rows.map((row) => el('div', { dataset: { setting: row.key } },
+      el('dt', { title: row.key }, row.label), el('dd', {}, row.value))));
+  }
+
+  const command = typeof job.command === 'string' ? job.command : '';
+  if ($('#job-command').textContent !== command) $('#job-command').textContent = command;
+  $('#job-command-box').hidden = !command;
 }
 
 function renderSummary() {
@@ -105,6 +141,7 @@ function renderSummary() {
     fact('Loss', lossPoint ? fmtNum(lossPoint.loss) : '—', 'loss'),
     fact('Eval loss', evalPoint ? fmtNum(evalPoint.eval_loss) : '—', 'eval_loss'),
     fact('Speed', speed, 'speed'),
+    fact('Disk used', fmtBytes(job.disk_bytes), 'disk'),
     fact('Points', fmtInt(sorted.length), 'points'));
 }
 
@@ -278,13 +315,20 @@ async function connect() {
 }
 
 $('#cancel').addEventListener('click', async () => {
-  if (!confirm('Cancel this job? A running job saves a checkpoint first, so it can be resumed later.')) return;
+  if (!confirm('Cancel this job? A running job first saves its training state, so Resume can continue exactly where it stopped.')) return;
   try {
     await post(`/api/jobs/${id}/cancel`);
     await refreshJob();
   } catch (err) {
     showError(error, err);
   }
+});
+
+$('#copy-job-command').addEventListener('click', async () => {
+  const copied = await copyText($('#job-command').textContent);
+  const note = $('#copy-job-note');
+  note.textContent = copied ? 'Copied.' : 'Could not copy: select the text and copy it by hand.';
+  setTimeout(() => { note.textContent = ''; }, 2500);
 });
 
 $('#resume').addEventListener('click', async () => {

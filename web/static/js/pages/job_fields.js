@@ -34,6 +34,70 @@ export function canResume(job) {
   return job.status === 'interrupted' || job.status === 'cancelled';
 }
 
+/**
+ * A device as the API names it: "cpu", "cuda:0", or several GPUs of the host for data
+ * parallelism, "cuda:0,1". `cuda:0,1` -> "2 GPUs (cuda:0,1)".
+ */
+export function deviceLabel(id) {
+  if (typeof id !== 'string' || !id) return '—';
+  const gpus = gpuIndices(id);
+  return gpus.length > 1 ? `${gpus.length} GPUs (${id})` : id;
+}
+
+/** `cuda:0,1` -> [0, 1]; `cuda:3` -> [3]; `cpu` -> []. */
+export function gpuIndices(id) {
+  const match = /^cuda:(\d+(?:,\d+)*)$/.exec(id || '');
+  return match ? match[1].split(',').map(Number) : [];
+}
+
+// The settings of a job (`config` in the API), in the order the new-job form asks for them,
+// with what the engine does when one is left empty; units as [one, many].
+const STEPS = ['step', 'steps'];
+const SETTINGS = [
+  { key: 'steps', label: 'Steps', none: 'one pass over the data', format: 'int' },
+  { key: 'seq_len', label: 'Sequence length', format: 'int', unit: ['token', 'tokens'] },
+  { key: 'micro_batch', label: 'Micro-batch', format: 'int', unit: ['row', 'rows'] },
+  { key: 'grad_accum', label: 'Accumulation', format: 'int', unit: ['micro-batch', 'micro-batches'] },
+  { key: 'lr', label: 'Learning rate', none: 'the default for the model' },
+  { key: 'schedule', label: 'Schedule' },
+  { key: 'warmup', label: 'Warmup', format: 'int', unit: STEPS },
+  { key: 'weight_decay', label: 'Weight decay' },
+  { key: 'max_grad_norm', label: 'Clip grad norm', zero: 'off' },
+  { key: 'seed', label: 'Seed', format: 'plain' },
+  { key: 'train_on_prompt', label: 'Train on prompts' },
+  { key: 'save_every', label: 'Save every', none: 'only at the end', format: 'int', unit: STEPS },
+  { key: 'save_dtype', label: 'Checkpoint precision' },
+  { key: 'eval_every', label: 'Evaluate every', none: 'never', format: 'int', unit: STEPS },
+  { key: 'held_out', label: 'Held-out share', format: 'share' },
+];
+
+/**
+ * `[{key, label, value}]` for a job's `config`: the known settings first, in the form's order,
+ * then any others the server sends, by name. Values are text.
+ */
+export function settingsList(config) {
+  if (!config || typeof config !== 'object') return [];
+  const known = new Set(SETTINGS.map((s) => s.key));
+  const extra = Object.keys(config).filter((k) => !known.has(k)).sort().map((key) => ({ key, label: key }));
+  return [...SETTINGS.filter((s) => s.key in config), ...extra]
+    .map((s) => ({ key: s.key, label: s.label, value: settingText(s, config[s.key]) }));
+}
+
+function settingText(setting, value) {
+  if (value === null || value === undefined) return setting.none || '—';
+  if (typeof value === 'boolean') return value ? 'yes' : 'no';
+  if (typeof value === 'number') {
+    if (value === 0 && setting.zero) return setting.zero;
+    if (setting.format === 'share') return `${Number(value.toPrecision(6))} (${Number((value * 100).toPrecision(3))}%)`;
+    // Rates arrive as f32 widened to f64 (1e-3 as 0.0010000000474974513): 6 digits say it all.
+    const text = setting.format === 'int' ? value.toLocaleString('en-US')
+      : Number.isInteger(value) || setting.format === 'plain' ? String(value) : String(Number(value.toPrecision(6)));
+    return setting.unit ? `${text} ${setting.unit[value === 1 ? 0 : 1]}` : text;
+  }
+  if (typeof value === 'object') return JSON.stringify(value);
+  return String(value);
+}
+
 function num(value) {
   return typeof value === 'number' && Number.isFinite(value) ? value : undefined;
 }

@@ -1,34 +1,56 @@
 // New job: model, dataset, device, settings with presets, and the planner's verdict fetched live
-// as the settings change. Submitting is refused (with the reason) when the plan does not fit.
+// as anything changes. The plan is asked with exactly the body the job would be submitted with,
+// so its verdict, placement and equivalent command are those of this job. Submitting is refused
+// (with the reason) when the plan does not fit.
 import { get, post, requireUser } from '../api.js';
-import { $, bar, debounce, el, fill, fmtBytes, fmtCount, fmtDuration, fmtInt, showError } from '../ui.js';
+import { $, bar, copyText, debounce, el, fill, fmtBytes, fmtCount, fmtDuration, fmtInt, showError } from '../ui.js';
+import { gpuIndices } from './job_fields.js';
 
 await requireUser();
 
 // Settings a newcomer can start from. `lr` depends on the model: random-init presets learn
 // fast with a large rate; pretrained weights need a small one not to forget what they know.
+// An empty string leaves the field empty, so the engine's default applies.
 const PRESETS = {
   demo: {
     hint: 'A short run to see training work: about a minute for the tiny preset, even on the processor.',
-    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, save_every: 10, seed: 0 },
+    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, save_every: 10, seed: 0, eval_every: '', save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
   finetune: {
-    hint: 'A real fine-tune: longer sequences, 8 micro-batches per step, a checkpoint every 100 steps.',
-    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, save_every: 100, seed: 0 },
+    hint: 'A real fine-tune: longer sequences, 8 micro-batches per step, a checkpoint and an evaluation every 100 steps.',
+    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
 };
-const FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'schedule', 'warmup', 'weight_decay', 'max_grad_norm', 'save_every', 'seed'];
-const TIER_LABELS = { host: 'Host memory (RAM)', gpu: 'GPU memory' };
+// Changing one of these makes the settings "Custom"; the others (which data to evaluate on,
+// whether prompts are trained) belong to the data, not to a preset.
+const PRESET_FIELDS = new Set([...Object.keys(PRESETS.demo.values), 'lr']);
+// Sent as numbers, and left out when empty so that the engine's default applies.
+const NUMBER_FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'eval_every', 'held_out', 'save_every', 'warmup', 'max_grad_norm', 'weight_decay', 'seed'];
+const CHOICE_FIELDS = ['schedule', 'save_dtype'];
+const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', 'train_on_prompt'];
+// What an empty field means, for the figures the page works out itself.
+const DEFAULTS = { seq_len: 256, micro_batch: 4, grad_accum: 1 };
+const TIER_LABELS = {
+  device: 'GPU memory',
+  gpu: 'GPU memory',
+  'pinned host': 'Pinned host memory',
+  'pageable host': 'Host memory (RAM)',
+  host: 'Host memory (RAM)',
+};
+const BOTTLENECKS = { pcie: 'PCIe copies', gpu_compute: 'GPU compute', cpu_adam: 'CPU optimizer', compute: 'compute' };
 const PART_COLORS = ['#4c8be0', '#36a87a', '#d08a2e', '#9a6bd1', '#d05a7a', '#3fb0c0', '#8a8f3a', '#7a7f8c'];
 
 let models = [];
+let datasets = [];
 let preset = 'demo';
 let plan = null;
 let planError = null;
+let commandOpen = false;
 
 const params = new URLSearchParams(location.search);
+const card = $('#plan-card');
 
 function selectedModel() {
   return models.find((m) => m.id === $('#model').value);
@@ -39,41 +61,89 @@ function selectedGpu() {
   return checked ? checked.value : null;
 }
 
-function applyPreset(name) {
+function setPreset(name) {
   preset = name;
   for (const button of document.querySelectorAll('#presets button')) {
     button.setAttribute('aria-pressed', String(button.dataset.preset === name));
   }
   const p = PRESETS[name];
   $('#preset-hint').textContent = p ? p.hint : 'Your own settings.';
+}
+
+function applyPreset(name) {
+  setPreset(name);
+  const p = PRESETS[name];
   if (!p) return;
-  for (const [key, value] of Object.entries(p.values)) $(`#${key}`).value = value;
+  for (const [key, value] of Object.entries(p.values)) $(`#${key}`).value = String(value);
   const model = selectedModel();
   $('#lr').value = p.lr[model && model.kind === 'local' ? 'local' : 'preset'];
 }
 
-function readForm() {
-  const number = (id) => {
-    const raw = $(`#${id}`).value.trim();
-    return raw === '' ? null : Number(raw);
-  };
-  return {
-    model: $('#model').value,
-    dataset: Number($('#dataset').value),
-    gpu: selectedGpu(),
-    steps: number('steps'),
-    seq_len: number('seq_len'),
-    micro_batch: number('micro_batch'),
-    grad_accum: number('grad_accum'),
-    lr: number('lr'),
-    schedule: $('#schedule').value,
-    warmup: number('warmup') ?? 0,
-    weight_decay: number('weight_decay') ?? 0,
-    max_grad_norm: number('max_grad_norm') ?? 0,
-    // 0 or empty: save only at the end (the API's "none").
-    save_every: number('save_every') || null,
-    seed: number('seed') ?? 0,
-  };
+function describeModel() {
+  const m = selectedModel();
+  $('#model-hint').textContent = m ? [m.family, m.kind === 'preset' ? 'preset, starts from random weights' : 'local folder'].filter(Boolean).join(' · ') : '';
+  const random = !m || m.kind === 'preset';
+  $('#lr-hint').textContent = `how far each step moves the model; empty: ${random ? '1e-3 (random weights learn fast)' : '2e-5 (keeps what the model knows)'}`;
+  $('#lr').placeholder = random ? '1e-3' : '2e-5';
+}
+
+/** The held-out share applies only when no evaluation dataset is chosen. */
+function syncEvalFields() {
+  const training = $('#dataset').value;
+  const evalSelect = $('#eval_dataset');
+  for (const option of evalSelect.options) option.disabled = option.value !== '' && option.value === training;
+  if (evalSelect.value !== '' && evalSelect.value === training) evalSelect.value = '';
+  $('#held_out').disabled = evalSelect.value !== '';
+}
+
+/**
+ * The body of `POST /api/plan` and `POST /api/jobs` alike: numbers as numbers, empty fields
+ * left out. Disabled fields (the held-out share beside an evaluation dataset) are not sent.
+ */
+function jobBody() {
+  const body = { model: $('#model').value, gpu: selectedGpu() };
+  if ($('#dataset').value) body.dataset = Number($('#dataset').value);
+  if ($('#eval_dataset').value) body.eval_dataset = Number($('#eval_dataset').value);
+  for (const id of NUMBER_FIELDS) {
+    const input = $(`#${id}`);
+    const raw = input.value.trim();
+    if (!input.disabled && raw !== '') body[id] = Number(raw);
+  }
+  for (const id of CHOICE_FIELDS) body[id] = $(`#${id}`).value;
+  body.train_on_prompt = $('#train_on_prompt').checked;
+  return body;
+}
+
+function fieldLabel(id) {
+  const label = document.querySelector(`label[for="${id}"]`);
+  return label ? label.textContent.trim() : id;
+}
+
+/** The browser's own check of the number fields (a letter typed, a value under `min`). */
+function invalidFields() {
+  return NUMBER_FIELDS.map((id) => $(`#${id}`)).filter((input) => !input.disabled && !input.validity.valid);
+}
+
+/** Marks the field a message is about: the server's messages start with the field's name. */
+function markInvalid(ids) {
+  for (const id of ALL_FIELDS) {
+    const input = $(`#${id}`);
+    if (ids.includes(id)) input.setAttribute('aria-invalid', 'true');
+    else input.removeAttribute('aria-invalid');
+  }
+  // A problem inside the folded section must not stay out of sight.
+  if (ids.some((id) => $('#advanced').contains($(`#${id}`)))) $('#advanced').open = true;
+}
+
+function fieldOf(message) {
+  const match = /^([a-z_]+)\b/.exec(message || '');
+  return match && ALL_FIELDS.includes(match[1]) ? [match[1]] : [];
+}
+
+/** A predicted duration: "≈ 1.2 s", "< 1 ms", or "—" when there is none. */
+function about(seconds) {
+  if (typeof seconds !== 'number' || !Number.isFinite(seconds)) return '—';
+  return seconds < 0.0005 ? '< 1 ms' : `≈ ${fmtDuration(seconds)}`;
 }
 
 function fact(label, value, key) {
@@ -101,30 +171,46 @@ function renderTier(tier) {
       el('i', { style: { background: PART_COLORS[i % PART_COLORS.length] } }), `${p.name} ${fmtBytes(p.bytes)}`))) : null);
 }
 
+function renderCommand() {
+  const command = plan && typeof plan.command === 'string' ? plan.command : '';
+  const button = $('#show-command');
+  button.disabled = !command;
+  button.setAttribute('aria-expanded', String(commandOpen && Boolean(command)));
+  button.textContent = commandOpen ? 'Hide the equivalent command' : 'Show the equivalent command';
+  $('#command').textContent = command;
+  $('#command-box').hidden = !(commandOpen && command);
+}
+
 function renderPlan() {
   const box = $('#plan');
   const verdict = $('#plan-verdict');
   const submit = $('#submit');
   const note = $('#submit-note');
+  renderCommand();
   if (planError) {
     fill(verdict);
-    fill(box, el('div', { class: 'alert error' }, planError.message));
+    fill(box, el('div', { class: 'alert error', id: 'plan-error' }, planError.message));
     submit.disabled = false;
     note.textContent = '';
     return;
   }
   if (!plan) return;
-  const form = readForm();
+  const body = jobBody();
   fill(verdict, el('span', { class: `badge ${plan.fits ? 'fits' : 'nofit'}`, id: 'plan-fits', dataset: { fits: String(plan.fits) } },
     plan.fits ? 'Fits' : 'Does not fit'));
-  const tokensPerStep = (form.seq_len || 0) * (form.micro_batch || 0) * (form.grad_accum || 0);
-  const total = typeof plan.step_time_s === 'number' && form.steps ? plan.step_time_s * form.steps : null;
+  const size = (key) => body[key] ?? DEFAULTS[key];
+  // grad_accum counts the micro-batches of a whole step, over every GPU of a data-parallel job.
+  const tokensPerStep = size('seq_len') * size('micro_batch') * size('grad_accum');
+  const total = typeof plan.step_time_s === 'number' && body.steps ? plan.step_time_s * body.steps : null;
   fill(box,
     plan.reason ? el('p', { class: plan.fits ? 'muted' : '', id: 'plan-reason' }, plan.reason) : null,
+    typeof plan.placement === 'string' && plan.placement
+      ? el('p', { class: 'placement', id: 'plan-placement' }, el('span', { class: 'k' }, 'Placement'), plan.placement)
+      : null,
     el('div', { class: 'facts' },
-      fact('Step time', fmtDuration(plan.step_time_s), 'step_time'),
-      fact('Whole run', total === null ? '—' : `≈ ${fmtDuration(total)}`, 'total_time'),
-      fact('Bottleneck', plan.bottleneck || '—', 'bottleneck'),
+      fact('Step time', about(plan.step_time_s), 'step_time'),
+      fact('Whole run', about(total), 'total_time'),
+      fact('Bottleneck', BOTTLENECKS[plan.bottleneck] || plan.bottleneck || '—', 'bottleneck'),
       fact('Tokens / step', fmtInt(tokensPerStep), 'tokens')),
     el('h3', { style: { marginTop: '1rem' } }, 'Memory'),
     (plan.tiers || []).map(renderTier));
@@ -132,47 +218,126 @@ function renderPlan() {
   note.textContent = plan.fits ? '' : `Cannot start: ${plan.reason || 'the job does not fit this device.'}`;
 }
 
+// `data-state` on the card says whether what it shows answers the form as it is now ("ready")
+// or a newer plan is on its way ("pending"); the browser test waits on it.
 let planSeq = 0;
 async function refreshPlan() {
-  const form = readForm();
-  if (!form.model || !form.gpu || !form.seq_len || !form.micro_batch || !form.grad_accum) return;
-  const seq = ++planSeq;
-  $('#plan-card').classList.add('loading');
+  const seq = planSeq;
+  const body = jobBody();
+  const invalid = invalidFields();
+  if (invalid.length) {
+    plan = null;
+    planError = new Error(invalid.map((input) => `${fieldLabel(input.id)}: ${input.validationMessage}`).join(' '));
+    markInvalid(invalid.map((input) => input.id));
+    card.classList.remove('loading');
+    renderPlan();
+    card.dataset.state = 'ready';
+    return;
+  }
+  if (!body.model || !body.gpu) return;
+  card.classList.add('loading');
   try {
-    const result = await post('/api/plan', {
-      model: form.model, gpu: form.gpu, seq_len: form.seq_len, micro_batch: form.micro_batch, grad_accum: form.grad_accum,
-    });
+    const result = await post('/api/plan', body);
     if (seq !== planSeq) return;
     plan = result;
     planError = null;
+    markInvalid([]);
   } catch (err) {
     if (seq !== planSeq) return;
     plan = null;
     planError = err;
+    markInvalid(err.status === 400 ? fieldOf(err.message) : []);
   }
-  $('#plan-card').classList.remove('loading');
+  card.classList.remove('loading');
   renderPlan();
+  card.dataset.state = 'ready';
 }
 const refreshPlanSoon = debounce(refreshPlan, 250);
 
+/** Something the plan depends on changed: what the card shows is stale until the next answer. */
+function planChanged() {
+  planSeq += 1;
+  card.dataset.state = 'pending';
+  refreshPlanSoon();
+}
+
+/** With several GPUs, a step's micro-batches are shared out among them. */
+function describeDevice() {
+  const gpus = gpuIndices(selectedGpu()).length;
+  $('#grad_accum-hint').textContent = gpus > 1
+    ? `micro-batches added up per step, shared among the ${gpus} GPUs (at least one each)`
+    : 'micro-batches added up per step';
+}
+
+function deviceCard({ id, name, meta, free, total, used, note }) {
+  const hasMemory = typeof total === 'number' && total > 0;
+  return el('label', { class: 'gpu', dataset: { gpu: id } },
+    el('div', { class: 'name' }, el('input', { type: 'radio', name: 'gpu', value: id, onchange: () => { describeDevice(); planChanged(); } }), name),
+    el('div', { class: 'meta' }, meta),
+    hasMemory ? bar(used / total) : null,
+    el('div', { class: 'small muted mem' }, hasMemory ? free : ''),
+    note ? el('div', { class: 'small muted' }, note) : null);
+}
+
+/**
+ * One card per device, then, with two GPUs or more, the sets a data-parallel job can run on:
+ * the first k GPUs for every k from 2 to all of them.
+ */
 function renderGpus(gpus) {
+  const cards = gpus.map((gpu) => deviceCard({
+    id: gpu.id,
+    name: gpu.name || gpu.id,
+    meta: [gpu.id, gpu.pcie ? `PCIe ${gpu.pcie}` : null].filter(Boolean).join(' · '),
+    total: gpu.memory_total,
+    used: gpu.memory_used,
+    free: `${fmtBytes(gpu.memory_total - gpu.memory_used)} free of ${fmtBytes(gpu.memory_total)}${gpu.id === 'cpu' ? ' RAM' : ''}`,
+    note: gpu.id === 'cpu' ? 'slow; fine for the tiny preset' : null,
+  }));
+  const singles = gpus.filter((g) => gpuIndices(g.id).length === 1)
+    .sort((a, b) => gpuIndices(a.id)[0] - gpuIndices(b.id)[0]);
+  for (let k = 2; k <= singles.length; k += 1) {
+    const set = singles.slice(0, k);
+    const id = `cuda:${set.map((g) => gpuIndices(g.id)[0]).join(',')}`;
+    const withMemory = set.filter((g) => typeof g.memory_total === 'number' && g.memory_total > 0);
+    const tightest = withMemory.length === set.length
+      ? withMemory.reduce((a, b) => (b.memory_total - b.memory_used < a.memory_total - a.memory_used ? b : a))
+      : null;
+    const names = [...new Set(set.map((g) => g.name).filter(Boolean))];
+    cards.push(deviceCard({
+      id,
+      name: `${k === singles.length ? 'All ' : ''}${k} GPUs (${id}) — data parallel`,
+      meta: names.length === 1 ? `${k} × ${names[0]}` : names.join(' + '),
+      total: tightest ? tightest.memory_total : null,
+      used: tightest ? tightest.memory_used : null,
+      free: tightest ? `${fmtBytes(tightest.memory_total - tightest.memory_used)} free on the fullest` : '',
+      note: 'each GPU trains on its share of every step',
+    }));
+  }
+  fill($('#gpus'), cards);
+  const ids = cards.map((c) => c.dataset.gpu);
   const wanted = params.get('gpu');
   const firstGpu = gpus.find((g) => g.id !== 'cpu');
-  const initial = gpus.some((g) => g.id === wanted) ? wanted : (firstGpu || gpus[0] || {}).id;
-  fill($('#gpus'), gpus.map((gpu) => {
-    const hasMemory = typeof gpu.memory_total === 'number' && gpu.memory_total > 0;
-    return el('label', { class: 'gpu', dataset: { gpu: gpu.id } },
-      el('div', { class: 'name' }, el('input', { type: 'radio', name: 'gpu', value: gpu.id, checked: gpu.id === initial, onchange: refreshPlanSoon }), gpu.name || gpu.id),
-      el('div', { class: 'meta' }, [gpu.id, gpu.pcie ? `PCIe ${gpu.pcie}` : null].filter(Boolean).join(' · ')),
-      hasMemory ? bar(gpu.memory_used / gpu.memory_total) : null,
-      el('div', { class: 'small muted', style: { marginTop: '0.3rem' } },
-        hasMemory ? `${fmtBytes(gpu.memory_total - gpu.memory_used)} free of ${fmtBytes(gpu.memory_total)}${gpu.id === 'cpu' ? ' RAM' : ''}` : ''),
-      gpu.id === 'cpu' ? el('div', { class: 'small muted' }, 'slow; fine for the tiny preset') : null);
-  }));
+  const initial = ids.includes(wanted) ? wanted : (firstGpu || gpus[0] || {}).id;
+  const radio = document.querySelector(`input[name="gpu"][value="${CSS.escape(initial || '')}"]`);
+  if (radio) radio.checked = true;
+  describeDevice();
+}
+
+function renderDatasets() {
+  const sorted = [...datasets].sort((a, b) => b.id - a.id);
+  fill($('#dataset'), sorted.map((d) => el('option', { value: d.id }, `${d.name} · ${fmtInt(d.records)} examples`)));
+  if (sorted.some((d) => String(d.id) === params.get('dataset'))) $('#dataset').value = params.get('dataset');
+  if (!datasets.length) {
+    fill($('#dataset-hint'), 'No datasets yet: ', el('a', { href: '/datasets' }, 'upload one'), ' first.');
+    $('#dataset').disabled = true;
+  }
+  fill($('#eval_dataset'),
+    el('option', { value: '' }, 'None: set aside part of the training data'),
+    sorted.map((d) => el('option', { value: d.id }, `${d.name} · ${fmtInt(d.records)} examples`)));
+  syncEvalFields();
 }
 
 async function main() {
-  let datasets;
   let gpus;
   try {
     [models, datasets, gpus] = await Promise.all([get('/api/models'), get('/api/datasets'), get('/api/gpus')]);
@@ -183,51 +348,54 @@ async function main() {
 
   fill($('#model'), models.map((m) => el('option', { value: m.id }, `${m.name || m.id} · ${fmtCount(m.params)} params${m.kind === 'preset' ? ' · random weights' : ''}`)));
   if (models.some((m) => m.id === params.get('model'))) $('#model').value = params.get('model');
-  const describeModel = () => {
-    const m = selectedModel();
-    $('#model-hint').textContent = m ? [m.family, m.kind === 'preset' ? 'preset, starts from random weights' : 'local folder'].filter(Boolean).join(' · ') : '';
-  };
   describeModel();
-
-  const sortedDatasets = [...datasets].sort((a, b) => b.id - a.id);
-  fill($('#dataset'), sortedDatasets.map((d) => el('option', { value: d.id }, `${d.name} · ${fmtInt(d.records)} examples`)));
-  if (sortedDatasets.some((d) => String(d.id) === params.get('dataset'))) $('#dataset').value = params.get('dataset');
-  if (!datasets.length) {
-    fill($('#dataset-hint'), 'No datasets yet: ', el('a', { href: '/datasets' }, 'upload one'), ' first.');
-    $('#dataset').disabled = true;
-  }
-
+  renderDatasets();
   renderGpus(gpus);
   applyPreset('demo');
 
   $('#model').addEventListener('change', () => {
     describeModel();
     if (preset !== 'custom') applyPreset(preset);
-    refreshPlanSoon();
+    planChanged();
+  });
+  $('#dataset').addEventListener('change', () => {
+    syncEvalFields();
+    planChanged();
   });
   for (const button of document.querySelectorAll('#presets button[data-preset]')) {
     if (button.dataset.preset === 'custom') continue;
     button.addEventListener('click', () => {
       applyPreset(button.dataset.preset);
-      refreshPlanSoon();
+      planChanged();
     });
   }
-  for (const id of FIELDS) {
-    $(`#${id}`).addEventListener('input', () => {
-      if (preset !== 'custom') {
-        preset = 'custom';
-        for (const b of document.querySelectorAll('#presets button')) b.setAttribute('aria-pressed', String(b.dataset.preset === 'custom'));
-        $('#preset-hint').textContent = 'Your own settings.';
-      }
-      if (['seq_len', 'micro_batch', 'grad_accum'].includes(id)) refreshPlanSoon();
-      else renderPlan();
-    });
+  for (const id of ALL_FIELDS) {
+    const input = $(`#${id}`);
+    const changed = () => {
+      if (PRESET_FIELDS.has(id) && preset !== 'custom') setPreset('custom');
+      if (id === 'eval_dataset') syncEvalFields();
+      planChanged();
+    };
+    // Number fields report every keystroke; selects and the checkbox only `change`.
+    input.addEventListener(input.tagName === 'INPUT' && input.type !== 'checkbox' ? 'input' : 'change', changed);
   }
+
+  $('#show-command').addEventListener('click', () => {
+    commandOpen = !commandOpen;
+    renderCommand();
+  });
+  $('#copy-command').addEventListener('click', async () => {
+    const copied = await copyText($('#command').textContent);
+    const note = $('#copy-note');
+    note.textContent = copied ? 'Copied.' : 'Could not copy: select the text and copy it by hand.';
+    setTimeout(() => { note.textContent = ''; }, 2500);
+  });
 
   $('#job-form').addEventListener('submit', async (event) => {
     event.preventDefault();
-    const form = readForm();
+    const body = jobBody();
     const submitError = $('#submit-error');
+    showError(submitError, null);
     if (!datasets.length) {
       showError(submitError, new Error('Upload a dataset first.'));
       return;
@@ -239,9 +407,10 @@ async function main() {
     const button = $('#submit');
     button.disabled = true;
     try {
-      const created = await post('/api/jobs', form);
+      const created = await post('/api/jobs', body);
       location.href = `/jobs/${created.id}`;
     } catch (err) {
+      if (err.status === 400) markInvalid(fieldOf(err.message));
       showError(submitError, err);
       button.disabled = false;
     }

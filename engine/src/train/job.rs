@@ -1,0 +1,482 @@
+//! The one description of a training job: which model, which data, which devices, and the
+//! settings (batch shape, optimizer, evaluation, saving). Its defaults and its validation live
+//! here once; `sluice train`'s flags, the appliance's JSON body and the job runner all build a
+//! [`Job`], so the command line and the API accept and refuse exactly the same jobs, with the
+//! same messages (which name each setting by its JSON field).
+//!
+//! A job is what a user asks for; the [`super::RunOptions`] a run executes add the run folder
+//! and the planner's placement ([`super::RunPlacement`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::DatasetSource;
+use crate::error::{Error, Result};
+use crate::optim::Schedule;
+use crate::plan::{BatchShape, GpuQuery, MachineMemory, MachineRates, PlanInput};
+use crate::schedule::from_plan::STREAMER;
+use crate::spec::ModelSpec;
+use crate::weights::SaveDtype;
+
+use super::{ModelSource, TrainConfig};
+
+/// Learning rate when none is given: fine-tuning a pretrained folder wants a small one, a
+/// random-init preset learns from scratch with a larger one.
+pub const DEFAULT_LR_PRETRAINED: f32 = 2e-5;
+pub const DEFAULT_LR_RANDOM_INIT: f32 = 1e-3;
+
+/// The most any job may ask for. Sizes past these are refused before anything is planned or
+/// allocated: they are far beyond what the schedule can run (token positions are `i32`, a step's
+/// micro-batches are held as a list) and would only exhaust memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    pub max_steps: u64,
+    pub max_seq_len: usize,
+    pub max_micro_batch: usize,
+    pub max_grad_accum: usize,
+    /// Tokens in one micro-batch (`seq_len x micro_batch`).
+    pub max_micro_tokens: usize,
+}
+
+impl Limits {
+    /// What the engine itself can run; a deployment may only lower these.
+    pub const ENGINE: Limits = Limits {
+        max_steps: 100_000_000,
+        max_seq_len: 1 << 20,
+        max_micro_batch: 4096,
+        max_grad_accum: 65_536,
+        max_micro_tokens: 1 << 24,
+    };
+
+    /// These limits lowered to `max_steps` and `max_seq_len` where those are lower.
+    pub fn at_most(self, max_steps: u64, max_seq_len: usize) -> Limits {
+        Limits {
+            max_steps: self.max_steps.min(max_steps),
+            max_seq_len: self.max_seq_len.min(max_seq_len),
+            ..self
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::ENGINE
+    }
+}
+
+/// Where a job computes: the CPU backend, or one or several NVIDIA GPUs of this host (several
+/// share each step's micro-batches through NCCL). Written `cpu`, `cuda` (GPU 0), `cuda:N` or
+/// `cuda:N,M,...`; this is the one parser of device names.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Devices {
+    Cpu,
+    /// Distinct ordinals, in the order given (the first is rank 0).
+    Cuda(Vec<usize>),
+}
+
+impl Devices {
+    /// The GPU ordinals (empty on the CPU).
+    pub fn gpus(&self) -> &[usize] {
+        match self {
+            Devices::Cpu => &[],
+            Devices::Cuda(ordinals) => ordinals,
+        }
+    }
+
+    /// How many devices share a step (1 on the CPU).
+    pub fn count(&self) -> usize {
+        self.gpus().len().max(1)
+    }
+
+    /// Which memory the planner reads: the first GPU's (each GPU plans its own share), or the
+    /// host's for the CPU.
+    pub fn gpu_query(&self) -> GpuQuery {
+        match self.gpus().first() {
+            Some(&n) => GpuQuery::Ordinal(n),
+            None => GpuQuery::HostOnly,
+        }
+    }
+
+    /// The single device names this set is made of: `cpu`, or `cuda:N` for each GPU.
+    pub fn members(&self) -> Vec<String> {
+        match self {
+            Devices::Cpu => vec!["cpu".into()],
+            Devices::Cuda(ordinals) => ordinals.iter().map(|n| format!("cuda:{n}")).collect(),
+        }
+    }
+}
+
+impl FromStr for Devices {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Devices> {
+        let expected =
+            || Error::invalid(format!("device {s:?}: expected cpu, cuda, cuda:N or cuda:N,M,..."));
+        if s == "cpu" {
+            return Ok(Devices::Cpu);
+        }
+        let list = match s.strip_prefix("cuda") {
+            Some("") => return Ok(Devices::Cuda(vec![0])),
+            Some(rest) => rest.strip_prefix(':').ok_or_else(expected)?,
+            None => return Err(expected()),
+        };
+        let mut ordinals = Vec::new();
+        for n in list.split(',') {
+            let o: usize = n.trim().parse().map_err(|_| expected())?;
+            if ordinals.contains(&o) {
+                return Err(Error::invalid(format!("device {s:?}: GPU {o} is named twice")));
+            }
+            ordinals.push(o);
+        }
+        Ok(Devices::Cuda(ordinals))
+    }
+}
+
+impl fmt::Display for Devices {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Devices::Cpu => write!(f, "cpu"),
+            Devices::Cuda(ordinals) => {
+                let list: Vec<String> = ordinals.iter().map(usize::to_string).collect();
+                write!(f, "cuda:{}", list.join(","))
+            }
+        }
+    }
+}
+
+impl Serialize for Devices {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Devices {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Devices, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a job trains, everything but its model, data and devices. Every field has a default, so
+/// a JSON body may give any subset; unknown fields are refused (a typo must not pass silently).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct JobSettings {
+    /// Tokens per packed row.
+    pub seq_len: usize,
+    /// Rows per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Optimizer steps; `None`: one pass over the data.
+    pub steps: Option<u64>,
+    /// Peak learning rate; `None`: [`DEFAULT_LR_PRETRAINED`] for a model folder,
+    /// [`DEFAULT_LR_RANDOM_INIT`] for a preset.
+    pub lr: Option<f32>,
+    pub schedule: Schedule,
+    /// Steps of linear warmup.
+    pub warmup: u64,
+    /// AdamW's decoupled weight decay (matrices only).
+    pub weight_decay: f32,
+    /// Global gradient-norm clipping threshold; 0 turns clipping off.
+    pub max_grad_norm: f32,
+    /// Seeds random initialisation and the shuffle of samples.
+    pub seed: u64,
+    /// Train on prompt tokens too, not only on assistant turns.
+    pub train_on_prompt: bool,
+    /// Also save a checkpoint (and the resumable state) every this many steps.
+    pub save_every: Option<u64>,
+    /// Precision of the saved checkpoints (the resumable state is always f32).
+    pub save_dtype: SaveDtype,
+    /// Report the held-out loss every this many steps (and after the last).
+    pub eval_every: Option<u64>,
+    /// Without a separate evaluation dataset, the fraction of the data's micro-batches held
+    /// out for evaluation (at least one) when `eval_every` is set.
+    pub held_out: f64,
+}
+
+impl Default for JobSettings {
+    fn default() -> Self {
+        JobSettings {
+            seq_len: 256,
+            micro_batch: 4,
+            grad_accum: 1,
+            steps: None,
+            lr: None,
+            schedule: Schedule::Cosine,
+            warmup: 0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            seed: 0,
+            train_on_prompt: false,
+            save_every: None,
+            // Downloads are half the size; exact resume reads the f32 state, not checkpoints.
+            save_dtype: SaveDtype::Bf16,
+            eval_every: None,
+            held_out: 0.05,
+        }
+    }
+}
+
+impl JobSettings {
+    /// Settings from a JSON object (a job's body): absent fields take their defaults, an
+    /// unknown field is refused, and a bad value's message starts with its field's name.
+    pub fn from_json(fields: serde_json::Map<String, serde_json::Value>) -> Result<JobSettings> {
+        serde_json::from_value(serde_json::Value::Object(fields.clone())).map_err(|whole| {
+            // serde names unknown fields but not the field whose value is bad: find it.
+            let bad = fields.iter().find_map(|(name, value)| {
+                let alone = serde_json::Map::from_iter([(name.clone(), value.clone())]);
+                serde_json::from_value::<JobSettings>(serde_json::Value::Object(alone))
+                    .err()
+                    .filter(|_| !whole.to_string().starts_with("unknown field"))
+                    .map(|e| format!("{name}: {e}"))
+            });
+            Error::invalid(bad.unwrap_or_else(|| whole.to_string()))
+        })
+    }
+
+    /// Checks every setting against `limits`; the message names the field as the JSON body
+    /// does and says what is allowed.
+    pub fn validate(&self, limits: &Limits) -> Result<()> {
+        let sizes = [
+            ("seq_len", self.seq_len, limits.max_seq_len),
+            ("micro_batch", self.micro_batch, limits.max_micro_batch),
+            ("grad_accum", self.grad_accum, limits.max_grad_accum),
+        ];
+        for (name, value, max) in sizes {
+            if !(1..=max).contains(&value) {
+                return Err(Error::invalid(format!(
+                    "{name} must be between 1 and {max}, got {value}"
+                )));
+            }
+        }
+        // Both factors are bounded above, so the product cannot overflow.
+        let tokens = self.seq_len * self.micro_batch;
+        if tokens > limits.max_micro_tokens {
+            return Err(Error::invalid(format!(
+                "seq_len x micro_batch must be at most {} tokens, got {tokens}",
+                limits.max_micro_tokens
+            )));
+        }
+        let counts = [
+            ("steps", self.steps),
+            ("save_every", self.save_every),
+            ("eval_every", self.eval_every),
+        ];
+        for (name, value) in counts {
+            if let Some(n) = value
+                && !(1..=limits.max_steps).contains(&n)
+            {
+                return Err(Error::invalid(format!(
+                    "{name} must be between 1 and {}, got {n}",
+                    limits.max_steps
+                )));
+            }
+        }
+        if self.warmup > limits.max_steps {
+            return Err(Error::invalid(format!(
+                "warmup must be at most {} steps, got {}",
+                limits.max_steps, self.warmup
+            )));
+        }
+        if let Some(lr) = self.lr
+            && !(lr.is_finite() && lr > 0.0 && lr <= 1.0)
+        {
+            return Err(Error::invalid(format!("lr must be above 0 and at most 1, got {lr}")));
+        }
+        if !(self.weight_decay.is_finite() && (0.0..=1.0).contains(&self.weight_decay)) {
+            return Err(Error::invalid(format!(
+                "weight_decay must be between 0 and 1, got {}",
+                self.weight_decay
+            )));
+        }
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
+            return Err(Error::invalid(format!(
+                "max_grad_norm must be 0 (no clipping) or more, got {}",
+                self.max_grad_norm
+            )));
+        }
+        if !(self.held_out.is_finite() && self.held_out > 0.0 && self.held_out <= 0.5) {
+            return Err(Error::invalid(format!(
+                "held_out must be above 0 and at most 0.5 (a fraction of the data), got {}",
+                self.held_out
+            )));
+        }
+        Ok(())
+    }
+
+    /// The learning rate, with the default for `model` when none was given.
+    pub fn lr_for(&self, model: &ModelSource) -> f32 {
+        self.lr.unwrap_or(match model {
+            ModelSource::Dir(_) => DEFAULT_LR_PRETRAINED,
+            ModelSource::Preset(_) => DEFAULT_LR_RANDOM_INIT,
+        })
+    }
+
+    /// Whether global-norm clipping is on.
+    pub fn clipping(&self) -> bool {
+        self.max_grad_norm > 0.0
+    }
+
+    pub fn batch(&self) -> BatchShape {
+        BatchShape {
+            seq_len: self.seq_len,
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum,
+        }
+    }
+}
+
+/// A whole job: what to train, on what, where, and how.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub model: ModelSource,
+    pub data: DatasetSource,
+    /// A separate held-out dataset, evaluated before the first step, every `eval_every` steps
+    /// and after the last, instead of a fraction of `data`.
+    #[serde(default)]
+    pub eval_data: Option<DatasetSource>,
+    pub devices: Devices,
+    #[serde(default)]
+    pub settings: JobSettings,
+}
+
+impl Job {
+    /// Everything that can be checked without reading a file.
+    pub fn validate(&self, limits: &Limits) -> Result<()> {
+        self.settings.validate(limits)?;
+        let gpus = self.devices.count();
+        if gpus > 1 && self.settings.grad_accum < gpus {
+            return Err(Error::invalid(format!(
+                "grad_accum must be at least the number of GPUs ({gpus}) so each has a \
+                 micro-batch, got {}",
+                self.settings.grad_accum
+            )));
+        }
+        Ok(())
+    }
+
+    /// The optimizer's hyperparameters (`total_steps` is set once the data is packed).
+    pub fn train_config(&self) -> TrainConfig {
+        let s = &self.settings;
+        TrainConfig {
+            lr: s.lr_for(&self.model),
+            schedule: s.schedule,
+            warmup_steps: s.warmup,
+            weight_decay: s.weight_decay,
+            max_grad_norm: s.clipping().then_some(s.max_grad_norm),
+            ..TrainConfig::default()
+        }
+    }
+
+    /// What the planner is asked for this job on a machine with `memory` (each GPU's), for
+    /// the placements the streamer runs.
+    pub fn plan_input<'a>(&self, spec: &'a ModelSpec, memory: MachineMemory) -> PlanInput<'a> {
+        PlanInput {
+            spec,
+            batch: self.settings.batch(),
+            clipping: self.settings.clipping(),
+            memory,
+            rates: MachineRates::default(),
+            supports: STREAMER,
+            gpus: self.devices.count(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_one_or_several_gpus() {
+        let parse = |s: &str| s.parse::<Devices>();
+        assert_eq!(parse("cpu").expect("cpu"), Devices::Cpu);
+        assert_eq!(parse("cuda").expect("cuda"), Devices::Cuda(vec![0]));
+        assert_eq!(parse("cuda:3").expect("cuda:3"), Devices::Cuda(vec![3]));
+        assert_eq!(parse("cuda:0,1, 2").expect("three"), Devices::Cuda(vec![0, 1, 2]));
+        assert_eq!(Devices::Cuda(vec![0, 1]).to_string(), "cuda:0,1");
+        assert_eq!(Devices::Cuda(vec![2, 0]).members(), ["cuda:2", "cuda:0"]);
+        for bad in ["gpu", "cuda0", "cuda:", "cuda:0,x", "cuda:1,1", ""] {
+            let e = parse(bad).expect_err(bad).to_string();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+        let json: Devices = serde_json::from_str("\"cuda:1,0\"").expect("json");
+        assert_eq!(json, Devices::Cuda(vec![1, 0]));
+        assert!(serde_json::from_str::<Devices>("\"tpu\"").is_err());
+    }
+
+    #[test]
+    fn every_setting_is_bounded_and_named() {
+        let limits = Limits::ENGINE;
+        JobSettings::default().validate(&limits).expect("defaults are valid");
+        let cases: Vec<(JobSettings, &str)> = vec![
+            (JobSettings { seq_len: 0, ..Default::default() }, "seq_len must be between 1"),
+            (JobSettings { seq_len: 1 << 40, ..Default::default() }, "seq_len"),
+            (JobSettings { micro_batch: 1 << 56, ..Default::default() }, "micro_batch"),
+            (JobSettings { grad_accum: 1_000_000_000, ..Default::default() }, "grad_accum"),
+            (
+                JobSettings { seq_len: 1 << 20, micro_batch: 4096, ..Default::default() },
+                "seq_len x micro_batch",
+            ),
+            (JobSettings { steps: Some(0), ..Default::default() }, "steps"),
+            (JobSettings { steps: Some(u64::MAX), ..Default::default() }, "steps"),
+            (JobSettings { save_every: Some(0), ..Default::default() }, "save_every"),
+            (JobSettings { eval_every: Some(0), ..Default::default() }, "eval_every"),
+            (JobSettings { warmup: u64::MAX, ..Default::default() }, "warmup"),
+            (JobSettings { lr: Some(-1.0), ..Default::default() }, "lr"),
+            (JobSettings { lr: Some(f32::NAN), ..Default::default() }, "lr"),
+            (JobSettings { weight_decay: -0.1, ..Default::default() }, "weight_decay"),
+            (JobSettings { max_grad_norm: f32::INFINITY, ..Default::default() }, "max_grad_norm"),
+            (JobSettings { held_out: 0.0, ..Default::default() }, "held_out"),
+            (JobSettings { held_out: 0.9, ..Default::default() }, "held_out"),
+        ];
+        for (settings, needle) in cases {
+            let err = settings.validate(&limits).expect_err(needle).to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        // A deployment's lower limits apply with the same message.
+        let site = Limits::ENGINE.at_most(100, 512);
+        let err = JobSettings { steps: Some(101), ..Default::default() }.validate(&site);
+        assert!(err.expect_err("over").to_string().contains("between 1 and 100"));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_and_defaults_fill_the_rest() {
+        let s: JobSettings = serde_json::from_str(r#"{"seq_len": 64}"#).expect("subset");
+        assert_eq!(s, JobSettings { seq_len: 64, ..Default::default() });
+        let err = serde_json::from_str::<JobSettings>(r#"{"stepz": 3}"#).expect_err("typo");
+        assert!(err.to_string().contains("stepz"), "{err}");
+        let err = serde_json::from_str::<JobSettings>(r#"{"schedule": "zigzag"}"#);
+        assert!(err.expect_err("bad schedule").to_string().contains("zigzag"));
+        let object = |text: &str| match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(map)) => map,
+            other => panic!("{text}: {other:?}"),
+        };
+        let err = JobSettings::from_json(object(r#"{"seq_len": 64, "schedule": "zigzag"}"#));
+        let err = err.expect_err("bad schedule").to_string();
+        assert!(err.contains("schedule: unknown variant `zigzag`"), "{err}");
+        let err = JobSettings::from_json(object(r#"{"micro_batch": "eight"}"#));
+        assert!(err.expect_err("a string").to_string().contains("micro_batch: invalid type"));
+        let err = JobSettings::from_json(object(r#"{"seq_len": 64, "stepz": 3}"#));
+        assert!(err.expect_err("typo").to_string().contains("unknown field `stepz`"));
+        let s = JobSettings::from_json(object(r#"{"seq_len": 64}"#)).expect("valid");
+        assert_eq!(s.seq_len, 64);
+    }
+
+    #[test]
+    fn several_gpus_need_a_micro_batch_each() {
+        let job = Job {
+            model: ModelSource::Preset("tiny".into()),
+            data: DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices: Devices::Cuda(vec![0, 1]),
+            settings: JobSettings { grad_accum: 1, ..Default::default() },
+        };
+        let err = job.validate(&Limits::ENGINE).expect_err("one micro-batch, two GPUs");
+        assert!(err.to_string().contains("grad_accum must be at least the number of GPUs (2)"));
+        assert_eq!(job.train_config().lr, DEFAULT_LR_RANDOM_INIT);
+    }
+}

@@ -1,0 +1,120 @@
+//! The body of `POST /api/jobs` and `POST /api/plan` to the engine's [`Job`]: the model id,
+//! dataset ids and device string are the appliance's; every other field is the engine's
+//! [`JobSettings`], parsed and validated by the engine, so the API refuses exactly what
+//! `sluice train` refuses, with the same message.
+
+use serde_json::{Map, Value};
+use sluice_engine::data::DatasetSource;
+use sluice_engine::train::{Devices, Job, JobSettings};
+
+use crate::AppState;
+use crate::auth::User;
+use crate::datasets::{self, Dataset};
+use crate::error::{ApiError, ApiResult};
+use crate::models::{self, ResolvedModel};
+
+/// A job as a request names it, before the names are looked up.
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub model: String,
+    pub dataset: Option<i64>,
+    pub eval_dataset: Option<i64>,
+    pub devices: Devices,
+    pub settings: JobSettings,
+}
+
+impl JobRequest {
+    /// Splits the appliance's fields off `body` and hands the rest to the engine.
+    pub fn parse(body: Value) -> ApiResult<JobRequest> {
+        let Value::Object(mut fields) = body else {
+            return Err(ApiError::bad_request("the body must be a JSON object"));
+        };
+        let model = match fields.remove("model") {
+            Some(Value::String(m)) => m,
+            Some(_) => return Err(ApiError::bad_request("model must be a string")),
+            None => return Err(ApiError::bad_request("missing field `model`")),
+        };
+        let devices = match fields.remove("gpu") {
+            Some(Value::String(g)) => {
+                g.parse::<Devices>().map_err(|e| ApiError::bad_request(e.to_string()))?
+            }
+            Some(_) => {
+                return Err(ApiError::bad_request("gpu must be a string such as \"cuda:0\""));
+            }
+            None => return Err(ApiError::bad_request("missing field `gpu`")),
+        };
+        let dataset = id_field(&mut fields, "dataset")?;
+        let eval_dataset = id_field(&mut fields, "eval_dataset")?;
+        let settings =
+            JobSettings::from_json(fields).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok(JobRequest { model, dataset, eval_dataset, devices, settings })
+    }
+}
+
+/// An optional dataset id; `null` is the same as absent.
+fn id_field(fields: &mut Map<String, Value>, name: &str) -> ApiResult<Option<i64>> {
+    match fields.remove(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad_request(format!("{name} must be a dataset id"))),
+    }
+}
+
+/// A request with its names looked up: the engine's job and what it was built from.
+#[derive(Debug)]
+pub struct Resolved {
+    pub job: Job,
+    pub model: ResolvedModel,
+    pub dataset: Option<Dataset>,
+    pub eval_dataset: Option<Dataset>,
+}
+
+/// Looks up the model, datasets and devices of `request` for `user` and validates the job
+/// against this appliance's limits. Without a dataset (a plan before one is chosen) the job's
+/// data is a placeholder that is never read.
+pub async fn resolve(state: &AppState, user: &User, request: JobRequest) -> ApiResult<Resolved> {
+    let known = state.gpus().device_ids();
+    if let Some(missing) = request.devices.members().into_iter().find(|d| !known.contains(d)) {
+        return Err(ApiError::bad_request(format!(
+            "unknown GPU {missing:?} (this machine has: {})",
+            known.join(", ")
+        )));
+    }
+    let dataset = match request.dataset {
+        Some(id) => Some(
+            datasets::visible(state, user, id)
+                .await
+                .map_err(|_| ApiError::bad_request(format!("unknown dataset {id}")))?,
+        ),
+        None => None,
+    };
+    let eval_dataset = match request.eval_dataset {
+        Some(id) => Some(
+            datasets::visible(state, user, id)
+                .await
+                .map_err(|_| ApiError::bad_request(format!("unknown eval_dataset {id}")))?,
+        ),
+        None => None,
+    };
+    let model_state = state.clone();
+    let model_id = request.model.clone();
+    let model =
+        tokio::task::spawn_blocking(move || models::resolve(&model_state, &model_id)).await??;
+    let mut settings = request.settings;
+    // Stored as used: the model's default learning rate is part of what the job ran with.
+    settings.lr = Some(settings.lr_for(&model.source));
+    let job = Job {
+        model: model.source.clone(),
+        data: DatasetSource::File(
+            dataset.as_ref().map_or_else(|| "DATASET.jsonl".into(), |d| d.path(state)),
+        ),
+        eval_data: eval_dataset.as_ref().map(|d| DatasetSource::File(d.path(state))),
+        devices: request.devices,
+        settings,
+    };
+    job.validate(&state.config().limits.engine())
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok(Resolved { job, model, dataset, eval_dataset })
+}
