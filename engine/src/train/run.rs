@@ -349,7 +349,7 @@ fn run_with<S: Stepper>(
     let job = &options.job;
     let settings = &job.settings;
     job.validate(&Limits::ENGINE)?;
-    let model = load_model(&job.model, settings.seed)?;
+    let mut model = load_model(&job.model, settings.seed)?;
     if model.tokenizer.vocab_size() > model.spec.vocab {
         return Err(Error::invalid(format!(
             "the tokenizer has {} tokens but the model's vocabulary is {}",
@@ -397,7 +397,7 @@ fn run_with<S: Stepper>(
     let per_step = settings.grad_accum;
     let steps = settings.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
 
-    let state = if resume {
+    let mut state = if resume {
         let state = TrainingState::load(&options.out.join(STATE_DIR), &model.spec)?;
         if state.data_fingerprint != fingerprint {
             return Err(Error::invalid(
@@ -423,13 +423,17 @@ fn run_with<S: Stepper>(
             .gradients
             .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
     };
-    let params = match &state {
-        Some(s) => s.master.clone(),
-        None => model.params.clone(),
+    // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
+    // the f32 master is 30 GB the host store needs).
+    let initial = std::mem::take(&mut model.params.units);
+    let params = match &mut state {
+        Some(s) => std::mem::take(&mut s.master.units),
+        None => initial,
     };
+    let params = HostParams { layout: model.params.layout.clone(), units: params };
     let mut streamer = build(&model.spec, params, config, schedule)?;
     let mut cursor = 0usize;
-    if let Some(s) = &state {
+    if let Some(s) = state.take() {
         streamer.restore(s.step, &s.m, &s.v)?;
         cursor = s.cursor;
     } else {
