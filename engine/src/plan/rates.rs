@@ -45,6 +45,20 @@ impl Default for MachineRates {
 }
 
 impl MachineRates {
+    /// The CPU backend's rough figures: its "device" is host memory (copies are memcpy) and its
+    /// GEMMs run on the cores (about 20 GFLOP/s sustained through matrixmultiply on a small
+    /// machine), so a CPU job's predicted step time is of the right order, not a GPU's.
+    pub fn cpu() -> MachineRates {
+        MachineRates {
+            pcie_h2d: 10e9,
+            pcie_d2h: 10e9,
+            gemm_flops: 2e10,
+            attention_flops: 1e10,
+            adam_params: 5e8,
+            host_memcpy: 10e9,
+        }
+    }
+
     /// Rejects a rate that is not finite and positive, naming it.
     pub fn validate(&self) -> Result<()> {
         let fields = [

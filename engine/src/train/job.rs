@@ -372,14 +372,17 @@ impl Job {
     }
 
     /// What the planner is asked for this job on a machine with `memory` (each GPU's), for
-    /// the placements the streamer runs.
+    /// the placements the streamer runs, at the rates of its kind of device.
     pub fn plan_input<'a>(&self, spec: &'a ModelSpec, memory: MachineMemory) -> PlanInput<'a> {
         PlanInput {
             spec,
             batch: self.settings.batch(),
             clipping: self.settings.clipping(),
             memory,
-            rates: MachineRates::default(),
+            rates: match self.devices {
+                Devices::Cpu => MachineRates::cpu(),
+                Devices::Cuda(_) => MachineRates::default(),
+            },
             supports: STREAMER,
             gpus: self.devices.count(),
         }

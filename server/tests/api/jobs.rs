@@ -386,6 +386,9 @@ async fn plans_and_jobs_show_placement_command_and_disk() -> anyhow::Result<()> 
         assert!(command.contains(flag), "{flag}: {command}");
     }
     assert_eq!(plan["tiers"][0]["name"], "host", "one tier on the CPU: {plan}");
+    // At the CPU's rates (a GPU's would predict under a microsecond for 64 tokens of 1M
+    // parameters).
+    assert!(plan["step_time_s"].as_f64().is_some_and(|t| t > 1e-3), "{plan}");
 
     let id = admin.submit(body).await?;
     let done = admin.wait_job(id, 300, |j| j["status"] == "completed").await?;
