@@ -194,10 +194,13 @@ fn bad_data_and_options_are_refused_with_a_reason() {
 
     assert_fails_with(
         with_data(&demo_data(), &["--seq-len", "0"]),
-        "sequence length must be at least 1",
+        "seq_len must be between 1 and 1048576, got 0",
     );
     assert_fails_with(with_data(&dir.path().join("missing.jsonl"), &[]), "missing.jsonl");
-    assert_fails_with(with_data(&demo_data(), &["--lr=-1"]), "learning rate must be positive");
+    assert_fails_with(
+        with_data(&demo_data(), &["--lr=-1"]),
+        "lr must be above 0 and at most 1, got -1",
+    );
     assert!(!out.exists(), "a failed run must not leave a run folder");
 }
 
