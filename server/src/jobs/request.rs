@@ -82,22 +82,16 @@ pub async fn resolve(state: &AppState, user: &User, request: JobRequest) -> ApiR
             known.join(", ")
         )));
     }
-    let dataset = match request.dataset {
-        Some(id) => Some(
-            datasets::visible(state, user, id)
-                .await
-                .map_err(|_| ApiError::bad_request(format!("unknown dataset {id}")))?,
-        ),
-        None => None,
+    // Another user's dataset is as unknown as a missing one (400, not 404: it is a field).
+    let visible = |field: &'static str, id: Option<i64>| async move {
+        let Some(id) = id else { return Ok(None) };
+        datasets::visible(state, user, id)
+            .await
+            .map(Some)
+            .map_err(|_| ApiError::bad_request(format!("unknown {field} {id}")))
     };
-    let eval_dataset = match request.eval_dataset {
-        Some(id) => Some(
-            datasets::visible(state, user, id)
-                .await
-                .map_err(|_| ApiError::bad_request(format!("unknown eval_dataset {id}")))?,
-        ),
-        None => None,
-    };
+    let dataset = visible("dataset", request.dataset).await?;
+    let eval_dataset = visible("eval_dataset", request.eval_dataset).await?;
     let model_state = state.clone();
     let model_id = request.model.clone();
     let model =

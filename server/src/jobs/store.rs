@@ -91,21 +91,22 @@ pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<JobRow
     }
 }
 
+/// The name of dataset `id`; `None` for no id or a deleted dataset.
+async fn name_of_dataset(state: &AppState, id: Option<i64>) -> ApiResult<Option<String>> {
+    let Some(id) = id else { return Ok(None) };
+    Ok(sqlx::query_scalar("SELECT name FROM datasets WHERE id = ?")
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?)
+}
+
 /// The job as the API shows it.
 pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
     let owner: Option<String> = sqlx::query_scalar("SELECT username FROM users WHERE id = ?")
         .bind(job.owner_id)
         .fetch_optional(state.pool())
         .await?;
-    let dataset_name: Option<String> = match job.dataset_id {
-        Some(id) => {
-            sqlx::query_scalar("SELECT name FROM datasets WHERE id = ?")
-                .bind(id)
-                .fetch_optional(state.pool())
-                .await?
-        }
-        None => None,
-    };
+    let dataset_name = name_of_dataset(state, job.dataset_id).await?;
     let position: Option<i64> = if job.status == "queued" {
         Some(
             sqlx::query_scalar(
@@ -119,15 +120,7 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
     } else {
         None
     };
-    let eval_dataset_name: Option<String> = match job.eval_dataset_id {
-        Some(id) => {
-            sqlx::query_scalar("SELECT name FROM datasets WHERE id = ?")
-                .bind(id)
-                .fetch_optional(state.pool())
-                .await?
-        }
-        None => None,
-    };
+    let eval_dataset_name = name_of_dataset(state, job.eval_dataset_id).await?;
     // Every setting, defaults filled in; through text so f32 values read as written (0.001,
     // not 0.0010000000474974513).
     let config: Value = job
