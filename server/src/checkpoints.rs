@@ -1,6 +1,6 @@
 //! Checkpoint folders of a job: listed, downloaded file by file (with HTTP ranges, so a broken
 //! download of a large shard resumes), or whole as a tar streamed while it is written; or tried
-//! out with a short generation on the CPU.
+//! out (see `tryit`).
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -8,10 +8,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
-use sluice_engine::data::ChatTemplate;
-use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
-use tokio::sync::Semaphore;
+use serde::Serialize;
 use tokio_util::io::{ReaderStream, SyncIoBridge};
 use tower::ServiceExt;
 use tower_http::services::ServeFile;
@@ -19,7 +16,7 @@ use tracing::warn;
 
 use crate::AppState;
 use crate::auth::CurrentUser;
-use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
+use crate::error::{ApiError, ApiPath, ApiResult};
 use crate::jobs::{runner, store};
 use crate::paths::is_plain_name;
 
@@ -28,7 +25,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/jobs/{id}/checkpoints", get(list))
         .route("/api/jobs/{id}/checkpoints/{name}/files/{file}", get(file))
         .route("/api/jobs/{id}/checkpoints/{name}/archive", get(archive))
-        .route("/api/jobs/{id}/checkpoints/{name}/generate", post(generate))
+        .route("/api/jobs/{id}/checkpoints/{name}/generate", post(crate::tryit::generate))
 }
 
 #[derive(Debug, Serialize)]
@@ -96,7 +93,7 @@ async fn list(
 }
 
 /// The folder of checkpoint `name` of a job `user` may see; 404 for anything else.
-async fn checkpoint_dir(
+pub(crate) async fn checkpoint_dir(
     state: &AppState,
     user: &crate::auth::User,
     id: i64,
@@ -178,88 +175,4 @@ async fn archive(
         Body::from_stream(ReaderStream::new(reader)),
     )
         .into_response())
-}
-
-/// The most tokens one try may ask for: enough to judge a checkpoint, short enough on a CPU.
-pub const MAX_NEW_TOKENS: usize = 256;
-
-/// Generation loads a whole checkpoint and runs it on the CPU: one at a time, so a few clicks do
-/// not take every core (or every gigabyte) from the training runs.
-static GENERATING: Semaphore = Semaphore::const_new(1);
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GenerateRequest {
-    prompt: String,
-    #[serde(default = "default_new_tokens")]
-    max_new_tokens: usize,
-    /// 0 (the default) is greedy.
-    #[serde(default)]
-    temperature: f32,
-}
-
-fn default_new_tokens() -> usize {
-    64
-}
-
-#[derive(Debug, Serialize)]
-struct GenerateReply {
-    text: String,
-    /// New tokens generated (without the prompt or the stop token).
-    tokens: usize,
-    /// Whether the model ended on its end-of-sequence token rather than the length limit.
-    stopped_at_eos: bool,
-    /// Whether the prompt went through the checkpoint's chat template as one user turn.
-    chat: bool,
-}
-
-/// `POST /api/jobs/{id}/checkpoints/{name}/generate`: continues `prompt` with the checkpoint on
-/// the CPU (as one chat turn when the checkpoint has a chat template). 404 for a checkpoint the
-/// user may not download; 400 for an empty prompt or options out of range; 422 when the folder
-/// cannot be loaded as a model.
-async fn generate(
-    State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
-    ApiPath((id, name)): ApiPath<(i64, String)>,
-    ApiJson(request): ApiJson<GenerateRequest>,
-) -> ApiResult<Json<GenerateReply>> {
-    let dir = checkpoint_dir(&state, &user, id, &name).await?;
-    if request.prompt.trim().is_empty() {
-        return Err(ApiError::bad_request("the prompt is empty"));
-    }
-    if request.max_new_tokens == 0 || request.max_new_tokens > MAX_NEW_TOKENS {
-        return Err(ApiError::bad_request(format!("max_new_tokens must be 1 to {MAX_NEW_TOKENS}")));
-    }
-    if !request.temperature.is_finite() || !(0.0..=2.0).contains(&request.temperature) {
-        return Err(ApiError::bad_request("temperature must be 0 to 2"));
-    }
-    let _permit = GENERATING.acquire().await.map_err(ApiError::internal)?;
-    let reply = tokio::task::spawn_blocking(move || {
-        let unusable = |err: sluice_engine::Error| {
-            ApiError::unprocessable(format!("checkpoint {name} cannot generate: {err}"))
-        };
-        let generator = Generator::load_dir(&dir).map_err(unusable)?;
-        let chat = match generator.tokenizer() {
-            Some(tokenizer) => ChatTemplate::from_tokenizer(tokenizer).map_err(unusable)?.is_some(),
-            None => false,
-        };
-        let style = if chat { PromptStyle::Chat } else { PromptStyle::Plain };
-        let prompt = generator.prompt_ids(&request.prompt, style).map_err(unusable)?;
-        let options = GenerateOptions {
-            max_new_tokens: request.max_new_tokens,
-            temperature: request.temperature,
-            top_p: 1.0,
-            seed: 0,
-        };
-        let generated = generator.generate(&prompt, &options, &mut |_| true).map_err(unusable)?;
-        let text = generator.decode(&generated.ids).map_err(unusable)?;
-        Ok::<_, ApiError>(GenerateReply {
-            text,
-            tokens: generated.ids.len(),
-            stopped_at_eos: generated.stopped_at_eos,
-            chat,
-        })
-    })
-    .await??;
-    Ok(Json(reply))
 }

@@ -24,6 +24,7 @@ mod pages;
 mod paths;
 pub mod plan;
 mod state;
+mod tryit;
 mod users;
 
 pub use config::Config;

@@ -8,6 +8,7 @@ use tokio::sync::broadcast;
 use crate::config::Config;
 use crate::gpus::Gpus;
 use crate::jobs::{self, Queue};
+use crate::tryit::{self, TryIt};
 use crate::{datasets, db};
 
 /// Live job news for SSE viewers: one broadcast channel for all jobs, filtered per viewer.
@@ -36,6 +37,7 @@ struct Inner {
     gpus: Gpus,
     queue: Queue,
     events: broadcast::Sender<JobMessage>,
+    tryit: TryIt,
 }
 
 impl AppState {
@@ -60,9 +62,12 @@ impl AppState {
         jobs::runner::mark_interrupted(&pool).await?;
         let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
-        let state = AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events }) };
+        let state = AppState {
+            inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit: TryIt::default() }),
+        };
         datasets::register_demo(&state).await?;
         jobs::runner::start(&state);
+        tryit::start(&state);
         Ok(state)
     }
 
@@ -98,6 +103,11 @@ impl AppState {
 
     pub fn queue(&self) -> &Queue {
         &self.inner.queue
+    }
+
+    /// The model kept loaded for "try it".
+    pub fn tryit(&self) -> &TryIt {
+        &self.inner.tryit
     }
 
     /// Sends news of a job to whoever watches; nobody watching is fine.

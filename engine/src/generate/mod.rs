@@ -151,13 +151,25 @@ impl<B: Backend> Generator<B> {
         let text = match style {
             PromptStyle::Plain => prompt.to_string(),
             PromptStyle::Chat => {
-                let template = ChatTemplate::from_tokenizer(tokenizer)?.ok_or_else(|| {
-                    Error::tokenizer(tokenizer.source(), "the model has no chat template")
-                })?;
-                let message = Message { role: Role::User, content: prompt.to_string() };
-                template.render(&[message], true)?
+                return self.chat_ids(&[Message { role: Role::User, content: prompt.to_string() }]);
             }
         };
+        Ok(tokenizer.encode(&text)?.ids)
+    }
+
+    /// Whether the tokenizer carries a chat template (so [`Generator::chat_ids`] can be used).
+    pub fn has_chat_template(&self) -> bool {
+        self.tokenizer.as_ref().is_some_and(|t| t.chat_template().is_some())
+    }
+
+    /// The token ids of a conversation in the model's chat template, with the generation prompt
+    /// added so the model answers as the assistant.
+    pub fn chat_ids(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let tokenizer = self.require_tokenizer()?;
+        let template = ChatTemplate::from_tokenizer(tokenizer)?.ok_or_else(|| {
+            Error::tokenizer(tokenizer.source(), "the model has no chat template")
+        })?;
+        let text = template.render(messages, true)?;
         Ok(tokenizer.encode(&text)?.ids)
     }
 

@@ -77,6 +77,33 @@ impl Queue {
     }
 }
 
+/// A device held outside any job (a try-it generation): a queued job for it waits until the
+/// claim is dropped, which frees the device and wakes the dispatcher.
+#[derive(Debug)]
+pub struct DeviceClaim {
+    state: AppState,
+    device: String,
+}
+
+impl Drop for DeviceClaim {
+    fn drop(&mut self) {
+        let queue = self.state.queue();
+        lock(&queue.busy).remove(&self.device);
+        queue.wake();
+    }
+}
+
+/// Claims `device` ("cpu", "cuda:0") if no job or other claim holds it.
+pub fn try_claim(state: &AppState, device: &str) -> Option<DeviceClaim> {
+    let fresh = lock(&state.queue().busy).insert(device.to_string());
+    fresh.then(|| DeviceClaim { state: state.clone(), device: device.to_string() })
+}
+
+/// The devices running jobs and claims hold now.
+pub fn busy_devices(state: &AppState) -> Vec<String> {
+    lock(&state.queue().busy).iter().cloned().collect()
+}
+
 /// Jobs that were running when the server stopped cannot be running now.
 pub async fn mark_interrupted(pool: &sqlx::SqlitePool) -> anyhow::Result<()> {
     let marked = sqlx::query(
@@ -167,6 +194,9 @@ async fn claim_ready(state: &AppState) -> ApiResult<Option<(JobRow, Vec<String>)
         .await?;
         if let Some(job) = claimed {
             lock(&state.queue().busy).extend(members.iter().cloned());
+            // A model kept loaded for "try it" holds memory this job plans with.
+            let tryit = state.clone();
+            tokio::task::spawn_blocking(move || tryit.tryit().unload()).await?;
             return Ok(Some((job, members)));
         }
     }
