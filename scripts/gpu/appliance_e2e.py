@@ -13,7 +13,9 @@ Parts, in the order they run (`--only` / `--skip` take a comma-separated list):
   resume    two identical small jobs: A uninterrupted, B killed (kill -9 of the server) after a
             checkpoint, the server restarted, B resumed; the final tensors must match bit for bit
   download  the archive of job A's final checkpoint: a tar with config.json and safetensors
-  generate  the "try it" route on job A's final checkpoint
+  generate  "try it" on job A's final checkpoint: two chat turns on the free GPU (the second
+            streamed, the model kept loaded), then one beside a job training on the GPU (on
+            the CPU, saying why)
 
 `download` and `generate` need job A; without `resume` only job A runs.
 
@@ -1345,34 +1347,120 @@ def phase_download(ctx, server, api, a_id):
         pass
 
 
-def phase_generate(ctx, server, api, a_id):
+def sse_events(text):
+    """(event, data) pairs of a server-sent events body; data parsed as JSON where it is."""
+    events = []
+    for frame in text.replace("\r\n", "\n").split("\n\n"):
+        name, data = None, []
+        for line in frame.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+        if name is None:
+            continue
+        try:
+            events.append((name, json.loads("\n".join(data))))
+        except ValueError:
+            events.append((name, "\n".join(data)))
+    return events
+
+
+def try_turn(ctx, api, a_id, messages, label, stream):
+    """One "try it" request; returns (reply JSON of `done`, start event or None, token events,
+    seconds) or raises Failed."""
     s = ctx.s
-    body = {"prompt": s.prompt, "max_new_tokens": s.max_new_tokens}
+    body = {"messages": messages, "max_new_tokens": s.max_new_tokens, "stream": stream}
     started = time.time()
-    try:
-        reply = api.call("POST", f"/api/jobs/{a_id}/checkpoints/final/generate", body,
-                         timeout=s.timeout, name="generate-A")
-    except Failed as e:
-        ctx.check("generate", "FAIL", "no reply", str(e))
-        return
+    reply = api.call("POST", f"/api/jobs/{a_id}/checkpoints/final/generate", body,
+                     timeout=s.timeout, name=f"generate-{label}")
     elapsed = time.time() - started
-    ctx.figure("generation_time", f"{elapsed:.1f} s")
-    answer = reply.json_or_none()
-    if reply.status != 200 or not isinstance(answer, dict):
-        ctx.check("generate", "FAIL", f"status {reply.status} after {elapsed:.1f} s",
-                  reply.text()[:2000])
+    if reply.status != 200:
+        raise Failed(f"{label}: status {reply.status} after {elapsed:.1f} s: {reply.text()[:2000]}")
+    if not stream:
+        answer = reply.json_or_none()
+        if not isinstance(answer, dict):
+            raise Failed(f"{label}: not JSON: {reply.text()[:2000]}")
+        return answer, None, 0, elapsed
+    events = sse_events(reply.text())
+    ctx.save_json(f"generate-{label}-events.json", events)
+    names = [n for n, _ in events]
+    if not names or names[0] != "start" or names[-1] != "done":
+        raise Failed(f"{label}: events {names[:5]}...{names[-3:]}: {reply.text()[-2000:]}")
+    tokens = [d.get("text", "") for n, d in events if n == "token" and isinstance(d, dict)]
+    done = events[-1][1]
+    if "".join(tokens) != done.get("text"):
+        raise Failed(f"{label}: streamed text {''.join(tokens)!r} is not the answer "
+                     f"{done.get('text')!r}")
+    return done, events[0][1], len(tokens), elapsed
+
+
+def phase_generate(ctx, server, api, a_id):
+    """Try-it on job A's final checkpoint: on the free GPU, a conversation's first turn (JSON)
+    and second turn (streamed, the model kept loaded); then with a job training on the GPU, the
+    same turn runs on the CPU and says why."""
+    s = ctx.s
+    conversation = [{"role": "user", "content": s.prompt}]
+    try:
+        first, _, _, elapsed = try_turn(ctx, api, a_id, conversation, "turn1", stream=False)
+        conversation += [{"role": "assistant", "content": first.get("text", "")},
+                         {"role": "user", "content": "And twice that?"}]
+        second, start, token_events, elapsed2 = try_turn(ctx, api, a_id, conversation, "turn2",
+                                                         stream=True)
+    except Failed as e:
+        ctx.check("generate", "FAIL", "no answer", str(e))
         return
-    device = next((answer[k] for k in ("device", "backend", "gpu") if k in answer), None)
-    if device is not None:
-        ctx.figure("generation_device", device)
-    text = answer.get("text")
-    figures = (f"{elapsed:.1f} s, {answer.get('tokens')} tokens, chat={answer.get('chat')}, "
-               f"eos={answer.get('stopped_at_eos')}, device {device if device else 'not said'}"
-               f"; text {json.dumps(text)[:120] if isinstance(text, str) else text!r}")
-    if isinstance(text, str) and text.strip():
-        ctx.check("generate", "PASS", figures)
-    else:
-        ctx.check("generate", "FAIL", figures, "the reply has no text: " + reply.text()[:1000])
+    want = gpu_members(s.gpu)[0] if gpu_members(s.gpu) else "cpu"
+    ctx.figure("generation_device", first.get("device"))
+    ctx.figure("generation_tokens_per_s_gpu", second.get("tokens_per_s"))
+    figures = (f"turn 1 {elapsed:.1f} s on {first.get('device')} ({first.get('tokens')} tokens, "
+               f"{first.get('tokens_per_s', 0):.1f} tok/s, chat={first.get('chat')}); turn 2 "
+               f"streamed {token_events} token events, {second.get('tokens')} tokens, "
+               f"{second.get('tokens_per_s', 0):.1f} tok/s, prompt {start.get('prompt_tokens')} "
+               f"tokens, model reused={start.get('reused')}, {elapsed2:.1f} s; text "
+               f"{json.dumps(second.get('text'))[:80]}")
+    problems = []
+    if first.get("device") != want or second.get("device") != want:
+        problems.append(f"ran on {first.get('device')}/{second.get('device')}, not {want}")
+    if start.get("reused") is not True:
+        problems.append("the second turn loaded the model again")
+    if not (second.get("text") or "").strip():
+        problems.append("the second turn has no text")
+    ctx.check("generate on the GPU, 2 turns", "FAIL" if problems else "PASS", figures,
+              "; ".join(problems))
+    if want == "cpu":
+        return
+
+    # A job training on the GPU: try-it must not take it; the CPU answers and says why.
+    body = dict(resume_body(ctx, dataset_of(api, a_id)), steps=100000, save_every=None)
+    body = {k: v for k, v in body.items() if v is not None}
+    try:
+        busy_id = api.submit(body, "busy")
+        api.wait_job(busy_id, "busy", s.timeout,
+                     until=lambda j: j.get("status") == "running" and (j.get("step") or 0) >= 1)
+        cpu, start, _, elapsed = try_turn(ctx, api, a_id, conversation, "beside-training",
+                                          stream=True)
+    except Failed as e:
+        ctx.check("generate beside training", "FAIL", "no answer", str(e))
+        return
+    finally:
+        try:
+            api.call("POST", f"/api/jobs/{busy_id}/cancel", {}, name="cancel-busy")
+            api.wait_job(busy_id, "busy", s.timeout)
+        except (Failed, NameError, UnboundLocalError):
+            pass
+    note = cpu.get("device_note") or ""
+    figures = (f"{cpu.get('device')}, {cpu.get('tokens')} tokens, {cpu.get('tokens_per_s', 0):.1f} "
+               f"tok/s, {elapsed:.1f} s; note {note!r}; same text as the GPU: "
+               f"{cpu.get('text') == second.get('text')}")
+    ok = cpu.get("device") == "cpu" and "training job" in note
+    ctx.check("generate beside training", "PASS" if ok else "FAIL", figures,
+              "" if ok else "expected the CPU with a note naming the training job")
+
+
+def dataset_of(api, job_id):
+    job = api.job(job_id)
+    return job.get("dataset_id") or job.get("dataset")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use axum::Json;
 use axum::extract::State;
+use axum::http::header;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
@@ -317,7 +318,9 @@ pub(crate) async fn generate(
             };
             Ok::<_, Infallible>(Event::default().event(name).data(data.to_string()))
         });
-        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+        // The page decodes UTF-8; saying so keeps other readers from guessing Latin-1.
+        let utf8 = [(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")];
+        return Ok((utf8, Sse::new(events).keep_alive(KeepAlive::default())).into_response());
     }
     while let Some(item) = receiver.recv().await {
         match item {

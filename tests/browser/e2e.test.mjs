@@ -75,6 +75,55 @@ async function chartPoints(key) {
   return Number(await page.getAttribute(`[data-chart="${key}"]`, 'data-points'));
 }
 
+/** The events of a whole server-sent events body, read apart from the page's own parser. */
+function sseEvents(body) {
+  const events = [];
+  for (const frame of body.split(/\r\n\r\n|\n\n|\r\r/)) {
+    let name = 'message';
+    const data = [];
+    for (const line of frame.split(/\r\n|\n|\r/)) {
+      if (!line || line.startsWith(':')) continue;
+      const [, field, value] = /^([^:]*):? ?(.*)$/s.exec(line);
+      if (field === 'event') name = value;
+      else if (field === 'data') data.push(value);
+    }
+    if (data.length) events.push({ name, data: JSON.parse(data.join('\n')) });
+  }
+  return events;
+}
+
+/**
+ * The events the page's parser (`sseParser` in api.js) reads from `body` when it arrives cut in
+ * two at `cut`, for each cut; they must be the same wherever the cut falls.
+ */
+function pageParsesAtEveryCut(body) {
+  return page.evaluate(async (text) => {
+    const { sseParser } = await import('/static/js/api.js');
+    const read = (pieces) => {
+      const events = [];
+      const parser = sseParser((name, data) => events.push({ name, data: JSON.parse(data) }));
+      for (const piece of pieces) parser.push(piece);
+      parser.end();
+      return JSON.stringify(events);
+    };
+    const whole = read([text]);
+    for (let cut = 1; cut < text.length; cut += 1) {
+      if (read([text.slice(0, cut), text.slice(cut)]) !== whole) return { cut, whole };
+    }
+    return { cut: null, whole };
+  }, body);
+}
+
+/**
+ * `text` as Playwright hands back the body of a response with this Content-Type: Chromium decodes
+ * a text body that names no charset as windows-1252 (the page itself reads the stream as UTF-8).
+ * Decoded in the browser, whose TextDecoder knows windows-1252 (Node's may only know latin-1).
+ */
+function asPlaywrightReads(text, contentType) {
+  if (/charset\s*=\s*"?utf-8/i.test(contentType)) return text;
+  return page.evaluate((t) => new TextDecoder('windows-1252').decode(new TextEncoder().encode(t)), text);
+}
+
 function noErrorsSoFar() {
   assert.deepEqual(pageErrors, [], 'the pages raised script errors');
   assert.deepEqual(outsideRequests, [], 'the pages fetched something outside the appliance');
@@ -237,6 +286,91 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const names = members.map((m) => m.name);
     assert.ok(names.some((n) => path.posix.basename(n) === 'config.json'), `archive members: ${names.join(', ')}`);
     assert.ok(members.some((m) => m.name.endsWith('.safetensors') && m.size > 0), `archive members: ${names.join(', ')}`);
+  });
+
+  await t.test('a checkpoint answers a two-turn chat, streamed token by token', async () => {
+    // The card lists the checkpoints; the server may answer on a GPU when it has one.
+    await page.locator('#try').waitFor({ state: 'visible' });
+    assert.ok(await page.locator('#try-checkpoint option').count() >= 1, 'no checkpoint to try');
+    const devices = (await (await page.request.get(url('/api/gpus'))).json()).map((d) => d.id);
+    const generated = (r) => r.request().method() === 'POST' && /\/checkpoints\/[^/]+\/generate$/.test(new URL(r.url()).pathname);
+    await page.click('#try-options > summary');
+    await page.fill('#try-tokens', '16');
+    const turns = page.locator('#try-conversation .turn');
+    const modelTurns = page.locator('#try-conversation .turn.model');
+
+    /** Sends a message as a person does and checks the streamed answer the page shows. */
+    async function chat(message, send) {
+      await page.fill('#try-message', message);
+      const replied = page.waitForResponse(generated, { timeout: 60_000 });
+      await send();
+      const response = await replied;
+      if (response.status() !== 200) {
+        await page.locator('#try-error').waitFor({ state: 'visible' });
+        assert.fail(`the checkpoint did not answer (${response.status()}): ${await page.locator('#try-error').innerText()}\n${server.log()}`);
+      }
+      const type = response.headers()['content-type'] || '';
+      assert.match(type, /^text\/event-stream/);
+      const body = response.request().postDataJSON();
+      assert.equal(body.stream, true);
+      assert.equal(body.max_new_tokens, 16);
+      const text = await response.text();
+      const events = sseEvents(text);
+      const parsed = await pageParsesAtEveryCut(text);
+      assert.equal(parsed.cut, null, `the page's parser reads other events when the body is cut at ${parsed.cut}`);
+      assert.deepEqual(JSON.parse(parsed.whole), events, "the page's parser and the test's read different events");
+      const names = events.map((e) => e.name);
+      assert.equal(names[0], 'start', `events: ${names.join(' ')}`);
+      assert.equal(names[names.length - 1], 'done', `events: ${names.join(' ')}\n${JSON.stringify(events[events.length - 1])}`);
+      assert.ok(names.slice(1, -1).every((n) => n === 'token'), `events: ${names.join(' ')}`);
+      const done = events[events.length - 1].data;
+      assert.equal(events.filter((e) => e.name === 'token').map((e) => e.data.text).join(''), done.text, 'the tokens add up to the answer');
+      // The page shows that answer, and under it where it ran, as a muted line.
+      const last = (await modelTurns.count()) - 1;
+      const turn = modelTurns.nth(last);
+      await page.waitForFunction((n) => document.querySelectorAll('#try-conversation .turn.model')[n]?.dataset.state !== 'streaming',
+        last, { timeout: 60_000 });
+      assert.equal(await turn.getAttribute('data-state'), 'done', `${await turn.innerText()}\n${await page.locator('#try-error').innerText()}`);
+      const shown = await turn.locator('.text').textContent();
+      if (done.text) assert.equal(await asPlaywrightReads(shown, type), done.text, 'the page shows the answer the server sent');
+      else assert.equal(shown, '(the model ended at once, with no text)');
+      const expectedDevice = devices.length === 1 ? 'cpu' : done.device;
+      assert.ok(devices.includes(done.device), `answered on ${done.device}; devices: ${devices.join(', ')}`);
+      assert.equal(await turn.locator('.stats').getAttribute('data-device'), expectedDevice);
+      const stats = await turn.locator('.stats').innerText();
+      assert.ok(stats.startsWith(`${expectedDevice} · ${done.tokens} token`), `the line under the answer: ${stats}`);
+      if (done.tokens > 0) assert.match(stats, / · \S+ tokens\/s/, `the line under the answer: ${stats}`);
+      assert.equal(await turn.locator('.note').isVisible(), done.chat === false, 'the "no chat template" note');
+      return body;
+    }
+
+    // Enter sends; the message leaves the box and shows as the first user turn.
+    const first = await chat('Hello! Who are you?', () => page.press('#try-message', 'Enter'));
+    assert.deepEqual(first.messages, [{ role: 'user', content: 'Hello! Who are you?' }]);
+    assert.equal(await page.inputValue('#try-message'), '');
+    // What the history carries for that answer: its text ('' when the model ended at once).
+    const noText = (await modelTurns.first().locator('.text .muted').count()) > 0;
+    const answer = noText ? '' : await modelTurns.first().locator('.text').textContent();
+    // Shift+Enter starts a new line instead of sending.
+    await page.fill('#try-message', 'Tell me more');
+    await page.press('#try-message', 'Shift+Enter');
+    assert.equal(await page.inputValue('#try-message'), 'Tell me more\n');
+    assert.equal(await turns.count(), 2);
+    // The second message goes with the history: the first question and the model's answer.
+    const second = await chat('Tell me more.', () => page.click('#try-send'));
+    assert.deepEqual(second.messages.map((m) => m.role), ['user', 'assistant', 'user']);
+    assert.equal(second.messages[2].content, 'Tell me more.');
+    assert.deepEqual(second.messages[1], { role: 'assistant', content: answer });
+    assert.equal(await page.locator('#try-conversation .turn.user').count(), 2);
+    assert.equal(await modelTurns.count(), 2);
+    assert.deepEqual(await page.locator('#try-conversation .turn.user .body').allTextContents(), ['Hello! Who are you?', 'Tell me more.']);
+    assert.ok(await page.locator('#try-stop').isHidden(), 'Stop is still shown after the answers');
+    assert.ok(await page.locator('#try-error').isHidden());
+    // "New conversation" clears both turns of each.
+    await page.click('#try-new');
+    assert.equal(await turns.count(), 0);
+    assert.ok(await page.locator('#try-new').isDisabled());
+    noErrorsSoFar();
   });
 
   await t.test('the dashboard lists the job', async () => {

@@ -1,5 +1,6 @@
 // The JSON API, as the pages use it: the session (with its CSRF token), requests that throw an
-// ApiError carrying the server's message, and an upload with progress.
+// ApiError carrying the server's message, a POST whose answer streams as server-sent events, and
+// an upload with progress.
 
 /** An API answer that was not 2xx; `message` is meant for the user. */
 export class ApiError extends Error {
@@ -36,6 +37,15 @@ async function errorFrom(response) {
   return new ApiError(response.status, message, problems);
 }
 
+/** The session expired (or the server restarted with new keys): log in again, then come back. */
+function sendToLogin() {
+  location.href = `/login?next=${encodeURIComponent(location.pathname + location.search)}`;
+  return new Promise(() => {});
+}
+
+const needsLogin = (response, path) =>
+  response.status === 401 && !['/api/login', '/api/setup'].includes(path) && location.pathname !== '/login';
+
 /** Sends a request and returns the parsed JSON (or text for non-JSON answers). */
 export async function request(method, path, body) {
   const headers = { Accept: 'application/json' };
@@ -54,11 +64,7 @@ export async function request(method, path, body) {
   } catch {
     throw new ApiError(0, 'Cannot reach the Sluice server. Is it still running?');
   }
-  if (response.status === 401 && !['/api/login', '/api/setup'].includes(path) && location.pathname !== '/login') {
-    // The session expired (or the server restarted with new keys): log in again, then come back.
-    location.href = `/login?next=${encodeURIComponent(location.pathname + location.search)}`;
-    return new Promise(() => {});
-  }
+  if (needsLogin(response, path)) return sendToLogin();
   if (!response.ok) throw await errorFrom(response);
   if (response.status === 204) return null;
   const type = response.headers.get('Content-Type') || '';
@@ -68,6 +74,116 @@ export async function request(method, path, body) {
 export const get = (path) => request('GET', path);
 export const post = (path, body = {}) => request('POST', path, body);
 export const del = (path) => request('DELETE', path);
+
+/**
+ * A reader of the server-sent events format (the WHATWG "event stream" rules): feed it text as it
+ * arrives with `push`, in pieces cut anywhere; it calls `onFrame(name, data)` once per complete
+ * frame, a frame ending at a blank line. `event:` names the frame ("message" when absent), each
+ * `data:` line adds a line to its data, a line starting with `:` is a comment, and a frame
+ * without data is dropped. `end()` drops an unfinished frame, as EventSource does.
+ */
+export function sseParser(onFrame) {
+  let buffer = '';
+  let name = '';
+  let data = [];
+  const line = (text) => {
+    if (text === '') {
+      if (data.length) onFrame(name || 'message', data.join('\n'));
+      name = '';
+      data = [];
+      return;
+    }
+    if (text.startsWith(':')) return;
+    const colon = text.indexOf(':');
+    const field = colon < 0 ? text : text.slice(0, colon);
+    let value = colon < 0 ? '' : text.slice(colon + 1);
+    if (value.startsWith(' ')) value = value.slice(1);
+    if (field === 'event') name = value;
+    else if (field === 'data') data.push(value);
+    // `id` and `retry` only matter to a reconnecting EventSource.
+  };
+  return {
+    push(text) {
+      buffer += text;
+      let start = 0;
+      for (let i = 0; i < buffer.length; i += 1) {
+        const c = buffer[i];
+        if (c !== '\n' && c !== '\r') continue;
+        // A CR at the very end may be the first half of a CRLF cut in two: wait for more.
+        if (c === '\r' && i === buffer.length - 1) break;
+        line(buffer.slice(start, i));
+        if (c === '\r' && buffer[i + 1] === '\n') i += 1;
+        start = i + 1;
+      }
+      buffer = buffer.slice(start);
+    },
+    end() {
+      if (buffer.endsWith('\r')) line(buffer.slice(0, -1));
+      buffer = '';
+      name = '';
+      data = [];
+    },
+  };
+}
+
+/**
+ * POSTs `body` as JSON (with the CSRF header, as `request` does) to an endpoint that answers with
+ * server-sent events, and calls `onEvent(name, data)` for each event as it arrives, `data` parsed
+ * as JSON (the raw text when it is not JSON). EventSource cannot POST, hence fetch and a reader.
+ * Resolves when the stream ends. A status other than 2xx throws an ApiError with the server's
+ * message; a 2xx JSON answer (a server that does not stream) comes as one `done` event. Aborting
+ * `signal` rejects with the browser's AbortError, so the caller can tell it from a failure.
+ */
+export async function postStream(path, body, onEvent, { signal } = {}) {
+  const { csrf } = await session();
+  const headers = { Accept: 'text/event-stream', 'Content-Type': 'application/json' };
+  if (csrf) headers['X-CSRF-Token'] = csrf;
+  let response;
+  try {
+    response = await fetch(path, { method: 'POST', headers, body: JSON.stringify(body), credentials: 'same-origin', signal });
+  } catch (err) {
+    if (err && err.name === 'AbortError') throw err;
+    throw new ApiError(0, 'Cannot reach the Sluice server. Is it still running?');
+  }
+  if (needsLogin(response, path)) return sendToLogin();
+  if (!response.ok) throw await errorFrom(response);
+  const type = response.headers.get('Content-Type') || '';
+  if (!type.includes('text/event-stream')) {
+    if (type.includes('json')) onEvent('done', await response.json());
+    return;
+  }
+  const parser = sseParser((name, text) => {
+    let data = text;
+    try {
+      data = JSON.parse(text);
+    } catch {
+      // Not JSON: handed over as text.
+    }
+    onEvent(name, data);
+  });
+  const reader = response.body.getReader();
+  // One decoder for the whole stream, so a character whose bytes straddle two chunks survives.
+  const decoder = new TextDecoder();
+  try {
+    for (;;) {
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch (err) {
+        if (err && err.name === 'AbortError') throw err;
+        throw new ApiError(0, 'The connection to the server broke off before the answer was complete.');
+      }
+      if (chunk.done) break;
+      parser.push(decoder.decode(chunk.value, { stream: true }));
+    }
+    parser.push(decoder.decode());
+    parser.end();
+  } catch (err) {
+    // Also when onEvent threw: stop the download rather than leave it running.
+    reader.cancel().catch(() => {});
+    throw err;
+  }
+}
 
 /**
  * Uploads a multipart form with progress (fetch cannot report upload progress; XHR can).

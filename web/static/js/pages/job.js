@@ -1,8 +1,8 @@
 // One job: status, progress and ETA; its settings, placement, disk use and equivalent command;
 // live charts fed by server-sent events on top of the stored history (so a reload loses
-// nothing); the log; checkpoints to download or try; cancel and resume (which continues from the
-// saved training state exactly).
-import { ApiError, get, post, requireUser } from '../api.js';
+// nothing); the log; checkpoints to download, or to chat with (the answer streams in as it is
+// written); cancel and resume (which continues from the saved training state exactly).
+import { ApiError, get, post, postStream, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
@@ -184,10 +184,18 @@ async function refreshCheckpoints() {
   }));
 }
 
-// --- try a checkpoint ------------------------------------------------------------------------
+// --- try a checkpoint: a small chat ----------------------------------------------------------
 
-// The list is rebuilt only when the checkpoints change, so a choice (and the typed prompt, which
-// lives outside the list) survive the periodic refresh.
+const NO_CHAT_TEMPLATE = 'This checkpoint has no chat template: the prompt is continued as plain text.';
+// What the server is sent each time: every user turn and the model's answers ("assistant"), in
+// order. A new conversation starts with a new array, so an answer still arriving for the old one
+// cannot land in it.
+let conversation = [];
+// The answer being written, while one is: { controller, turn }.
+let streaming = null;
+
+// The list is rebuilt only when the checkpoints change, so a choice (and the typed message and
+// the conversation, which live outside the list) survive the periodic refresh.
 function renderTryChoices(checkpoints) {
   const select = $('#try-checkpoint');
   const names = checkpoints.map((c) => c.name);
@@ -197,33 +205,209 @@ function renderTryChoices(checkpoints) {
   const chosen = select.value;
   fill(select, names.map((n) => el('option', { value: n }, n)));
   if (names.includes(chosen)) select.value = chosen;
+  else if (conversation.length || streaming) newConversation();
 }
 
-$('#try-form').addEventListener('submit', async (event) => {
-  event.preventDefault();
-  const name = $('#try-checkpoint').value;
-  const prompt = $('#try-prompt').value;
-  if (!name || !prompt.trim()) return;
-  const button = $('#try-button');
-  const answer = $('#try-answer');
+function userTurn(text) {
+  return el('div', { class: 'turn user', dataset: { role: 'user' } },
+    el('h3', { class: 'role' }, 'You'),
+    el('div', { class: 'body' }, text));
+}
+
+/**
+ * The model's turn: grows token by token, then shows where it ran and how fast. `followsTurns`:
+ * whether earlier turns came before it (which a checkpoint without a chat template ignores).
+ */
+class ModelTurn {
+  constructor(followsTurns) {
+    this.text = '';
+    this.device = null;
+    this.textNode = el('span', { class: 'text' });
+    this.caret = el('span', { class: 'caret', 'aria-hidden': 'true' });
+    this.chatNote = el('p', { class: 'note small muted', hidden: true },
+      followsTurns ? `${NO_CHAT_TEMPLATE} Only your last message is used.` : NO_CHAT_TEMPLATE);
+    this.stats = el('p', { class: 'stats small muted' }, 'Loading the checkpoint…');
+    this.deviceNote = el('p', { class: 'device-note small muted', hidden: true });
+    this.node = el('div', { class: 'turn model', dataset: { role: 'assistant', state: 'streaming' } },
+      el('h3', { class: 'role' }, 'Model'),
+      el('div', { class: 'body' }, this.textNode, this.caret),
+      this.chatNote, this.stats, this.deviceNote);
+  }
+
+  /** `start` and `done` both say where it runs and whether the chat template is used. */
+  describe(info) {
+    if (typeof info.device === 'string') this.device = info.device;
+    if (typeof info.chat === 'boolean') this.chatNote.hidden = info.chat;
+    if ('device_note' in info) {
+      this.deviceNote.textContent = info.device_note || '';
+      this.deviceNote.hidden = !info.device_note;
+    }
+    if (this.device) this.stats.dataset.device = this.device;
+  }
+
+  start(info) {
+    this.describe(info || {});
+    this.stats.textContent = this.device ? `Writing on ${deviceLabel(this.device)}…` : 'Writing…';
+  }
+
+  append(text) {
+    if (typeof text !== 'string' || !text) return;
+    this.text += text;
+    this.textNode.textContent = this.text;
+  }
+
+  finish(done) {
+    this.describe(done);
+    if (typeof done.text === 'string') this.text = done.text;
+    this.end('done', this.text ? null : '(the model ended at once, with no text)');
+    const tokens = typeof done.tokens === 'number' ? done.tokens : null;
+    this.stats.textContent = [
+      deviceLabel(this.device),
+      tokens === null ? null : `${fmtInt(tokens)} ${tokens === 1 ? 'token' : 'tokens'}`,
+      typeof done.tokens_per_s === 'number' ? `${fmtNum(done.tokens_per_s)} tokens/s` : null,
+      typeof done.seconds === 'number' ? fmtDuration(done.seconds) : null,
+      done.stopped_at_eos === false ? 'cut at the New tokens limit' : null,
+    ].filter(Boolean).join(' · ');
+  }
+
+  /** Stopped by the person (`stopped`) or by a failure (`failed`): the partial text stays. */
+  interrupt(state) {
+    this.end(state, this.text ? null : '(no text yet)');
+    const what = state === 'stopped' ? 'Stopped' : 'Broke off';
+    this.stats.textContent = [`${what}: the answer is incomplete`, this.device ? deviceLabel(this.device) : null]
+      .filter(Boolean).join(' · ');
+  }
+
+  end(state, placeholder) {
+    this.node.dataset.state = state;
+    this.caret.remove();
+    this.textNode.textContent = this.text;
+    if (placeholder) this.textNode.append(el('span', { class: 'muted' }, placeholder));
+  }
+}
+
+/**
+ * Runs `change` on the conversation and keeps its newest text in view, unless the person had
+ * scrolled up to read (or `force`).
+ */
+function followConversation(change, force = false) {
+  const view = $('#try-conversation');
+  const atEnd = view.scrollHeight - view.scrollTop - view.clientHeight < 40;
+  change();
+  if (force || atEnd) view.scrollTop = view.scrollHeight;
+}
+
+function setStreaming(on) {
+  $('#try-send').disabled = on;
+  $('#try-stop').hidden = !on;
+  $('#try-checkpoint').disabled = on;
+  $('#try-new').disabled = !on && conversation.length === 0;
+  // Screen readers announce the finished answer once instead of every token.
+  $('#try-conversation').setAttribute('aria-busy', on ? 'true' : 'false');
+}
+
+function newConversation() {
+  if (streaming) streaming.controller.abort();
+  conversation = [];
+  fill($('#try-conversation'));
   showError($('#try-error'), null);
-  button.disabled = true;
-  answer.hidden = false;
-  answer.textContent = 'Generating…';
+  $('#try-new').disabled = !streaming;
+}
+
+async function send() {
+  const input = $('#try-message');
+  const name = $('#try-checkpoint').value;
+  const text = input.value;
+  if (streaming || !name) return;
+  if (!text.trim()) {
+    input.focus();
+    return;
+  }
+  const errorBox = $('#try-error');
+  showError(errorBox, null);
+  const messages = conversation;
+  messages.push({ role: 'user', content: text });
+  const user = userTurn(text);
+  const turn = new ModelTurn(messages.length > 1);
+  followConversation(() => $('#try-conversation').append(user, turn.node), true);
+  input.value = '';
+  const controller = new AbortController();
+  streaming = { controller, turn };
+  setStreaming(true);
+
+  let done = null;
+  let failure = null;
   try {
-    const reply = await post(`/api/jobs/${id}/checkpoints/${encodeURIComponent(name)}/generate`, {
-      prompt,
+    await postStream(`/api/jobs/${id}/checkpoints/${encodeURIComponent(name)}/generate`, {
+      messages: [...messages],
       max_new_tokens: Number($('#try-tokens').value) || 64,
       temperature: Number($('#try-temperature').value) || 0,
-    });
-    answer.textContent = reply.text || '(the model ended at once, with no text)';
+      stream: true,
+    }, (event, data) => {
+      if (done || failure || !data || typeof data !== 'object') return;
+      if (event === 'start') followConversation(() => turn.start(data));
+      else if (event === 'token') followConversation(() => turn.append(data.text));
+      else if (event === 'done') done = data;
+      else if (event === 'error') failure = new ApiError(500, String(data.error || 'The generation failed.'));
+    }, { signal: controller.signal });
+    if (!done && !failure) failure = new ApiError(0, 'The answer broke off before it was complete.');
   } catch (err) {
-    answer.hidden = true;
-    showError($('#try-error'), err);
-  } finally {
-    button.disabled = false;
+    failure = err;
   }
+
+  const current = messages === conversation;
+  followConversation(() => {
+    if (done) {
+      turn.finish(done);
+    } else if (failure && failure.name === 'AbortError') {
+      turn.interrupt('stopped');
+    } else if (!turn.text) {
+      // Refused or failed before any text (a wrong setting, a busy server, a checkpoint that
+      // cannot generate): the turn is taken back and the message put back to edit or send again.
+      user.remove();
+      turn.node.remove();
+      if (current) {
+        messages.pop();
+        if (!input.value) input.value = text;
+      }
+    } else {
+      turn.interrupt('failed');
+    }
+  });
+  // What was shown of an answer, even an incomplete one, stays in the history.
+  if (current && turn.node.isConnected) messages.push({ role: 'assistant', content: turn.text });
+  if (current && failure && failure.name !== 'AbortError') showError(errorBox, failure);
+
+  streaming = null;
+  setStreaming(false);
+  // Back to the message box, unless the person has moved on to something else meanwhile.
+  const focused = document.activeElement;
+  if (!focused || focused === document.body || focused === $('#try-send')) input.focus();
+}
+
+$('#try-form').addEventListener('submit', (event) => {
+  event.preventDefault();
+  send();
 });
+
+// Enter sends, Shift+Enter starts a new line (and Enter that confirms a composed character, in
+// an input method, does neither).
+$('#try-message').addEventListener('keydown', (event) => {
+  if (event.key !== 'Enter' || event.shiftKey || event.isComposing || event.keyCode === 229) return;
+  event.preventDefault();
+  send();
+});
+
+$('#try-stop').addEventListener('click', () => {
+  if (streaming) streaming.controller.abort();
+});
+
+$('#try-new').addEventListener('click', () => {
+  newConversation();
+  $('#try-message').focus();
+});
+
+$('#try-checkpoint').addEventListener('change', () => newConversation());
 
 // --- log -------------------------------------------------------------------------------------
 
