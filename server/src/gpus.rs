@@ -1,20 +1,9 @@
 //! The devices jobs run on: GPUs through NVML (loaded at run time, so the binary runs on
 //! machines without NVIDIA's library) and the CPU, which is always there and is one device.
 
-use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
 use nvml_wrapper::Nvml;
 use serde::Serialize;
 use tracing::info;
-
-use crate::AppState;
-use crate::auth::CurrentUser;
-use crate::error::ApiResult;
-
-pub(crate) fn router() -> Router<AppState> {
-    Router::new().route("/api/gpus", get(list))
-}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct DeviceInfo {
@@ -136,12 +125,4 @@ pub fn process_rss() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
     pages * 4096
-}
-
-async fn list(
-    State(state): State<AppState>,
-    _user: CurrentUser,
-) -> ApiResult<Json<Vec<DeviceInfo>>> {
-    let devices = tokio::task::spawn_blocking(move || state.gpus().list()).await?;
-    Ok(Json(devices))
 }

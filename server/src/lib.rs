@@ -1,34 +1,40 @@
 //! The Sluice appliance: the HTTP application and the command line.
 //!
-//! [`app`] builds the whole router from an [`AppState`] (opened with [`AppState::open`]); tests
-//! drive it with `tower::ServiceExt::oneshot`, with no socket. [`cli`] parses the command line
+//! [`app`] builds the whole router from an [`AppState`] (opened with [`AppState::open`], brought
+//! to life by [`start`]); tests drive it with `tower::ServiceExt::oneshot`, with no socket. [`cli`] parses the command line
 //! and runs a subcommand (`serve` binds a socket and serves [`app`]).
 //!
 //! Invariants: HTTP handlers never train (training runs on one OS thread per device, see
 //! [`jobs::runner`]); every 4xx body is `{"error": ...}`; another user's dataset, job or
 //! checkpoint answers 404.
 
+mod api;
 pub mod auth;
-mod checkpoints;
 pub mod cli;
 pub mod config;
 mod datasets;
 pub mod db;
 pub mod error;
 pub mod gpus;
-mod health;
 pub mod jobs;
-mod metrics;
 pub mod models;
 mod pages;
 mod paths;
-pub mod plan;
 mod state;
-mod tryit;
-mod users;
 
 pub use config::Config;
 pub use state::{AppState, JobMessage};
+
+/// Brings an opened appliance to life: jobs a previous process left running are marked
+/// interrupted, the demo dataset is registered (once), and the job dispatcher and the task that
+/// unloads an idle try-it model start. Call it once per [`AppState`], inside a tokio runtime.
+pub async fn start(state: &AppState) -> anyhow::Result<()> {
+    jobs::runner::mark_interrupted(state.pool()).await?;
+    datasets::register_demo(state).await?;
+    jobs::runner::start(state);
+    api::start_tryit(state);
+    Ok(())
+}
 
 use axum::Router;
 use axum::middleware;
@@ -45,21 +51,11 @@ pub fn app(state: AppState) -> Router {
     let ceiling = usize::try_from(ceiling).unwrap_or(usize::MAX);
     let compressed = Router::new()
         .merge(pages::router())
-        .merge(health::router())
-        .merge(auth::router())
-        .merge(users::router())
-        .merge(datasets::router())
-        .merge(models::router())
-        .merge(gpus::router())
-        .merge(plan::router())
-        .merge(jobs::router())
-        .merge(metrics::router())
-        // SSE is left uncompressed by the default predicate, so events are not held back.
+        .merge(api::compressed())
         .layer(CompressionLayer::new());
     Router::new()
         .merge(compressed)
-        // Downloads are not compressed: ranges must address the file's own bytes.
-        .merge(checkpoints::router())
+        .merge(api::uncompressed())
         .fallback(fallback)
         .layer(middleware::from_fn_with_state(state.clone(), auth::session::csrf_guard))
         .layer(RequestBodyLimitLayer::new(ceiling))

@@ -5,11 +5,11 @@ use anyhow::Context;
 use sqlx::SqlitePool;
 use tokio::sync::broadcast;
 
+use crate::api::TryIt;
 use crate::config::Config;
+use crate::db;
 use crate::gpus::Gpus;
-use crate::jobs::{self, Queue};
-use crate::tryit::{self, TryIt};
-use crate::{datasets, db};
+use crate::jobs::Queue;
 
 /// Live job news for SSE viewers: one broadcast channel for all jobs, filtered per viewer.
 #[derive(Debug, Clone)]
@@ -46,9 +46,8 @@ impl AppState {
         Self::open_with(config, Gpus::detect()).await
     }
 
-    /// Creates the data directory's layout, opens and migrates the database, marks jobs left
-    /// running as interrupted, registers the demo dataset (once) and starts a job runner per
-    /// device. Must be called inside a tokio runtime.
+    /// Creates the data directory's layout and opens and migrates the database; nothing runs
+    /// until [`crate::start`].
     pub async fn open_with(config: Config, gpus: Gpus) -> anyhow::Result<AppState> {
         for dir in [
             config.data_dir.clone(),
@@ -59,16 +58,10 @@ impl AppState {
                 .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
         }
         let pool = db::open(&config.database_path()).await?;
-        jobs::runner::mark_interrupted(&pool).await?;
         let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
-        let state = AppState {
-            inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit: TryIt::default() }),
-        };
-        datasets::register_demo(&state).await?;
-        jobs::runner::start(&state);
-        tryit::start(&state);
-        Ok(state)
+        let tryit = TryIt::default();
+        Ok(AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit }) })
     }
 
     pub fn config(&self) -> &Config {

@@ -102,6 +102,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         anyhow::Error::new(err).context(format!("cannot listen on {addr}{hint}"))
     })?;
     let state = AppState::open(config).await?;
+    crate::start(&state).await?;
     let local = listener.local_addr().context("cannot read the bound address")?;
     info!(
         data_dir = %state.data_dir().display(),

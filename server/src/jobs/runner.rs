@@ -28,7 +28,7 @@ use sluice_engine::train::{
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{error, info};
 
-use super::store::{self, COLUMNS, JobRow};
+use super::store::{self, JobRow, JobStatus};
 use crate::AppState;
 use crate::db::now_f64;
 use crate::error::ApiResult;
@@ -106,18 +106,9 @@ pub fn busy_devices(state: &AppState) -> Vec<String> {
 
 /// Jobs that were running when the server stopped cannot be running now.
 pub async fn mark_interrupted(pool: &sqlx::SqlitePool) -> anyhow::Result<()> {
-    let marked = sqlx::query(
-        "UPDATE jobs SET status = 'interrupted', finished_at = CAST(strftime('%s', 'now') AS INTEGER),
-             error = 'the server stopped while the job was running; resume it to continue'
-         WHERE status = 'running'",
-    )
-    .execute(pool)
-    .await?;
-    if marked.rows_affected() > 0 {
-        info!(
-            "{} job(s) were running when the server stopped: marked interrupted",
-            marked.rows_affected()
-        );
+    let marked = store::mark_interrupted(pool).await?;
+    if marked > 0 {
+        info!("{marked} job(s) were running when the server stopped: marked interrupted");
     }
     Ok(())
 }
@@ -158,40 +149,28 @@ async fn dispatch(state: AppState) {
 /// Claims the first queued job, in queue order, whose devices are all free and not wanted by
 /// an earlier queued job; marks them busy. Jobs naming a device this machine lacks fail.
 async fn claim_ready(state: &AppState) -> ApiResult<Option<(JobRow, Vec<String>)>> {
-    let queued: Vec<(i64, String)> =
-        sqlx::query_as("SELECT id, device FROM jobs WHERE status = 'queued' ORDER BY queue_seq")
-            .fetch_all(state.pool())
-            .await?;
+    let queued = store::queued_devices(state).await?;
     let known = state.gpus().device_ids();
     let mut blocked = lock(&state.queue().busy).clone();
     for (id, device) in queued {
         let members = match device.parse::<train::Devices>() {
             Ok(d) => d.members(),
             Err(e) => {
-                store::finish(state, id, "failed", Some(&e.to_string())).await?;
+                store::finish(state, id, JobStatus::Failed, Some(&e.to_string())).await?;
                 continue;
             }
         };
         if let Some(missing) = members.iter().find(|d| !known.contains(d)) {
             let message = format!("{missing} is not on this machine");
             store::log(state, id, &format!("cannot start: {message}")).await;
-            store::finish(state, id, "failed", Some(&message)).await?;
+            store::finish(state, id, JobStatus::Failed, Some(&message)).await?;
             continue;
         }
         if members.iter().any(|d| blocked.contains(d)) {
             blocked.extend(members);
             continue;
         }
-        let claimed: Option<JobRow> = sqlx::query_as(&format!(
-            "UPDATE jobs SET status = 'running', started_at = ?, start_step = step, error = NULL,
-                 finished_at = NULL
-             WHERE id = ? AND status = 'queued'
-             RETURNING {COLUMNS}"
-        ))
-        .bind(now_f64())
-        .bind(id)
-        .fetch_optional(state.pool())
-        .await?;
+        let claimed = store::claim(state, id).await?;
         if let Some(job) = claimed {
             lock(&state.queue().busy).extend(members.iter().cloned());
             // A model kept loaded for "try it" holds memory this job plans with.
@@ -223,7 +202,7 @@ async fn run_job(state: &AppState, job: JobRow) {
         Ok(j) => j,
         Err(message) => {
             store::log(state, id, &format!("cannot start: {message}")).await;
-            let _ = store::finish(state, id, "failed", Some(&message)).await;
+            let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
             return;
         }
     };
@@ -255,7 +234,7 @@ async fn run_job(state: &AppState, job: JobRow) {
     });
     if let Err(err) = spawned {
         let message = format!("cannot start a training thread: {err}");
-        let _ = store::finish(state, id, "failed", Some(&message)).await;
+        let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
         return;
     }
     let mut total = job.total_steps.max(0) as u64;
@@ -270,9 +249,9 @@ async fn run_job(state: &AppState, job: JobRow) {
     let result = done.await.unwrap_or_else(|_| Err("the training thread stopped".to_string()));
     let cancelled = state.queue().clear_cancel(id);
     let (status, error) = match &result {
-        Ok(summary) if cancelled && summary.steps < total => ("cancelled", None),
-        Ok(_) => ("completed", None),
-        Err(message) => ("failed", Some(message.as_str())),
+        Ok(summary) if cancelled && summary.steps < total => (JobStatus::Cancelled, None),
+        Ok(_) => (JobStatus::Completed, None),
+        Err(message) => (JobStatus::Failed, Some(message.as_str())),
     };
     let line = match &result {
         Ok(summary) => format!(
@@ -321,44 +300,21 @@ fn train_job(job: Job, out: PathBuf, forwarder: &mut Forwarder) -> Result<RunSum
 async fn record(state: &AppState, id: i64, event: RunEvent) -> ApiResult<()> {
     match event {
         RunEvent::Planned { placement, line } => {
-            sqlx::query("UPDATE jobs SET placement = ? WHERE id = ?")
-                .bind(&placement)
-                .bind(id)
-                .execute(state.pool())
-                .await?;
+            store::set_placement(state, id, &placement).await?;
             store::log(state, id, &line).await;
         }
         RunEvent::Started { total_steps, line } => {
-            sqlx::query("UPDATE jobs SET total_steps = ? WHERE id = ?")
-                .bind(total_steps as i64)
-                .bind(id)
-                .execute(state.pool())
-                .await?;
+            store::set_total_steps(state, id, total_steps as i64).await?;
             store::log(state, id, &line).await;
             store::publish_status(state, id).await?;
         }
         RunEvent::Step { step, point } => {
             let text = point.to_string();
-            sqlx::query("INSERT OR REPLACE INTO metrics (job_id, step, point) VALUES (?, ?, ?)")
-                .bind(id)
-                .bind(step as i64)
-                .bind(&text)
-                .execute(state.pool())
-                .await?;
-            sqlx::query("UPDATE jobs SET step = ? WHERE id = ?")
-                .bind(step as i64)
-                .bind(id)
-                .execute(state.pool())
-                .await?;
+            store::record_step(state, id, step as i64, &text).await?;
             state.publish(id, "metric", text);
         }
         RunEvent::Saved { name, step } => {
-            sqlx::query("INSERT OR REPLACE INTO checkpoints (job_id, name, step) VALUES (?, ?, ?)")
-                .bind(id)
-                .bind(&name)
-                .bind(step as i64)
-                .execute(state.pool())
-                .await?;
+            store::record_checkpoint(state, id, &name, step as i64).await?;
             store::log(state, id, &format!("saved checkpoint {name} (step {step})")).await;
         }
         RunEvent::Log(line) => store::log(state, id, &line).await,

@@ -1,7 +1,9 @@
-//! Job rows: the queries the handlers and the runners share, and the JSON a job is shown as.
+//! The `jobs` table and its children (`metrics`, `checkpoints`, `job_logs`): every query on
+//! them is here, for the API handlers and the runner alike, and the JSON a job is shown as.
 
 use std::path::Path;
 
+use serde::Serialize;
 use serde_json::{Value, json};
 use sluice_engine::data::DatasetSource;
 use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
@@ -12,6 +14,41 @@ use crate::auth::User;
 use crate::db::{now, now_f64};
 use crate::error::{ApiError, ApiResult};
 
+/// Where a job is in its life. Stored as its lower-case name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, sqlx::Type)]
+#[serde(rename_all = "lowercase")]
+#[sqlx(rename_all = "lowercase")]
+pub enum JobStatus {
+    /// Waiting for its devices.
+    Queued,
+    Running,
+    Completed,
+    Failed,
+    /// Stopped by its owner; resumable.
+    Cancelled,
+    /// Running when the server stopped; resumable.
+    Interrupted,
+}
+
+impl JobStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Running => "running",
+            JobStatus::Completed => "completed",
+            JobStatus::Failed => "failed",
+            JobStatus::Cancelled => "cancelled",
+            JobStatus::Interrupted => "interrupted",
+        }
+    }
+}
+
+impl std::fmt::Display for JobStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Debug, Clone, FromRow)]
 pub struct JobRow {
     pub id: i64,
@@ -20,7 +57,7 @@ pub struct JobRow {
     pub dataset_id: Option<i64>,
     pub device: String,
     pub config: String,
-    pub status: String,
+    pub status: JobStatus,
     pub queue_seq: i64,
     pub error: Option<String>,
     pub total_steps: i64,
@@ -47,12 +84,12 @@ impl JobRow {
     }
 
     pub fn is_resumable(&self) -> bool {
-        matches!(self.status.as_str(), "cancelled" | "interrupted")
+        matches!(self.status, JobStatus::Cancelled | JobStatus::Interrupted)
     }
 
     /// Seconds left, from the pace of the steps since the latest start.
     pub fn eta_s(&self) -> Option<f64> {
-        if self.status != "running" || self.total_steps <= 0 {
+        if self.status != JobStatus::Running || self.total_steps <= 0 {
             return None;
         }
         let done = self.step - self.start_step;
@@ -107,7 +144,7 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
         .fetch_optional(state.pool())
         .await?;
     let dataset_name = name_of_dataset(state, job.dataset_id).await?;
-    let position: Option<i64> = if job.status == "queued" {
+    let position: Option<i64> = if job.status == JobStatus::Queued {
         Some(
             sqlx::query_scalar(
                 "SELECT COUNT(*) FROM jobs WHERE device = ? AND status = 'queued' AND queue_seq <= ?",
@@ -226,7 +263,7 @@ pub async fn log(state: &AppState, job_id: i64, line: &str) {
 pub async fn finish(
     state: &AppState,
     job_id: i64,
-    status: &str,
+    status: JobStatus,
     error: Option<&str>,
 ) -> ApiResult<()> {
     sqlx::query("UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?")
@@ -245,4 +282,292 @@ pub async fn publish_status(state: &AppState, job_id: i64) -> ApiResult<()> {
         state.publish(job_id, "status", job.status_json().to_string());
     }
     Ok(())
+}
+
+/// Every job `user` may see (all of them for an admin), newest first.
+pub async fn list_for(state: &AppState, user: &User) -> ApiResult<Vec<JobRow>> {
+    Ok(if user.is_admin() {
+        sqlx::query_as(&format!("SELECT {COLUMNS} FROM jobs ORDER BY id DESC"))
+            .fetch_all(state.pool())
+            .await?
+    } else {
+        sqlx::query_as(&format!("SELECT {COLUMNS} FROM jobs WHERE owner_id = ? ORDER BY id DESC"))
+            .bind(user.id)
+            .fetch_all(state.pool())
+            .await?
+    })
+}
+
+/// A job to queue, as the API accepted it.
+pub struct NewJob<'a> {
+    pub owner_id: i64,
+    pub model: &'a str,
+    pub dataset_id: i64,
+    pub eval_dataset_id: Option<i64>,
+    pub device: &'a str,
+    /// The engine's settings as JSON.
+    pub config: &'a str,
+    pub total_steps: i64,
+}
+
+/// Why [`insert_queued`] did not queue a job.
+pub enum NotQueued {
+    /// The owner has `active` queued or running jobs, the most allowed.
+    AtLimit { active: i64 },
+    /// A dataset was deleted meanwhile.
+    DatasetGone,
+}
+
+/// Queues `job` at the end of the queue, in one statement, so the owner's limit of `limit`
+/// active jobs and the datasets' existence hold whatever runs beside it (concurrent submits, a
+/// dataset deleted meanwhile).
+pub async fn insert_queued(
+    state: &AppState,
+    job: &NewJob<'_>,
+    limit: i64,
+) -> ApiResult<Result<i64, NotQueued>> {
+    let id: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO jobs (owner_id, model, dataset_id, eval_dataset_id, device, config, status,
+                           queue_seq, total_steps, created_at)
+         SELECT ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?
+         WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?
+           AND EXISTS (SELECT 1 FROM datasets WHERE id = ?)
+           AND (? IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?))
+         RETURNING id",
+    )
+    .bind(job.owner_id)
+    .bind(job.model)
+    .bind(job.dataset_id)
+    .bind(job.eval_dataset_id)
+    .bind(job.device)
+    .bind(job.config)
+    .bind(job.total_steps)
+    .bind(now())
+    .bind(job.owner_id)
+    .bind(limit)
+    .bind(job.dataset_id)
+    .bind(job.eval_dataset_id)
+    .bind(job.eval_dataset_id)
+    .fetch_optional(state.pool())
+    .await?;
+    if let Some(id) = id {
+        return Ok(Ok(id));
+    }
+    let active = active_of_owner(state, job.owner_id).await?;
+    Ok(Err(if active >= limit { NotQueued::AtLimit { active } } else { NotQueued::DatasetGone }))
+}
+
+/// Queued or running jobs of `owner_id`.
+pub async fn active_of_owner(state: &AppState, owner_id: i64) -> ApiResult<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')",
+    )
+    .bind(owner_id)
+    .fetch_one(state.pool())
+    .await?)
+}
+
+/// Queued or running jobs that train on, or evaluate with, dataset `dataset_id`.
+pub async fn active_using_dataset(state: &AppState, dataset_id: i64) -> ApiResult<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
+             AND status IN ('queued', 'running')",
+    )
+    .bind(dataset_id)
+    .bind(dataset_id)
+    .fetch_one(state.pool())
+    .await?)
+}
+
+/// Jobs by status: (queued, running).
+pub async fn queue_counts(state: &AppState) -> ApiResult<(i64, i64)> {
+    let (queued, running): (i64, i64) = sqlx::query_as(
+        "SELECT COALESCE(SUM(status = 'queued'), 0), COALESCE(SUM(status = 'running'), 0)
+         FROM jobs",
+    )
+    .fetch_one(state.pool())
+    .await?;
+    Ok((queued, running))
+}
+
+/// Each running job's id and its latest tokens per second, if it reported one.
+pub async fn running_rates(state: &AppState) -> ApiResult<Vec<(i64, Option<f64>)>> {
+    Ok(sqlx::query_as(
+        "SELECT j.id, (SELECT json_extract(m.point, '$.tokens_per_s') FROM metrics m
+                       WHERE m.job_id = j.id ORDER BY m.step DESC LIMIT 1) AS tokens_per_s
+         FROM jobs j WHERE j.status = 'running' ORDER BY j.id",
+    )
+    .fetch_all(state.pool())
+    .await?)
+}
+
+/// Running jobs with their devices ("cuda:0,1").
+pub async fn running_devices(state: &AppState) -> ApiResult<Vec<(i64, String)>> {
+    Ok(sqlx::query_as("SELECT id, device FROM jobs WHERE status = 'running'")
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Queued jobs with their devices, in queue order.
+pub async fn queued_devices(state: &AppState) -> ApiResult<Vec<(i64, String)>> {
+    Ok(sqlx::query_as("SELECT id, device FROM jobs WHERE status = 'queued' ORDER BY queue_seq")
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Marks queued job `id` running (from the step it is at); `None` when it is no longer queued.
+pub async fn claim(state: &AppState, id: i64) -> ApiResult<Option<JobRow>> {
+    Ok(sqlx::query_as(&format!(
+        "UPDATE jobs SET status = 'running', started_at = ?, start_step = step, error = NULL,
+             finished_at = NULL
+         WHERE id = ? AND status = 'queued'
+         RETURNING {COLUMNS}"
+    ))
+    .bind(now_f64())
+    .bind(id)
+    .fetch_optional(state.pool())
+    .await?)
+}
+
+/// Cancels job `id` if it is still queued; says whether it was.
+pub async fn cancel_queued(state: &AppState, id: i64) -> ApiResult<bool> {
+    let dequeued = sqlx::query(
+        "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE id = ? AND status = 'queued'",
+    )
+    .bind(now())
+    .bind(id)
+    .execute(state.pool())
+    .await?;
+    Ok(dequeued.rows_affected() == 1)
+}
+
+/// Queues cancelled or interrupted job `id` again from `step`, dropping the metrics of later
+/// steps (they are taken again, identically), if its owner is under `limit` active jobs. Says
+/// whether it was queued.
+pub async fn requeue(
+    state: &AppState,
+    id: i64,
+    owner_id: i64,
+    step: i64,
+    limit: i64,
+) -> ApiResult<bool> {
+    let mut tx = state.pool().begin().await?;
+    sqlx::query("DELETE FROM metrics WHERE job_id = ? AND step > ?")
+        .bind(id)
+        .bind(step)
+        .execute(&mut *tx)
+        .await?;
+    let queued = sqlx::query(
+        "UPDATE jobs SET status = 'queued', queue_seq = (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
+             error = NULL, finished_at = NULL, step = ?, start_step = ?
+         WHERE id = ? AND status IN ('cancelled', 'interrupted')
+           AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?",
+    )
+    .bind(step)
+    .bind(step)
+    .bind(id)
+    .bind(owner_id)
+    .bind(limit)
+    .execute(&mut *tx)
+    .await?;
+    if queued.rows_affected() != 1 {
+        return Ok(false);
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Jobs that were running when the server stopped cannot be running now: marks them
+/// interrupted and returns how many there were.
+pub async fn mark_interrupted(pool: &sqlx::SqlitePool) -> sqlx::Result<u64> {
+    let marked = sqlx::query(
+        "UPDATE jobs SET status = 'interrupted', finished_at = CAST(strftime('%s', 'now') AS INTEGER),
+             error = 'the server stopped while the job was running; resume it to continue'
+         WHERE status = 'running'",
+    )
+    .execute(pool)
+    .await?;
+    Ok(marked.rows_affected())
+}
+
+pub async fn set_placement(state: &AppState, id: i64, placement: &str) -> ApiResult<()> {
+    sqlx::query("UPDATE jobs SET placement = ? WHERE id = ?")
+        .bind(placement)
+        .bind(id)
+        .execute(state.pool())
+        .await?;
+    Ok(())
+}
+
+pub async fn set_total_steps(state: &AppState, id: i64, total_steps: i64) -> ApiResult<()> {
+    sqlx::query("UPDATE jobs SET total_steps = ? WHERE id = ?")
+        .bind(total_steps)
+        .bind(id)
+        .execute(state.pool())
+        .await?;
+    Ok(())
+}
+
+/// Stores step `step`'s metrics point (JSON) and moves the job's step there.
+pub async fn record_step(state: &AppState, id: i64, step: i64, point: &str) -> ApiResult<()> {
+    let mut tx = state.pool().begin().await?;
+    sqlx::query("INSERT OR REPLACE INTO metrics (job_id, step, point) VALUES (?, ?, ?)")
+        .bind(id)
+        .bind(step)
+        .bind(point)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("UPDATE jobs SET step = ? WHERE id = ?")
+        .bind(step)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Every stored metrics point of job `id` (JSON text), in step order.
+pub async fn metric_points(state: &AppState, id: i64) -> ApiResult<Vec<String>> {
+    Ok(sqlx::query_scalar("SELECT point FROM metrics WHERE job_id = ? ORDER BY step")
+        .bind(id)
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Every log line of job `id`, oldest first.
+pub async fn log_lines(state: &AppState, id: i64) -> ApiResult<Vec<String>> {
+    Ok(sqlx::query_scalar("SELECT line FROM job_logs WHERE job_id = ? ORDER BY id")
+        .bind(id)
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Records checkpoint `name` of job `id`, saved at `step`.
+pub async fn record_checkpoint(state: &AppState, id: i64, name: &str, step: i64) -> ApiResult<()> {
+    sqlx::query("INSERT OR REPLACE INTO checkpoints (job_id, name, step) VALUES (?, ?, ?)")
+        .bind(id)
+        .bind(name)
+        .bind(step)
+        .execute(state.pool())
+        .await?;
+    Ok(())
+}
+
+/// Job `id`'s checkpoints as (name, step), in step order.
+pub async fn checkpoints(state: &AppState, id: i64) -> ApiResult<Vec<(String, i64)>> {
+    Ok(sqlx::query_as("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step, name")
+        .bind(id)
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Whether job `id` recorded a checkpoint called `name`.
+pub async fn has_checkpoint(state: &AppState, id: i64, name: &str) -> ApiResult<bool> {
+    let known: Option<String> =
+        sqlx::query_scalar("SELECT name FROM checkpoints WHERE job_id = ? AND name = ?")
+            .bind(id)
+            .bind(name)
+            .fetch_optional(state.pool())
+            .await?;
+    Ok(known.is_some())
 }

@@ -26,13 +26,16 @@ impl TestApp {
         let mut config = Config::new(dir.path().join("data"));
         edit(&mut config);
         let state = AppState::open_with(config, Gpus::none()).await?;
+        sluice::start(&state).await?;
         Ok(TestApp { state, _dir: dir })
     }
 
     /// Reopens the same data directory, as a server restart does.
     pub async fn restart(&self) -> anyhow::Result<AppState> {
         let config = self.state.config().clone();
-        AppState::open_with(config, Gpus::none()).await
+        let state = AppState::open_with(config, Gpus::none()).await?;
+        sluice::start(&state).await?;
+        Ok(state)
     }
 
     pub fn client(&self) -> Client {

@@ -1,84 +1,20 @@
 //! `POST /api/datasets`: a multipart upload streamed to a server-named file, counted against
 //! the size limit as it arrives, linted, and kept only when every record is good.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use axum::Json;
-use axum::extract::multipart::Field;
 use axum::extract::{Multipart, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::data::Layout;
-use tokio::io::AsyncWriteExt;
 
-use super::{Dataset, SELECT, lint};
+use super::super::multipart::{TempFile, refuse_declared_oversize, stream_to_temp};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
+use crate::datasets::{Dataset, SELECT, lint};
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
-
-/// Multipart framing and the `name` field on top of the file itself.
-pub(crate) const MULTIPART_OVERHEAD: u64 = 64 << 10;
-
-/// Deletes the temporary file unless the upload is kept.
-pub(crate) struct TempFile(pub(crate) Option<PathBuf>);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
-/// 413 before reading anything when the declared body is larger than `limit` allows.
-pub(crate) fn refuse_declared_oversize(headers: &HeaderMap, limit: u64) -> ApiResult<()> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit.saturating_add(MULTIPART_OVERHEAD)) {
-        return Err(too_large(limit));
-    }
-    Ok(())
-}
-
-/// Streams a multipart field into a new file at `path`, counting it against `limit` as it
-/// arrives; returns the file (deleted on drop unless kept) and its size.
-pub(crate) async fn stream_to_temp(
-    field: &mut Field<'_>,
-    path: PathBuf,
-    limit: u64,
-) -> ApiResult<(TempFile, u64)> {
-    let temp = TempFile(Some(path.clone()));
-    let mut out = tokio::fs::File::create(&path).await?;
-    let mut size = 0u64;
-    while let Some(chunk) = field.chunk().await? {
-        size += chunk.len() as u64;
-        if size > limit {
-            return Err(too_large(limit));
-        }
-        out.write_all(&chunk).await?;
-    }
-    out.flush().await?;
-    out.sync_all().await?;
-    Ok((temp, size))
-}
-
-pub(crate) fn too_large(limit: u64) -> ApiError {
-    ApiError::TooLarge(format!(
-        "the file is larger than the upload limit of {} (set max_upload_mb to raise it)",
-        human_bytes(limit)
-    ))
-}
-
-fn human_bytes(bytes: u64) -> String {
-    if bytes >= 1 << 20 {
-        format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
-    } else {
-        format!("{bytes} bytes")
-    }
-}
 
 /// 201 with the dataset; 413 over the limit; 422 with one line per bad record; 400 without a
 /// `file` field.

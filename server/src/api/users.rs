@@ -99,12 +99,7 @@ async fn remove(
     if exists.is_none() {
         return Err(ApiError::not_found(format!("no user {id}")));
     }
-    let active: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')",
-    )
-    .bind(id)
-    .fetch_one(state.pool())
-    .await?;
+    let active = crate::jobs::store::active_of_owner(&state, id).await?;
     if active > 0 {
         return Err(ApiError::conflict(format!(
             "the user has {active} queued or running jobs; cancel them first"

@@ -11,31 +11,15 @@ use axum::routing::get;
 
 use crate::AppState;
 use crate::error::ApiResult;
+use crate::jobs::store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new().route("/metrics", get(metrics))
 }
 
-#[derive(sqlx::FromRow)]
-struct Rate {
-    id: i64,
-    tokens_per_s: Option<f64>,
-}
-
 async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
-    let queued: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE status = 'queued'")
-        .fetch_one(state.pool())
-        .await?;
-    let running: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE status = 'running'")
-        .fetch_one(state.pool())
-        .await?;
-    let rates: Vec<Rate> = sqlx::query_as(
-        "SELECT j.id, (SELECT json_extract(m.point, '$.tokens_per_s') FROM metrics m
-                       WHERE m.job_id = j.id ORDER BY m.step DESC LIMIT 1) AS tokens_per_s
-         FROM jobs j WHERE j.status = 'running' ORDER BY j.id",
-    )
-    .fetch_all(state.pool())
-    .await?;
+    let (queued, running) = store::queue_counts(&state).await?;
+    let rates = store::running_rates(&state).await?;
     let gpu_state = state.clone();
     let devices = tokio::task::spawn_blocking(move || gpu_state.gpus().list()).await?;
 
@@ -64,9 +48,9 @@ async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> 
         "# HELP sluice_tokens_per_second Throughput of the latest step per running job."
     );
     let _ = writeln!(out, "# TYPE sluice_tokens_per_second gauge");
-    for rate in &rates {
-        if let Some(value) = rate.tokens_per_s {
-            let _ = writeln!(out, "sluice_tokens_per_second{{job=\"{}\"}} {value}", rate.id);
+    for (job, rate) in &rates {
+        if let Some(value) = rate {
+            let _ = writeln!(out, "sluice_tokens_per_second{{job=\"{job}\"}} {value}");
         }
     }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out))

@@ -25,7 +25,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/jobs/{id}/checkpoints", get(list))
         .route("/api/jobs/{id}/checkpoints/{name}/files/{file}", get(file))
         .route("/api/jobs/{id}/checkpoints/{name}/archive", get(archive))
-        .route("/api/jobs/{id}/checkpoints/{name}/generate", post(crate::tryit::generate))
+        .route("/api/jobs/{id}/checkpoints/{name}/generate", post(super::tryit::generate))
 }
 
 #[derive(Debug, Serialize)]
@@ -39,12 +39,6 @@ struct Checkpoint {
 struct FileEntry {
     name: String,
     size: u64,
-}
-
-#[derive(sqlx::FromRow)]
-struct Row {
-    name: String,
-    step: i64,
 }
 
 /// The plain files of a folder, sorted by name.
@@ -71,18 +65,14 @@ async fn list(
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Vec<Checkpoint>>> {
     store::visible(&state, &user, id).await?;
-    let rows: Vec<Row> =
-        sqlx::query_as("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step, name")
-            .bind(id)
-            .fetch_all(state.pool())
-            .await?;
+    let rows = store::checkpoints(&state, id).await?;
     let run_dir = runner::run_dir(&state, id);
     let checkpoints = tokio::task::spawn_blocking(move || {
         rows.into_iter()
-            .filter_map(|row| match files_of(&run_dir.join(&row.name)) {
-                Ok(files) => Some(Checkpoint { name: row.name, step: row.step, files }),
+            .filter_map(|(name, step)| match files_of(&run_dir.join(&name)) {
+                Ok(files) => Some(Checkpoint { name, step, files }),
                 Err(err) => {
-                    warn!("job {id}: checkpoint {}: {err}", row.name);
+                    warn!("job {id}: checkpoint {name}: {err}");
                     None
                 }
             })
@@ -104,14 +94,9 @@ pub(crate) async fn checkpoint_dir(
     if !is_plain_name(name) {
         return Err(missing());
     }
-    let known: Option<String> =
-        sqlx::query_scalar("SELECT name FROM checkpoints WHERE job_id = ? AND name = ?")
-            .bind(id)
-            .bind(name)
-            .fetch_optional(state.pool())
-            .await?;
+    let known = store::has_checkpoint(state, id, name).await?;
     let dir = runner::run_dir(state, id).join(name);
-    if known.is_none() || !dir.is_dir() {
+    if !known || !dir.is_dir() {
         return Err(missing());
     }
     Ok(dir)

@@ -37,6 +37,7 @@ use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::jobs::runner::{self, DeviceClaim};
+use crate::jobs::store;
 
 /// The most tokens one answer may have: enough to judge a checkpoint, short enough on a CPU.
 pub const MAX_NEW_TOKENS: usize = 256;
@@ -276,7 +277,7 @@ pub(crate) async fn generate(
     ApiPath((id, name)): ApiPath<(i64, String)>,
     ApiJson(request): ApiJson<TryRequest>,
 ) -> ApiResult<Response> {
-    let dir = crate::checkpoints::checkpoint_dir(&state, &user, id, &name).await?;
+    let dir = super::checkpoints::checkpoint_dir(&state, &user, id, &name).await?;
     let ask = request.check()?;
     let unusable = {
         let name = name.clone();
@@ -349,10 +350,7 @@ fn gpu_bytes_needed(spec: &ModelSpec) -> u64 {
 }
 
 async fn choose_device(state: &AppState, dir: &Path, spec: &ModelSpec) -> ApiResult<Choice> {
-    let running: Vec<(i64, String)> =
-        sqlx::query_as("SELECT id, device FROM jobs WHERE status = 'running'")
-            .fetch_all(state.pool())
-            .await?;
+    let running = store::running_devices(state).await?;
     let training = |device: &str| {
         running.iter().find(|(_, d)| d.split(',').any(|m| m == device)).map(|(id, _)| *id)
     };

@@ -1,41 +1,26 @@
-//! Datasets: upload (streamed to disk, linted by the engine), list, show, delete, preview.
+//! Datasets: the files users uploaded (under `DATA_DIR/datasets/`), their rows in SQLite, the
+//! engine's lint that decides whether a file is kept, and the demo dataset.
 //!
 //! A dataset belongs to the user who uploaded it. The demo dataset that ships with Sluice is
 //! registered at first start with no owner: every user sees it and can train on it, and only an
 //! admin can delete it (it is not registered again after that).
 
-mod preview;
-pub(crate) mod upload;
-
 use std::path::PathBuf;
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
-use axum::{Json, Router};
 use serde::Serialize;
 use sluice_engine::data::{DatasetSource, Layout};
 use sqlx::FromRow;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::auth::{CurrentUser, User};
+use crate::auth::User;
 use crate::db::now;
-use crate::error::{ApiError, ApiPath, ApiResult};
+use crate::error::{ApiError, ApiResult};
 
 /// The demo dataset compiled into the binary, so a fresh install can train at once.
 const DEMO_NAME: &str = "demo-alpaca";
 const DEMO_FILE: &str = "demo-alpaca.jsonl";
-const DEMO_BYTES: &[u8] = include_bytes!("../../../datasets/demo-alpaca.jsonl");
-
-pub(crate) fn router() -> Router<AppState> {
-    Router::new()
-        .route("/api/datasets", get(list).post(upload::upload))
-        .route("/api/datasets/{id}", get(show).delete(remove))
-        .route("/api/datasets/{id}/preview", get(preview::preview))
-        // Uploads count their own bytes against the configured limit while streaming.
-        .layer(axum::extract::DefaultBodyLimit::disable())
-}
+const DEMO_BYTES: &[u8] = include_bytes!("../../datasets/demo-alpaca.jsonl");
 
 #[derive(Debug, Clone, Serialize, FromRow)]
 pub struct Dataset {
@@ -53,7 +38,8 @@ pub struct Dataset {
     pub file_name: String,
 }
 
-const SELECT: &str = "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
+pub(crate) const SELECT: &str =
+    "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
         u.username AS owner, d.owner_id, d.file_name
     FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
 
@@ -75,10 +61,8 @@ pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<Datase
     }
 }
 
-async fn list(
-    State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
-) -> ApiResult<Json<Vec<Dataset>>> {
+/// Every dataset `user` may see, oldest first.
+pub async fn all_visible(state: &AppState, user: &User) -> ApiResult<Vec<Dataset>> {
     let datasets = if user.is_admin() {
         sqlx::query_as(&format!("{SELECT} ORDER BY d.id")).fetch_all(state.pool()).await?
     } else {
@@ -89,46 +73,16 @@ async fn list(
         .fetch_all(state.pool())
         .await?
     };
-    Ok(Json(datasets))
+    Ok(datasets)
 }
 
-async fn show(
-    State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
-    ApiPath(id): ApiPath<i64>,
-) -> ApiResult<Json<Dataset>> {
-    Ok(Json(visible(&state, &user, id).await?))
-}
-
-/// `DELETE /api/datasets/{id}`: 204; 403 for a non-admin on the shared demo; 409 while a queued
-/// or running job uses it. Finished jobs keep their checkpoints but can no longer be resumed.
-async fn remove(
-    State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
-    ApiPath(id): ApiPath<i64>,
-) -> ApiResult<StatusCode> {
-    let dataset = visible(&state, &user, id).await?;
-    if dataset.owner_id.is_none() && !user.is_admin() {
-        return Err(ApiError::Forbidden("only an admin can delete a shared dataset".into()));
+/// Forgets `dataset` and removes its file (a file that cannot be removed is logged).
+pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<()> {
+    sqlx::query("DELETE FROM datasets WHERE id = ?").bind(dataset.id).execute(state.pool()).await?;
+    if let Err(err) = tokio::fs::remove_file(dataset.path(state)).await {
+        warn!("dataset {}: cannot remove {}: {err}", dataset.id, dataset.path(state).display());
     }
-    let active: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
-             AND status IN ('queued', 'running')",
-    )
-    .bind(id)
-    .bind(id)
-    .fetch_one(state.pool())
-    .await?;
-    if active > 0 {
-        return Err(ApiError::conflict(format!(
-            "{active} queued or running jobs use this dataset; cancel them first"
-        )));
-    }
-    sqlx::query("DELETE FROM datasets WHERE id = ?").bind(id).execute(state.pool()).await?;
-    if let Err(err) = tokio::fs::remove_file(dataset.path(&state)).await {
-        warn!("dataset {id}: cannot remove {}: {err}", dataset.path(&state).display());
-    }
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
 }
 
 /// What the lint found in a file that is good enough to keep.

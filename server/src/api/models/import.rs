@@ -11,12 +11,12 @@ use sluice_engine::weights::gguf::import_gguf;
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
-use super::{ModelView, local_view};
 use crate::AppState;
+use crate::api::multipart::{TempFile, refuse_declared_oversize, stream_to_temp};
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
-use crate::datasets::upload::{TempFile, refuse_declared_oversize, stream_to_temp};
 use crate::error::{ApiError, ApiResult};
+use crate::models::{ModelView, local_view};
 
 /// Converting holds every weight in f32 in memory: one import at a time keeps a burst of uploads
 /// from exhausting the host.

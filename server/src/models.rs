@@ -1,14 +1,9 @@
 //! Models a job can train: the engine's random-init presets (`preset:<name>`) and Hugging Face
 //! folders under `DATA_DIR/models/<folder>` (`local:<folder>`), some of them imported from GGUF
-//! uploads (see [`import`]).
-
-mod import;
+//! uploads (see `api::models`).
 
 use std::path::{Path, PathBuf};
 
-use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router};
 use serde::Serialize;
 use sluice_engine::data::{self, Tokenizer};
 use sluice_engine::spec::{self, ModelSpec};
@@ -16,16 +11,7 @@ use sluice_engine::train::ModelSource;
 use tracing::warn;
 
 use crate::AppState;
-use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiResult};
-
-pub(crate) fn router() -> Router<AppState> {
-    Router::new()
-        .route("/api/models", get(list))
-        .route("/api/models/import", axum::routing::post(import::import))
-        // The import counts its own bytes against the configured limit while streaming.
-        .layer(axum::extract::DefaultBodyLimit::disable())
-}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelView {
@@ -124,7 +110,7 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
 }
 
 /// The listing entry of the model folder `dir` named `folder`.
-fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<ModelView> {
+pub(crate) fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<ModelView> {
     let spec = ModelSpec::from_path(dir)?;
     Ok(ModelView {
         id: format!("local:{folder}"),
@@ -134,12 +120,4 @@ fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<ModelView> {
         kind: "local",
         description: format!("model folder models/{folder}"),
     })
-}
-
-async fn list(
-    State(state): State<AppState>,
-    _user: CurrentUser,
-) -> ApiResult<Json<Vec<ModelView>>> {
-    let models = tokio::task::spawn_blocking(move || all(&state)).await?;
-    Ok(Json(models))
 }

@@ -6,9 +6,9 @@ use axum::extract::State;
 use serde::{Deserialize, Serialize};
 use sluice_engine::data::{DatasetSource, PrepareOptions, Preparer, Sample, Tokenizer};
 
-use super::visible;
 use crate::AppState;
 use crate::auth::CurrentUser;
+use crate::datasets::visible;
 use crate::error::{ApiError, ApiPath, ApiQuery, ApiResult};
 use crate::models;
 

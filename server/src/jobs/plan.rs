@@ -1,28 +1,19 @@
-//! `POST /api/plan`: will the job fit, how is memory split across tiers, how long is a step,
-//! where will everything live, and the `sluice train` line for the same job.
+//! The planner's verdict on a job, in the API's shape: will it fit, how is memory split across
+//! tiers, how long is a step, where will everything live, and the `sluice train` line for the
+//! same job. `POST /api/plan` answers with it, and a submit is refused when it does not fit.
 //!
 //! The answer is the engine's planner (`sluice_engine::plan`) for the engine's job, on the GPU
 //! as on the CPU, with the capabilities the streamer implements: the placement a job will run
 //! with is exactly the one shown. Handlers never open the GPU, so a GPU's free memory comes
 //! from NVML here; the runner plans again against the driver's figure when the job starts.
 
-use axum::extract::State;
-use axum::routing::post;
-use axum::{Json, Router};
 use serde::Serialize;
-use serde_json::Value;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{Devices, Job, RunPlacement};
 
 use crate::AppState;
-use crate::auth::CurrentUser;
-use crate::error::{ApiError, ApiJson, ApiResult};
-use crate::jobs::request::{self, JobRequest};
-
-pub(crate) fn router() -> Router<AppState> {
-    Router::new().route("/api/plan", post(plan))
-}
+use crate::error::{ApiError, ApiResult};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
@@ -152,20 +143,4 @@ fn bottleneck(b: plan::Bottleneck) -> &'static str {
         plan::Bottleneck::GpuCompute => "GPU compute",
         plan::Bottleneck::CpuAdam => "the CPU optimizer",
     }
-}
-
-/// `POST /api/plan` with a job's body (the dataset may be left out): the verdict. 400 for a
-/// field the engine refuses, an unknown model, dataset or device.
-async fn plan(
-    State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
-    ApiJson(body): ApiJson<Value>,
-) -> ApiResult<Json<Verdict>> {
-    let resolved = request::resolve(&state, &user, JobRequest::parse(body)?).await?;
-    let verdict = tokio::task::spawn_blocking(move || -> ApiResult<Verdict> {
-        let memory = machine_memory(&state, &resolved.job.devices)?;
-        Ok(verdict(&resolved.job, &resolved.model.spec, memory))
-    })
-    .await??;
-    Ok(Json(verdict))
 }

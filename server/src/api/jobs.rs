@@ -1,0 +1,240 @@
+//! `/api/jobs`: submit, list, show, cancel, resume; metrics history, live events (SSE) and the
+//! log. The queue itself (dispatcher and training threads) is in `jobs::runner`.
+
+use std::convert::Infallible;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::{Stream, StreamExt, stream};
+use serde_json::{Value, json};
+use tokio_stream::wrappers::BroadcastStream;
+
+use sluice_engine::train::{STATE_DIR, TrainingState};
+
+use crate::AppState;
+use crate::auth::CurrentUser;
+use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
+use crate::jobs::plan;
+use crate::jobs::request::{self, JobRequest};
+use crate::jobs::runner;
+use crate::jobs::store::{self, JobStatus};
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/api/jobs", get(list).post(create))
+        .route("/api/jobs/{id}", get(show))
+        .route("/api/jobs/{id}/cancel", post(cancel))
+        .route("/api/jobs/{id}/resume", post(resume))
+        .route("/api/jobs/{id}/metrics", get(metrics))
+        .route("/api/jobs/{id}/events", get(events))
+        .route("/api/jobs/{id}/log", get(log))
+}
+
+async fn list(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+) -> ApiResult<Json<Vec<Value>>> {
+    let rows = store::list_for(&state, &user).await?;
+    let mut jobs = Vec::with_capacity(rows.len());
+    for row in &rows {
+        jobs.push(store::view(&state, row).await?);
+    }
+    Ok(Json(jobs))
+}
+
+/// `POST /api/jobs`: 201 `{"id"}`. 400 for a field the engine refuses (with the engine's
+/// message) or an unknown model, dataset or device; 422 when the planner says it will not fit;
+/// 409 over the per-user job limit or when the dataset was deleted meanwhile.
+async fn create(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiJson(body): ApiJson<Value>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let resolved = request::resolve(&state, &user, JobRequest::parse(body)?).await?;
+    let Some(dataset) = &resolved.dataset else {
+        return Err(ApiError::bad_request("missing field `dataset`"));
+    };
+    let (job, spec) = (resolved.job.clone(), resolved.model.spec.clone());
+    let plan_state = state.clone();
+    let verdict = tokio::task::spawn_blocking(move || -> ApiResult<plan::Verdict> {
+        let memory = plan::machine_memory(&plan_state, &job.devices)?;
+        Ok(plan::verdict(&job, &spec, memory))
+    })
+    .await??;
+    if !verdict.fits {
+        return Err(ApiError::unprocessable(verdict.reason));
+    }
+    let job = &resolved.job;
+    let settings = serde_json::to_string(&job.settings).map_err(ApiError::internal)?;
+    let device = job.devices.to_string();
+    let limit = i64::from(state.config().limits.max_active_jobs_per_user);
+    let new = store::NewJob {
+        owner_id: user.id,
+        model: &resolved.model.id,
+        dataset_id: dataset.id,
+        eval_dataset_id: resolved.eval_dataset.as_ref().map(|d| d.id),
+        device: &device,
+        config: &settings,
+        total_steps: job.settings.steps.unwrap_or(0) as i64,
+    };
+    let id = match store::insert_queued(&state, &new, limit).await? {
+        Ok(id) => id,
+        Err(store::NotQueued::AtLimit { active }) => {
+            return Err(ApiError::conflict(format!(
+                "you have {active} queued or running jobs, the most allowed; wait or cancel one"
+            )));
+        }
+        Err(store::NotQueued::DatasetGone) => {
+            return Err(ApiError::conflict("the dataset was deleted meanwhile"));
+        }
+    };
+    store::log(&state, id, &format!("queued by {} on {device}", user.username)).await;
+    state.queue().wake();
+    Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
+}
+
+async fn show(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Value>> {
+    let job = store::visible(&state, &user, id).await?;
+    Ok(Json(store::view(&state, &job).await?))
+}
+
+/// `POST /api/jobs/{id}/cancel`: a queued job is cancelled at once (200); a running one stops
+/// after its current step and saves a checkpoint (202, the status follows over SSE); 409 for a
+/// finished job.
+async fn cancel(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    store::visible(&state, &user, id).await?;
+    // Asked first, so a runner claiming the job right now still sees the request.
+    state.queue().request_cancel(id);
+    let dequeued = store::cancel_queued(&state, id).await?;
+    let job =
+        store::get(&state, id).await?.ok_or_else(|| ApiError::not_found(format!("no job {id}")))?;
+    if dequeued {
+        state.queue().clear_cancel(id);
+        store::log(&state, id, &format!("cancelled by {} before it started", user.username)).await;
+        store::publish_status(&state, id).await?;
+        return Ok((StatusCode::OK, Json(store::view(&state, &job).await?)));
+    }
+    if job.status == JobStatus::Running {
+        store::log(&state, id, &format!("cancel requested by {}", user.username)).await;
+        return Ok((StatusCode::ACCEPTED, Json(store::view(&state, &job).await?)));
+    }
+    state.queue().clear_cancel(id);
+    Err(ApiError::conflict(format!(
+        "the job is {}; only queued or running jobs can be cancelled",
+        job.status
+    )))
+}
+
+/// `POST /api/jobs/{id}/resume`: queues a cancelled or interrupted job again. It continues
+/// exactly from the run's saved training state (weights, Adam moments, schedule position and
+/// data order, saved with every checkpoint), or from the start when nothing was saved; 409 for
+/// other states.
+async fn resume(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Value>> {
+    let job = store::visible(&state, &user, id).await?;
+    if !job.is_resumable() {
+        return Err(ApiError::conflict(format!(
+            "the job is {}; only cancelled or interrupted jobs can be resumed",
+            job.status
+        )));
+    }
+    if job.dataset_id.is_none() {
+        return Err(ApiError::conflict("the job's dataset was deleted; it cannot be resumed"));
+    }
+    let state_dir = runner::run_dir(&state, id).join(STATE_DIR);
+    let saved = tokio::task::spawn_blocking(move || TrainingState::saved_step(&state_dir))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let step = saved.unwrap_or(0) as i64;
+    let limit = i64::from(state.config().limits.max_active_jobs_per_user);
+    // Steps after the saved state are taken again, identically.
+    if !store::requeue(&state, id, job.owner_id, step, limit).await? {
+        return Err(ApiError::conflict(
+            "the job changed state, or its owner has the most queued or running jobs allowed; \
+             reload and try again",
+        ));
+    }
+    state.queue().clear_cancel(id);
+    let line = match saved {
+        Some(step) => format!(
+            "resumed by {} after step {step}: weights, optimizer state and data order as saved",
+            user.username
+        ),
+        None => format!("resumed by {} from the start (nothing was saved)", user.username),
+    };
+    store::log(&state, id, &line).await;
+    store::publish_status(&state, id).await?;
+    state.queue().wake();
+    let job = store::visible(&state, &user, id).await?;
+    Ok(Json(store::view(&state, &job).await?))
+}
+
+/// `GET /api/jobs/{id}/metrics`: every stored point, in step order.
+async fn metrics(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Vec<Value>>> {
+    store::visible(&state, &user, id).await?;
+    let points = store::metric_points(&state, id).await?;
+    let points = points
+        .iter()
+        .map(|p| serde_json::from_str(p))
+        .collect::<Result<Vec<Value>, _>>()
+        .map_err(ApiError::internal)?;
+    Ok(Json(points))
+}
+
+/// `GET /api/jobs/{id}/events`: SSE. A `status` event first, then `metric`, `status` and `log`
+/// events as they happen. A client too slow to keep up loses points (it can reload the history);
+/// training never waits for it.
+async fn events(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    // Subscribe before reading the status, so no change falls between the two.
+    let receiver = state.subscribe();
+    let job = store::visible(&state, &user, id).await?;
+    let first = Event::default().event("status").data(job.status_json().to_string());
+    let live = BroadcastStream::new(receiver).filter_map(move |message| {
+        let event = match message {
+            Ok(m) if m.job_id == id => Some(Ok(Event::default().event(m.kind).data(m.data))),
+            _ => None,
+        };
+        std::future::ready(event)
+    });
+    Ok(Sse::new(stream::once(std::future::ready(Ok(first))).chain(live))
+        .keep_alive(KeepAlive::default()))
+}
+
+/// `GET /api/jobs/{id}/log`: the whole log as text, one line per entry.
+async fn log(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<impl IntoResponse> {
+    store::visible(&state, &user, id).await?;
+    let lines = store::log_lines(&state, id).await?;
+    let mut text = lines.join("\n");
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text))
+}

@@ -1,0 +1,42 @@
+//! The JSON API under `/api/` (and the checkpoint downloads): one module per area, each with its
+//! own router, merged here and nowhere else. Handlers check who asks and what they send, then
+//! call the areas below (`datasets`, `models`, `jobs`, `gpus`); they never train.
+
+mod checkpoints;
+mod datasets;
+mod gpus;
+mod health;
+mod jobs;
+mod metrics;
+mod models;
+mod multipart;
+mod plan;
+mod tryit;
+mod users;
+
+pub use tryit::TryIt;
+pub(crate) use tryit::start as start_tryit;
+
+use axum::Router;
+
+use crate::AppState;
+
+/// Every API route, compressed (SSE is left uncompressed by the default predicate, so events
+/// are not held back).
+pub(crate) fn compressed() -> Router<AppState> {
+    Router::new()
+        .merge(health::router())
+        .merge(crate::auth::router())
+        .merge(users::router())
+        .merge(datasets::router())
+        .merge(models::router())
+        .merge(gpus::router())
+        .merge(plan::router())
+        .merge(jobs::router())
+        .merge(metrics::router())
+}
+
+/// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.
+pub(crate) fn uncompressed() -> Router<AppState> {
+    checkpoints::router()
+}

@@ -1,0 +1,74 @@
+//! Multipart uploads streamed to disk: a declared size over the limit is refused before
+//! anything is read, a file field is counted against the limit as it arrives, and the temporary
+//! file is deleted unless the upload is kept. Used by dataset uploads and GGUF model imports.
+
+use std::path::PathBuf;
+
+use axum::extract::multipart::Field;
+use axum::http::{HeaderMap, header};
+use tokio::io::AsyncWriteExt;
+
+use crate::error::{ApiError, ApiResult};
+
+/// Multipart framing and the `name` field on top of the file itself.
+pub(crate) const MULTIPART_OVERHEAD: u64 = 64 << 10;
+
+/// Deletes the temporary file unless the upload is kept.
+pub(crate) struct TempFile(pub(crate) Option<PathBuf>);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// 413 before reading anything when the declared body is larger than `limit` allows.
+pub(crate) fn refuse_declared_oversize(headers: &HeaderMap, limit: u64) -> ApiResult<()> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit.saturating_add(MULTIPART_OVERHEAD)) {
+        return Err(too_large(limit));
+    }
+    Ok(())
+}
+
+/// Streams a multipart field into a new file at `path`, counting it against `limit` as it
+/// arrives; returns the file (deleted on drop unless kept) and its size.
+pub(crate) async fn stream_to_temp(
+    field: &mut Field<'_>,
+    path: PathBuf,
+    limit: u64,
+) -> ApiResult<(TempFile, u64)> {
+    let temp = TempFile(Some(path.clone()));
+    let mut out = tokio::fs::File::create(&path).await?;
+    let mut size = 0u64;
+    while let Some(chunk) = field.chunk().await? {
+        size += chunk.len() as u64;
+        if size > limit {
+            return Err(too_large(limit));
+        }
+        out.write_all(&chunk).await?;
+    }
+    out.flush().await?;
+    out.sync_all().await?;
+    Ok((temp, size))
+}
+
+pub(crate) fn too_large(limit: u64) -> ApiError {
+    ApiError::TooLarge(format!(
+        "the file is larger than the upload limit of {} (set max_upload_mb to raise it)",
+        human_bytes(limit)
+    ))
+}
+
+fn human_bytes(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+    } else {
+        format!("{bytes} bytes")
+    }
+}

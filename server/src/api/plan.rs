@@ -1,0 +1,32 @@
+//! `POST /api/plan`: the planner's verdict on a job before it is submitted (see `jobs::plan`).
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::Value;
+
+use crate::AppState;
+use crate::auth::CurrentUser;
+use crate::error::{ApiJson, ApiResult};
+use crate::jobs::plan::{Verdict, machine_memory, verdict};
+use crate::jobs::request::{self, JobRequest};
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new().route("/api/plan", post(plan))
+}
+
+/// `POST /api/plan` with a job's body (the dataset may be left out): the verdict. 400 for a
+/// field the engine refuses, an unknown model, dataset or device.
+async fn plan(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiJson(body): ApiJson<Value>,
+) -> ApiResult<Json<Verdict>> {
+    let resolved = request::resolve(&state, &user, JobRequest::parse(body)?).await?;
+    let verdict = tokio::task::spawn_blocking(move || -> ApiResult<Verdict> {
+        let memory = machine_memory(&state, &resolved.job.devices)?;
+        Ok(verdict(&resolved.job, &resolved.model.spec, memory))
+    })
+    .await??;
+    Ok(Json(verdict))
+}
