@@ -232,3 +232,43 @@ fn bench_train_on_the_cpu_reports_every_step_a_summary_and_a_replayable_first_st
     assert_eq!(batches["micro_batches"].as_array().map_or(0, Vec::len), 2);
     Ok(())
 }
+
+#[test]
+fn plan_and_bench_train_take_the_same_job_shape_flags_as_train() -> anyhow::Result<()> {
+    // No batch flags: the engine's job defaults (256 x 4 x 1), as for `train` and the API.
+    let memory = ["--gpu-mem", "80000000000", "--host-mem", "200000000000"];
+    let (output, stderr) =
+        run(sluice().args(["plan", "--preset", "qwen2.5-0.5b", "--json"]).args(memory))?;
+    assert!(output.status.success(), "{stderr}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(
+        plan["batch"],
+        serde_json::json!({"seq_len": 256, "micro_batch": 4, "grad_accum": 1})
+    );
+
+    // Several GPUs are named by --device, the same parser as `train`'s.
+    let (output, stderr) = run(sluice()
+        .args(["plan", "--preset", "qwen2.5-0.5b", "--device", "cuda:0,1", "--grad-accum", "2"])
+        .args(["--json"])
+        .args(memory))?;
+    assert!(output.status.success(), "{stderr}");
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(plan["parallel"]["gpus"], 2, "{plan}");
+    let (output, stderr) = run(sluice()
+        .args(["plan", "--preset", "qwen2.5-0.5b", "--device", "cuda:0,1"])
+        .args(memory))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("2 GPUs need at least 2 micro-batches"), "{stderr}");
+
+    // `bench train` measures one device and says which command trains on several.
+    let (output, stderr) =
+        run(sluice().args(["bench", "train", "--preset", "tiny", "--device", "cuda:0,1"]))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("sluice train --device cuda:0,1"), "{stderr}");
+    for bad in ["gpu0", "cuda:x"] {
+        let (output, stderr) = run(sluice().args(["plan", "--preset", "tiny", "--device", bad]))?;
+        assert_eq!(output.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(stderr.contains("expected cpu, cuda, cuda:N"), "{bad}: {stderr}");
+    }
+    Ok(())
+}

@@ -37,50 +37,22 @@ use sluice_engine::plan::{
 };
 use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
-use sluice_engine::spec::{ModelSpec, preset};
+use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{ModelSource, TrainConfig, model_spec};
 use sluice_engine::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, save_hf_folder};
 
 use super::device::Device;
+use super::shape::ShapeArgs;
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
 pub(crate) struct TrainArgs {
-    /// Random-init model shape: tiny, qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b, llama3-8b, ...
-    #[arg(long, value_name = "NAME")]
-    preset: Option<String>,
-
-    /// Hugging Face model folder to load instead of a preset.
-    #[arg(long, value_name = "DIR")]
-    model: Option<PathBuf>,
-
-    /// Tokens per row.
-    #[arg(long, default_value_t = 1024)]
-    seq_len: usize,
-
-    /// Rows per micro-batch.
-    #[arg(long, default_value_t = 8)]
-    micro_batch: usize,
-
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 8)]
-    grad_accum: usize,
+    #[command(flatten)]
+    shape: ShapeArgs,
 
     /// Optimizer steps to run; the summary is the median of steps 3..N.
     #[arg(long, default_value_t = 5)]
     steps: usize,
-
-    /// cpu, cuda or cuda:N [default: cuda:0 when a GPU can be used, else cpu].
-    #[arg(long)]
-    device: Option<Device>,
-
-    /// GPU memory the plan may use, in bytes [default: the GPU's free memory].
-    #[arg(long, value_name = "BYTES")]
-    gpu_mem: Option<u64>,
-
-    /// Host memory the plan may use, in bytes [default: MemAvailable].
-    #[arg(long, value_name = "BYTES")]
-    host_mem: Option<u64>,
 
     /// Turn global-norm clipping off (updates then start as gradients land).
     #[arg(long)]
@@ -142,8 +114,9 @@ struct Record {
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
-    let device = match args.device {
+    let device = match &args.shape.device {
         Some(d) => {
+            let d = Device::one_of(d)?;
             println!("device: {d}");
             d
         }
@@ -153,14 +126,8 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
             d
         }
     };
-    let (spec, source) = match (&args.model, &args.preset) {
-        (Some(dir), _) => {
-            let source = ModelSource::Dir(dir.clone());
-            (model_spec(&source)?, source)
-        }
-        (None, Some(name)) => (preset(name)?, ModelSource::Preset(name.clone())),
-        (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
-    };
+    let source = args.shape.source()?;
+    let spec = model_spec(&source)?;
     let plan = plan_job(&args, &spec, device)?;
     let options = schedule_options(&plan, args.optimizer_threads)?;
     print_plan(&plan);
@@ -175,15 +142,11 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
 
 /// The planner's verdict for the job on this machine; a refusal prints what `sluice plan` does.
 fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Result<Plan> {
-    let memory = MachineMemory::detect(device.gpu_query(), args.gpu_mem, args.host_mem)
+    let memory = MachineMemory::detect(device.gpu_query(), args.shape.gpu_mem, args.shape.host_mem)
         .with_context(|| format!("reading the memory of {device}"))?;
     let input = PlanInput {
         spec,
-        batch: BatchShape {
-            seq_len: args.seq_len,
-            micro_batch: args.micro_batch,
-            grad_accum: args.grad_accum,
-        },
+        batch: args.shape.batch(),
         clipping: !args.no_clip,
         memory,
         rates: MachineRates::default(),

@@ -36,6 +36,19 @@ impl fmt::Display for Device {
 }
 
 impl Device {
+    /// The one device of `devices`; several GPUs are refused, naming the subcommand that
+    /// trains on them.
+    pub(crate) fn one_of(devices: &Devices) -> anyhow::Result<Device> {
+        match devices {
+            Devices::Cpu => Ok(Device::Cpu),
+            Devices::Cuda(ordinals) if ordinals.len() == 1 => Ok(Device::Cuda(ordinals[0])),
+            Devices::Cuda(_) => anyhow::bail!(
+                "--device {devices}: this measures one device; `sluice train --device {devices}` \
+                 trains on several"
+            ),
+        }
+    }
+
     /// Which memory the planner reads for a job on this device.
     pub(crate) fn gpu_query(self) -> GpuQuery {
         match self {

@@ -11,6 +11,7 @@ mod generate;
 mod import_gguf;
 mod plan;
 mod serve;
+mod shape;
 pub(crate) mod train;
 
 use std::io::IsTerminal;
@@ -69,13 +70,28 @@ pub fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command.unwrap_or(Command::Serve(cli.serve)) {
+    let command = cli.command.unwrap_or(Command::Serve(cli.serve));
+    if !matches!(command, Command::Serve(_)) {
+        quiet_on_closed_pipe();
+    }
+    match command {
         Command::Serve(args) => serve::run(args),
         Command::Train(args) => train::run(*args),
         Command::ImportGguf(args) => import_gguf::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
+    }
+}
+
+/// A subcommand whose output is piped into a reader that stops early (`sluice plan | head`)
+/// ends quietly, as command-line tools do, rather than panicking in `println!`. Not for `serve`,
+/// whose socket writes must see EPIPE as an error.
+fn quiet_on_closed_pipe() {
+    // SAFETY: `signal` with SIG_DFL only changes this process's disposition of SIGPIPE; it is
+    // called before the subcommand starts any thread.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -14,6 +14,8 @@ use sluice_engine::train::{
 };
 use sluice_engine::weights::SaveDtype;
 
+use super::shape::ShapeArgs;
+
 /// Every setting is optional here: what is not given is the engine's default
 /// ([`JobSettings::default`]), the same as for a job submitted to the appliance.
 #[derive(Debug, clap::Args)]
@@ -28,13 +30,8 @@ pub(crate) struct TrainArgs {
     ])]
     resume: Option<PathBuf>,
 
-    /// Hugging Face model folder (config.json, safetensors weights, tokenizer.json).
-    #[arg(long, value_name = "DIR")]
-    model: Option<PathBuf>,
-
-    /// Random-init model shape instead of a folder: tiny, qwen2.5-0.5b, qwen2.5-7b, llama3-8b, ...
-    #[arg(long, value_name = "NAME")]
-    preset: Option<String>,
+    #[command(flatten)]
+    shape: ShapeArgs,
 
     /// Dataset: JSON Lines or JSON (alpaca, sharegpt, messages, prompt/completion, text), or a
     /// LLaMA-Factory dataset_info.json together with --dataset.
@@ -52,18 +49,6 @@ pub(crate) struct TrainArgs {
     /// Optimizer steps [default: one pass over the data].
     #[arg(long)]
     steps: Option<u64>,
-
-    /// Tokens per packed row [default: 256].
-    #[arg(long)]
-    seq_len: Option<usize>,
-
-    /// Rows per micro-batch [default: 4].
-    #[arg(long)]
-    micro_batch: Option<usize>,
-
-    /// Micro-batches per optimizer step [default: 1].
-    #[arg(long)]
-    grad_accum: Option<usize>,
 
     /// Peak learning rate [default: 2e-5 for a model folder, 1e-3 for a random-init preset].
     #[arg(long)]
@@ -114,29 +99,14 @@ pub(crate) struct TrainArgs {
     /// data: its loss before the first step, every --eval-every steps and after the last.
     #[arg(long, value_name = "FILE")]
     eval_data: Option<PathBuf>,
-
-    /// Device to train on: cpu, or cuda / cuda:N for an NVIDIA GPU, or cuda:0,1,... for several
-    /// GPUs of this host sharing each step's micro-batches (data parallelism through NCCL;
-    /// --grad-accum must be at least the number of GPUs) [default: cpu, or the run's with
-    /// --resume].
-    #[arg(long)]
-    device: Option<Devices>,
-
-    /// GPU memory the job may use, in bytes [default: the GPU's free memory, from the driver].
-    #[arg(long, value_name = "BYTES")]
-    gpu_mem: Option<u64>,
-
-    /// Host memory the job may use, in bytes [default: MemAvailable from /proc/meminfo].
-    #[arg(long, value_name = "BYTES")]
-    host_mem: Option<u64>,
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let (gpu_mem, host_mem) = (args.gpu_mem, args.host_mem);
+    let (gpu_mem, host_mem) = (args.shape.gpu_mem, args.shape.host_mem);
     let (job, out, resume) = match &args.resume {
         Some(out) => {
             let mut job = read_run_options(out).context("cannot resume")?.job;
-            if let Some(devices) = args.device.clone() {
+            if let Some(devices) = args.shape.device.clone() {
                 job.devices = devices;
             }
             (job, out.clone(), true)
@@ -170,13 +140,12 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
 
 /// The job the command line describes, and its run folder.
 fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
-    let (model, default_out) = match (&args.model, &args.preset) {
-        (Some(dir), _) => {
-            let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            (ModelSource::Dir(dir.clone()), name)
+    let model = args.shape.source()?;
+    let default_out = match &model {
+        ModelSource::Dir(dir) => {
+            dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
         }
-        (None, Some(name)) => (ModelSource::Preset(name.clone()), name.clone()),
-        (None, None) => anyhow::bail!("give --model DIR, --preset NAME or --resume OUT"),
+        ModelSource::Preset(name) => name.clone(),
     };
     let Some(data) = args.data.clone() else { anyhow::bail!("give --data FILE") };
     let data = match &args.dataset {
@@ -184,10 +153,11 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
         None => DatasetSource::File(data),
     };
     let d = JobSettings::default();
+    let batch = args.shape.batch();
     let settings = JobSettings {
-        seq_len: args.seq_len.unwrap_or(d.seq_len),
-        micro_batch: args.micro_batch.unwrap_or(d.micro_batch),
-        grad_accum: args.grad_accum.unwrap_or(d.grad_accum),
+        seq_len: batch.seq_len,
+        micro_batch: batch.micro_batch,
+        grad_accum: batch.grad_accum,
         steps: args.steps,
         lr: args.lr,
         schedule: args.schedule.unwrap_or(d.schedule),
@@ -209,7 +179,7 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
         model,
         data,
         eval_data: args.eval_data.map(DatasetSource::File),
-        devices: args.device.unwrap_or(Devices::Cpu),
+        devices: args.shape.device.unwrap_or(Devices::Cpu),
         settings,
     };
     let out = args.out.unwrap_or_else(|| PathBuf::from("runs").join(default_out));
@@ -538,7 +508,7 @@ mod tests {
             Cli::try_parse_from(line)
         };
         let Sub::Train(args) = with("cuda:0,1").expect("two GPUs").command;
-        assert_eq!(args.device, Some(Devices::Cuda(vec![0, 1])));
+        assert_eq!(args.shape.device, Some(Devices::Cuda(vec![0, 1])));
         let err = with("cuda:1,1").expect_err("twice").to_string();
         assert!(err.contains("GPU 1 is named twice"), "{err}");
         assert_eq!(parse(&base).devices, Devices::Cpu);
