@@ -18,6 +18,9 @@ pub struct Config {
     pub max_upload_bytes: u64,
     /// How long a session lasts after login.
     pub session_ttl: Duration,
+    /// Whether browsers reach the appliance over HTTPS (served with TLS, or behind a proxy that
+    /// terminates it): session cookies are then `Secure`, and HSTS is sent.
+    pub https: bool,
     pub limits: JobLimits,
 }
 
@@ -48,6 +51,7 @@ impl Config {
             data_dir: data_dir.into(),
             max_upload_bytes: 256 << 20,
             session_ttl: Duration::from_secs(7 * 24 * 3600),
+            https: false,
             limits: JobLimits {
                 max_steps: 1_000_000,
                 max_seq_len: 131_072,
