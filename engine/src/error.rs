@@ -39,6 +39,10 @@ pub enum Error {
     /// A numerical problem stopped training (non-finite loss or gradient).
     #[error("training stopped: {0}")]
     Numerical(String),
+    /// A step was abandoned between micro-batches because the run was asked to stop; nothing
+    /// of it was applied.
+    #[error("the step was interrupted")]
+    Interrupted,
 }
 
 impl Error {

@@ -272,3 +272,35 @@ fn plan_and_bench_train_take_the_same_job_shape_flags_as_train() -> anyhow::Resu
     }
     Ok(())
 }
+
+#[test]
+fn train_plan_and_bench_refuse_sizes_beyond_the_engines_ceilings() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello there\"}\n")?;
+    let huge = [
+        ("--grad-accum", "1000000000", "grad_accum must be between 1 and 65536"),
+        ("--micro-batch", "72057594037927936", "micro_batch must be between 1 and 4096"),
+        ("--seq-len", "1099511627776", "seq_len must be between 1 and 1048576"),
+    ];
+    for (flag, value, want) in huge {
+        let commands: [Vec<&std::ffi::OsStr>; 3] = [
+            ["train", "--preset", "tiny", "--data"]
+                .map(std::ffi::OsStr::new)
+                .into_iter()
+                .chain([data.as_os_str()])
+                .collect(),
+            ["plan", "--preset", "tiny"].map(std::ffi::OsStr::new).to_vec(),
+            ["bench", "train", "--preset", "tiny", "--device", "cpu"]
+                .map(std::ffi::OsStr::new)
+                .to_vec(),
+        ];
+        for args in commands {
+            let (output, stderr) =
+                run(sluice().args(&args).args([flag, value]).current_dir(dir.path()))?;
+            assert_clean_failure(&output, &stderr);
+            assert!(stderr.contains(want), "{args:?} {flag} {value}: {stderr}");
+        }
+    }
+    Ok(())
+}

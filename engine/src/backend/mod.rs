@@ -144,6 +144,12 @@ pub trait Backend: Send + Sync {
     /// Human-readable name for messages ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
 
+    /// Whether every op has finished when its call returns (the CPU). A step may then be
+    /// abandoned between any two ops with nothing left in flight.
+    fn synchronous(&self) -> bool {
+        false
+    }
+
     /// The dtype of [`FloatKind::Activation`] buffers, in which weights are streamed.
     fn weight_dtype(&self) -> WeightDtype;
     /// Bytes per element of a float buffer of `kind` (what a host slab must hold per element

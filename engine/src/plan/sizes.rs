@@ -41,17 +41,46 @@ impl BatchShape {
         self.grad_accum as u64 * self.micro_tokens()
     }
 
-    /// Rejects zero sizes and a sequence longer than the model's positions.
-    pub fn validate(&self, spec: &ModelSpec) -> Result<()> {
-        for (name, n) in [
-            ("seq_len", self.seq_len),
-            ("micro_batch", self.micro_batch),
-            ("grad_accum", self.grad_accum),
-        ] {
-            if n == 0 {
-                return Err(Error::invalid(format!("{name} must be at least 1")));
+    /// The largest shapes the engine runs; a deployment may only lower them
+    /// (`train::Limits`). Every planned size below stays far inside u64 with these.
+    pub const MAX_SEQ_LEN: usize = 1 << 20;
+    pub const MAX_MICRO_BATCH: usize = 4096;
+    pub const MAX_GRAD_ACCUM: usize = 65_536;
+    /// Tokens in one micro-batch (`seq_len x micro_batch`).
+    pub const MAX_MICRO_TOKENS: usize = 1 << 24;
+
+    /// Refuses a size outside `1..=max` for each of `[seq_len, micro_batch, grad_accum]`, and a
+    /// micro-batch of more than `max_micro_tokens` tokens, with the message the API and the
+    /// command line show.
+    pub fn check_sizes(&self, max: [usize; 3], max_micro_tokens: usize) -> Result<()> {
+        let sizes = [
+            ("seq_len", self.seq_len, max[0]),
+            ("micro_batch", self.micro_batch, max[1]),
+            ("grad_accum", self.grad_accum, max[2]),
+        ];
+        for (name, value, max) in sizes {
+            if !(1..=max).contains(&value) {
+                return Err(Error::invalid(format!(
+                    "{name} must be between 1 and {max}, got {value}"
+                )));
             }
         }
+        let tokens = self.micro_tokens();
+        if tokens > max_micro_tokens as u64 {
+            return Err(Error::invalid(format!(
+                "seq_len x micro_batch must be at most {max_micro_tokens} tokens, got {tokens}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses sizes beyond the engine's ceilings and a sequence longer than the model's
+    /// positions.
+    pub fn validate(&self, spec: &ModelSpec) -> Result<()> {
+        self.check_sizes(
+            [Self::MAX_SEQ_LEN, Self::MAX_MICRO_BATCH, Self::MAX_GRAD_ACCUM],
+            Self::MAX_MICRO_TOKENS,
+        )?;
         if self.seq_len > spec.max_positions {
             return Err(Error::invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {}",

@@ -488,3 +488,30 @@ fn several_gpus_share_the_step_and_the_host_memory_bandwidth() {
     let err = plan(&input(32)).expect_err("more GPUs than micro-batches");
     assert!(err.to_string().contains("at least 32 micro-batches"), "{err}");
 }
+
+#[test]
+fn shapes_beyond_the_engines_ceilings_are_refused_before_any_arithmetic() {
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let cases = [
+        ((1024, 8, 1_000_000_000), "grad_accum must be between 1 and 65536"),
+        ((1024, 1 << 56, 8), "micro_batch must be between 1 and 4096"),
+        ((1 << 40, 1, 1), "seq_len must be between 1 and 1048576"),
+        ((1 << 20, 4096, 1), "seq_len x micro_batch must be at most 16777216 tokens"),
+        ((0, 1, 1), "seq_len must be between 1"),
+    ];
+    for ((seq_len, micro_batch, grad_accum), want) in cases {
+        for gpus in [1, 2] {
+            let input = PlanInput {
+                spec: &spec,
+                batch: BatchShape { seq_len, micro_batch, grad_accum },
+                clipping: true,
+                memory: MachineMemory::given(H200.0, H200.1),
+                rates: MachineRates::default(),
+                supports: Capabilities::ALL,
+                gpus,
+            };
+            let err = plan(&input).expect_err(want);
+            assert!(err.to_string().contains(want), "{gpus} GPU(s): {err}");
+        }
+    }
+}

@@ -52,6 +52,9 @@ pub use grads::RING_SLOTS;
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// A check that says whether to abandon the current step (see [`Streamer::set_interrupt`]).
+pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// Where the per-micro-batch layer inputs (activation checkpoints) live between the forward and
 /// the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -181,6 +184,8 @@ pub struct Streamer<'b, B: Backend> {
     /// When the current step started, and what each unit did on each stream since.
     step_start: Instant,
     timeline: Vec<Span>,
+    /// Asked between micro-batches on a synchronous backend; see [`Streamer::set_interrupt`].
+    interrupt: Option<Interrupt>,
     /// Device bytes allocated at construction (nothing is allocated later).
     pub device_bytes: usize,
 }
@@ -373,6 +378,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
             step_start: Instant::now(),
+            interrupt: None,
             timeline: Vec::new(),
             layout,
         };
@@ -575,6 +581,25 @@ impl<'b, B: Backend> Streamer<'b, B> {
         Ok(())
     }
 
+    /// Lets `check` abandon a step between micro-batches: the step then returns
+    /// [`Error::Interrupted`] with nothing of it applied (no update, no step counted), and the
+    /// streamer's weights, moments and step are as after the last finished step. Only a
+    /// synchronous backend (the CPU) is interrupted; on others the check is ignored, since ops
+    /// in flight would have to be waited for anyway and a GPU step takes seconds.
+    pub fn set_interrupt(&mut self, check: Interrupt) {
+        if self.b.synchronous() {
+            self.interrupt = Some(check);
+        }
+    }
+
+    /// `Err(Interrupted)` when the interrupt check asks to stop.
+    fn check_interrupt(&self) -> Result<()> {
+        match &self.interrupt {
+            Some(check) if check() => Err(Error::Interrupted),
+            _ => Ok(()),
+        }
+    }
+
     /// One optimizer step over the G micro-batches of `micro`.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<(StepMetrics, StepTraffic)> {
         let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
@@ -702,6 +727,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let slot = self.load_unit(0)?;
         let started = Instant::now();
         for mb in 0..g {
+            if keep {
+                self.check_interrupt()?;
+            }
             let batch = &self.batches[mb];
             if host {
                 self.decoder.embed_forward(b, &mut self.work[0][mb], &self.slots[slot], batch)?;
@@ -756,6 +784,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 b.wait(&self.compute, &self.events.work_free[next % 2])?;
             }
             for mb in 0..g {
+                if keep {
+                    self.check_interrupt()?;
+                }
                 let batch = &self.batches[mb];
                 let (x_in, x_out) = acts(
                     &mut self.ckpt_device,
@@ -906,6 +937,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
             };
             if recompute {
                 for mb in 0..g {
+                    if early.is_none() {
+                        self.check_interrupt()?;
+                    }
                     let (x_in, x_out) = acts(
                         &mut self.ckpt_device,
                         &mut self.work,
@@ -920,6 +954,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
             } else {
                 self.grads.begin(b, &self.worker, l + 1)?;
                 for mb in 0..g {
+                    if early.is_none() {
+                        self.check_interrupt()?;
+                    }
                     let batch = &self.batches[mb];
                     let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
                     let w = &self.slots[slot];

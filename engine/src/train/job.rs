@@ -44,10 +44,10 @@ impl Limits {
     /// What the engine itself can run; a deployment may only lower these.
     pub const ENGINE: Limits = Limits {
         max_steps: 100_000_000,
-        max_seq_len: 1 << 20,
-        max_micro_batch: 4096,
-        max_grad_accum: 65_536,
-        max_micro_tokens: 1 << 24,
+        max_seq_len: BatchShape::MAX_SEQ_LEN,
+        max_micro_batch: BatchShape::MAX_MICRO_BATCH,
+        max_grad_accum: BatchShape::MAX_GRAD_ACCUM,
+        max_micro_tokens: BatchShape::MAX_MICRO_TOKENS,
     };
 
     /// These limits lowered to `max_steps` and `max_seq_len` where those are lower.
@@ -240,26 +240,15 @@ impl JobSettings {
     /// Checks every setting against `limits`; the message names the field as the JSON body
     /// does and says what is allowed.
     pub fn validate(&self, limits: &Limits) -> Result<()> {
-        let sizes = [
-            ("seq_len", self.seq_len, limits.max_seq_len),
-            ("micro_batch", self.micro_batch, limits.max_micro_batch),
-            ("grad_accum", self.grad_accum, limits.max_grad_accum),
-        ];
-        for (name, value, max) in sizes {
-            if !(1..=max).contains(&value) {
-                return Err(Error::invalid(format!(
-                    "{name} must be between 1 and {max}, got {value}"
-                )));
-            }
-        }
-        // Both factors are bounded above, so the product cannot overflow.
-        let tokens = self.seq_len * self.micro_batch;
-        if tokens > limits.max_micro_tokens {
-            return Err(Error::invalid(format!(
-                "seq_len x micro_batch must be at most {} tokens, got {tokens}",
-                limits.max_micro_tokens
-            )));
-        }
+        let batch = BatchShape {
+            seq_len: self.seq_len,
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum,
+        };
+        batch.check_sizes(
+            [limits.max_seq_len, limits.max_micro_batch, limits.max_grad_accum],
+            limits.max_micro_tokens,
+        )?;
         let counts = [
             ("steps", self.steps),
             ("save_every", self.save_every),

@@ -13,6 +13,7 @@ mod trainer;
 
 use std::time::Duration;
 
+pub use crate::schedule::Interrupt;
 pub use job::{DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, Job, JobSettings, Limits};
 pub use launch::run_on;
 pub use run::{
@@ -161,6 +162,14 @@ pub trait Observer {
     /// checkpoint of the steps taken (how a job is cancelled).
     fn keep_going(&mut self) -> bool {
         true
+    }
+
+    /// A check the trainer calls between micro-batches, where the backend computes
+    /// synchronously (the CPU), so a long step can be abandoned: `true` drops the current step
+    /// (nothing of it is applied) and the run stops as after `keep_going` returned `false`. It
+    /// must be cheap; it is called from the training thread.
+    fn interrupt(&self) -> Option<Interrupt> {
+        None
     }
 }
 

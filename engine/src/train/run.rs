@@ -16,7 +16,9 @@ use crate::error::{Error, Result};
 use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
-use crate::schedule::{DataParallel, GradientTier, Moments, ScheduleOptions, Streamer, Tier};
+use crate::schedule::{
+    DataParallel, GradientTier, Interrupt, Moments, ScheduleOptions, Streamer, Tier,
+};
 use crate::spec::{self, ModelSpec};
 use crate::store::StoreBytes;
 use crate::weights::{
@@ -274,6 +276,8 @@ trait Stepper {
     fn store_bytes(&self) -> StoreBytes;
     /// Device bytes per device.
     fn device_bytes(&self) -> usize;
+    /// See [`Streamer::set_interrupt`]; several devices are never interrupted mid-step.
+    fn set_interrupt(&mut self, _check: Interrupt) {}
 }
 
 impl<B: Backend> Stepper for Streamer<'_, B> {
@@ -303,6 +307,9 @@ impl<B: Backend> Stepper for Streamer<'_, B> {
     }
     fn device_bytes(&self) -> usize {
         self.device_bytes
+    }
+    fn set_interrupt(&mut self, check: Interrupt) {
+        Streamer::set_interrupt(self, check);
     }
 }
 
@@ -432,6 +439,9 @@ fn run_with<S: Stepper>(
     };
     let params = HostParams { layout: model.params.layout.clone(), units: params };
     let mut streamer = build(&model.spec, params, config, schedule)?;
+    if let Some(check) = observer.interrupt() {
+        streamer.set_interrupt(check);
+    }
     let mut cursor = 0usize;
     if let Some(s) = state.take() {
         streamer.restore(s.step, &s.m, &s.v)?;
@@ -482,8 +492,14 @@ fn run_with<S: Stepper>(
         // Steps walk through the micro-batches in order and wrap around at the end of the data.
         let step_batches: Vec<MicroBatch> =
             (0..per_step).map(|i| batches[(cursor + i) % batches.len()].clone()).collect();
+        let mut metrics = match streamer.step(&step_batches) {
+            Ok(metrics) => metrics,
+            // Abandoned between micro-batches: the state is the last finished step's, and so
+            // is the data position saved with it.
+            Err(Error::Interrupted) => break,
+            Err(e) => return Err(e),
+        };
         cursor = (cursor + per_step) % batches.len();
-        let mut metrics = streamer.step(&step_batches)?;
         let due =
             metrics.step == steps || settings.eval_every.is_some_and(|n| metrics.step % n == 0);
         if !eval.is_empty() && due {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde_json::json;
 use sluice_engine::plan::MachineMemory;
 use sluice_engine::train::{
-    self, Event, Job, Observer, RunOptions, RunSummary, STATE_DIR, TrainingState,
+    self, Event, Interrupt, Job, Observer, RunOptions, RunSummary, STATE_DIR, TrainingState,
 };
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{error, info};
@@ -416,5 +416,11 @@ impl Observer for Forwarder {
 
     fn keep_going(&mut self) -> bool {
         !lock(&self.cancels).contains(&self.job_id)
+    }
+
+    /// A cancel also abandons a long CPU step between micro-batches.
+    fn interrupt(&self) -> Option<Interrupt> {
+        let (cancels, id) = (self.cancels.clone(), self.job_id);
+        Some(Arc::new(move || lock(&cancels).contains(&id)))
     }
 }

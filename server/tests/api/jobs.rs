@@ -2,7 +2,7 @@
 //! resume, restart.
 
 use std::io::Read;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Method, StatusCode, header};
@@ -399,5 +399,33 @@ async fn plans_and_jobs_show_placement_command_and_disk() -> anyhow::Result<()> 
     assert_eq!(done["command"], plan["command"], "{done}");
     let metrics = admin.get(&format!("/api/jobs/{id}/metrics")).await?.json()?;
     assert!(metrics[1]["eval_loss"].as_f64().is_some_and(f64::is_finite), "{metrics}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_long_cpu_step_between_micro_batches() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    // One step is 2,048 micro-batches: about a minute of CPU work, so waiting for the step to
+    // end would miss the bound below by far.
+    let mut body = tiny_job(demo, 3);
+    body["grad_accum"] = json!(2048);
+    let id = admin.submit(body).await?;
+    admin.wait_job(id, 120, |j| j["status"] == "running").await?;
+    // Well into the first step.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    let reply = admin.post(&format!("/api/jobs/{id}/cancel"), json!({})).await?;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let stopped = admin.wait_job(id, 60, |j| j["status"] != "running").await?;
+    let took = asked.elapsed();
+    assert_eq!(stopped["status"], "cancelled", "{stopped}");
+    assert_eq!(stopped["step"], 0, "the abandoned step counts for nothing: {stopped}");
+    // The bound the step itself would blow: a second to notice, the rest for the save of a
+    // 1M-parameter model on a loaded machine.
+    assert!(took < Duration::from_secs(5), "cancelled after {took:?}");
+    // Resumable from where it stood: nothing of the abandoned step was applied.
+    assert_eq!(stopped["resumable"], true, "{stopped}");
     Ok(())
 }

@@ -80,6 +80,10 @@ impl Backend for Cpu {
         "cpu".into()
     }
 
+    fn synchronous(&self) -> bool {
+        true
+    }
+
     fn weight_dtype(&self) -> WeightDtype {
         WeightDtype::F32
     }
