@@ -416,6 +416,20 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     noErrorsSoFar();
   });
 
+  await t.test('after logging in, a next= that leads off the site goes home instead', async () => {
+    await page.click('#logout');
+    await page.waitForURL(/\/login/);
+    // A tab inside "/<tab>/evil.example" is dropped by the URL parser, leaving "//evil.example".
+    await page.goto(url('/login?next=%2F%09%2Fevil.example'));
+    await page.fill('#username', OTHER.username);
+    await page.fill('#password', OTHER.password);
+    await page.click('button[type=submit]');
+    await page.waitForURL(url('/'));
+    assert.equal(new URL(page.url()).origin, new URL(server.url).origin);
+    await page.waitForSelector('#who-name:has-text("bob")');
+    noErrorsSoFar();
+  });
+
   await t.test("the second user sees none of the first user's things in the pages", async () => {
     await page.waitForSelector('#jobs .empty');
     assert.equal(await page.locator(`[data-job="${jobId}"]`).count(), 0);

@@ -1,23 +1,44 @@
 //! Accounts: first-run admin creation, login, logout and the session endpoint the pages start
-//! from. Sessions, CSRF and the user extractors are in [`session`]; hashing in [`password`].
+//! from. Sessions, CSRF and the user extractors are in [`session`]; hashing in [`password`]; the
+//! login throttle in [`throttle`].
+//!
+//! A login passes three gates before its password is checked, cheapest first: the throttle (per
+//! account and per client address, 429), a turn with the password hasher (503 when its short
+//! queue is full), then the database. Both refusals carry `Retry-After`.
 
 pub mod password;
 pub mod session;
+pub mod throttle;
 
-use axum::extract::State;
-use axum::http::{HeaderMap, header};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::extract::{ConnectInfo, DefaultBodyLimit, FromRequestParts, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
+use tokio::sync::OnceCell;
 
 pub use session::{AdminUser, CurrentUser, User};
 
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiResult};
-use session::Session;
+use password::{Busy, Turn};
+use session::{Anonymous, Cookie, Session};
+use throttle::{Throttle, Throttled};
+
+/// The largest body the account routes read: credentials are small, and a flood of logins
+/// should not be able to make the server buffer megabytes each.
+const MAX_BODY: usize = 16 << 10;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -25,6 +46,100 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/setup", post(setup))
         .route("/api/login", post(login))
         .route("/api/logout", post(logout))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+}
+
+/// What this module keeps in memory for one appliance: the throttle's counts and the CSRF key
+/// once read. They belong to the appliance rather than the process (tests run several in one
+/// process), and an appliance is its database, so they are found by the database's path.
+#[derive(Debug, Default)]
+pub(crate) struct Guards {
+    pub(crate) throttle: Throttle,
+    pub(crate) csrf_key: OnceCell<String>,
+}
+
+static GUARDS: LazyLock<Mutex<HashMap<PathBuf, Arc<Guards>>>> = LazyLock::new(Default::default);
+
+pub(crate) fn guards(state: &AppState) -> Arc<Guards> {
+    let mut all = GUARDS.lock().unwrap_or_else(PoisonError::into_inner);
+    Arc::clone(all.entry(state.config().database_path()).or_default())
+}
+
+/// The client's address as the socket saw it, when the server was started with connect info
+/// (`None` otherwise, and for requests made without a socket). `X-Forwarded-For` and its kin
+/// are deliberately ignored: any client can send them, and the appliance cannot tell whether a
+/// proxy it trusts stands in front of it. IPv6 clients are counted per /64, the block one
+/// household or host usually gets, since a single machine can use any address in it.
+#[derive(Debug, Clone, Copy)]
+struct ClientAddr(Option<IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Infallible> {
+        let peer = ConnectInfo::<SocketAddr>::from_request_parts(parts, state).await.ok();
+        Ok(ClientAddr(peer.map(|ConnectInfo(addr)| match addr.ip().to_canonical() {
+            IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+            v4 => v4,
+        })))
+    }
+}
+
+/// A handler's failure: an [`ApiError`], or a refusal to try now with a time to come back.
+#[derive(Debug)]
+enum AuthError {
+    Api(ApiError),
+    /// 429 or 503 with `Retry-After` and the API's `{"error": ...}` body.
+    Later {
+        status: StatusCode,
+        retry_after: Duration,
+        message: String,
+    },
+}
+
+impl From<ApiError> for AuthError {
+    fn from(err: ApiError) -> Self {
+        AuthError::Api(err)
+    }
+}
+
+impl From<sqlx::Error> for AuthError {
+    fn from(err: sqlx::Error) -> Self {
+        AuthError::Api(err.into())
+    }
+}
+
+impl From<Throttled> for AuthError {
+    fn from(throttled: Throttled) -> Self {
+        AuthError::Later {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            retry_after: throttled.retry_after,
+            message: throttled.message,
+        }
+    }
+}
+
+impl From<Busy> for AuthError {
+    fn from(Busy: Busy) -> Self {
+        AuthError::Later {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            retry_after: Duration::from_secs(1),
+            message: "the server is busy checking other logins: try again in a moment".into(),
+        }
+    }
+}
+
+impl IntoResponse for AuthError {
+    fn into_response(self) -> Response {
+        match self {
+            AuthError::Api(err) => err.into_response(),
+            AuthError::Later { status, retry_after, message } => {
+                let seconds = throttle::whole_seconds(retry_after).to_string();
+                (status, [(header::RETRY_AFTER, seconds)], Json(json!({ "error": message })))
+                    .into_response()
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -40,39 +155,56 @@ async fn setup_needed(state: &AppState) -> ApiResult<bool> {
     Ok(users == 0)
 }
 
-/// The session as the pages see it, with its cookie.
+/// A logged-in session as the pages see it, with its cookie.
 async fn session_response(state: &AppState, session: &Session) -> ApiResult<Response> {
     let body = json!({
         "setup_needed": setup_needed(state).await?,
         "user": session.user,
         "csrf": session.csrf,
     });
-    let cookie = session::set_cookie(state, session)?;
+    let cookie = session::session_cookie(state, session)?;
     Ok(([(header::SET_COOKIE, cookie)], Json(body)).into_response())
 }
 
-/// `GET /api/session`: always 200; starts an anonymous session when there is none, so the
-/// login and setup forms have a CSRF token.
-async fn get_session(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Response> {
-    let existing = match session::cookie_token(&headers) {
-        Some(token) => session::load(&state, &token).await?,
-        None => None,
-    };
-    let session = match existing {
-        Some(session) => session,
-        None => session::create(&state, None).await?,
-    };
-    session_response(&state, &session).await
+/// An anonymous visitor as the pages see them; the cookie is sent only when it changes.
+async fn anonymous_response(
+    state: &AppState,
+    anonymous: &Anonymous,
+    set_cookie: bool,
+) -> ApiResult<Response> {
+    let body = json!({
+        "setup_needed": setup_needed(state).await?,
+        "user": null,
+        "csrf": anonymous.csrf,
+    });
+    if set_cookie {
+        let cookie = session::anonymous_cookie(state, anonymous)?;
+        Ok(([(header::SET_COOKIE, cookie)], Json(body)).into_response())
+    } else {
+        Ok(Json(body).into_response())
+    }
 }
 
-/// Replaces the caller's session with a fresh one for `user_id`: a new token on every login, so
-/// a token planted before login is worth nothing after it.
-async fn rotate(
-    state: &AppState,
-    headers: &HeaderMap,
-    user_id: Option<i64>,
-) -> ApiResult<Response> {
-    if let Some(token) = session::cookie_token(headers) {
+/// `GET /api/session`: always 200. Someone logged in gets their session; anyone else a CSRF
+/// token for the login and setup forms, tied to a nonce in their cookie, with nothing stored.
+async fn get_session(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Response> {
+    let nonce = match session::cookie(&headers) {
+        Some(Cookie::Session(token)) => match session::load(&state, &token).await? {
+            Some(session) => return session_response(&state, &session).await,
+            None => None,
+        },
+        Some(Cookie::Anonymous(nonce)) => Some(nonce),
+        None => None,
+    };
+    let kept = nonce.is_some();
+    let anonymous = session::anonymous(&state, nonce).await?;
+    anonymous_response(&state, &anonymous, !kept).await
+}
+
+/// Replaces the caller's session (if any) with a fresh one for `user_id`: a new token on every
+/// login, so a token planted before login is worth nothing after it.
+async fn rotate(state: &AppState, headers: &HeaderMap, user_id: i64) -> ApiResult<Response> {
+    if let Some(Cookie::Session(token)) = session::cookie(headers) {
         session::delete(state, &token).await?;
     }
     let session = session::create(state, user_id).await?;
@@ -84,13 +216,13 @@ async fn setup(
     State(state): State<AppState>,
     headers: HeaderMap,
     ApiJson(body): ApiJson<Credentials>,
-) -> ApiResult<Response> {
+) -> Result<Response, AuthError> {
     password::check_username(&body.username)?;
     password::check_password(&body.password)?;
     if !setup_needed(&state).await? {
-        return Err(ApiError::conflict("setup is done: an admin account exists; log in"));
+        return Err(ApiError::conflict("setup is done: an admin account exists; log in").into());
     }
-    let hash = password::hash(body.password).await?;
+    let hash = Turn::try_take()?.hash(body.password).await?;
     // The existence check and the insert are one statement, so two racing setups make one admin.
     let created = sqlx::query(
         "INSERT INTO users (username, password_hash, role, created_at)
@@ -102,10 +234,10 @@ async fn setup(
     .execute(state.pool())
     .await?;
     if created.rows_affected() == 0 {
-        return Err(ApiError::conflict("setup is done: an admin account exists; log in"));
+        return Err(ApiError::conflict("setup is done: an admin account exists; log in").into());
     }
     let id = created.last_insert_rowid();
-    rotate(&state, &headers, Some(id)).await
+    Ok(rotate(&state, &headers, id).await?)
 }
 
 #[derive(sqlx::FromRow)]
@@ -114,27 +246,51 @@ struct LoginRow {
     password_hash: String,
 }
 
-/// `POST /api/login`: 401 for an unknown user or a wrong password (the same message for both).
+/// `POST /api/login`: 401 for an unknown user or a wrong password (the same message, and the
+/// same argon2 work, for both); 429 while the account or the address is throttled; 503 while
+/// the password hasher's queue is full.
 async fn login(
     State(state): State<AppState>,
+    ClientAddr(address): ClientAddr,
     headers: HeaderMap,
     ApiJson(body): ApiJson<Credentials>,
-) -> ApiResult<Response> {
+) -> Result<Response, AuthError> {
+    let wrong = || ApiError::Unauthorized("wrong username or password".into());
+    // Every account was created through this check, so a name that fails it names nobody; it
+    // also keeps the throttle's keys short.
+    if password::check_username(&body.username).is_err() {
+        return Err(wrong().into());
+    }
+    let guards = guards(&state);
+    let attempt = guards.throttle.admit(&body.username, address, Instant::now())?;
+    let turn = Turn::try_take()?;
     let row: Option<LoginRow> =
         sqlx::query_as("SELECT id, password_hash FROM users WHERE username = ?")
             .bind(&body.username)
             .fetch_optional(state.pool())
             .await?;
-    let wrong = || ApiError::Unauthorized("wrong username or password".into());
-    let row = row.ok_or_else(wrong)?;
-    if !password::verify(body.password, row.password_hash).await? {
-        return Err(wrong());
+    let (id, stored) = match row {
+        Some(row) => (Some(row.id), Some(row.password_hash)),
+        None => (None, None),
+    };
+    match (turn.verify(body.password, stored).await?, id) {
+        (true, Some(id)) => {
+            attempt.succeeded();
+            Ok(rotate(&state, &headers, id).await?)
+        }
+        _ => {
+            attempt.failed(Instant::now());
+            Err(wrong().into())
+        }
     }
-    rotate(&state, &headers, Some(row.id)).await
 }
 
-/// `POST /api/logout`: ends the session and starts an anonymous one (returned like
-/// `GET /api/session`, so the page has a CSRF token for the next login).
+/// `POST /api/logout`: ends the session and answers like `GET /api/session` for an anonymous
+/// visitor (a fresh nonce and CSRF token), so the page can log in again.
 async fn logout(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Response> {
-    rotate(&state, &headers, None).await
+    if let Some(Cookie::Session(token)) = session::cookie(&headers) {
+        session::delete(&state, &token).await?;
+    }
+    let anonymous = session::anonymous(&state, None).await?;
+    anonymous_response(&state, &anonymous, true).await
 }

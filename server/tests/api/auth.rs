@@ -1,9 +1,54 @@
-//! Setup, login, logout, CSRF, session expiry, user management.
+//! Setup, login, logout, CSRF, session expiry, user management, the login throttle.
 
-use axum::http::StatusCode;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, to_bytes};
+use axum::extract::connect_info::MockConnectInfo;
+use axum::http::{Method, StatusCode, header};
 use serde_json::json;
+use sluice::app;
+use sluice::auth::throttle::{ACCOUNT, ADDRESS};
+use tower::ServiceExt;
 
-use crate::common::{PASSWORD, TestApp};
+use crate::common::{Client, PASSWORD, Reply, TestApp};
+
+/// A login as `client` sends it, arriving from `from` as the socket would report it (`None`:
+/// no socket, as with every other request in these tests).
+async fn login_from(
+    client: &Client,
+    from: Option<[u8; 4]>,
+    username: &str,
+    password: &str,
+) -> anyhow::Result<Reply> {
+    let request = client
+        .builder(Method::POST, "/api/login")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json!({"username": username, "password": password}).to_string()))?;
+    let router = app(client.state.clone());
+    let response = match from {
+        Some(ip) => {
+            let peer = SocketAddr::new(IpAddr::V4(Ipv4Addr::from(ip)), 40000);
+            router.layer(MockConnectInfo(peer)).oneshot(request).await?
+        }
+        None => router.oneshot(request).await?,
+    };
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = to_bytes(response.into_body(), 1 << 20).await?;
+    Ok(Reply { status, headers, body })
+}
+
+/// A client with a CSRF token and no session, as the login page has.
+async fn visitor(app: &TestApp) -> anyhow::Result<Client> {
+    let mut client = app.client();
+    client.session().await?;
+    Ok(client)
+}
+
+async fn session_rows(app: &TestApp) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM sessions").fetch_one(app.state.pool()).await?)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_login_logout_and_csrf() -> anyhow::Result<()> {
@@ -126,5 +171,157 @@ async fn admins_manage_users_and_users_cannot() -> anyhow::Result<()> {
         StatusCode::NOT_FOUND
     );
     assert_eq!(alice.get("/api/datasets").await?.status, StatusCode::UNAUTHORIZED);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn visitors_get_csrf_tokens_but_no_session_rows() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    for _ in 0..20 {
+        app.client().session().await?;
+    }
+    let mut tab = app.client();
+    let first = tab.session().await?;
+    assert_eq!(tab.session().await?["csrf"], first["csrf"], "a second tab keeps the token");
+    assert_eq!(session_rows(&app).await?, 0, "anonymous visitors are not stored");
+
+    // A token is good only with the cookie it was made for.
+    let other = visitor(&app).await?;
+    let mut borrowed = visitor(&app).await?;
+    borrowed.csrf.clone_from(&other.csrf);
+    let body = json!({"username": "admin", "password": PASSWORD});
+    assert_eq!(borrowed.post("/api/setup", body.clone()).await?.status, StatusCode::FORBIDDEN);
+    let mut cookieless = visitor(&app).await?;
+    cookieless.cookie = None;
+    assert_eq!(cookieless.post("/api/setup", body.clone()).await?.status, StatusCode::FORBIDDEN);
+    let mut forged = visitor(&app).await?;
+    forged.cookie = Some(format!("anon-{}", "0".repeat(64)));
+    assert_eq!(forged.post("/api/setup", body.clone()).await?.status, StatusCode::FORBIDDEN);
+    assert_eq!(session_rows(&app).await?, 0);
+
+    let admin = app.admin().await?;
+    assert_eq!(session_rows(&app).await?, 1, "setup logs the admin in");
+    let logout = admin.post("/api/logout", json!({})).await?;
+    assert_eq!(logout.status, StatusCode::OK);
+    assert!(logout.header(header::SET_COOKIE).starts_with("sluice_session=anon-"));
+    assert_eq!(session_rows(&app).await?, 0, "logout leaves no row behind");
+
+    // Expired sessions are pruned when the next one starts.
+    let mut old = visitor(&app).await?;
+    assert_eq!(old.login("admin", PASSWORD).await?.status, StatusCode::OK);
+    sqlx::query("UPDATE sessions SET expires_at = 0").execute(app.state.pool()).await?;
+    let mut new = visitor(&app).await?;
+    assert_eq!(new.login("admin", PASSWORD).await?.status, StatusCode::OK);
+    assert_eq!(session_rows(&app).await?, 1);
+    assert_eq!(new.get("/api/datasets").await?.status, StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cookies_are_secure_only_over_https() -> anyhow::Result<()> {
+    for https in [false, true] {
+        let app = TestApp::with_config(|config| config.https = https).await?;
+        let anonymous = app.client().get("/api/session").await?.header(header::SET_COOKIE);
+        let mut client = visitor(&app).await?;
+        let setup =
+            client.post("/api/setup", json!({"username": "admin", "password": PASSWORD})).await?;
+        assert_eq!(setup.status, StatusCode::OK, "{}", setup.text());
+        client.adopt(&setup)?;
+        let logged_in = setup.header(header::SET_COOKIE);
+        let logout = client.post("/api/logout", json!({})).await?.header(header::SET_COOKIE);
+        for cookie in [anonymous, logged_in, logout] {
+            assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Lax"), "{cookie}");
+            let secure = cookie.split(';').any(|part| part.trim() == "Secure");
+            assert_eq!(secure, https, "https {https}: {cookie}");
+        }
+    }
+    Ok(())
+}
+
+/// A refusal to try now: 429, `Retry-After` in whole seconds, and a JSON message.
+fn assert_throttled(reply: &Reply, message: &str) {
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS, "{}", reply.text());
+    let retry = reply.header(header::RETRY_AFTER).parse::<u64>();
+    assert!(retry.as_ref().is_ok_and(|s| (1..=300).contains(s)), "Retry-After: {retry:?}");
+    assert!(reply.error().contains(message), "{}", reply.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_logins_are_throttled_per_account_and_per_address() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    app.user(&admin, "alice").await?;
+    let guesser = visitor(&app).await?;
+    let lab = Some([10, 0, 0, 1]);
+
+    // The same for a real account and for a name nobody has: the throttle tells nothing.
+    for name in ["alice", "nobody"] {
+        for _ in 0..ACCOUNT.free {
+            let reply = login_from(&guesser, lab, name, "wrong password").await?;
+            assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+        }
+        let blocked = login_from(&guesser, lab, name, PASSWORD).await?;
+        assert_throttled(&blocked, "too many failed logins for this account");
+        assert_eq!(blocked.header(header::RETRY_AFTER), "1");
+        let shouted = name.to_uppercase();
+        let elsewhere = login_from(&guesser, Some([10, 0, 0, 2]), &shouted, PASSWORD).await?;
+        assert_throttled(&elsewhere, "for this account");
+    }
+    let other_account = login_from(&visitor(&app).await?, lab, "admin", PASSWORD).await?;
+    assert_eq!(other_account.status, StatusCode::OK, "{}", other_account.text());
+
+    // After the wait, the right password gets in and the count starts over.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let back = login_from(&visitor(&app).await?, lab, "alice", PASSWORD).await?;
+    assert_eq!(back.status, StatusCode::OK, "{}", back.text());
+    for _ in 0..ACCOUNT.free {
+        let reply = login_from(&guesser, lab, "alice", "wrong password").await?;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+    }
+
+    // One address guessing at many accounts.
+    let spray = Some([10, 0, 0, 9]);
+    for i in 0..ADDRESS.free {
+        let reply = login_from(&guesser, spray, &format!("user{i}"), "wrong password").await?;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+    }
+    let blocked = login_from(&visitor(&app).await?, spray, "admin", PASSWORD).await?;
+    assert_throttled(&blocked, "too many failed logins from this address");
+    let neighbour = visitor(&app).await?;
+    let neighbour = login_from(&neighbour, Some([10, 0, 0, 10]), "admin", PASSWORD).await?;
+    assert_eq!(neighbour.status, StatusCode::OK, "{}", neighbour.text());
+    // Without a known address only the account counts (one shared count would let any guesser
+    // lock everyone out).
+    assert_eq!(
+        login_from(&visitor(&app).await?, None, "admin", PASSWORD).await?.status,
+        StatusCode::OK
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_users_take_as_long_as_known_ones() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    app.admin().await?;
+    let guesser = visitor(&app).await?;
+    let (mut known, mut unknown) = (Vec::new(), Vec::new());
+    // Interleaved, so both see the same load from other tests; fewer than the free failures.
+    for i in 0..ACCOUNT.free - 1 {
+        let start = Instant::now();
+        let reply = login_from(&guesser, None, "admin", "wrong password").await?;
+        known.push(start.elapsed());
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        let start = Instant::now();
+        let reply = login_from(&guesser, None, &format!("nobody{i}"), "wrong password").await?;
+        unknown.push(start.elapsed());
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(reply.error(), "wrong username or password");
+    }
+    known.sort();
+    unknown.sort();
+    let (known, unknown) = (known[known.len() / 2], unknown[unknown.len() / 2]);
+    // The same argon2 work either way; half is a margin for scheduling noise, far above the
+    // ratio of a lookup alone to a hash (about 1 to 30).
+    assert!(unknown * 2 >= known, "unknown user {unknown:?}, known user {known:?}");
     Ok(())
 }

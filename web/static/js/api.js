@@ -220,10 +220,24 @@ export async function upload(path, form, onProgress) {
   });
 }
 
-/** Where to go after logging in: only paths on this site. */
-export function safeNext(raw) {
-  if (typeof raw !== 'string' || !raw.startsWith('/') || raw.startsWith('//') || raw.startsWith('/\\')) return '/';
-  return raw;
+/**
+ * Where to go after logging in: `raw` as an absolute URL on this site, else '/'. The string must
+ * already be a path with one leading '/' and no character the URL parser would drop or reread
+ * (tabs and newlines vanish, a backslash counts as '/', so '/\t/evil.example' means
+ * '//evil.example'); the parsed URL must then still be on this origin. The parsed URL is what is
+ * returned, so nothing is reinterpreted on the way to `location`.
+ */
+export function safeNext(raw, origin = location.origin) {
+  if (typeof raw !== 'string' || !raw.startsWith('/') || raw.startsWith('//')) return '/';
+  if (/[\u0000-\u0020\u007f\\]/.test(raw)) return '/';
+  let url;
+  try {
+    url = new URL(raw, origin);
+  } catch {
+    return '/';
+  }
+  if (url.origin !== origin) return '/';
+  return url.href;
 }
 
 /**
