@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use serde::Serialize;
-use sluice_engine::data::{DatasetSource, Layout};
+use sluice_engine::data::{DatasetReader, Layout};
 use sqlx::FromRow;
 use tracing::{info, warn};
 
@@ -76,9 +76,25 @@ pub async fn all_visible(state: &AppState, user: &User) -> ApiResult<Vec<Dataset
     Ok(datasets)
 }
 
-/// Forgets `dataset` and removes its file (a file that cannot be removed is logged).
+/// The files of `owner_id`'s datasets.
+pub async fn files_of_owner(state: &AppState, owner_id: i64) -> ApiResult<Vec<PathBuf>> {
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT file_name FROM datasets WHERE owner_id = ?")
+            .bind(owner_id)
+            .fetch_all(state.pool())
+            .await?;
+    Ok(names.iter().map(|name| state.datasets_dir().join(name)).collect())
+}
+
+/// Forgets `dataset` and removes its file (a file that cannot be removed is logged); 409 while a
+/// queued or running job uses it, whatever runs beside this.
 pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<()> {
-    sqlx::query("DELETE FROM datasets WHERE id = ?").bind(dataset.id).execute(state.pool()).await?;
+    if !crate::jobs::store::delete_dataset_if_unused(state, dataset.id).await? {
+        let active = crate::jobs::store::active_using_dataset(state, dataset.id).await?;
+        return Err(ApiError::conflict(format!(
+            "{active} queued or running jobs use this dataset; cancel them first"
+        )));
+    }
     if let Err(err) = tokio::fs::remove_file(dataset.path(state)).await {
         warn!("dataset {}: cannot remove {}: {err}", dataset.id, dataset.path(state).display());
     }
@@ -92,33 +108,33 @@ pub struct Linted {
     pub layout: Layout,
 }
 
-/// Reads `path` with the engine. A file with any bad record, or none usable, is refused with 422
-/// and one line per problem (the first 100).
+/// Problems a refused upload lists; the rest are counted.
+const SHOWN_PROBLEMS: usize = 100;
+
+/// Reads `path` with the engine, record by record, so a file of any size costs only its largest
+/// record in memory. A file with any bad record, or none usable, is refused with 422 and one
+/// line per problem (the first 100).
 pub fn lint(path: PathBuf) -> ApiResult<Linted> {
-    let parsed = DatasetSource::File(path).read().map_err(|err| ApiError::Unprocessable {
-        message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
-        problems: Vec::new(),
-    })?;
-    let mut problems = parsed.problem_lines();
-    if !problems.is_empty() {
-        let total = problems.len();
-        problems.truncate(100);
-        if total > problems.len() {
-            problems.push(format!("... and {} more", total - problems.len()));
+    let lint = DatasetReader::open(&path).and_then(|reader| reader.lint(SHOWN_PROBLEMS)).map_err(
+        |err| ApiError::Unprocessable {
+            message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
+            problems: Vec::new(),
+        },
+    )?;
+    if lint.bad > 0 {
+        let mut problems = lint.problem_lines();
+        if lint.bad > problems.len() {
+            problems.push(format!("... and {} more", lint.bad - problems.len()));
         }
         return Err(ApiError::Unprocessable {
-            message: format!("the dataset has {total} bad records; fix them and upload again"),
+            message: format!("the dataset has {} bad records; fix them and upload again", lint.bad),
             problems,
         });
     }
-    let Some(format) = parsed.format else {
+    let Some(format) = lint.format else {
         return Err(ApiError::unprocessable("no record is in a known format"));
     };
-    Ok(Linted {
-        format: format.name().to_string(),
-        records: parsed.entries.len(),
-        layout: parsed.layout,
-    })
+    Ok(Linted { format: format.name().to_string(), records: lint.records, layout: lint.layout })
 }
 
 /// Engine errors name the file; the server-chosen name means nothing to the user.

@@ -93,11 +93,28 @@ pub enum Layout {
     JsonArray,
 }
 
+impl Layout {
+    /// What a [`Problem`]'s number counts: `line` or `record`.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Layout::JsonLines => "line",
+            Layout::JsonArray => "record",
+        }
+    }
+}
+
 /// A bad record: 1-based line (JSON Lines) or record number (JSON array) and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     pub line: usize,
     pub message: String,
+}
+
+impl Problem {
+    /// As a lint report shows it: `line 3: missing "output"`.
+    pub fn display(&self, layout: Layout) -> String {
+        format!("{} {}: {}", layout.unit(), self.line, self.message)
+    }
 }
 
 /// A dataset file read and checked: its valid records and a problem for every bad one.
@@ -114,11 +131,7 @@ pub struct Parsed {
 impl Parsed {
     /// One line per problem, as a lint report shows them: `line 3: missing "output"`.
     pub fn problem_lines(&self) -> Vec<String> {
-        let unit = match self.layout {
-            Layout::JsonLines => "line",
-            Layout::JsonArray => "record",
-        };
-        self.problems.iter().map(|p| format!("{unit} {}: {}", p.line, p.message)).collect()
+        self.problems.iter().map(|p| p.display(self.layout)).collect()
     }
 
     /// The valid records, or the first problem as an error when there is any (saying how many
@@ -147,7 +160,12 @@ pub fn read_dataset(path: impl AsRef<Path>) -> Result<Parsed> {
 /// Reads the dataset `name` of a LLaMA-Factory `dataset_info.json` registry; its `file_name` is
 /// relative to the registry's folder.
 pub fn read_registry_dataset(registry: impl AsRef<Path>, name: &str) -> Result<Parsed> {
-    let registry = registry.as_ref();
+    let (file, schema) = registry_file(registry.as_ref(), name)?;
+    read_with(&file, Some(schema))
+}
+
+/// The file dataset `name` of `registry` names, and the schema its entry maps.
+pub(super) fn registry_file(registry: &Path, name: &str) -> Result<(PathBuf, Schema)> {
     let info = read_registry(registry)?;
     let Some(entry) = info.get(name) else {
         let mut names: Vec<&str> = info.keys().map(String::as_str).collect();
@@ -184,7 +202,7 @@ pub fn read_registry_dataset(registry: impl AsRef<Path>, name: &str) -> Result<P
             file.display()
         )));
     }
-    read_with(&file, Some(schema))
+    Ok((file, schema))
 }
 
 /// Dataset names in a `dataset_info.json` registry, sorted.
@@ -243,21 +261,12 @@ fn read_with(path: &Path, schema: Option<Schema>) -> Result<Parsed> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let (layout, items) = split_records(path, &bytes)?;
     if items.is_empty() {
-        return Err(Error::Dataset {
-            path: path.to_path_buf(),
-            message: "contains no records".into(),
-        });
+        return Err(no_records(path));
     }
     // A registry states the format; otherwise it is detected, and a record of another format is
     // worth pointing out as such.
     let detected = schema.is_none();
-    let schema = schema.or_else(|| {
-        items.iter().find_map(|(_, value)| {
-            let object = value.as_ref().ok()?.as_object()?;
-            let schema = Schema::detect(object)?;
-            schema.parse(object).ok().map(|_| schema)
-        })
-    });
+    let schema = schema.or_else(|| items.iter().find_map(|(_, value)| schema_of(value)));
     let mut parsed = Parsed {
         path: path.to_path_buf(),
         layout,
@@ -266,31 +275,52 @@ fn read_with(path: &Path, schema: Option<Schema>) -> Result<Parsed> {
         problems: Vec::new(),
     };
     for (line, value) in items {
-        let record = value.and_then(|value| {
-            let Value::Object(object) = value else {
-                return Err(format!("record must be a JSON object, found {}", kind(&value)));
-            };
-            match &schema {
-                Some(schema) => schema.parse(&object).map_err(|message| {
-                    match Schema::detect(&object).map(|s| s.format) {
-                        Some(own) if detected && own != schema.format => format!(
-                            "{message} (this looks like a {} record, but the dataset is {}, \
-                             decided by its first valid record)",
-                            own.name(),
-                            schema.format.name()
-                        ),
-                        _ => message,
-                    }
-                }),
-                None => Err(unrecognised(&object)),
-            }
-        });
-        match record {
+        match check_record(schema.as_ref(), detected, value) {
             Ok(record) => parsed.entries.push(Entry { line, record }),
             Err(message) => parsed.problems.push(Problem { line, message }),
         }
     }
     Ok(parsed)
+}
+
+pub(super) fn no_records(path: &Path) -> Error {
+    Error::Dataset { path: path.to_path_buf(), message: "contains no records".into() }
+}
+
+/// The schema `value` is a valid record of, if any: the first such record decides a file's
+/// format.
+pub(super) fn schema_of(value: &Result<Value, String>) -> Option<Schema> {
+    let object = value.as_ref().ok()?.as_object()?;
+    let schema = Schema::detect(object)?;
+    schema.parse(object).ok().map(|_| schema)
+}
+
+/// One record checked against the dataset's schema (`None` when no record is valid);
+/// `detected` says the schema came from the file, not a registry, so a record of another
+/// format is worth pointing out as such.
+pub(super) fn check_record(
+    schema: Option<&Schema>,
+    detected: bool,
+    value: Result<Value, String>,
+) -> std::result::Result<Record, String> {
+    let value = value?;
+    let Value::Object(object) = value else {
+        return Err(format!("record must be a JSON object, found {}", kind(&value)));
+    };
+    match schema {
+        Some(schema) => schema.parse(&object).map_err(|message| {
+            match Schema::detect(&object).map(|s| s.format) {
+                Some(own) if detected && own != schema.format => format!(
+                    "{message} (this looks like a {} record, but the dataset is {}, \
+                     decided by its first valid record)",
+                    own.name(),
+                    schema.format.name()
+                ),
+                _ => message,
+            }
+        }),
+        None => Err(unrecognised(&object)),
+    }
 }
 
 fn unrecognised(object: &Map<String, Value>) -> String {
@@ -318,8 +348,8 @@ fn kind(value: &Value) -> &'static str {
 
 /// Where a format's fields are and what its role names mean.
 #[derive(Debug, Clone)]
-struct Schema {
-    format: Format,
+pub(super) struct Schema {
+    pub(super) format: Format,
     fields: Fields,
 }
 

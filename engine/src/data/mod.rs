@@ -3,6 +3,8 @@
 //! - [`formats`]: JSON Lines / JSON array files of alpaca, ShareGPT, OpenAI messages,
 //!   prompt/completion or text records, and LLaMA-Factory `dataset_info.json` registries; bad
 //!   records are collected with their line numbers (a lint), not stopped at.
+//! - [`stream`]: the same records read one at a time, in memory bounded by the largest record
+//!   rather than the file, for checks of files of any size (the appliance's lint and preview).
 //! - [`tokenizer`]: a Hugging Face tokenizer folder (or the built-in [`tiny_tokenizer`]).
 //! - [`template`]: the model's Jinja chat template rendered as transformers does, and the spans of
 //!   assistant turns in the result (the loss mask).
@@ -17,6 +19,7 @@ pub mod formats;
 pub mod gguf_tokenizer;
 pub mod pack;
 pub mod prepare;
+pub mod stream;
 pub mod template;
 pub mod tokenizer;
 
@@ -28,6 +31,7 @@ pub use formats::{
 };
 pub use pack::{MicroBatch, PackOptions, Packed, Row, Stats, pack};
 pub use prepare::{PrepareOptions, Prepared, Preparer, Sample};
+pub use stream::{Checked, DatasetReader, Lint, MAX_RECORD_BYTES};
 pub use template::{ChatTemplate, Rendered, SpecialTokens};
 pub use tokenizer::{Encoding, Tokenizer, tiny_tokenizer, tiny_tokenizer_files};
 
@@ -44,11 +48,23 @@ pub enum DatasetSource {
 }
 
 impl DatasetSource {
-    /// Reads and lints the dataset without tokenizing it.
+    /// Reads and lints the whole dataset into memory without tokenizing it; [`Self::open`]
+    /// reads it record by record instead.
     pub fn read(&self) -> Result<Parsed> {
         match self {
             DatasetSource::File(path) => read_dataset(path),
             DatasetSource::Registry { registry, name } => read_registry_dataset(registry, name),
+        }
+    }
+
+    /// Opens the dataset for reading record by record, with the records and problems of
+    /// [`Self::read`].
+    pub fn open(&self) -> Result<DatasetReader> {
+        match self {
+            DatasetSource::File(path) => DatasetReader::open(path),
+            DatasetSource::Registry { registry, name } => {
+                DatasetReader::open_registry(registry, name)
+            }
         }
     }
 }

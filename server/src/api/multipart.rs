@@ -1,6 +1,7 @@
 //! Multipart uploads streamed to disk: a declared size over the limit is refused before
 //! anything is read, a file field is counted against the limit as it arrives, and the temporary
-//! file is deleted unless the upload is kept. Used by dataset uploads and GGUF model imports.
+//! file is deleted unless the upload is kept. Every other field is small (a name) and read into
+//! memory only up to its own limit. Used by dataset uploads and GGUF model imports.
 
 use std::path::PathBuf;
 
@@ -12,6 +13,26 @@ use crate::error::{ApiError, ApiResult};
 
 /// Multipart framing and the `name` field on top of the file itself.
 pub(crate) const MULTIPART_OVERHEAD: u64 = 64 << 10;
+
+/// The most a field other than the file may hold; a name needs far less.
+pub(crate) const FIELD_LIMIT: usize = 1 << 10;
+
+/// Reads a small field chunk by chunk and refuses it with 400, naming it, once it passes
+/// `limit` bytes: only the file is streamed to disk, so any other field must stay small in
+/// memory. Bytes that are not UTF-8 become U+FFFD, as `Field::text` decodes them.
+pub(crate) async fn read_small_field(field: &mut Field<'_>, limit: usize) -> ApiResult<String> {
+    let mut bytes = Vec::new();
+    while let Some(chunk) = field.chunk().await? {
+        if bytes.len() + chunk.len() > limit {
+            let name = field.name().unwrap_or_default();
+            return Err(ApiError::bad_request(format!(
+                "the multipart field {name:?} is longer than {limit} bytes"
+            )));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
 
 /// Deletes the temporary file unless the upload is kept.
 pub(crate) struct TempFile(pub(crate) Option<PathBuf>);

@@ -171,3 +171,70 @@ async fn preview_marks_trained_text_and_counts_tokens() -> anyhow::Result<()> {
     assert!(missing.error().contains("model"), "{}", missing.text());
     Ok(())
 }
+
+/// One part of a hand-built multipart body: a field's name, a file name if it is a file, and
+/// its bytes.
+pub(crate) struct Part<'a>(pub &'a str, pub Option<&'a str>, pub &'a [u8]);
+
+/// Posts `parts`, in this order, as `multipart/form-data` to `path`.
+pub(crate) async fn post_parts(
+    client: &crate::common::Client,
+    path: &str,
+    parts: &[Part<'_>],
+) -> anyhow::Result<crate::common::Reply> {
+    let boundary = "sluice-parts-boundary";
+    let mut body = Vec::new();
+    for Part(name, file_name, bytes) in parts {
+        let file = file_name.map(|f| format!("; filename=\"{f}\"")).unwrap_or_default();
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"{file}\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let request = client
+        .builder(axum::http::Method::POST, path)
+        .header(
+            axum::http::header::CONTENT_TYPE,
+            format!("multipart/form-data; boundary={boundary}"),
+        )
+        .body(axum::body::Body::from(body))?;
+    client.send(request).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_other_than_the_file_are_refused_past_their_limit() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let before = dataset_files(&app)?;
+    let huge = vec![b'a'; 2 << 20];
+    // After the file, so it has been streamed to a temporary file that must go again.
+    for (field, first) in [("name", false), ("name", true), ("comment", false)] {
+        let file = Part("file", Some("g.jsonl"), GOOD.as_bytes());
+        let big = Part(field, None, &huge);
+        let parts = if first { [big, file] } else { [file, big] };
+        let reply = post_parts(&admin, "/api/datasets", &parts).await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{field}: {}", reply.text());
+        assert_eq!(
+            reply.error(),
+            format!("the multipart field \"{field}\" is longer than 1024 bytes"),
+            "{}",
+            reply.text()
+        );
+        assert_eq!(dataset_files(&app)?, before, "{field}: no temporary file is left");
+    }
+    assert_eq!(admin.get("/api/datasets").await?.json()?.as_array().map(Vec::len), Some(1));
+
+    // A name at the limit is fine (and cut to 200 characters, as ever).
+    let name = "n".repeat(1024);
+    let parts =
+        [Part("file", Some("g.jsonl"), GOOD.as_bytes()), Part("name", None, name.as_bytes())];
+    let reply = post_parts(&admin, "/api/datasets", &parts).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    assert_eq!(reply.json()?["name"].as_str().map(str::len), Some(200));
+    Ok(())
+}

@@ -5,6 +5,7 @@ use axum::http::StatusCode;
 use serde_json::Value;
 
 use crate::common::{Client, TestApp};
+use crate::datasets::{Part, post_parts};
 
 /// A GGUF metadata value of the few types the tiny file needs.
 enum Meta {
@@ -244,5 +245,28 @@ async fn uploads_over_the_limit_get_413() -> anyhow::Result<()> {
     let reply = import(&admin, "model.gguf", &tiny_gguf(), Some("big")).await;
     assert_eq!(reply["status"], 413, "{reply}");
     assert!(models_area(&app).is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_name_over_its_limit_is_refused_and_leaves_nothing() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let gguf = tiny_gguf();
+    let huge = vec![b'm'; 2 << 20];
+    // After the file, so the upload has been streamed to a temporary file that must go again.
+    let parts = [Part("file", Some("model.gguf"), &gguf), Part("name", None, &huge)];
+    let reply = post_parts(&admin, "/api/models/import", &parts).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.error(), "the multipart field \"name\" is longer than 1024 bytes");
+    // The error names the field, not its contents.
+    assert!(reply.body.len() < 200, "{} bytes", reply.body.len());
+    assert!(models_area(&app).is_empty(), "{:?}", models_area(&app));
+
+    let parts = [Part("file", Some("model.gguf"), &gguf), Part("note", None, &huge)];
+    let reply = post_parts(&admin, "/api/models/import", &parts).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert!(reply.error().contains("\"note\""), "{}", reply.text());
+    assert!(models_area(&app).is_empty(), "{:?}", models_area(&app));
     Ok(())
 }

@@ -1,10 +1,17 @@
 //! `GET /api/datasets/{id}/preview`: the first records as the model will see them (its chat
 //! template applied, trained text marked) and token statistics over the dataset.
+//!
+//! The file is read record by record and only up to the records the statistics cover; each
+//! sample's length goes into the running totals and the histogram as it is tokenized, and only
+//! the samples shown are kept. Two previews run at once; later requests wait their turn.
+
+use std::ops::ControlFlow;
 
 use axum::Json;
 use axum::extract::State;
 use serde::{Deserialize, Serialize};
-use sluice_engine::data::{DatasetSource, PrepareOptions, Preparer, Sample, Tokenizer};
+use sluice_engine::data::{DatasetReader, PrepareOptions, Preparer, Sample, Tokenizer};
+use tokio::sync::Semaphore;
 
 use crate::AppState;
 use crate::auth::CurrentUser;
@@ -17,6 +24,11 @@ const STATS_RECORDS: usize = 10_000;
 const MAX_LIMIT: usize = 50;
 /// Histogram buckets below `seq_len` (one more counts the samples that get truncated).
 const BUCKETS: usize = 8;
+
+/// A preview holds a tokenizer, one record and its encoding, and the samples it shows; two at
+/// once bound what a burst of previews costs, and a request past them waits for a place rather
+/// than failing, as a preview is quick.
+static PREVIEWS: Semaphore = Semaphore::const_new(2);
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,6 +73,7 @@ struct Segment {
 
 #[derive(Debug, Serialize)]
 struct PreviewStats {
+    /// Every record of the file, as the lint counted them when it was uploaded.
     records: usize,
     /// Records the statistics cover (all, up to 10,000).
     measured: usize,
@@ -95,12 +108,18 @@ pub(super) async fn preview(
         )));
     }
     let path = dataset.path(&state);
+    // The lint counted every record at upload, and a dataset's file never changes: the preview
+    // need not read past the records it measures.
+    let records = usize::try_from(dataset.records).unwrap_or(0);
+    let permit = PREVIEWS.acquire().await.map_err(ApiError::internal)?;
     let preview = tokio::task::spawn_blocking(move || -> ApiResult<Preview> {
+        // Held by the work itself: a client that goes away does not free its place early.
+        let _permit = permit;
         let model = models::resolve(&state, &query.model)?;
         let tokenizer = model.tokenizer().map_err(|e| {
             ApiError::unprocessable(format!("cannot load the model's tokenizer: {e}"))
         })?;
-        build(&tokenizer, &path, &query)
+        build(&tokenizer, &path, records, &query)
     })
     .await??;
     Ok(Json(preview))
@@ -109,10 +128,11 @@ pub(super) async fn preview(
 fn build(
     tokenizer: &Tokenizer,
     path: &std::path::Path,
+    records: usize,
     query: &PreviewQuery,
 ) -> ApiResult<Preview> {
     let refuse = |e: sluice_engine::Error| ApiError::unprocessable(e.to_string());
-    let parsed = DatasetSource::File(path.to_path_buf()).read().map_err(refuse)?;
+    let reader = DatasetReader::open(path).map_err(refuse)?;
     let preparer =
         Preparer::new(tokenizer, PrepareOptions { train_on_prompt: query.train_on_prompt })
             .map_err(refuse)?;
@@ -120,33 +140,50 @@ fn build(
     let limit = query.limit.min(MAX_LIMIT);
 
     let mut samples = Vec::new();
-    let mut lengths = Vec::new();
+    let mut lengths = Histogram::new(seq_len);
     let (mut tokens, mut trained_tokens, mut truncated) = (0, 0, 0);
-    for (index, entry) in parsed.entries.iter().take(STATS_RECORDS).enumerate() {
-        let sample = preparer
-            .sample(&entry.record)
-            .map_err(|e| ApiError::unprocessable(format!("line {}: {e}", entry.line)))?;
-        let len = sample.ids.len();
-        lengths.push(len);
-        tokens += len.min(seq_len);
-        trained_tokens += sample.trained.iter().take(seq_len).filter(|&&t| t).count();
-        truncated += usize::from(len > seq_len);
-        if index < limit {
-            samples.push(PreviewSample {
-                line: entry.line,
-                tokens: len,
-                segments: segments(tokenizer, &sample).map_err(refuse)?,
-            });
-        }
+    let mut failed = None;
+    reader
+        .for_each(|checked| {
+            // The lint refused every file with a bad record; there is none to show.
+            let Ok(entry) = checked else { return ControlFlow::Continue(()) };
+            let shown = preparer
+                .sample(&entry.record)
+                .map_err(|e| ApiError::unprocessable(format!("line {}: {e}", entry.line)))
+                .and_then(|sample| {
+                    let len = sample.ids.len();
+                    lengths.add(len);
+                    tokens += len.min(seq_len);
+                    trained_tokens += sample.trained.iter().take(seq_len).filter(|&&t| t).count();
+                    truncated += usize::from(len > seq_len);
+                    if samples.len() < limit {
+                        let segments = segments(tokenizer, &sample).map_err(refuse)?;
+                        samples.push(PreviewSample { line: entry.line, tokens: len, segments });
+                    }
+                    Ok(())
+                });
+            if let Err(err) = shown {
+                failed = Some(err);
+                return ControlFlow::Break(());
+            }
+            if lengths.count() == STATS_RECORDS {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .map_err(refuse)?;
+    if let Some(err) = failed {
+        return Err(err);
     }
     let stats = PreviewStats {
-        records: parsed.entries.len(),
-        measured: lengths.len(),
+        records,
+        measured: lengths.count(),
         tokens,
         trained_tokens,
         truncated,
         seq_len,
-        lengths: histogram(&lengths, seq_len),
+        lengths: lengths.buckets(),
     };
     Ok(Preview { samples, stats })
 }
@@ -176,41 +213,78 @@ fn segments(tokenizer: &Tokenizer, sample: &Sample) -> sluice_engine::Result<Vec
     Ok(out)
 }
 
-/// `BUCKETS` equal buckets over `1..=seq_len`, then one for longer samples if there are any.
-fn histogram(lengths: &[usize], seq_len: usize) -> Vec<Bucket> {
-    let width = seq_len.div_ceil(BUCKETS).max(1);
-    let mut buckets: Vec<Bucket> = (0..BUCKETS)
-        .map(|i| Bucket { min: i * width + 1, max: ((i + 1) * width).min(seq_len), count: 0 })
-        .filter(|b| b.min <= b.max)
-        .collect();
-    let longest = lengths.iter().copied().max().unwrap_or(0);
-    let mut over = Bucket { min: seq_len + 1, max: longest, count: 0 };
-    for &len in lengths {
-        if len > seq_len {
-            over.count += 1;
-        } else if let Some(bucket) = buckets.get_mut(len.saturating_sub(1) / width) {
-            bucket.count += 1;
+/// Sample lengths counted into `BUCKETS` equal buckets over `1..=seq_len`, then one for longer
+/// samples if there are any, as they are seen.
+struct Histogram {
+    seq_len: usize,
+    width: usize,
+    counts: [usize; BUCKETS],
+    over: usize,
+    longest: usize,
+}
+
+impl Histogram {
+    fn new(seq_len: usize) -> Histogram {
+        let width = seq_len.div_ceil(BUCKETS).max(1);
+        Histogram { seq_len, width, counts: [0; BUCKETS], over: 0, longest: 0 }
+    }
+
+    fn add(&mut self, len: usize) {
+        self.longest = self.longest.max(len);
+        if len > self.seq_len {
+            self.over += 1;
+        } else if let Some(count) = self.counts.get_mut(len.saturating_sub(1) / self.width) {
+            *count += 1;
         }
     }
-    if over.count > 0 {
-        buckets.push(over);
+
+    /// Samples added.
+    fn count(&self) -> usize {
+        self.counts.iter().sum::<usize>() + self.over
     }
-    buckets
+
+    fn buckets(&self) -> Vec<Bucket> {
+        let width = self.width;
+        let mut buckets: Vec<Bucket> = (0..BUCKETS)
+            .map(|i| Bucket {
+                min: i * width + 1,
+                max: ((i + 1) * width).min(self.seq_len),
+                count: self.counts[i],
+            })
+            .filter(|b| b.min <= b.max)
+            .collect();
+        if self.over > 0 {
+            buckets.push(Bucket { min: self.seq_len + 1, max: self.longest, count: self.over });
+        }
+        buckets
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::histogram;
+    use super::Histogram;
 
     #[test]
     fn histogram_covers_every_length_once() {
         let lengths = [1, 8, 9, 16, 64, 65, 300];
-        let buckets = histogram(&lengths, 64);
+        let mut histogram = Histogram::new(64);
+        lengths.iter().for_each(|&len| histogram.add(len));
+        assert_eq!(histogram.count(), lengths.len());
+        let buckets = histogram.buckets();
         assert_eq!(buckets.len(), 9);
         assert_eq!(buckets.iter().map(|b| b.count).sum::<usize>(), lengths.len());
         assert_eq!((buckets[0].min, buckets[0].max, buckets[0].count), (1, 8, 2));
         assert_eq!((buckets[1].min, buckets[1].max, buckets[1].count), (9, 16, 2));
         assert_eq!((buckets[7].min, buckets[7].max, buckets[7].count), (57, 64, 1));
         assert_eq!((buckets[8].min, buckets[8].max, buckets[8].count), (65, 300, 2));
+    }
+
+    #[test]
+    fn short_sequences_have_fewer_buckets_and_none_for_longer_when_nothing_is() {
+        let mut histogram = Histogram::new(4);
+        [1, 2, 4, 4].iter().for_each(|&len| histogram.add(len));
+        let buckets: Vec<(usize, usize, usize)> =
+            histogram.buckets().iter().map(|b| (b.min, b.max, b.count)).collect();
+        assert_eq!(buckets, vec![(1, 1, 1), (2, 2, 1), (3, 3, 0), (4, 4, 2)]);
     }
 }

@@ -1,5 +1,6 @@
 //! `POST /api/datasets`: a multipart upload streamed to a server-named file, counted against
-//! the size limit as it arrives, linted, and kept only when every record is good.
+//! the size limit as it arrives, linted, and kept only when every record is good. Fields other
+//! than the file (`name`, and any the form adds) are refused past 1 KiB.
 
 use std::path::Path;
 
@@ -7,8 +8,11 @@ use axum::Json;
 use axum::extract::{Multipart, State};
 use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::data::Layout;
+use tokio::sync::Semaphore;
 
-use super::super::multipart::{TempFile, refuse_declared_oversize, stream_to_temp};
+use super::super::multipart::{
+    FIELD_LIMIT, TempFile, read_small_field, refuse_declared_oversize, stream_to_temp,
+};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
@@ -16,8 +20,12 @@ use crate::datasets::{Dataset, SELECT, lint};
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
 
+/// A lint holds one parsed record at a time, up to the engine's `MAX_RECORD_BYTES` of text: two at
+/// once bound what a burst of uploads of long records costs; later uploads wait their turn.
+static LINTING: Semaphore = Semaphore::const_new(2);
+
 /// 201 with the dataset; 413 over the limit; 422 with one line per bad record; 400 without a
-/// `file` field.
+/// `file` field or with another field over 1 KiB.
 pub(super) async fn upload(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -42,10 +50,12 @@ pub(super) async fn upload(
                 file = Some((temp, size, original));
             }
             Some("name") => {
-                let text = field.text().await?;
+                let text = read_small_field(&mut field, FIELD_LIMIT).await?;
                 name = Some(text.trim().chars().take(200).collect());
             }
-            _ => {}
+            _ => {
+                read_small_field(&mut field, FIELD_LIMIT).await?;
+            }
         }
     }
     let Some((mut temp, size, original)) = file else {
@@ -59,7 +69,13 @@ pub(super) async fn upload(
     };
 
     let lint_path = temp_path.clone();
-    let linted = tokio::task::spawn_blocking(move || lint(lint_path)).await??;
+    let permit = LINTING.acquire().await.map_err(ApiError::internal)?;
+    let linted = tokio::task::spawn_blocking(move || {
+        // Held by the lint itself: a client that goes away does not free its place early.
+        let _permit = permit;
+        lint(lint_path)
+    })
+    .await??;
 
     let extension = if linted.layout == Layout::JsonArray { "json" } else { "jsonl" };
     let file_name = format!("{}.{extension}", random_token());

@@ -12,7 +12,9 @@ use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::api::multipart::{TempFile, refuse_declared_oversize, stream_to_temp};
+use crate::api::multipart::{
+    FIELD_LIMIT, TempFile, read_small_field, refuse_declared_oversize, stream_to_temp,
+};
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
 use crate::error::{ApiError, ApiResult};
@@ -65,7 +67,8 @@ fn name_from_file(original: &str) -> String {
 }
 
 /// 201 with the new model's listing entry; 400 for a file the importer refuses (with its
-/// message) or a bad name; 409 when the name is taken; 413 over the upload limit.
+/// message), a bad name, or a field other than the file over 1 KiB; 409 when the name is taken;
+/// 413 over the upload limit.
 pub(super) async fn import(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -91,8 +94,12 @@ pub(super) async fn import(
                 let (temp, size) = stream_to_temp(&mut field, path, limit).await?;
                 file = Some((temp, size, original));
             }
-            Some("name") => name = Some(field.text().await?.trim().to_string()),
-            _ => {}
+            Some("name") => {
+                name = Some(read_small_field(&mut field, FIELD_LIMIT).await?.trim().to_string());
+            }
+            _ => {
+                read_small_field(&mut field, FIELD_LIMIT).await?;
+            }
         }
     }
     let Some((temp, size, original)) = file else {
@@ -115,8 +122,10 @@ pub(super) async fn import(
     };
     let shown = original.unwrap_or_else(|| "the upload".to_string());
 
-    let _permit = CONVERTING.acquire().await.map_err(ApiError::internal)?;
+    let permit = CONVERTING.acquire().await.map_err(ApiError::internal)?;
     let view = tokio::task::spawn_blocking(move || {
+        // Held by the conversion itself, which goes on when the client goes away.
+        let _permit = permit;
         // The upload's file is removed when `temp` drops, whatever happens here.
         let _temp = temp;
         let staging = TempDir(Some(models_dir.join(format!(".import-{}", random_token()))));

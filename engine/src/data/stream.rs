@@ -1,0 +1,351 @@
+//! Dataset files read record by record, for checks that must not hold a whole file in memory:
+//! the appliance's upload lint and its preview. Memory is bounded by the largest record, never by
+//! the file: JSON Lines are read one line at a time, and a JSON array one element at a time
+//! through serde_json's deserializer over the file.
+//!
+//! Records, problems and their numbers are those of [`super::read_dataset`] (which training
+//! uses, as it needs every record anyway), with one addition: a record longer than
+//! [`MAX_RECORD_BYTES`] is refused. In JSON Lines it is a problem of its own line and reading
+//! goes on; in a JSON array it ends the read with an error, since nothing after it can be found
+//! without parsing through it.
+//!
+//! The format is decided by the first valid record, wherever it is, and a record before it is
+//! checked against that format like any other. So a file is read twice: once up to its first
+//! valid record (usually its first line), then from the start.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use serde::de::{DeserializeSeed, Error as _, SeqAccess, Visitor};
+use serde_json::Value;
+
+use super::formats::{
+    Entry, Format, Layout, Problem, Schema, check_record, no_records, registry_file, schema_of,
+};
+use crate::error::{Error, Result};
+
+/// The longest record read: a few times the longest conversation a 128k-token context holds,
+/// even in escaped JSON. A record's parsed JSON costs a small multiple of its text, so this
+/// bounds what one reader holds.
+pub const MAX_RECORD_BYTES: usize = 8 << 20;
+
+const BOM: &[u8] = "\u{feff}".as_bytes();
+
+/// A record checked against the dataset's format: the record with its line, or what is wrong.
+pub type Checked = std::result::Result<Entry, Problem>;
+
+/// A dataset file whose layout and format are decided, ready to be read record by record.
+#[derive(Debug, Clone)]
+pub struct DatasetReader {
+    path: PathBuf,
+    layout: Layout,
+    schema: Option<Schema>,
+    /// The schema was detected from the file, not stated by a registry.
+    detected: bool,
+}
+
+impl DatasetReader {
+    /// Opens a JSON Lines or JSON array file and detects its format, reading up to its first
+    /// valid record. A file without any record is an error.
+    pub fn open(path: impl AsRef<Path>) -> Result<DatasetReader> {
+        Self::open_with(path.as_ref(), None)
+    }
+
+    /// Opens the dataset `name` of a LLaMA-Factory `dataset_info.json` registry, as
+    /// [`super::read_registry_dataset`] resolves it.
+    pub fn open_registry(registry: impl AsRef<Path>, name: &str) -> Result<DatasetReader> {
+        let (file, schema) = registry_file(registry.as_ref(), name)?;
+        Self::open_with(&file, Some(schema))
+    }
+
+    fn open_with(path: &Path, schema: Option<Schema>) -> Result<DatasetReader> {
+        let mut reader = open(path)?;
+        let layout = layout(path, &mut reader)?;
+        let detected = schema.is_none();
+        let mut any = false;
+        let mut schema = schema;
+        raw_records(path, reader, layout, |_, value| {
+            any = true;
+            if schema.is_none() {
+                schema = schema_of(&value);
+            }
+            if schema.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+        })?;
+        if !any {
+            return Err(no_records(path));
+        }
+        Ok(DatasetReader { path: path.to_path_buf(), layout, schema, detected })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// `None` when no record is valid.
+    pub fn format(&self) -> Option<Format> {
+        self.schema.as_ref().map(|s| s.format)
+    }
+
+    /// Calls `visit` with every record in file order, checked against the format, until it
+    /// breaks. An error is about the file as a whole: it cannot be read, its JSON array is
+    /// broken, or an array element is longer than [`MAX_RECORD_BYTES`].
+    pub fn for_each(&self, mut visit: impl FnMut(Checked) -> ControlFlow<()>) -> Result<()> {
+        let mut reader = open(&self.path)?;
+        skip_bom(&self.path, &mut reader)?;
+        raw_records(&self.path, reader, self.layout, |line, value| {
+            visit(match check_record(self.schema.as_ref(), self.detected, value) {
+                Ok(record) => Ok(Entry { line, record }),
+                Err(message) => Err(Problem { line, message }),
+            })
+        })
+    }
+
+    /// Reads every record and counts the valid and the bad ones, keeping the first `keep`
+    /// problems.
+    pub fn lint(&self, keep: usize) -> Result<Lint> {
+        let mut lint = Lint {
+            layout: self.layout,
+            format: self.format(),
+            records: 0,
+            bad: 0,
+            problems: Vec::new(),
+        };
+        self.for_each(|checked| {
+            match checked {
+                Ok(_) => lint.records += 1,
+                Err(problem) => {
+                    lint.bad += 1;
+                    if lint.problems.len() < keep {
+                        lint.problems.push(problem);
+                    }
+                }
+            }
+            ControlFlow::Continue(())
+        })?;
+        Ok(lint)
+    }
+}
+
+/// What a lint found in a whole file.
+#[derive(Debug, Clone)]
+pub struct Lint {
+    pub layout: Layout,
+    /// `None` when no record is valid.
+    pub format: Option<Format>,
+    /// Valid records.
+    pub records: usize,
+    /// Bad records, every one counted.
+    pub bad: usize,
+    /// The first bad records, as many as the lint was asked to keep.
+    pub problems: Vec<Problem>,
+}
+
+impl Lint {
+    /// One line per kept problem: `line 3: missing "output"`.
+    pub fn problem_lines(&self) -> Vec<String> {
+        self.problems.iter().map(|p| p.display(self.layout)).collect()
+    }
+}
+
+fn open(path: &Path) -> Result<BufReader<File>> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    Ok(BufReader::with_capacity(64 << 10, file))
+}
+
+fn skip_bom(path: &Path, reader: &mut BufReader<File>) -> Result<()> {
+    let start = reader.fill_buf().map_err(|e| Error::io(path, e))?;
+    if start.starts_with(BOM) {
+        reader.consume(BOM.len());
+    }
+    Ok(())
+}
+
+/// Skips a byte-order mark and leading whitespace: a file whose first other byte is `[` is a
+/// JSON array. The whitespace holds only blank lines, so line numbers do not matter here.
+fn layout(path: &Path, reader: &mut BufReader<File>) -> Result<Layout> {
+    skip_bom(path, reader)?;
+    loop {
+        let buf = reader.fill_buf().map_err(|e| Error::io(path, e))?;
+        if buf.is_empty() {
+            return Ok(Layout::JsonLines);
+        }
+        match buf.iter().position(|b| !b.is_ascii_whitespace()) {
+            Some(at) => {
+                let layout = if buf[at] == b'[' { Layout::JsonArray } else { Layout::JsonLines };
+                reader.consume(at);
+                return Ok(layout);
+            }
+            None => {
+                let all = buf.len();
+                reader.consume(all);
+            }
+        }
+    }
+}
+
+/// Calls `visit` with each record's line (or record number) and its JSON value, or why it is
+/// not JSON, until it breaks.
+fn raw_records(
+    path: &Path,
+    reader: BufReader<File>,
+    layout: Layout,
+    visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+) -> Result<()> {
+    match layout {
+        Layout::JsonLines => lines(path, reader, visit),
+        Layout::JsonArray => elements(path, reader, visit),
+    }
+}
+
+fn lines(
+    path: &Path,
+    mut reader: BufReader<File>,
+    mut visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+) -> Result<()> {
+    let io = |e| Error::io(path, e);
+    let mut line = Vec::new();
+    for number in 1.. {
+        line.clear();
+        // One byte past the limit tells a line of exactly the limit from a longer one.
+        let mut limited = reader.by_ref().take(MAX_RECORD_BYTES as u64 + 1);
+        if limited.read_until(b'\n', &mut line).map_err(io)? == 0 {
+            break;
+        }
+        let ended = line.last() == Some(&b'\n');
+        if ended {
+            line.pop();
+        }
+        let value = if ended || line.len() <= MAX_RECORD_BYTES {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            std::str::from_utf8(&line).map_err(|e| format!("not valid UTF-8: {e}")).and_then(
+                |text| {
+                    serde_json::from_str::<Value>(text).map_err(|e| format!("not valid JSON: {e}"))
+                },
+            )
+        } else {
+            let rest = reader.skip_until(b'\n').map_err(io)?;
+            Err(format!(
+                "the line is {}, longer than the {} a record may be",
+                mib(line.len() + rest),
+                mib(MAX_RECORD_BYTES)
+            ))
+        };
+        if visit(number, value).is_break() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+}
+
+/// Streams the elements of the JSON array `reader` is positioned at (after any byte-order
+/// mark). serde_json calls back for each element as it parses it, so stopping early is an error
+/// the caller knows to ignore.
+fn elements(
+    path: &Path,
+    reader: BufReader<File>,
+    mut visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+) -> Result<()> {
+    let since_record = Rc::new(Cell::new(0usize));
+    let budget = Budget { inner: reader, since_record: Rc::clone(&since_record) };
+    let mut deserializer = serde_json::Deserializer::from_reader(budget);
+    let mut state = Elements { visit: &mut visit, since_record, number: 0, stopped: false };
+    let result = (&mut state).deserialize(&mut deserializer).and_then(|()| deserializer.end());
+    match result {
+        Ok(()) => Ok(()),
+        Err(_) if state.stopped => Ok(()),
+        Err(e) if e.is_io() && state.since_record.get() > MAX_RECORD_BYTES => Err(Error::Dataset {
+            path: path.to_path_buf(),
+            message: format!(
+                "record {} is longer than the {} a record may be",
+                state.number + 1,
+                mib(MAX_RECORD_BYTES)
+            ),
+        }),
+        Err(e) if e.is_io() => Err(Error::io(path, e.into())),
+        Err(e) => Err(Error::Dataset {
+            path: path.to_path_buf(),
+            message: format!("file starts with '[' but is not a valid JSON array: {e}"),
+        }),
+    }
+}
+
+/// Counts the bytes read since the last record ended and fails past [`MAX_RECORD_BYTES`], so
+/// one huge element cannot be parsed into memory.
+struct Budget {
+    inner: BufReader<File>,
+    since_record: Rc<Cell<usize>>,
+}
+
+impl Read for Budget {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let total = self.since_record.get() + n;
+        self.since_record.set(total);
+        if total > MAX_RECORD_BYTES {
+            return Err(std::io::Error::other("record too long"));
+        }
+        Ok(n)
+    }
+}
+
+struct Elements<'v, F> {
+    visit: &'v mut F,
+    since_record: Rc<Cell<usize>>,
+    /// Elements seen so far.
+    number: usize,
+    /// `visit` broke.
+    stopped: bool,
+}
+
+impl<'de, F> DeserializeSeed<'de> for &mut Elements<'_, F>
+where
+    F: FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+{
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de, F> Visitor<'de> for &mut Elements<'_, F>
+where
+    F: FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+{
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON array of records")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(value) = seq.next_element::<Value>()? {
+            self.number += 1;
+            self.since_record.set(0);
+            if (self.visit)(self.number, Ok(value)).is_break() {
+                self.stopped = true;
+                return Err(A::Error::custom("stopped by the reader"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+#[path = "stream_tests.rs"]
+mod tests;
