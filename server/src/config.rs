@@ -21,7 +21,19 @@ pub struct Config {
     /// Whether browsers reach the appliance over HTTPS (served with TLS, or behind a proxy that
     /// terminates it): session cookies are then `Secure`, and HSTS is sent.
     pub https: bool,
+    /// Certificate chain and private key when the appliance serves HTTPS itself.
+    pub tls: Option<TlsFiles>,
+    /// The URL browsers use when it is not `addr` (behind a reverse proxy), without a trailing
+    /// slash.
+    pub public_url: Option<String>,
     pub limits: JobLimits,
+}
+
+/// PEM files for HTTPS: the certificate chain (leaf first) and its private key.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// What one job may ask for.
@@ -52,6 +64,8 @@ impl Config {
             max_upload_bytes: 256 << 20,
             session_ttl: Duration::from_secs(7 * 24 * 3600),
             https: false,
+            tls: None,
+            public_url: None,
             limits: JobLimits {
                 max_steps: 1_000_000,
                 max_seq_len: 131_072,
@@ -65,8 +79,11 @@ impl Config {
         self.data_dir.join("sluice.db")
     }
 
-    /// Applies the settings a config file states.
-    pub fn apply_file(&mut self, file: &FileConfig) {
+    /// Applies the settings a config file states, with flags and variables merged in first
+    /// ([`FileConfig::or`]: a certificate and its key may come from different places). Refuses a
+    /// certificate without its key (or the reverse) and a public URL that is not http(s); TLS
+    /// files or an https:// public URL turn `https` on.
+    pub fn apply_file(&mut self, file: &FileConfig) -> anyhow::Result<()> {
         if let Some(addr) = &file.addr {
             self.addr.clone_from(addr);
         }
@@ -88,6 +105,35 @@ impl Config {
         if let Some(n) = file.max_active_jobs_per_user {
             self.limits.max_active_jobs_per_user = n;
         }
+        match (&file.tls_cert, &file.tls_key) {
+            (None, None) => {}
+            (Some(cert), Some(key)) => {
+                self.tls = Some(TlsFiles { cert: cert.clone(), key: key.clone() });
+                self.https = true;
+            }
+            (Some(_), None) => anyhow::bail!(
+                "tls_cert is set but tls_key is not: HTTPS needs both \
+                 (--tls-key, SLUICE_TLS_KEY or tls_key in sluice.toml)"
+            ),
+            (None, Some(_)) => anyhow::bail!(
+                "tls_key is set but tls_cert is not: HTTPS needs both \
+                 (--tls-cert, SLUICE_TLS_CERT or tls_cert in sluice.toml)"
+            ),
+        }
+        if let Some(url) = &file.public_url {
+            let lower = url.to_ascii_lowercase();
+            let (https, host) = if let Some(host) = lower.strip_prefix("https://") {
+                (true, host)
+            } else if let Some(host) = lower.strip_prefix("http://") {
+                (false, host)
+            } else {
+                anyhow::bail!("public_url {url:?} must start with https:// or http://");
+            };
+            anyhow::ensure!(!host.trim_matches('/').is_empty(), "public_url {url:?} has no host");
+            self.public_url = Some(url.trim_end_matches('/').to_owned());
+            self.https |= https;
+        }
+        Ok(())
     }
 }
 
@@ -102,9 +148,30 @@ pub struct FileConfig {
     pub max_steps: Option<u64>,
     pub max_seq_len: Option<usize>,
     pub max_active_jobs_per_user: Option<u32>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub public_url: Option<String>,
 }
 
 impl FileConfig {
+    /// Each setting of `self`, else of `lower`: flags and variables over the file.
+    pub fn or(self, lower: FileConfig) -> FileConfig {
+        FileConfig {
+            addr: self.addr.or(lower.addr),
+            data_dir: self.data_dir.or(lower.data_dir),
+            max_upload_mb: self.max_upload_mb.or(lower.max_upload_mb),
+            session_hours: self.session_hours.or(lower.session_hours),
+            max_steps: self.max_steps.or(lower.max_steps),
+            max_seq_len: self.max_seq_len.or(lower.max_seq_len),
+            max_active_jobs_per_user: self
+                .max_active_jobs_per_user
+                .or(lower.max_active_jobs_per_user),
+            tls_cert: self.tls_cert.or(lower.tls_cert),
+            tls_key: self.tls_key.or(lower.tls_key),
+            public_url: self.public_url.or(lower.public_url),
+        }
+    }
+
     pub fn read(path: &Path) -> anyhow::Result<FileConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the config file {}", path.display()))?;

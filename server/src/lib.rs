@@ -20,16 +20,19 @@ pub mod jobs;
 pub mod models;
 mod pages;
 mod paths;
+mod recovery;
 mod state;
 
 pub use config::Config;
 pub use state::{AppState, JobMessage};
 
 /// Brings an opened appliance to life: jobs a previous process left running are marked
-/// interrupted, the demo dataset is registered (once), and the job dispatcher and the task that
+/// interrupted, what it left half-written is removed (see `recovery`), the demo dataset is
+/// registered (once), and the job dispatcher and the task that
 /// unloads an idle try-it model start. Call it once per [`AppState`], inside a tokio runtime.
 pub async fn start(state: &AppState) -> anyhow::Result<()> {
     jobs::runner::mark_interrupted(state.pool()).await?;
+    recovery::remove_leftovers(state).await?;
     datasets::register_demo(state).await?;
     jobs::runner::start(state);
     api::start_tryit(state);
@@ -45,20 +48,22 @@ use tower_http::trace::TraceLayer;
 /// The whole HTTP application. Each area contributes its own router; they are merged here and
 /// nowhere else.
 pub fn app(state: AppState) -> Router {
-    // A hard ceiling on every body; uploads check the configured limit themselves first, so
-    // they get the API's JSON 413 rather than this layer's.
+    // A hard ceiling on every body, above the upload limit that uploads check themselves with a
+    // precise message; `json_errors` gives this layer's plain 413 the API's shape.
     let ceiling = state.config().max_upload_bytes.saturating_add(16 << 20);
     let ceiling = usize::try_from(ceiling).unwrap_or(usize::MAX);
     let compressed = Router::new()
         .merge(pages::router())
         .merge(api::compressed())
-        .layer(CompressionLayer::new());
+        .layer(CompressionLayer::new().compress_when(error::compress_unless_error()));
     Router::new()
         .merge(compressed)
         .merge(api::uncompressed())
         .fallback(fallback)
         .layer(middleware::from_fn_with_state(state.clone(), auth::session::csrf_guard))
         .layer(RequestBodyLimitLayer::new(ceiling))
+        .layer(middleware::from_fn_with_state(state.clone(), error::json_errors))
+        .layer(middleware::from_fn_with_state(state.clone(), pages::security_headers))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }

@@ -9,8 +9,9 @@ mod assets;
 mod shell;
 
 use axum::Router;
-use axum::extract::Path;
-use axum::http::StatusCode;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 
@@ -61,6 +62,31 @@ pub fn router() -> Router<AppState> {
 /// A page about one object: the shell for numeric ids, the 404 page for anything else.
 async fn with_id(Path(id): Path<String>, page: &'static Page) -> Response {
     if id.parse::<u64>().is_ok() { page.response() } else { not_found().await.into_response() }
+}
+
+/// Middleware: headers on every reply, pages and API alike. Browsers must not guess a download's
+/// type from its bytes, tell other sites which page linked them, or show the appliance in a
+/// frame (the pages' CSP says so too, for browsers that read it). HSTS, which tells a browser to
+/// use nothing but HTTPS for this host from then on, only once the appliance is reached over it.
+pub(crate) async fn security_headers(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    if state.config().https {
+        // A year, the usual value; subdomains are left alone, since the appliance may share its
+        // domain with sites that have no HTTPS.
+        headers.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
+    response
 }
 
 /// The fallback for every route nobody claimed.

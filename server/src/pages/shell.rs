@@ -70,8 +70,6 @@ impl Page {
                 (header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8")),
                 (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
                 (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP)),
-                (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")),
-                (header::REFERRER_POLICY, HeaderValue::from_static("same-origin")),
             ],
             self.render(),
         )

@@ -1,9 +1,12 @@
-//! Pages, health, models, GPUs, plan, `/metrics`.
+//! Pages, health, models, GPUs, plan, `/metrics`; the headers on every reply and the JSON shape
+//! of every API error.
 
-use axum::http::{StatusCode, header};
+use axum::body::Body;
+use axum::http::{Method, StatusCode, header};
 use serde_json::json;
+use tower::ServiceExt;
 
-use crate::common::TestApp;
+use crate::common::{Reply, TestApp, tiny_job};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn root_serves_the_placeholder_and_unknown_routes_get_404() -> anyhow::Result<()> {
@@ -96,5 +99,130 @@ async fn prometheus_metrics_are_text() -> anyhow::Result<()> {
     ] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_reply_carries_the_security_headers_and_hsts_only_over_https() -> anyhow::Result<()> {
+    let paths = ["/", "/healthz", "/static/app.css", "/api/session", "/api/no/such", "/no/such"];
+    let app = TestApp::new().await?;
+    let client = app.client();
+    for path in paths {
+        let reply = client.get(path).await?;
+        assert_eq!(reply.header(header::X_CONTENT_TYPE_OPTIONS), "nosniff", "{path}");
+        assert_eq!(reply.header(header::REFERRER_POLICY), "same-origin", "{path}");
+        assert_eq!(reply.header(header::X_FRAME_OPTIONS), "DENY", "{path}");
+        assert!(!reply.headers.contains_key(header::STRICT_TRANSPORT_SECURITY), "{path}");
+    }
+    // Pages keep their script policy beside the new headers.
+    let page = client.get("/").await?;
+    assert!(page.header(header::CONTENT_SECURITY_POLICY).contains("frame-ancestors 'none'"));
+
+    let https = TestApp::with_config(|c| c.https = true).await?;
+    let client = https.client();
+    for path in paths {
+        let reply = client.get(path).await?;
+        assert_eq!(reply.header(header::STRICT_TRANSPORT_SECURITY), "max-age=31536000", "{path}");
+        assert_eq!(reply.header(header::X_FRAME_OPTIONS), "DENY", "{path}");
+    }
+    Ok(())
+}
+
+/// A JSON error body with `status` whose message contains `needle`.
+fn assert_json_error(reply: &Reply, status: StatusCode, needle: &str) {
+    assert_eq!(reply.status, status, "{}", reply.text());
+    assert_eq!(reply.header(header::CONTENT_TYPE), "application/json", "{}", reply.text());
+    let message = reply.error();
+    assert!(message.contains(needle), "{needle:?} not in {:?}", reply.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_from_layers_and_extractors_are_json_under_api() -> anyhow::Result<()> {
+    let app = TestApp::with_config(|c| c.max_upload_bytes = 1024).await?;
+    let admin = app.admin().await?;
+
+    // Over the body ceiling (upload limit + 16 MiB): refused by the limit layer before any
+    // handler, with the limit a user can change.
+    let body = vec![b'x'; 17 << 20];
+    let request = admin
+        .builder(Method::POST, "/api/datasets")
+        .header(header::CONTENT_TYPE, "multipart/form-data; boundary=b")
+        .header(header::CONTENT_LENGTH, body.len())
+        .body(Body::from(body))?;
+    assert_json_error(&admin.send(request).await?, StatusCode::PAYLOAD_TOO_LARGE, "max_upload_mb");
+
+    // Over axum's 2 MiB for JSON bodies: too large, not malformed.
+    let big = json!({"model": "preset:tiny", "gpu": "cpu", "pad": "x".repeat(3 << 20)});
+    let reply = admin.post("/api/plan", big).await?;
+    assert_json_error(&reply, StatusCode::PAYLOAD_TOO_LARGE, "too large");
+
+    // axum's multipart rejection, with its own message kept (and not compressed away).
+    let request = admin
+        .builder(Method::POST, "/api/datasets")
+        .header(header::CONTENT_TYPE, "multipart/form-data")
+        .header(header::ACCEPT_ENCODING, "gzip")
+        .body(Body::from("--x\r\n"))?;
+    let reply = admin.send(request).await?;
+    assert_json_error(&reply, StatusCode::BAD_REQUEST, "boundary");
+
+    // A wrong method: JSON, and the `Allow` header still says what works.
+    let request = admin.builder(Method::PUT, "/api/gpus").body(Body::empty())?;
+    let reply = admin.send(request).await?;
+    assert_json_error(&reply, StatusCode::METHOD_NOT_ALLOWED, "PUT is not allowed on /api/gpus");
+    assert!(reply.header(header::ALLOW).contains("GET"), "{:?}", reply.headers);
+
+    // The replies that were JSON already stay as they were: 401, 403, 404.
+    let anonymous = app.client();
+    assert_json_error(&anonymous.get("/api/jobs").await?, StatusCode::UNAUTHORIZED, "log in");
+    let reply = anonymous.post("/api/jobs", json!({})).await?;
+    assert_json_error(&reply, StatusCode::FORBIDDEN, "CSRF");
+    assert_json_error(&admin.get("/api/no/such").await?, StatusCode::NOT_FOUND, "/api/no/such");
+
+    // Outside /api/ the pages keep their HTML, for a 404 as for a 405.
+    let page = admin.get("/no/such/page").await?;
+    assert_eq!(page.status, StatusCode::NOT_FOUND);
+    assert!(page.header(header::CONTENT_TYPE).starts_with("text/html"));
+    assert!(page.text().contains("Page not found"), "{}", page.text());
+    let request = admin.builder(Method::PUT, "/login").body(Body::empty())?;
+    let reply = admin.send(request).await?;
+    assert_eq!(reply.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(reply.json().is_err(), "{}", reply.text());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn downloads_and_event_streams_pass_and_a_bad_range_is_json() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let demo = admin.demo_dataset().await?;
+    let id = admin.submit(tiny_job(demo, 1)).await?;
+    admin.wait_job(id, 300, |j| j["status"] == "completed").await?;
+    let file = format!("/api/jobs/{id}/checkpoints/final/files/config.json");
+    let size =
+        std::fs::metadata(app.state.runs_dir().join(id.to_string()).join("final/config.json"))?
+            .len();
+
+    let ranged = |range: &'static str| -> anyhow::Result<_> {
+        Ok(admin.builder(Method::GET, &file).header(header::RANGE, range).body(Body::empty())?)
+    };
+    let part = admin.send(ranged("bytes=0-3")?).await?;
+    assert_eq!(part.status, StatusCode::PARTIAL_CONTENT);
+    assert_eq!(part.body.len(), 4);
+    assert_eq!(part.header(header::CONTENT_RANGE), format!("bytes 0-3/{size}"));
+
+    // Past the end: still 416 with `Content-Range: bytes */size`, and a JSON body saying so.
+    let past = admin.send(ranged("bytes=999999999-")?).await?;
+    assert_json_error(&past, StatusCode::RANGE_NOT_SATISFIABLE, &format!("({size} bytes)"));
+    assert_eq!(past.header(header::CONTENT_RANGE), format!("bytes */{size}"));
+
+    // Server-sent events keep their type (the stream never ends, so only the head is read).
+    let request =
+        admin.builder(Method::GET, &format!("/api/jobs/{id}/events")).body(Body::empty())?;
+    let response = sluice::app(admin.state.clone()).oneshot(request).await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+    let log = admin.get(&format!("/api/jobs/{id}/log")).await?;
+    assert_eq!(log.status, StatusCode::OK);
+    assert!(log.header(header::CONTENT_TYPE).starts_with("text/plain"));
     Ok(())
 }
