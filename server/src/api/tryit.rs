@@ -88,7 +88,8 @@ impl Key {
 
 enum AnyGenerator {
     Cpu(Generator<Cpu>),
-    Cuda(Generator<Cuda>),
+    // Boxed: the two generators differ much in size.
+    Cuda(Box<Generator<Cuda>>),
 }
 
 struct Loaded {
@@ -424,7 +425,7 @@ fn answer(
                 Err(e) => Err(format!("cannot start generation threads: {e}")),
             }
         }
-        AnyGenerator::Cuda(g) => run(g, &head, ask, options, sender),
+        AnyGenerator::Cuda(g) => run(g.as_ref(), &head, ask, options, sender),
     };
     // Back in the slot before the device is released, so a job that claims it next unloads it.
     state.tryit().put(key, generator);
@@ -435,7 +436,7 @@ fn answer(
 fn load(dir: &Path, place: Place) -> sluice_engine::Result<AnyGenerator> {
     Ok(match place {
         Place::Cpu => AnyGenerator::Cpu(Generator::load_dir(dir)?),
-        Place::Gpu(n) => AnyGenerator::Cuda(Generator::load_dir_on(Cuda::new(n)?, dir)?),
+        Place::Gpu(n) => AnyGenerator::Cuda(Box::new(Generator::load_dir_on(Cuda::new(n)?, dir)?)),
     })
 }
 

@@ -6,12 +6,15 @@ use axum::routing::{delete, get};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use sqlx::FromRow;
+use tracing::warn;
 
 use crate::AppState;
 use crate::auth::AdminUser;
 use crate::auth::password;
+use crate::datasets;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
+use crate::jobs::{runner, store};
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -83,7 +86,8 @@ async fn create(
 }
 
 /// `DELETE /api/users/{id}`: 204. An admin cannot delete themself, nor a user whose jobs are
-/// queued or running (cancel them first). The user's datasets, jobs and sessions go with them.
+/// queued or running (cancel them first). The user's datasets, jobs and sessions go with them,
+/// and so do their files: dataset uploads and run folders (checkpoints, state).
 async fn remove(
     State(state): State<AppState>,
     AdminUser(admin): AdminUser,
@@ -99,12 +103,31 @@ async fn remove(
     if exists.is_none() {
         return Err(ApiError::not_found(format!("no user {id}")));
     }
-    let active = crate::jobs::store::active_of_owner(&state, id).await?;
-    if active > 0 {
+    // Their files are found before the rows go; the rows go in one statement that also checks
+    // that nothing of theirs is queued or running.
+    let mut paths = datasets::files_of_owner(&state, id).await?;
+    let jobs = store::job_ids_of_owner(&state, id).await?;
+    if !store::delete_user_if_idle(&state, id).await? {
+        let active = store::active_of_owner(&state, id).await?;
         return Err(ApiError::conflict(format!(
             "the user has {active} queued or running jobs; cancel them first"
         )));
     }
-    sqlx::query("DELETE FROM users WHERE id = ?").bind(id).execute(state.pool()).await?;
+    paths.extend(jobs.iter().map(|&job| runner::run_dir(&state, job)));
+    tokio::task::spawn_blocking(move || {
+        for path in paths {
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            match removed {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => warn!("deleting a user: cannot remove {}: {e}", path.display()),
+            }
+        }
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -327,9 +327,12 @@ pub async fn insert_queued(
     limit: i64,
 ) -> ApiResult<Result<i64, NotQueued>> {
     let id: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO jobs (owner_id, model, dataset_id, eval_dataset_id, device, config, status,
-                           queue_seq, total_steps, created_at)
-         SELECT ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?
+        "INSERT INTO jobs (id, owner_id, model, dataset_id, eval_dataset_id, device, config,
+                           status, queue_seq, total_steps, created_at)
+         SELECT MAX(COALESCE((SELECT MAX(id) FROM jobs), 0),
+                    COALESCE((SELECT CAST(value AS INTEGER) FROM meta
+                              WHERE key = 'job_id_high_water'), 0)) + 1,
+                ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?
          WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?
            AND EXISTS (SELECT 1 FROM datasets WHERE id = ?)
            AND (? IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?))
@@ -442,8 +445,9 @@ pub async fn cancel_queued(state: &AppState, id: i64) -> ApiResult<bool> {
 }
 
 /// Queues cancelled or interrupted job `id` again from `step`, dropping the metrics of later
-/// steps (they are taken again, identically), if its owner is under `limit` active jobs. Says
-/// whether it was queued.
+/// steps (they are taken again, identically), if its owner is under `limit` active jobs and its
+/// datasets still exist (checked in the same statement, so a dataset deleted meanwhile can
+/// never leave a queued job without one). Says whether it was queued.
 pub async fn requeue(
     state: &AppState,
     id: i64,
@@ -461,6 +465,9 @@ pub async fn requeue(
         "UPDATE jobs SET status = 'queued', queue_seq = (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
              error = NULL, finished_at = NULL, step = ?, start_step = ?
          WHERE id = ? AND status IN ('cancelled', 'interrupted')
+           AND EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.dataset_id)
+           AND (jobs.eval_dataset_id IS NULL
+                OR EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.eval_dataset_id))
            AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?",
     )
     .bind(step)
@@ -570,4 +577,49 @@ pub async fn has_checkpoint(state: &AppState, id: i64, name: &str) -> ApiResult<
             .fetch_optional(state.pool())
             .await?;
     Ok(known.is_some())
+}
+
+/// Deletes dataset `dataset_id` unless a queued or running job trains on it or evaluates with
+/// it, in one statement, so no submit or resume can slip in between the check and the delete.
+/// Says whether it was deleted.
+pub async fn delete_dataset_if_unused(state: &AppState, dataset_id: i64) -> ApiResult<bool> {
+    let deleted = sqlx::query(
+        "DELETE FROM datasets WHERE id = ?
+           AND NOT EXISTS (SELECT 1 FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
+                                              AND status IN ('queued', 'running'))",
+    )
+    .bind(dataset_id)
+    .bind(dataset_id)
+    .bind(dataset_id)
+    .execute(state.pool())
+    .await?;
+    Ok(deleted.rows_affected() == 1)
+}
+
+/// Deletes user `user_id` (their sessions, datasets and jobs go with them) unless they have a
+/// queued or running job, in one statement. Says whether they were deleted.
+pub async fn delete_user_if_idle(state: &AppState, user_id: i64) -> ApiResult<bool> {
+    let deleted = sqlx::query(
+        "DELETE FROM users WHERE id = ?
+           AND NOT EXISTS (SELECT 1 FROM jobs WHERE owner_id = ?
+                                              AND status IN ('queued', 'running'))",
+    )
+    .bind(user_id)
+    .bind(user_id)
+    .execute(state.pool())
+    .await?;
+    Ok(deleted.rows_affected() == 1)
+}
+
+/// The ids of `owner_id`'s jobs.
+pub async fn job_ids_of_owner(state: &AppState, owner_id: i64) -> ApiResult<Vec<i64>> {
+    Ok(sqlx::query_scalar("SELECT id FROM jobs WHERE owner_id = ?")
+        .bind(owner_id)
+        .fetch_all(state.pool())
+        .await?)
+}
+
+/// Every job id (to find run folders no job owns).
+pub async fn all_job_ids(state: &AppState) -> ApiResult<Vec<i64>> {
+    Ok(sqlx::query_scalar("SELECT id FROM jobs").fetch_all(state.pool()).await?)
 }

@@ -91,6 +91,7 @@ impl Reply {
     }
 }
 
+#[derive(Clone)]
 pub struct Client {
     pub state: AppState,
     pub cookie: Option<String>,

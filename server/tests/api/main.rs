@@ -4,9 +4,12 @@
 mod common;
 
 mod auth;
+mod authorization;
+mod damaged_uploads;
 mod datasets;
 mod isolation;
 mod jobs;
 mod misc;
 mod models;
+mod recovery;
 mod try_checkpoint;

@@ -430,3 +430,60 @@ fn malformed_and_unsupported_files_are_clear_errors() {
     let err = import_error(&w.bytes());
     assert!(err.contains("\"falcon\" is not supported"), "{err}");
 }
+
+/// Damaged files (bytes changed in the header and metadata, or cut anywhere) and random bytes
+/// are an error or, where the damage is harmless, a model; never a panic or an allocation the
+/// file's sizes did not justify.
+mod damaged {
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+
+    use super::*;
+
+    fn import(bytes: &[u8]) -> crate::error::Result<()> {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(tmp.path(), "damaged.gguf", bytes);
+        import_gguf(&path, &tmp.path().join("out")).map(|_| ())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 96,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn a_damaged_tiny_llama_imports_or_is_refused(
+            edits in prop::collection::vec((any::<Index>(), any::<u8>()), 1..6),
+            cut in prop::option::of(any::<Index>()),
+        ) {
+            let mut bytes = tiny_llama().0.bytes();
+            // The header, metadata and tensor table come first; damage there is what a parser
+            // must survive (changed tensor data is just other numbers).
+            let head = bytes.len().min(2048);
+            for (at, value) in edits {
+                bytes[at.index(head)] = value;
+            }
+            if let Some(cut) = cut {
+                let len = cut.index(bytes.len());
+                bytes.truncate(len);
+            }
+            let _ = import(&bytes);
+        }
+
+        #[test]
+        fn random_bytes_are_refused(bytes in prop::collection::vec(any::<u8>(), 0..2048)) {
+            prop_assert!(import(&bytes).is_err());
+        }
+
+        #[test]
+        fn random_bytes_after_the_magic_are_refused(
+            tail in prop::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            let mut bytes = b"GGUF\x03\0\0\0".to_vec();
+            bytes.extend(tail);
+            let _ = import(&bytes);
+        }
+    }
+}

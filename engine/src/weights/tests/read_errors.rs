@@ -206,3 +206,59 @@ fn index_placing_a_tensor_in_the_wrong_shard() -> TestResult {
     assert!(message.contains("'t0'") && message.contains("not there"), "{message}");
     Ok(())
 }
+
+/// Damaged safetensors (header bytes changed, the file cut anywhere) and random bytes open as
+/// an error, or read as some numbers where the damage is harmless; never a panic.
+mod damaged {
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+
+    use super::*;
+
+    fn read_all(dir: &std::path::Path) -> crate::error::Result<()> {
+        let source = TensorSource::open(dir)?;
+        for name in ["t0", "t1", "t2"] {
+            source.read_f32(name)?;
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 128,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn a_damaged_file_reads_or_is_refused(
+            edits in prop::collection::vec((any::<Index>(), any::<u8>()), 1..6),
+            cut in prop::option::of(any::<Index>()),
+        ) {
+            let dir = tempdir().expect("temp dir");
+            let data = values(4, 0);
+            let t = [tensor("t0", &[4], &data), tensor("t1", &[2, 2], &data), tensor("t2", &[4], &data)];
+            write_safetensors(dir.path(), &t, SaveDtype::F32, 1 << 20).expect("writes");
+            let file = dir.path().join(SINGLE_FILE);
+            let mut bytes = fs::read(&file).expect("reads");
+            // The length prefix and the JSON header come first.
+            let head = bytes.len().min(400);
+            for (at, value) in edits {
+                bytes[at.index(head)] = value;
+            }
+            if let Some(cut) = cut {
+                let len = cut.index(bytes.len());
+                bytes.truncate(len);
+            }
+            fs::write(&file, &bytes).expect("writes");
+            let _ = read_all(dir.path());
+        }
+
+        #[test]
+        fn random_bytes_are_refused(bytes in prop::collection::vec(any::<u8>(), 0..1024)) {
+            let dir = tempdir().expect("temp dir");
+            fs::write(dir.path().join(SINGLE_FILE), &bytes).expect("writes");
+            prop_assert!(read_all(dir.path()).is_err());
+        }
+    }
+}

@@ -12,7 +12,6 @@ use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::datasets::{self, Dataset};
 use crate::error::{ApiError, ApiPath, ApiResult};
-use crate::jobs::store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -48,12 +47,6 @@ async fn remove(
     let dataset = datasets::visible(&state, &user, id).await?;
     if dataset.owner_id.is_none() && !user.is_admin() {
         return Err(ApiError::Forbidden("only an admin can delete a shared dataset".into()));
-    }
-    let active = store::active_using_dataset(&state, id).await?;
-    if active > 0 {
-        return Err(ApiError::conflict(format!(
-            "{active} queued or running jobs use this dataset; cancel them first"
-        )));
     }
     datasets::delete(&state, &dataset).await?;
     Ok(StatusCode::NO_CONTENT)
