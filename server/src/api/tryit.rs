@@ -87,8 +87,8 @@ impl Key {
 }
 
 enum AnyGenerator {
-    Cpu(Generator<Cpu>),
-    // Boxed: the two generators differ much in size.
+    // Boxed: a generator is kilobytes of handles and buffers; the slot holds a pointer.
+    Cpu(Box<Generator<Cpu>>),
     Cuda(Box<Generator<Cuda>>),
 }
 
@@ -421,7 +421,7 @@ fn answer(
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             let threads = if others_busy { (cores / 4).max(1) } else { cores };
             match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
-                Ok(pool) => pool.install(|| run(g, &head, ask, options, sender)),
+                Ok(pool) => pool.install(|| run(g.as_ref(), &head, ask, options, sender)),
                 Err(e) => Err(format!("cannot start generation threads: {e}")),
             }
         }
@@ -435,7 +435,7 @@ fn answer(
 
 fn load(dir: &Path, place: Place) -> sluice_engine::Result<AnyGenerator> {
     Ok(match place {
-        Place::Cpu => AnyGenerator::Cpu(Generator::load_dir(dir)?),
+        Place::Cpu => AnyGenerator::Cpu(Box::new(Generator::load_dir(dir)?)),
         Place::Gpu(n) => AnyGenerator::Cuda(Box::new(Generator::load_dir_on(Cuda::new(n)?, dir)?)),
     })
 }
