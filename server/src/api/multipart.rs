@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use axum::extract::Multipart;
 use axum::extract::multipart::Field;
 use axum::http::{HeaderMap, header};
 use tokio::io::AsyncWriteExt;
@@ -32,6 +33,48 @@ pub(crate) async fn read_small_field(field: &mut Field<'_>, limit: usize) -> Api
         bytes.extend_from_slice(&chunk);
     }
     Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// What an upload of one `file` and an optional `name` sent.
+pub(crate) struct Upload {
+    /// The file, streamed to a temporary path; its size; the file name the client gave.
+    pub file: (TempFile, u64, Option<String>),
+    /// The `name` field as sent (callers trim it).
+    pub name: Option<String>,
+}
+
+/// Reads an upload of one `file` field, streamed to `temp` and counted against `limit`, and an
+/// optional `name`; every other field is read up to [`FIELD_LIMIT`] and dropped. `what` names
+/// the upload in the errors ("upload", "import").
+pub(crate) async fn read_upload(
+    multipart: &mut Multipart,
+    temp: PathBuf,
+    limit: u64,
+    what: &str,
+) -> ApiResult<Upload> {
+    let mut name = None;
+    let mut file = None;
+    while let Some(mut field) = multipart.next_field().await? {
+        let field_name = field.name().map(str::to_string);
+        match field_name.as_deref() {
+            Some("file") => {
+                if file.is_some() {
+                    return Err(ApiError::bad_request(format!("send one file per {what}")));
+                }
+                let original = field.file_name().map(str::to_string);
+                let (kept, size) = stream_to_temp(&mut field, temp.clone(), limit).await?;
+                file = Some((kept, size, original));
+            }
+            Some("name") => name = Some(read_small_field(&mut field, FIELD_LIMIT).await?),
+            _ => {
+                read_small_field(&mut field, FIELD_LIMIT).await?;
+            }
+        }
+    }
+    let Some(file) = file else {
+        return Err(ApiError::bad_request(format!("the {what} needs a \"file\" field")));
+    };
+    Ok(Upload { file, name })
 }
 
 /// Deletes the temporary file unless the upload is kept.

@@ -21,6 +21,20 @@ async fn jobs(client: &Client) -> anyhow::Result<Vec<Value>> {
     Ok(client.get("/api/jobs").await?.json()?.as_array().cloned().unwrap_or_default())
 }
 
+/// Cancels `jobs` and waits until each has stopped.
+async fn stop_all(client: &Client, jobs: &[&Value]) -> anyhow::Result<()> {
+    for job in jobs {
+        client.post(&format!("/api/jobs/{}/cancel", job["id"]), json!({})).await?;
+    }
+    for job in jobs {
+        let id = job["id"].as_i64().unwrap_or_default();
+        client
+            .wait_job(id, 60, |j| j["status"] == "cancelled" || j["status"] == "completed")
+            .await?;
+    }
+    Ok(())
+}
+
 fn active(jobs: &[Value]) -> Vec<&Value> {
     jobs.iter().filter(|j| j["status"] == "queued" || j["status"] == "running").collect()
 }
@@ -77,15 +91,7 @@ async fn submits_resumes_and_deletes_at_once_keep_the_rules() -> anyhow::Result<
         }
 
         // Cancel everything, then resume it all at once beside another delete attempt.
-        for job in &now_active {
-            alice.post(&format!("/api/jobs/{}/cancel", job["id"]), json!({})).await?;
-        }
-        for job in &now_active {
-            let id = job["id"].as_i64().unwrap_or_default();
-            alice
-                .wait_job(id, 60, |j| j["status"] == "cancelled" || j["status"] == "completed")
-                .await?;
-        }
+        stop_all(&alice, &now_active).await?;
         let stopped: Vec<i64> = jobs(&alice)
             .await?
             .iter()
@@ -128,14 +134,8 @@ async fn submits_resumes_and_deletes_at_once_keep_the_rules() -> anyhow::Result<
         );
         for job in &now_active {
             assert!(job["dataset"].is_i64(), "round {round}: a resumed job has no dataset: {job}");
-            alice.post(&format!("/api/jobs/{}/cancel", job["id"]), json!({})).await?;
         }
-        for job in &now_active {
-            let id = job["id"].as_i64().unwrap_or_default();
-            alice
-                .wait_job(id, 60, |j| j["status"] == "cancelled" || j["status"] == "completed")
-                .await?;
-        }
+        stop_all(&alice, &now_active).await?;
     }
     Ok(())
 }

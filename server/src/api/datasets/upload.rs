@@ -10,9 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::data::Layout;
 use tokio::sync::Semaphore;
 
-use super::super::multipart::{
-    FIELD_LIMIT, TempFile, read_small_field, refuse_declared_oversize, stream_to_temp,
-};
+use super::super::multipart::{read_upload, refuse_declared_oversize};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
@@ -35,32 +33,10 @@ pub(super) async fn upload(
     let limit = state.config().max_upload_bytes;
     refuse_declared_oversize(&headers, limit)?;
 
-    let mut name: Option<String> = None;
-    let mut file: Option<(TempFile, u64, Option<String>)> = None;
-    while let Some(mut field) = multipart.next_field().await? {
-        let field_name = field.name().map(str::to_string);
-        match field_name.as_deref() {
-            Some("file") => {
-                if file.is_some() {
-                    return Err(ApiError::bad_request("send one file per upload"));
-                }
-                let original = field.file_name().map(str::to_string);
-                let path = state.datasets_dir().join(format!(".upload-{}", random_token()));
-                let (temp, size) = stream_to_temp(&mut field, path, limit).await?;
-                file = Some((temp, size, original));
-            }
-            Some("name") => {
-                let text = read_small_field(&mut field, FIELD_LIMIT).await?;
-                name = Some(text.trim().chars().take(200).collect());
-            }
-            _ => {
-                read_small_field(&mut field, FIELD_LIMIT).await?;
-            }
-        }
-    }
-    let Some((mut temp, size, original)) = file else {
-        return Err(ApiError::bad_request("the upload needs a \"file\" field"));
-    };
+    let path = state.datasets_dir().join(format!(".upload-{}", random_token()));
+    let upload = read_upload(&mut multipart, path, limit, "upload").await?;
+    let (mut temp, size, original) = upload.file;
+    let name: Option<String> = upload.name.map(|n| n.trim().chars().take(200).collect());
     if size == 0 {
         return Err(ApiError::unprocessable("the file is empty"));
     }

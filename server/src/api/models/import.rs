@@ -12,9 +12,7 @@ use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::api::multipart::{
-    FIELD_LIMIT, TempFile, read_small_field, refuse_declared_oversize, stream_to_temp,
-};
+use crate::api::multipart::{read_upload, refuse_declared_oversize};
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
 use crate::error::{ApiError, ApiResult};
@@ -80,31 +78,10 @@ pub(super) async fn import(
     let models_dir = state.models_dir();
     tokio::fs::create_dir_all(&models_dir).await?;
 
-    let mut name: Option<String> = None;
-    let mut file: Option<(TempFile, u64, Option<String>)> = None;
-    while let Some(mut field) = multipart.next_field().await? {
-        let field_name = field.name().map(str::to_string);
-        match field_name.as_deref() {
-            Some("file") => {
-                if file.is_some() {
-                    return Err(ApiError::bad_request("send one file per import"));
-                }
-                let original = field.file_name().map(str::to_string);
-                let path = models_dir.join(format!(".upload-{}.gguf", random_token()));
-                let (temp, size) = stream_to_temp(&mut field, path, limit).await?;
-                file = Some((temp, size, original));
-            }
-            Some("name") => {
-                name = Some(read_small_field(&mut field, FIELD_LIMIT).await?.trim().to_string());
-            }
-            _ => {
-                read_small_field(&mut field, FIELD_LIMIT).await?;
-            }
-        }
-    }
-    let Some((temp, size, original)) = file else {
-        return Err(ApiError::bad_request("the import needs a \"file\" field"));
-    };
+    let path = models_dir.join(format!(".upload-{}.gguf", random_token()));
+    let upload = read_upload(&mut multipart, path, limit, "import").await?;
+    let (temp, size, original) = upload.file;
+    let name = upload.name.map(|n| n.trim().to_string());
     let name = name
         .filter(|n| !n.is_empty())
         .or_else(|| original.as_deref().map(name_from_file))
