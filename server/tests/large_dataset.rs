@@ -1,7 +1,8 @@
 //! A dataset of a gigabyte goes through the API, uploaded and then previewed, in a process whose
 //! peak resident memory stays far below the file's size: the upload streams to disk, and the lint
 //! and the preview read the file record by record. Its own test binary, so the peak it reads is
-//! this test's alone.
+//! this test's alone. A multipart `name` field of 256 MiB streamed as fast as the server reads
+//! is refused with the process still far below its size.
 
 use std::path::Path;
 use std::time::Instant;
@@ -195,5 +196,41 @@ async fn a_gigabyte_dataset_uploads_and_previews_in_bounded_memory() {
          {uploaded:.1?}, 4 previews in {previewed:.1?}; peak RSS {:.0} MB",
         peak as f64 / 1e6
     );
+    assert!(peak < PEAK_RSS_BYTES, "peak RSS {peak} bytes, over {PEAK_RSS_BYTES}");
+}
+
+/// A field other than the file, far over its 1 KiB limit, sent as fast as it can be read.
+const GIANT_FIELD_BYTES: usize = 256 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_giant_name_field_is_refused_in_bounded_memory() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = AppState::open_with(Config::new(dir.path().join("data")), Gpus::none())
+        .await
+        .expect("open");
+    sluice::start(&state).await.expect("start");
+    let admin = Client::admin(&state).await;
+
+    let boundary = "giant-field-boundary";
+    let head = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\n");
+    let chunk = Bytes::from(vec![b'a'; 64 << 10]);
+    let chunks = GIANT_FIELD_BYTES / chunk.len();
+    // Always ready, as a client on a fast link is: nothing here waits for the server.
+    let body = futures_util::stream::once(async { Bytes::from(head) })
+        .chain(futures_util::stream::iter(std::iter::repeat_n(chunk, chunks)))
+        .map(Ok::<_, std::io::Error>);
+    let upload = Request::builder()
+        .method(Method::POST)
+        .uri("/api/datasets")
+        .header(header::CONTENT_TYPE, format!("multipart/form-data; boundary={boundary}"));
+    let (status, reply) = admin.send(upload, Body::from_stream(body)).await;
+    let peak = peak_rss();
+    eprintln!(
+        "a {GIANT_FIELD_BYTES}-byte name field: {status} {reply}; peak RSS {:.0} MB",
+        peak as f64 / 1e6
+    );
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{reply}");
+    let error = reply["error"].as_str().unwrap_or_default();
+    assert!(error.contains("\"name\" is longer than 1024 bytes"), "{reply}");
     assert!(peak < PEAK_RSS_BYTES, "peak RSS {peak} bytes, over {PEAK_RSS_BYTES}");
 }

@@ -2,12 +2,20 @@
 //! anything is read, a file field is counted against the limit as it arrives, and the temporary
 //! file is deleted unless the upload is kept. Every other field is small (a name) and read into
 //! memory only up to its own limit. Used by dataset uploads and GGUF model imports.
+//!
+//! The parser reads the body one network chunk at a time ([`BoundedMultipart`]): left to
+//! itself it reads ahead as long as bytes are ready, so a fast client streaming one long field
+//! would be buffered whole before the field's limit is ever checked.
 
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
-use axum::extract::Multipart;
+use axum::body::Body;
 use axum::extract::multipart::Field;
+use axum::extract::{FromRequest, Multipart, Request};
 use axum::http::{HeaderMap, header};
+use futures_util::Stream;
 use tokio::io::AsyncWriteExt;
 
 use crate::error::{ApiError, ApiResult};
@@ -35,6 +43,47 @@ pub(crate) async fn read_small_field(field: &mut Field<'_>, limit: usize) -> Api
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// The `Multipart` extractor over a body that hands the parser one chunk per poll, so what it
+/// holds of a field is at most one chunk (a network read, 400 KiB at most from hyper) past
+/// what the handler has taken.
+pub(crate) struct BoundedMultipart(pub Multipart);
+
+impl<S: Send + Sync> FromRequest<S> for BoundedMultipart {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let request = request.map(|body| {
+            Body::from_stream(OneChunkPerPoll { inner: body.into_data_stream(), yielded: false })
+        });
+        let multipart = Multipart::from_request(request, state)
+            .await
+            .map_err(|rejection| ApiError::bad_request(rejection.body_text()))?;
+        Ok(Self(multipart))
+    }
+}
+
+/// A stream that answers `Pending` (already woken) after each chunk it yields: the multipart
+/// parser reads "while ready", and this makes it return to the handler after every chunk.
+struct OneChunkPerPoll<S> {
+    inner: S,
+    yielded: bool,
+}
+
+impl<S: Stream + Unpin> Stream for OneChunkPerPoll<S> {
+    type Item = S::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
+        if self.yielded {
+            self.yielded = false;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let item = std::task::ready!(Pin::new(&mut self.inner).poll_next(cx));
+        self.yielded = item.is_some();
+        Poll::Ready(item)
+    }
+}
+
 /// What an upload of one `file` and an optional `name` sent.
 pub(crate) struct Upload {
     /// The file, streamed to a temporary path; its size; the file name the client gave.
@@ -47,7 +96,7 @@ pub(crate) struct Upload {
 /// optional `name`; every other field is read up to [`FIELD_LIMIT`] and dropped. `what` names
 /// the upload in the errors ("upload", "import").
 pub(crate) async fn read_upload(
-    multipart: &mut Multipart,
+    BoundedMultipart(multipart): &mut BoundedMultipart,
     temp: PathBuf,
     limit: u64,
     what: &str,

@@ -5,12 +5,12 @@
 use std::path::Path;
 
 use axum::Json;
-use axum::extract::{Multipart, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::data::Layout;
 use tokio::sync::Semaphore;
 
-use super::super::multipart::{read_upload, refuse_declared_oversize};
+use super::super::multipart::{BoundedMultipart, read_upload, refuse_declared_oversize};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
@@ -28,7 +28,7 @@ pub(super) async fn upload(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
     headers: HeaderMap,
-    mut multipart: Multipart,
+    mut multipart: BoundedMultipart,
 ) -> ApiResult<(StatusCode, Json<Dataset>)> {
     let limit = state.config().max_upload_bytes;
     refuse_declared_oversize(&headers, limit)?;

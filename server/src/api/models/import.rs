@@ -5,14 +5,14 @@
 use std::path::{Path, PathBuf};
 
 use axum::Json;
-use axum::extract::{Multipart, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use sluice_engine::weights::gguf::import_gguf;
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::api::multipart::{read_upload, refuse_declared_oversize};
+use crate::api::multipart::{BoundedMultipart, read_upload, refuse_declared_oversize};
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
 use crate::error::{ApiError, ApiResult};
@@ -71,7 +71,7 @@ pub(super) async fn import(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
     headers: HeaderMap,
-    mut multipart: Multipart,
+    mut multipart: BoundedMultipart,
 ) -> ApiResult<(StatusCode, Json<ModelView>)> {
     let limit = state.config().max_upload_bytes;
     refuse_declared_oversize(&headers, limit)?;
