@@ -1,18 +1,14 @@
 // End to end, as a person would use the appliance: headless Chromium against the release binary.
 // The steps depend on each other and run in order; the first failure stops the rest.
 import assert from 'node:assert/strict';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readFileSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { after, before, test } from 'node:test';
 
-import { chromium } from 'playwright-core';
-
+import { openBrowser, setupAdmin } from './harness.mjs';
 import { repoRoot, startServer } from './server.mjs';
 import { tarMembers } from './tar.mjs';
 
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
-const SHOTS = path.join(repoRoot, 'docs', 'screenshots');
 const DEMO = path.join(repoRoot, 'datasets', 'demo-alpaca.jsonl');
 const STEPS = 30;
 const SAVE_EVERY = 15;
@@ -20,55 +16,23 @@ const ADMIN = { username: 'ada', password: 'correct horse battery' };
 const OTHER = { username: 'bob', password: 'another long password' };
 
 let server;
-let context;
+let browser;
 let page;
-let profileDir;
 const existsShot = { running: false };
-const pageErrors = [];
-const outsideRequests = [];
 
 before(async () => {
   server = await startServer();
-  profileDir = mkdtempSync(path.join(tmpdir(), 'sluice-chromium-'));
-  context = await chromium.launchPersistentContext(profileDir, {
-    executablePath: CHROMIUM,
-    headless: true,
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-    viewport: { width: 1280, height: 860 },
-    deviceScaleFactor: 1,
-    acceptDownloads: true,
-    colorScheme: 'light',
-  });
-  context.setDefaultTimeout(20_000);
-  context.on('request', (request) => {
-    const url = new URL(request.url());
-    if (!['127.0.0.1', 'localhost'].includes(url.hostname) && url.protocol.startsWith('http')) outsideRequests.push(request.url());
-  });
-  page = context.pages()[0] || (await context.newPage());
-  page.on('pageerror', (err) => pageErrors.push(`${page.url()}: ${err.message}`));
-  page.on('console', (message) => {
-    if (message.type() === 'error' && /Content Security Policy|SyntaxError|TypeError|ReferenceError/.test(message.text())) {
-      pageErrors.push(`${page.url()}: ${message.text()}`);
-    }
-  });
-  mkdirSync(SHOTS, { recursive: true });
+  browser = await openBrowser();
+  ({ page } = browser);
 });
 
 after(async () => {
-  if (context) await context.close();
-  if (profileDir) rmSync(profileDir, { recursive: true, force: true });
+  if (browser) await browser.close();
   if (server) await server.stop();
 });
 
 const url = (p) => `${server.url}${p}`;
-
-async function screenshot(name, options = {}) {
-  const file = path.join(SHOTS, `${name}.png`);
-  await page.screenshot({ path: file, ...options });
-  const size = statSync(file).size;
-  assert.ok(size < 300 * 1024, `${name}.png is ${size} bytes; keep screenshots under 300 KB`);
-}
+const screenshot = (name, options) => browser.screenshot(name, options);
 
 /** How many points a chart draws (the page keeps it in data-points). */
 async function chartPoints(key) {
@@ -125,8 +89,7 @@ function asPlaywrightReads(text, contentType) {
 }
 
 function noErrorsSoFar() {
-  assert.deepEqual(pageErrors, [], 'the pages raised script errors');
-  assert.deepEqual(outsideRequests, [], 'the pages fetched something outside the appliance');
+  browser.noErrorsSoFar();
 }
 
 let datasetId;
@@ -135,14 +98,7 @@ let checkpointName;
 
 test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
   await t.test('a fresh server asks for the administrator, who is then logged in', async () => {
-    await page.goto(url('/'));
-    await page.waitForURL(/\/setup$/);
-    await page.fill('#username', ADMIN.username);
-    await page.fill('#password', ADMIN.password);
-    await page.fill('#password2', ADMIN.password);
-    await page.click('button[type=submit]');
-    await page.waitForURL(url('/'));
-    await page.waitForSelector('#who-name:has-text("ada")');
+    await setupAdmin(page, server.url, ADMIN);
     await page.waitForSelector('nav a[href="/admin/users"]:visible');
     noErrorsSoFar();
   });
