@@ -77,6 +77,8 @@ impl Page {
     }
 }
 
+/// The top bar. On narrow screens the navigation and the account fold into `#menu`, opened by
+/// `#menu-button` (`static/js/menu.js`); on wide ones the button is hidden and the menu is a row.
 fn nav_html(active: Nav) -> String {
     let entries = [
         (Nav::Dashboard, "/", "Dashboard", ""),
@@ -92,7 +94,7 @@ fn nav_html(active: Nav) -> String {
         links.push_str(&format!(r#"<a href="{href}"{current}{extra}>{label}</a>"#));
     }
     format!(
-        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><nav>{links}</nav><div class="who"><span id="who-name"></span><button type="button" id="logout" class="link">Log out</button></div></header>"#
+        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><button type="button" class="menu-button" id="menu-button" aria-expanded="false" aria-controls="menu">Menu</button><div class="menu" id="menu"><nav aria-label="Main">{links}</nav><div class="who"><span id="who-name"></span><button type="button" id="logout" class="link">Log out</button></div></div></header>"#
     )
 }
 
@@ -116,6 +118,18 @@ mod tests {
         assert!(html.contains(&format!("uplot-{UPLOT_VERSION}/uPlot.iife.min.js")));
         assert!(html.contains(r#"<a href="/datasets" aria-current="page">"#));
         assert!(!html.contains(r#"<a href="/" aria-current"#));
+        assert!(html.contains(r#"aria-controls="menu""#) && html.contains(r#"id="menu""#));
+    }
+
+    #[test]
+    fn every_page_starts_with_a_skip_link_to_main() {
+        for nav in [Nav::None, Nav::Dashboard] {
+            let html = page(nav, false).render();
+            let body = &html[html.find("<body>").unwrap_or(0)..];
+            let first_link = body.find("<a ").unwrap_or(usize::MAX);
+            assert_eq!(body.find(r##"<a class="skip-link" href="#main">"##), Some(first_link), "{html}");
+            assert!(html.contains(r#"<main id="main" tabindex="-1">"#));
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ import { ApiError, get, post, postStream, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
-import { canResume, deviceLabel, jobProgress, modelLabel, placeInLine, queuePosition, settingsList } from './job_fields.js';
+import { canResume, deviceLabel, gpuIndices, jobProgress, modelLabel, placeInLine, queuePosition, settingsList } from './job_fields.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -16,15 +16,15 @@ const MAX_LOG_LINES = 3000;
 
 const gbps = (v) => `${fmtNum(v)} GB/s`;
 const CHARTS = [
-  { key: 'loss', title: 'Loss', series: [{ field: 'loss', label: 'train' }, { field: 'eval_loss', label: 'eval', sparse: true }], format: fmtNum },
-  { key: 'lr', title: 'Learning rate', series: [{ field: 'lr', label: 'lr' }], format: fmtNum },
-  { key: 'grad_norm', title: 'Gradient norm', series: [{ field: 'grad_norm', label: 'norm' }], format: fmtNum },
-  { key: 'tokens_per_s', title: 'Tokens per second', series: [{ field: 'tokens_per_s', label: 'tokens/s' }], format: fmtNum },
-  { key: 'tflops', title: 'TFLOPS', series: [{ field: 'tflops', label: 'TFLOPS' }], format: fmtNum },
-  { key: 'gpu_mem', title: 'GPU memory', series: [{ field: 'gpu_mem', label: 'in use' }], format: fmtBytes },
-  { key: 'pcie', title: 'PCIe transfer', series: [{ field: 'h2d_gbps', label: 'host → GPU' }, { field: 'd2h_gbps', label: 'GPU → host' }], format: gbps },
-  { key: 'host_mem', title: 'Host memory', series: [{ field: 'host_mem', label: 'in use' }], format: fmtBytes },
-  { key: 'optimizer_s', title: 'Optimizer time per step', series: [{ field: 'optimizer_s', label: 'seconds' }], format: fmtDuration },
+  { key: 'loss', title: 'Loss', unit: 'loss', series: [{ field: 'loss', label: 'train' }, { field: 'eval_loss', label: 'eval', sparse: true }], format: fmtNum },
+  { key: 'lr', title: 'Learning rate', unit: 'learning rate', series: [{ field: 'lr', label: 'lr' }], format: fmtNum },
+  { key: 'grad_norm', title: 'Gradient norm', unit: 'norm', series: [{ field: 'grad_norm', label: 'norm' }], format: fmtNum },
+  { key: 'tokens_per_s', title: 'Tokens per second', unit: 'tokens/s', series: [{ field: 'tokens_per_s', label: 'tokens/s' }], format: fmtNum },
+  { key: 'tflops', title: 'TFLOPS', unit: 'TFLOPS', series: [{ field: 'tflops', label: 'TFLOPS' }], format: fmtNum },
+  { key: 'gpu_mem', title: 'GPU memory', unit: 'bytes', gpuOnly: true, series: [{ field: 'gpu_mem', label: 'in use' }], format: fmtBytes },
+  { key: 'pcie', title: 'PCIe transfer', unit: 'GB/s', gpuOnly: true, series: [{ field: 'h2d_gbps', label: 'host → GPU' }, { field: 'd2h_gbps', label: 'GPU → host' }], format: gbps },
+  { key: 'host_mem', title: 'Host memory', unit: 'bytes', series: [{ field: 'host_mem', label: 'in use' }], format: fmtBytes },
+  { key: 'optimizer_s', title: 'Optimizer time per step', unit: 'seconds', series: [{ field: 'optimizer_s', label: 'seconds' }], format: fmtDuration },
 ];
 
 let job = null;
@@ -534,7 +534,9 @@ async function main() {
     return;
   }
   $('#job-body').hidden = false;
-  charts = CHARTS.map((spec) => new MetricChart($('#charts'), spec));
+  // A job on the processor has no GPU memory and no PCIe link to chart.
+  const onGpu = gpuIndices(job.gpu).length > 0;
+  charts = CHARTS.filter((spec) => onGpu || !spec.gpuOnly).map((spec) => new MetricChart($('#charts'), spec));
   try {
     await connect();
   } catch (err) {
