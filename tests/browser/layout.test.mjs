@@ -275,6 +275,7 @@ async function checkPage(name, { ready, nav = true, focusTarget = null }) {
   await page.reload();
   await ready();
   await assertNoSidewaysScroll(`${name} at 1280 px`);
+  await page.evaluate(() => document.activeElement?.blur());
   if (nav) {
     assert.ok(await page.locator('#menu-button').isHidden(), `${name}: a menu button at 1280 px`);
     assert.ok(await page.locator('#menu nav a[href="/datasets"]').isVisible(), `${name}: the navigation is folded at 1280 px`);
@@ -366,6 +367,15 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 6 * 60_000
     // Axes say what they count: "step" along x, the unit up y (sizes in one binary unit).
     assert.match(await page.getAttribute('[data-chart="host_mem"]', 'data-axes'), /^step\|(KiB|MiB|GiB)$/);
     assert.match(await page.getAttribute('[data-chart="loss"]', 'data-axes'), /^step\|loss$/);
+    // Long labels too: a chart of large, close values (drawn beside the page's own).
+    await page.evaluate(async () => {
+      const { MetricChart } = await import('/static/js/charts.js');
+      const chart = new MetricChart(document.querySelector('#charts'), {
+        key: 'wide', title: 'Wide', unit: 'tokens/s', series: [{ field: 'v', label: 'v' }], format: String,
+      });
+      chart.update([1, 2, 3, 4].map((step) => ({ step, v: 1_234_567.25 + step * 0.75 })));
+    });
+    await page.waitForSelector('[data-chart="wide"][data-y-ticks]');
     // No digit is cut: the y axis (drawn on a canvas) is wider than its widest tick label.
     const cut = await page.evaluate(() => {
       const ctx = document.createElement('canvas').getContext('2d');
@@ -390,15 +400,32 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 6 * 60_000
         await page.waitForSelector('#gpus .gpu');
       },
     });
-    // The table scrolls inside its card on a phone, not the page.
+    // On a phone the table is a list: each row a block inside the card, each cell named by its column.
     await page.setViewportSize(PHONE);
     await page.reload();
-    await page.waitForSelector('#jobs-table');
-    const overflow = await page.evaluate(() => {
-      const table = document.querySelector('#jobs-table');
-      return { table: table.scrollWidth, box: table.parentElement.clientWidth, scrolls: getComputedStyle(table.parentElement).overflowX };
-    });
-    if (overflow.table > overflow.box) assert.equal(overflow.scrolls, 'auto', `the jobs table overflows its card: ${JSON.stringify(overflow)}`);
+    await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"]`);
+    const row = await page.evaluate((id) => {
+      const tr = document.querySelector(`#jobs-table tr[data-job="${id}"]`);
+      const card = tr.closest('.card').getBoundingClientRect();
+      return {
+        display: getComputedStyle(tr).display,
+        inside: tr.getBoundingClientRect().right <= card.right,
+        labels: [...tr.cells].map((td) => td.dataset.label),
+        shown: getComputedStyle(tr.cells[1], '::before').content,
+      };
+    }, jobId);
+    assert.equal(row.display, 'flex', 'the jobs table is not a list on a phone');
+    assert.ok(row.inside, 'a job row reaches past its card');
+    assert.deepEqual(row.labels.slice(0, 3), ['Job', 'Model', 'Dataset']);
+    assert.equal(row.shown, '"Model"', 'the model cell does not say it is the model');
+
+    // The open menu, as the keyboard leaves it.
+    await page.focus('#menu-button');
+    await page.keyboard.press('Enter');
+    await page.locator('#menu nav a[href="/models"]').waitFor({ state: 'visible' });
+    await page.keyboard.press('Tab');
+    await browser.screenshot('menu-390');
+    await page.keyboard.press('Escape');
 
     await page.goto(url('/models'));
     await checkPage('models', { ready: () => page.waitForSelector('#models-table') });

@@ -51,7 +51,7 @@ const ASSETS: &[Asset] = &[
     asset!("app.css", "app.css", CSS),
     asset!("js/api.js", "js/api.js", JS),
     asset!("js/ui.js", "js/ui.js", JS),
-    asset!("js/menu.js", "js/menu.js", JS),
+    asset!("js/shell.js", "js/shell.js", JS),
     asset!("js/charts.js", "js/charts.js", JS),
     asset!("js/timeline.js", "js/timeline.js", JS),
     asset!("js/pages/setup.js", "js/pages/setup.js", JS),

@@ -78,7 +78,7 @@ impl Page {
 }
 
 /// The top bar. On narrow screens the navigation and the account fold into `#menu`, opened by
-/// `#menu-button` (`static/js/menu.js`); on wide ones the button is hidden and the menu is a row.
+/// `#menu-button` (`static/js/shell.js`); on wide ones the button is hidden and the menu is a row.
 fn nav_html(active: Nav) -> String {
     let entries = [
         (Nav::Dashboard, "/", "Dashboard", ""),
