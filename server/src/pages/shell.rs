@@ -127,7 +127,11 @@ mod tests {
             let html = page(nav, false).render();
             let body = &html[html.find("<body>").unwrap_or(0)..];
             let first_link = body.find("<a ").unwrap_or(usize::MAX);
-            assert_eq!(body.find(r##"<a class="skip-link" href="#main">"##), Some(first_link), "{html}");
+            assert_eq!(
+                body.find(r##"<a class="skip-link" href="#main">"##),
+                Some(first_link),
+                "{html}"
+            );
             assert!(html.contains(r#"<main id="main" tabindex="-1">"#));
         }
     }
