@@ -71,7 +71,9 @@ test('API tokens and a webhook, from the account page', { timeout: 5 * 60_000 },
     await setupAdmin(page, server.url, ADMIN);
     await page.click('#who-name');
     await page.waitForURL(url('/account'));
-    await page.waitForSelector('#tokens .empty');
+    // Drawn by the page's script, once it has asked the API.
+    await page.waitForSelector('#tokens .empty:has-text("No tokens yet.")');
+    await page.waitForSelector('#webhook-last:has-text("No webhook")');
     assert.equal(await page.getAttribute('#who-name', 'aria-current'), 'page');
     browser.noErrorsSoFar();
   });
@@ -150,7 +152,7 @@ test('API tokens and a webhook, from the account page', { timeout: 5 * 60_000 },
   await t.test('revoked in the page, the token is refused at once', async () => {
     page.once('dialog', (dialog) => dialog.accept());
     await page.click('#tokens-table tr[data-token="nightly script"] button');
-    await page.waitForSelector('#tokens .empty');
+    await page.waitForSelector('#tokens .empty:has-text("No tokens yet.")');
     const refused = await withToken(token, '/api/jobs');
     assert.equal(refused.status, 401);
     assert.match((await refused.json()).error, /API token/);

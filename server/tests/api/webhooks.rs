@@ -209,7 +209,7 @@ async fn cancelled_jobs_are_posted_and_the_webhook_is_checked_tested_and_removed
 
     for (url, says) in [
         ("ftp://example.com/x", "https:// or http://"),
-        ("example.com/hook", "https:// or http://"),
+        ("example.com/hook", "is not a URL"),
         ("https://user:secret@example.com/", "user name or password"),
     ] {
         let request = admin
