@@ -148,7 +148,7 @@ async fn the_plan_speaks_plain_words_and_matches_sluice_plan() -> anyhow::Result
     if api["fits"] == false {
         let value = api["suggestion"]["value"].as_u64().unwrap_or(0);
         assert_eq!(api["suggestion"]["field"], "micro_batch", "{api}");
-        assert!(value >= 1 && value < 4096, "{api}");
+        assert!((1..4096).contains(&value), "{api}");
         let reason = api["reason"].as_str().unwrap_or_default();
         assert!(
             reason.ends_with(&format!("The closest job that fits: micro-batch {value}.")),
