@@ -8,6 +8,7 @@
 //! [`jobs::runner`]); every 4xx body is `{"error": ...}`; another user's dataset, job or
 //! checkpoint answers 404.
 
+mod announce;
 mod api;
 pub mod auth;
 pub mod cli;
@@ -22,6 +23,7 @@ mod pages;
 mod paths;
 mod recovery;
 mod state;
+mod webhooks;
 
 pub use config::Config;
 pub use state::{AppState, JobMessage};

@@ -73,7 +73,9 @@ fn write_machine(f: &mut fmt::Formatter<'_>, mem: &MachineMemory) -> fmt::Result
     }
 }
 
-fn write_budget(f: &mut fmt::Formatter<'_>, b: &Budget) -> fmt::Result {
+/// Each tier part by part, then the host's total: where the device is host memory (the CPU
+/// backend), that total counts the device's buffers too, as the web form's one host bar does.
+fn write_budget(f: &mut fmt::Formatter<'_>, b: &Budget, shared: bool) -> fmt::Result {
     for tier in b.tiers() {
         writeln!(
             f,
@@ -86,7 +88,8 @@ fn write_budget(f: &mut fmt::Formatter<'_>, b: &Budget) -> fmt::Result {
             writeln!(f, "    {:>11}  {}", gib(p.bytes), p.name)?;
         }
     }
-    writeln!(f, "  host total     {:>11} used of {:>11}", gib(b.host_used()), gib(b.host_capacity))
+    let host = if shared { b.device.used + b.host_used() } else { b.host_used() };
+    writeln!(f, "  host total     {:>11} used of {:>11}", gib(host), gib(b.host_capacity))
 }
 
 impl fmt::Display for Plan {
@@ -163,7 +166,7 @@ impl fmt::Display for Plan {
         }
         let shared = if self.parallel.is_some() { " (device: per GPU; host: shared)" } else { "" };
         writeln!(f, "memory{shared}:")?;
-        write_budget(f, &self.budget)?;
+        write_budget(f, &self.budget, self.memory.shared())?;
         let t = &self.time;
         writeln!(
             f,
@@ -231,7 +234,7 @@ impl Refusal {
                 writeln!(f, "does not fit: {}", self.0)?;
                 write_machine(f, &self.0.memory)?;
                 writeln!(f, "memory of the closest placement:")?;
-                write_budget(f, &self.0.budget)
+                write_budget(f, &self.0.budget, self.0.memory.shared())
             }
         }
         Details(self).to_string()

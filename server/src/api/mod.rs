@@ -2,6 +2,7 @@
 //! own router, merged here and nowhere else. Handlers check who asks and what they send, then
 //! call the areas below (`datasets`, `models`, `jobs`, `gpus`); they never train.
 
+mod account;
 mod checkpoints;
 mod datasets;
 mod gpus;
@@ -34,6 +35,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(plan::router())
         .merge(jobs::router())
         .merge(metrics::router())
+        .merge(account::router())
 }
 
 /// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.

@@ -1,6 +1,6 @@
 //! Accounts: first-run admin creation, login, logout and the session endpoint the pages start
 //! from. Sessions, CSRF and the user extractors are in [`session`]; hashing in [`password`]; the
-//! login throttle in [`throttle`].
+//! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`].
 //!
 //! A login passes three gates before its password is checked, cheapest first: the throttle (per
 //! account and per client address, 429), a turn with the password hasher (503 when its short
@@ -9,6 +9,7 @@
 pub mod password;
 pub mod session;
 pub mod throttle;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::convert::Infallible;

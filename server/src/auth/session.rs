@@ -24,6 +24,7 @@ use rand::RngCore;
 use serde::Serialize;
 use sqlx::FromRow;
 
+use super::tokens;
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
@@ -252,10 +253,18 @@ fn anonymous_csrf(key: &str, nonce: &str) -> ApiResult<String> {
 
 /// Rejects a POST, PUT, PATCH or DELETE whose `X-CSRF-Token` is missing or wrong (403): for a
 /// session cookie, the session's token; for an anonymous cookie, the token made from its nonce;
-/// without a cookie, nothing is right. Safe methods pass untouched.
+/// without a cookie, nothing is right. Safe methods pass untouched, and so does a request with
+/// a valid API token (`Authorization: Bearer`, which no browser sends by itself; one with a
+/// wrong token is refused here, 401).
 pub async fn csrf_guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
         return next.run(request).await;
+    }
+    if let Some(bearer) = tokens::bearer(request.headers()) {
+        return match tokens::authenticate(&state, &bearer).await {
+            Ok(_) => next.run(request).await,
+            Err(err) => err.into_response(),
+        };
     }
     match check_csrf(&state, request.headers()).await {
         Ok(()) => next.run(request).await,
@@ -284,7 +293,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The logged-in user; 401 without one.
+/// The logged-in user, or the user of the request's API token; 401 without one. A request with
+/// `Authorization: Bearer` is judged by its token alone.
 #[derive(Debug, Clone)]
 pub struct CurrentUser(pub User);
 
@@ -292,6 +302,9 @@ impl FromRequestParts<AppState> for CurrentUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        if let Some(bearer) = tokens::bearer(&parts.headers) {
+            return tokens::authenticate(state, &bearer).await.map(CurrentUser);
+        }
         let Some(Cookie::Session(token)) = cookie(&parts.headers) else {
             return Err(ApiError::unauthorized());
         };

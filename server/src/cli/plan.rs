@@ -1,13 +1,18 @@
 //! `sluice plan`: where a training job's bytes would live, what a step would cost, or why the
-//! job does not fit and what would.
+//! job does not fit and what would. The first line is the sentence the web form shows for the
+//! same job (`jobs::plan::sentence`), from the same plan: the job is planned exactly as
+//! `sluice train` and the appliance plan it (`Job::plan_input`).
+
+use std::path::PathBuf;
 
 use anyhow::Context;
-use sluice_engine::plan::{GpuQuery, MachineMemory, MachineRates, PlanInput, Verdict, plan};
-use sluice_engine::schedule::from_plan::STREAMER;
+use sluice_engine::data::DatasetSource;
+use sluice_engine::plan::{GpuQuery, MachineMemory, Verdict, plan};
 use sluice_engine::spec::{ModelSpec, preset};
-use sluice_engine::train::ModelSource;
+use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
 
 use super::shape::ShapeArgs;
+use crate::jobs::plan::sentence;
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
@@ -15,37 +20,51 @@ pub(crate) struct PlanArgs {
     #[command(flatten)]
     shape: ShapeArgs,
 
+    /// Optimizer steps of the run, to predict its whole duration [default: unknown, one pass
+    /// over the data].
+    #[arg(long)]
+    steps: Option<u64>,
+
     /// Plan with global-norm gradient clipping off (gradients then need no store).
     #[arg(long)]
     no_clip: bool,
 
-    /// Print the plan as JSON (the web form's format).
+    /// Print the plan as JSON (the engine planner's format).
     #[arg(long)]
     json: bool,
 }
 
 pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
-    let spec = match args.shape.source()? {
-        ModelSource::Dir(dir) => ModelSpec::from_path(&dir)?,
-        ModelSource::Preset(name) => preset(&name)?,
+    let source = args.shape.source()?;
+    let spec = match &source {
+        ModelSource::Dir(dir) => ModelSpec::from_path(dir)?,
+        ModelSource::Preset(name) => preset(name)?,
     };
-    let (gpu, gpus) = match &args.shape.device {
-        None => (GpuQuery::FirstOrH200, 1),
-        Some(devices) => (devices.gpu_query(), devices.gpus().len().max(1)),
+    // Without --device: the first GPU, or an H200 when none can be read.
+    let (gpu, devices) = match &args.shape.device {
+        None => (GpuQuery::FirstOrH200, Devices::Cuda(vec![0])),
+        Some(devices) => (devices.gpu_query(), devices.clone()),
     };
     let memory = MachineMemory::detect(gpu, args.shape.gpu_mem, args.shape.host_mem)
         .context("reading the machine's memory")?;
-    let input = PlanInput {
-        spec: &spec,
-        batch: args.shape.batch(),
-        clipping: !args.no_clip,
-        memory,
-        rates: MachineRates::default(),
-        // What `sluice train` would run, not every placement the planner can model.
-        supports: STREAMER,
-        gpus,
+    let batch = args.shape.batch();
+    let d = JobSettings::default();
+    // The job `sluice train` would run with these flags; planning reads no data.
+    let job = Job {
+        model: source,
+        data: DatasetSource::File(PathBuf::new()),
+        eval_data: None,
+        devices,
+        settings: JobSettings {
+            seq_len: batch.seq_len,
+            micro_batch: batch.micro_batch,
+            grad_accum: batch.grad_accum,
+            steps: args.steps,
+            max_grad_norm: if args.no_clip { 0.0 } else { d.max_grad_norm },
+            ..d
+        },
     };
-    let verdict = plan(&input)?;
+    let verdict = plan(&job.plan_input(&spec, memory))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&verdict)?);
         return match verdict {
@@ -53,6 +72,7 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
             Verdict::Refused(r) => Err(anyhow::anyhow!("does not fit: {r}")),
         };
     }
+    println!("{}\n", sentence(&verdict, &job.devices, job.settings.steps));
     match verdict {
         Verdict::Fits(plan) => {
             println!("{plan}");

@@ -198,11 +198,13 @@ enum RunEvent {
 async fn run_job(state: &AppState, job: JobRow) {
     let id = job.id;
     let _ = store::publish_status(state, id).await;
+    crate::announce::job_started(state, &job).await;
     let engine_job = match store::job_of(state, &job).await {
         Ok(j) => j,
         Err(message) => {
             store::log(state, id, &format!("cannot start: {message}")).await;
             let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
+            crate::announce::job_ended(state, id);
             return;
         }
     };
@@ -235,6 +237,7 @@ async fn run_job(state: &AppState, job: JobRow) {
     if let Err(err) = spawned {
         let message = format!("cannot start a training thread: {err}");
         let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
+        crate::announce::job_ended(state, id);
         return;
     }
     let mut total = job.total_steps.max(0) as u64;
@@ -264,6 +267,7 @@ async fn run_job(state: &AppState, job: JobRow) {
     if let Err(err) = store::finish(state, id, status, error).await {
         error!("job {id}: cannot store the final status: {err:?}");
     }
+    crate::announce::job_ended(state, id);
 }
 
 /// On the job's thread: plans `job` on this machine now, then runs that plan in `out`,

@@ -64,6 +64,7 @@ const ASSETS: &[Asset] = &[
     asset!("js/pages/job.js", "js/pages/job.js", JS),
     asset!("js/pages/job_fields.js", "js/pages/job_fields.js", JS),
     asset!("js/pages/users.js", "js/pages/users.js", JS),
+    asset!("js/pages/account.js", "js/pages/account.js", JS),
     asset!("vendor/uplot-1.6.32/uPlot.iife.min.js", "vendor/uplot/uPlot.iife.min.js", JS, true),
     asset!("vendor/uplot-1.6.32/uPlot.min.css", "vendor/uplot/uPlot.min.css", CSS, true),
 ];

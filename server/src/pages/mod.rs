@@ -44,6 +44,7 @@ static MODELS: Page = page!("Models", "models", Nav::Models);
 static NEW_JOB: Page = page!("New job", "new_job", Nav::NewJob);
 static JOB: Page = page!("Job", "job", Nav::Dashboard, true);
 static USERS: Page = page!("Users", "users", Nav::Users);
+static ACCOUNT: Page = page!("Your account", "account", Nav::Account);
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -56,6 +57,7 @@ pub fn router() -> Router<AppState> {
         .route("/jobs/new", get(|| async { NEW_JOB.response() }))
         .route("/jobs/{id}", get(|id: Path<String>| with_id(id, &JOB)))
         .route("/admin/users", get(|| async { USERS.response() }))
+        .route("/account", get(|| async { ACCOUNT.response() }))
         .route("/static/{*path}", get(assets::serve))
 }
 

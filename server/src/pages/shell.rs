@@ -17,6 +17,8 @@ pub(crate) enum Nav {
     Models,
     NewJob,
     Users,
+    /// The user's own page (API tokens, webhook), linked from their name in the top bar.
+    Account,
 }
 
 /// One page: its title, its body (a fragment of `web/templates/pages/`) and the module script
@@ -93,8 +95,9 @@ fn nav_html(active: Nav) -> String {
         let current = if nav == active { r#" aria-current="page""# } else { "" };
         links.push_str(&format!(r#"<a href="{href}"{current}{extra}>{label}</a>"#));
     }
+    let account = if active == Nav::Account { r#" aria-current="page""# } else { "" };
     format!(
-        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><button type="button" class="menu-button" id="menu-button" aria-expanded="false" aria-controls="menu">Menu</button><div class="menu" id="menu"><nav aria-label="Main">{links}</nav><div class="who"><span id="who-name"></span><button type="button" id="logout" class="link">Log out</button></div></div></header>"#
+        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><button type="button" class="menu-button" id="menu-button" aria-expanded="false" aria-controls="menu">Menu</button><div class="menu" id="menu"><nav aria-label="Main">{links}</nav><div class="who"><a id="who-name" href="/account" title="Your account: API tokens and webhook"{account}></a><button type="button" id="logout" class="link">Log out</button></div></div></header>"#
     )
 }
 

@@ -42,6 +42,10 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("GET", "/api/datasets/{id}/preview") => Owner,
         ("GET" | "POST", "/api/users") => Admin,
         ("DELETE", "/api/users/{id}") => Admin,
+        ("GET" | "POST", "/api/account/tokens") => User,
+        ("DELETE", "/api/account/tokens/{id}") => User,
+        ("GET" | "PUT", "/api/account/webhook") => User,
+        ("POST", "/api/account/webhook/test") => User,
         _ => return None,
     })
 }

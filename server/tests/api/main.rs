@@ -11,5 +11,8 @@ mod isolation;
 mod jobs;
 mod misc;
 mod models;
+mod plan_words;
 mod recovery;
+mod tokens;
 mod try_checkpoint;
+mod webhooks;

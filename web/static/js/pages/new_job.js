@@ -39,7 +39,9 @@ const TIER_LABELS = {
   'pageable host': 'Host memory (RAM)',
   host: 'Host memory (RAM)',
 };
-const BOTTLENECKS = { pcie: 'PCIe copies', gpu_compute: 'GPU compute', cpu_adam: 'CPU optimizer', compute: 'compute' };
+const BOTTLENECKS = { pcie: 'PCIe copies', gpu_compute: 'GPU compute', cpu_adam: 'CPU optimizer', compute: 'compute', cpu: 'the processor' };
+// The settings a plan's suggestion may change, as the form names them.
+const SUGGESTED = { micro_batch: (n) => `micro-batch ${n}`, grad_accum: (n) => `${n} micro-batch${n === 1 ? '' : 'es'} per step` };
 const PART_COLORS = ['#4c8be0', '#36a87a', '#d08a2e', '#9a6bd1', '#d05a7a', '#3fb0c0', '#8a8f3a', '#7a7f8c'];
 
 let models = [];
@@ -146,6 +148,16 @@ function about(seconds) {
   return seconds < 0.0005 ? '< 1 ms' : `≈ ${fmtDuration(seconds)}`;
 }
 
+/**
+ * Sizes in the plan card as the plan's sentence writes them (the server's `jobs::plan::gib`):
+ * GiB with one decimal, MiB below one GiB; binary units, labelled as such.
+ */
+function planBytes(bytes) {
+  if (typeof bytes !== 'number' || !Number.isFinite(bytes)) return '—';
+  const gib = 2 ** 30;
+  return bytes >= gib ? `${(bytes / gib).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
+}
+
 function fact(label, value, key) {
   return el('div', { class: 'fact', dataset: { plan: key } }, el('div', { class: 'k' }, label), el('div', { class: 'v' }, value));
 }
@@ -157,7 +169,7 @@ function renderTier(tier) {
   const over = capacity > 0 && used > capacity;
   const scale = capacity > 0 ? Math.max(capacity, used) : Math.max(used, 1);
   const segments = parts.map((p, i) => el('span', {
-    title: `${p.name}: ${fmtBytes(p.bytes)}`,
+    title: `${p.name}: ${planBytes(p.bytes)}`,
     style: { width: `${(100 * p.bytes) / scale}%`, background: PART_COLORS[i % PART_COLORS.length] },
   }));
   const barNode = parts.length ? el('div', { class: 'bar tall' }, segments) : bar(capacity > 0 ? used / capacity : 0, { tall: true });
@@ -165,10 +177,10 @@ function renderTier(tier) {
     el('div', { class: 'tier-head' },
       el('strong', {}, TIER_LABELS[tier.name] || tier.name),
       el('span', { class: over ? 'num' : 'num muted', style: over ? { color: 'var(--danger)', fontWeight: 600 } : {} },
-        capacity > 0 ? `${fmtBytes(used)} of ${fmtBytes(capacity)}${over ? ' — too much' : ''}` : fmtBytes(used))),
+        capacity > 0 ? `${planBytes(used)} of ${planBytes(capacity)}${over ? ' — too much' : ''}` : planBytes(used))),
     barNode,
     parts.length ? el('div', { class: 'legend' }, parts.map((p, i) => el('span', {},
-      el('i', { style: { background: PART_COLORS[i % PART_COLORS.length] } }), `${p.name} ${fmtBytes(p.bytes)}`))) : null);
+      el('i', { style: { background: PART_COLORS[i % PART_COLORS.length] } }), `${p.name} ${planBytes(p.bytes)}`))) : null);
 }
 
 function renderCommand() {
@@ -201,21 +213,33 @@ function renderPlan() {
   const size = (key) => body[key] ?? DEFAULTS[key];
   // grad_accum counts the micro-batches of a whole step, over every GPU of a data-parallel job.
   const tokensPerStep = size('seq_len') * size('micro_batch') * size('grad_accum');
-  const total = typeof plan.step_time_s === 'number' && body.steps ? plan.step_time_s * body.steps : null;
+  // The server words the whole run's time as the sentence does ("about 7 days").
+  const total = typeof plan.run_time === 'string' ? plan.run_time : body.steps ? '—' : 'one pass over the data';
+  const change = plan.suggestion && SUGGESTED[plan.suggestion.field] ? plan.suggestion : null;
   fill(box,
-    plan.reason ? el('p', { class: plan.fits ? 'muted' : '', id: 'plan-reason' }, plan.reason) : null,
+    plan.reason ? el('p', { id: 'plan-reason' }, plan.reason) : null,
+    change ? el('p', {}, el('button', {
+      type: 'button',
+      class: 'small',
+      id: 'plan-apply',
+      onclick: () => {
+        $(`#${change.field}`).value = String(change.value);
+        setPreset('custom');
+        planChanged();
+      },
+    }, `Use ${SUGGESTED[change.field](change.value)}`)) : null,
     typeof plan.placement === 'string' && plan.placement
       ? el('p', { class: 'placement', id: 'plan-placement' }, el('span', { class: 'k' }, 'Placement'), plan.placement)
       : null,
     el('div', { class: 'facts' },
       fact('Step time', about(plan.step_time_s), 'step_time'),
-      fact('Whole run', about(total), 'total_time'),
+      fact('Whole run', total, 'total_time'),
       fact('Bottleneck', BOTTLENECKS[plan.bottleneck] || plan.bottleneck || '—', 'bottleneck'),
       fact('Tokens / step', fmtInt(tokensPerStep), 'tokens')),
     el('h3', { style: { marginTop: '1rem' } }, 'Memory'),
     (plan.tiers || []).map(renderTier));
   submit.disabled = !plan.fits;
-  note.textContent = plan.fits ? '' : `Cannot start: ${plan.reason || 'the job does not fit this device.'}`;
+  note.textContent = plan.fits ? '' : `Cannot start. ${plan.reason || 'The job does not fit this device.'}`;
 }
 
 // `data-state` on the card says whether what it shows answers the form as it is now ("ready")
