@@ -11,6 +11,7 @@ mod metrics;
 mod models;
 mod multipart;
 mod plan;
+mod storage;
 mod tryit;
 mod users;
 
@@ -34,6 +35,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(plan::router())
         .merge(jobs::router())
         .merge(metrics::router())
+        .merge(storage::router())
 }
 
 /// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.
