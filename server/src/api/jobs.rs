@@ -260,7 +260,8 @@ fn compact_point(point: Value) -> Value {
         .map(|(k, v)| {
             let v = match v.as_f64() {
                 Some(x) if !v.is_i64() && !v.is_u64() => {
-                    let rounded = if k == "t" { (x * 1e3).round() / 1e3 } else { significant(x, 5) };
+                    let rounded =
+                        if k == "t" { (x * 1e3).round() / 1e3 } else { significant(x, 5) };
                     serde_json::Number::from_f64(rounded).map_or(v, Value::Number)
                 }
                 _ => v,

@@ -43,12 +43,11 @@ impl Usage {
 
 /// What `user_id` takes on disk now.
 pub async fn usage_of(state: &AppState, user_id: i64) -> ApiResult<Usage> {
-    let datasets: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(SUM(size_bytes), 0) FROM datasets WHERE owner_id = ?",
-    )
-    .bind(user_id)
-    .fetch_one(state.pool())
-    .await?;
+    let datasets: i64 =
+        sqlx::query_scalar("SELECT COALESCE(SUM(size_bytes), 0) FROM datasets WHERE owner_id = ?")
+            .bind(user_id)
+            .fetch_one(state.pool())
+            .await?;
     let runs: Vec<PathBuf> = store::job_ids_of_owner(state, user_id)
         .await?
         .into_iter()
@@ -96,8 +95,11 @@ pub async fn refuse_over_quota(state: &AppState, user: &User, incoming: u64) -> 
     let used = usage_of(state, user.id).await?.total();
     let over = if incoming == 0 { used >= quota } else { used + incoming > quota };
     if over {
-        let adding =
-            if incoming > 0 { format!(" and this upload adds {}", gib(incoming)) } else { String::new() };
+        let adding = if incoming > 0 {
+            format!(" and this upload adds {}", gib(incoming))
+        } else {
+            String::new()
+        };
         let message = format!(
             "your storage quota is {}; you use {}{adding}. Delete jobs, checkpoints or datasets \
              you no longer need (or ask an admin for more room)",

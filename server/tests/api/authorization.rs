@@ -42,6 +42,12 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("GET", "/api/datasets/{id}/preview") => Owner,
         ("GET" | "POST", "/api/users") => Admin,
         ("DELETE", "/api/users/{id}") => Admin,
+        ("PATCH" | "DELETE", "/api/jobs/{id}") => Owner,
+        ("GET", "/api/jobs/{id}/timeline") => Owner,
+        ("DELETE", "/api/jobs/{id}/checkpoints/{name}") => Owner,
+        ("GET", "/api/storage") => Admin,
+        ("PUT", "/api/storage/users/{id}/quota") => Admin,
+        ("DELETE", "/api/storage/models/{name}") => Admin,
         _ => return None,
     })
 }

@@ -12,4 +12,6 @@ mod jobs;
 mod misc;
 mod models;
 mod recovery;
+mod runs;
+mod storage;
 mod try_checkpoint;
