@@ -73,7 +73,12 @@ fn options(out: &Path) -> RunOptions {
             ..JobSettings::default()
         },
     };
-    RunOptions { job, out: out.to_path_buf(), placement: RunPlacement::default() }
+    RunOptions {
+        job,
+        out: out.to_path_buf(),
+        placement: RunPlacement::default(),
+        keep_checkpoints: None,
+    }
 }
 
 fn weights(dir: &Path) -> Vec<Vec<f32>> {

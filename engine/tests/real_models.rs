@@ -377,8 +377,12 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
             ..JobSettings::default()
         },
     };
-    let options =
-        RunOptions { job, out: tmp.path().join("run"), placement: RunPlacement::default() };
+    let options = RunOptions {
+        job,
+        out: tmp.path().join("run"),
+        placement: RunPlacement::default(),
+        keep_checkpoints: None,
+    };
     let mut losses = Losses(Vec::new());
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut losses).expect("trains");

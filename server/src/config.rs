@@ -43,6 +43,8 @@ pub struct JobLimits {
     pub max_seq_len: usize,
     /// Queued plus running jobs one user may have at once.
     pub max_active_jobs_per_user: u32,
+    /// Periodic checkpoints a run keeps: the latest N, plus the best by eval loss.
+    pub keep_checkpoints: usize,
 }
 
 impl JobLimits {
@@ -70,6 +72,7 @@ impl Config {
                 max_steps: 1_000_000,
                 max_seq_len: 131_072,
                 max_active_jobs_per_user: 20,
+                keep_checkpoints: 3,
             },
         }
     }
@@ -104,6 +107,10 @@ impl Config {
         }
         if let Some(n) = file.max_active_jobs_per_user {
             self.limits.max_active_jobs_per_user = n;
+        }
+        if let Some(n) = file.keep_checkpoints {
+            anyhow::ensure!(n >= 1, "keep_checkpoints must be at least 1 (the latest checkpoint)");
+            self.limits.keep_checkpoints = n;
         }
         match (&file.tls_cert, &file.tls_key) {
             (None, None) => {}
@@ -151,6 +158,7 @@ pub struct FileConfig {
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub public_url: Option<String>,
+    pub keep_checkpoints: Option<usize>,
 }
 
 impl FileConfig {
@@ -169,6 +177,7 @@ impl FileConfig {
             tls_cert: self.tls_cert.or(lower.tls_cert),
             tls_key: self.tls_key.or(lower.tls_key),
             public_url: self.public_url.or(lower.public_url),
+            keep_checkpoints: self.keep_checkpoints.or(lower.keep_checkpoints),
         }
     }
 

@@ -24,10 +24,13 @@ pub async fn remove_leftovers(state: &AppState) -> anyhow::Result<()> {
         let mut removed = 0;
         removed += remove_matching(&datasets, |name| name.starts_with(".upload-"));
         removed += remove_matching(&models, |name| {
-            name.starts_with(".upload-") || name.starts_with(".import-")
+            name.starts_with(".upload-")
+                || name.starts_with(".import-")
+                || name.starts_with(".deleting-")
         });
         removed += remove_matching(&runs, |name| {
-            name.bytes().all(|b| b.is_ascii_digit()) && !owned.contains(name)
+            (name.bytes().all(|b| b.is_ascii_digit()) && !owned.contains(name))
+                || name.starts_with(".deleting-")
         });
         removed
     })

@@ -7,6 +7,7 @@
 
 mod job;
 mod launch;
+mod retention;
 mod run;
 mod state;
 mod trainer;

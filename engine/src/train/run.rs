@@ -55,6 +55,10 @@ pub struct RunOptions {
     pub out: PathBuf,
     #[serde(default)]
     pub placement: RunPlacement,
+    /// Keep only the latest N `checkpoint-<step>` folders and the best by held-out loss
+    /// (`retention`); `None` keeps every one.
+    #[serde(default)]
+    pub keep_checkpoints: Option<usize>,
 }
 
 /// Where the streamer keeps things: the planner's choice ([`RunOptions::planned`]).
@@ -198,7 +202,7 @@ impl RunOptions {
     /// The run of `job` in `out` with the placement of `plan` (the planner's answer for this
     /// job on this machine): what `sluice train` and the appliance's runner execute.
     pub fn planned(job: Job, out: PathBuf, plan: &Plan) -> Result<RunOptions> {
-        Ok(RunOptions { job, out, placement: RunPlacement::of(plan)? })
+        Ok(RunOptions { job, out, placement: RunPlacement::of(plan)?, keep_checkpoints: None })
     }
 }
 
@@ -403,6 +407,7 @@ fn run_with<S: Stepper>(
     };
     let per_step = settings.grad_accum;
     let steps = settings.steps.unwrap_or_else(|| batches.len().div_ceil(per_step) as u64);
+    let save_every = super::retention::save_interval(settings.save_every, steps);
 
     let mut state = if resume {
         let state = TrainingState::load(&options.out.join(STATE_DIR), &model.spec)?;
@@ -509,12 +514,26 @@ fn run_with<S: Stepper>(
             first_loss = metrics.loss;
         }
         last_loss = metrics.loss;
-        let step = metrics.step;
+        let (step, eval_loss) = (metrics.step, metrics.eval_loss);
         observer.event(&Event::Step(metrics));
-        if settings.save_every.is_some_and(|n| step % n == 0 && step < steps) {
+        if save_every.is_some_and(|n| step % n == 0 && step < steps) {
             let dir = options.out.join(format!("checkpoint-{step}"));
             save(&mut streamer, cursor, &dir)?;
+            // After the save, so the newest checkpoint (the resumable state's) always exists;
+            // before the event, so whoever hears of the save finds the older ones gone.
+            let pruned = super::retention::record_and_prune(
+                &options.out,
+                step,
+                eval_loss,
+                options.keep_checkpoints,
+            )?;
             observer.event(&Event::Saved { path: dir, step });
+            for dir in pruned {
+                observer.event(&Event::Notice(format!(
+                    "removed {} (keeping the latest and the best by eval loss)",
+                    dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+                )));
+            }
         }
     }
     // A run stopped before its last step (cancelled) leaves a checkpoint of where it stopped,

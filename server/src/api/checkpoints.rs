@@ -1,12 +1,12 @@
 //! Checkpoint folders of a job: listed, downloaded file by file (with HTTP ranges, so a broken
 //! download of a large shard resumes), or whole as a tar streamed while it is written; or tried
-//! out (see `tryit`).
+//! out (see `tryit`); or deleted, one at a time.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 use tokio_util::io::{ReaderStream, SyncIoBridge};
@@ -23,6 +23,7 @@ use crate::paths::is_plain_name;
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/api/jobs/{id}/checkpoints", get(list))
+        .route("/api/jobs/{id}/checkpoints/{name}", delete(remove))
         .route("/api/jobs/{id}/checkpoints/{name}/files/{file}", get(file))
         .route("/api/jobs/{id}/checkpoints/{name}/archive", get(archive))
         .route("/api/jobs/{id}/checkpoints/{name}/generate", post(super::tryit::generate))
@@ -100,6 +101,26 @@ pub(crate) async fn checkpoint_dir(
         return Err(missing());
     }
     Ok(dir)
+}
+
+/// `DELETE /api/jobs/{id}/checkpoints/{name}`: the folder; `{"freed_bytes"}`. 409 while the
+/// job runs (its run may be saving or pruning). The resumable state (`state/`) is separate and
+/// stays: a resume does not need any checkpoint folder.
+async fn remove(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath((id, name)): ApiPath<(i64, String)>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let dir = checkpoint_dir(&state, &user, id, &name).await?;
+    let job = store::visible(&state, &user, id).await?;
+    if job.status == store::JobStatus::Running {
+        return Err(ApiError::conflict(
+            "the job is running; delete its checkpoints once it has stopped",
+        ));
+    }
+    store::forget_checkpoint(&state, id, &name).await?;
+    let freed = super::storage::remove_dir(dir).await;
+    Ok(Json(serde_json::json!({ "name": name, "freed_bytes": freed })))
 }
 
 /// One file of a checkpoint; `Range` requests get 206 with the asked bytes.

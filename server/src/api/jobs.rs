@@ -1,5 +1,5 @@
-//! `/api/jobs`: submit, list, show, cancel, resume; metrics history, live events (SSE) and the
-//! log. The queue itself (dispatcher and training threads) is in `jobs::runner`.
+//! `/api/jobs`: submit, list, show, rename, delete, cancel, resume; metrics history, the
+//! per-unit timeline of one step, live events (SSE) and the log. The queue itself (dispatcher and training threads) is in `jobs::runner`.
 
 use std::convert::Infallible;
 
@@ -19,17 +19,18 @@ use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::jobs::plan;
-use crate::jobs::request::{self, JobRequest};
+use crate::jobs::request::{self, JobRequest, Label};
 use crate::jobs::runner;
 use crate::jobs::store::{self, JobStatus};
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/api/jobs", get(list).post(create))
-        .route("/api/jobs/{id}", get(show))
+        .route("/api/jobs/{id}", get(show).patch(relabel).delete(remove))
         .route("/api/jobs/{id}/cancel", post(cancel))
         .route("/api/jobs/{id}/resume", post(resume))
         .route("/api/jobs/{id}/metrics", get(metrics))
+        .route("/api/jobs/{id}/timeline", get(timeline))
         .route("/api/jobs/{id}/events", get(events))
         .route("/api/jobs/{id}/log", get(log))
 }
@@ -58,6 +59,7 @@ async fn create(
     let Some(dataset) = &resolved.dataset else {
         return Err(ApiError::bad_request("missing field `dataset`"));
     };
+    super::storage::refuse_over_quota(&state, &user, 0).await?;
     let (job, spec) = (resolved.job.clone(), resolved.model.spec.clone());
     let plan_state = state.clone();
     let verdict = tokio::task::spawn_blocking(move || -> ApiResult<plan::Verdict> {
@@ -74,6 +76,8 @@ async fn create(
     let limit = i64::from(state.config().limits.max_active_jobs_per_user);
     let new = store::NewJob {
         owner_id: user.id,
+        name: &resolved.label.name,
+        note: &resolved.label.note,
         model: &resolved.model.id,
         dataset_id: dataset.id,
         eval_dataset_id: resolved.eval_dataset.as_ref().map(|d| d.id),
@@ -185,7 +189,52 @@ async fn resume(
     Ok(Json(store::view(&state, &job).await?))
 }
 
-/// `GET /api/jobs/{id}/metrics`: every stored point, in step order.
+/// `PATCH /api/jobs/{id}`: `{"name", "note"}` (either may be left out), at any time.
+async fn relabel(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+    ApiJson(body): ApiJson<Value>,
+) -> ApiResult<Json<Value>> {
+    let job = store::visible(&state, &user, id).await?;
+    let Value::Object(mut fields) = body else {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    };
+    let name = Label::name(fields.remove("name"))?.unwrap_or(job.name);
+    let note = Label::note(fields.remove("note"))?.unwrap_or(job.note);
+    if let Some(other) = fields.keys().next() {
+        return Err(ApiError::bad_request(format!(
+            "unknown field `{other}`; only `name` and `note` can be changed"
+        )));
+    }
+    store::set_label(&state, id, &name, &note).await?;
+    let job = store::visible(&state, &user, id).await?;
+    Ok(Json(store::view(&state, &job).await?))
+}
+
+/// `DELETE /api/jobs/{id}`: the job, its history and its run folder; `{"freed_bytes"}`. 409
+/// while it is queued or running (cancel it first).
+async fn remove(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+) -> ApiResult<Json<Value>> {
+    store::visible(&state, &user, id).await?;
+    if !store::delete_job_if_idle(&state, id).await? {
+        let status = store::get(&state, id).await?.map(|j| j.status);
+        return Err(ApiError::conflict(match status {
+            Some(status) => format!("the job is {status}; cancel it before deleting it"),
+            None => "the job was deleted meanwhile".to_string(),
+        }));
+    }
+    let freed = super::storage::remove_dir(runner::run_dir(&state, id)).await;
+    tracing::info!("job {id} deleted by {}; {freed} bytes freed", user.username);
+    Ok(Json(json!({ "id": id, "freed_bytes": freed })))
+}
+
+/// `GET /api/jobs/{id}/metrics`: every stored point, in step order, without the per-unit
+/// timeline (`/timeline?step=N` has it). Numbers carry five significant digits and absent
+/// values are left out, so a long run's history stays small.
 async fn metrics(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -195,10 +244,71 @@ async fn metrics(
     let points = store::metric_points(&state, id).await?;
     let points = points
         .iter()
-        .map(|p| serde_json::from_str(p))
+        .map(|p| serde_json::from_str(p).map(compact_point))
         .collect::<Result<Vec<Value>, _>>()
         .map_err(ApiError::internal)?;
     Ok(Json(points))
+}
+
+/// A point without nulls, its fractional numbers cut to what a chart shows (the time keeps
+/// milliseconds).
+fn compact_point(point: Value) -> Value {
+    let Value::Object(fields) = point else { return point };
+    let fields = fields
+        .into_iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| {
+            let v = match v.as_f64() {
+                Some(x) if !v.is_i64() && !v.is_u64() => {
+                    let rounded =
+                        if k == "t" { (x * 1e3).round() / 1e3 } else { significant(x, 5) };
+                    serde_json::Number::from_f64(rounded).map_or(v, Value::Number)
+                }
+                _ => v,
+            };
+            (k, v)
+        })
+        .collect();
+    Value::Object(fields)
+}
+
+/// `x` to `digits` significant digits.
+fn significant(x: f64, digits: i32) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    // Through decimal text, so the reply shows 0.00123, not 0.0012300000000000002.
+    format!("{x:.*e}", (digits - 1) as usize).parse().unwrap_or(x)
+}
+
+#[derive(serde::Deserialize)]
+struct TimelineQuery {
+    step: Option<i64>,
+}
+
+/// `GET /api/jobs/{id}/timeline?step=N`: `{"step", "timeline"}`, the per-unit timeline of step
+/// N (without `step`: the latest step that has one). 404 for a step with no point; the timeline
+/// is `null` for a step that recorded none.
+async fn timeline(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+    query: Result<axum::extract::Query<TimelineQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    store::visible(&state, &user, id).await?;
+    let query = query.map_err(|_| ApiError::bad_request("step must be a step number"))?;
+    let step = match query.step {
+        Some(step) => step,
+        None => match store::latest_timeline_step(&state, id).await? {
+            Some(step) => step,
+            None => return Ok(Json(json!({ "step": null, "timeline": null }))),
+        },
+    };
+    let Some(text) = store::timeline_at(&state, id, step).await? else {
+        return Err(ApiError::not_found(format!("job {id} has no step {step}")));
+    };
+    let timeline: Value = serde_json::from_str(&text).map_err(ApiError::internal)?;
+    Ok(Json(json!({ "step": step, "timeline": timeline })))
 }
 
 /// `GET /api/jobs/{id}/events`: SSE. A `status` event first, then `metric`, `status` and `log`

@@ -12,6 +12,7 @@ mod metrics;
 mod models;
 mod multipart;
 mod plan;
+mod storage;
 mod tryit;
 mod users;
 
@@ -36,6 +37,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(jobs::router())
         .merge(metrics::router())
         .merge(account::router())
+        .merge(storage::router())
 }
 
 /// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.

@@ -98,6 +98,7 @@ impl ServeArgs {
             tls_cert: self.tls_cert.clone(),
             tls_key: self.tls_key.clone(),
             public_url: self.public_url.clone(),
+            keep_checkpoints: None,
         };
         config.apply_file(&overrides.or(file.unwrap_or_default()))?;
         Ok(config)

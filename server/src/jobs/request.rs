@@ -21,6 +21,73 @@ pub struct JobRequest {
     pub eval_dataset: Option<i64>,
     pub devices: Devices,
     pub settings: JobSettings,
+    pub label: Label,
+}
+
+/// What a job's owner calls it and notes about it; not the engine's business.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Label {
+    pub name: String,
+    pub note: String,
+}
+
+impl Label {
+    /// Longest name, in characters: a title, not a text.
+    pub const MAX_NAME: usize = 100;
+    /// Longest note, in characters.
+    pub const MAX_NOTE: usize = 2000;
+
+    /// Takes `name` and `note` out of `fields` (absent or `null`: empty), trimmed and checked.
+    pub fn take(fields: &mut Map<String, Value>) -> ApiResult<Label> {
+        Ok(Label {
+            name: Self::name(fields.remove("name"))?.unwrap_or_default(),
+            note: Self::note(fields.remove("note"))?.unwrap_or_default(),
+        })
+    }
+
+    /// A name from JSON; `None` for absent.
+    pub fn name(value: Option<Value>) -> ApiResult<Option<String>> {
+        let Some(name) = text_field(value, "name")? else { return Ok(None) };
+        let name = name.trim().to_string();
+        if name.chars().count() > Self::MAX_NAME {
+            return Err(ApiError::bad_request(format!(
+                "name is {} characters long; at most {} are allowed",
+                name.chars().count(),
+                Self::MAX_NAME
+            )));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(ApiError::bad_request("name must be one line without control characters"));
+        }
+        Ok(Some(name))
+    }
+
+    /// A note from JSON; `None` for absent.
+    pub fn note(value: Option<Value>) -> ApiResult<Option<String>> {
+        let Some(note) = text_field(value, "note")? else { return Ok(None) };
+        let note = note.trim().to_string();
+        if note.chars().count() > Self::MAX_NOTE {
+            return Err(ApiError::bad_request(format!(
+                "note is {} characters long; at most {} are allowed",
+                note.chars().count(),
+                Self::MAX_NOTE
+            )));
+        }
+        if note.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+            return Err(ApiError::bad_request("note must not contain control characters"));
+        }
+        Ok(Some(note))
+    }
+}
+
+/// A string field; `null` reads as empty, absent as `None`.
+fn text_field(value: Option<Value>, name: &str) -> ApiResult<Option<String>> {
+    match value {
+        None => Ok(None),
+        Some(Value::Null) => Ok(Some(String::new())),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::bad_request(format!("{name} must be a string"))),
+    }
 }
 
 impl JobRequest {
@@ -45,9 +112,10 @@ impl JobRequest {
         };
         let dataset = id_field(&mut fields, "dataset")?;
         let eval_dataset = id_field(&mut fields, "eval_dataset")?;
+        let label = Label::take(&mut fields)?;
         let settings =
             JobSettings::from_json(fields).map_err(|e| ApiError::bad_request(e.to_string()))?;
-        Ok(JobRequest { model, dataset, eval_dataset, devices, settings })
+        Ok(JobRequest { model, dataset, eval_dataset, devices, settings, label })
     }
 }
 
@@ -69,6 +137,7 @@ pub struct Resolved {
     pub model: ResolvedModel,
     pub dataset: Option<Dataset>,
     pub eval_dataset: Option<Dataset>,
+    pub label: Label,
 }
 
 /// Looks up the model, datasets and devices of `request` for `user` and validates the job
@@ -110,5 +179,5 @@ pub async fn resolve(state: &AppState, user: &User, request: JobRequest) -> ApiR
     };
     job.validate(&state.config().limits.engine())
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(Resolved { job, model, dataset, eval_dataset })
+    Ok(Resolved { job, model, dataset, eval_dataset, label: request.label })
 }

@@ -217,6 +217,7 @@ async fn run_job(state: &AppState, job: JobRow) {
         events: events_tx,
         cancels: state.queue().cancels.clone(),
         reserved: state.queue().reserved.clone(),
+        keep_checkpoints: state.config().limits.keep_checkpoints,
     };
     let out = run_dir(state, id);
     let spawned = std::thread::Builder::new().name(format!("sluice-job-{id}")).spawn(move || {
@@ -285,7 +286,8 @@ fn train_job(job: Job, out: PathBuf, forwarder: &mut Forwarder) -> Result<RunSum
         .map_err(text)?;
     lock(&forwarder.reserved).insert(forwarder.job_id, plan.budget.host_used());
     std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let options = RunOptions::planned(job, out, &plan).map_err(text)?;
+    let mut options = RunOptions::planned(job, out, &plan).map_err(text)?;
+    options.keep_checkpoints = Some(forwarder.keep_checkpoints);
     let placement = options.placement.describe(plan.model.units);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let line = format!(
@@ -320,7 +322,16 @@ async fn record(state: &AppState, id: i64, event: RunEvent) -> ApiResult<()> {
         RunEvent::Saved { name, step } => {
             store::record_checkpoint(state, id, &name, step as i64).await?;
             store::log(state, id, &format!("saved checkpoint {name} (step {step})")).await;
+            // The run prunes older checkpoints as it saves (and says so in its log): their rows
+            // go with their folders.
+            let run = run_dir(state, id);
+            for (name, _) in store::checkpoints(state, id).await? {
+                if !run.join(&name).is_dir() {
+                    store::forget_checkpoint(state, id, &name).await?;
+                }
+            }
         }
+
         RunEvent::Log(line) => store::log(state, id, &line).await,
     }
     Ok(())
@@ -336,6 +347,8 @@ struct Forwarder {
     events: mpsc::UnboundedSender<RunEvent>,
     cancels: Arc<Mutex<HashSet<i64>>>,
     reserved: Arc<Mutex<HashMap<i64, u64>>>,
+    /// Periodic checkpoints the run keeps (the latest, plus the best by eval loss).
+    keep_checkpoints: usize,
 }
 
 impl Forwarder {

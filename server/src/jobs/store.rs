@@ -70,11 +70,15 @@ pub struct JobRow {
     pub eval_dataset_id: Option<i64>,
     /// The placement the latest start ran with, one line.
     pub placement: Option<String>,
+    /// What its owner calls it ("" when unnamed).
+    pub name: String,
+    /// Its owner's note ("" when none).
+    pub note: String,
 }
 
 pub const COLUMNS: &str = "id, owner_id, model, dataset_id, device, config, status, queue_seq, \
     error, total_steps, step, start_step, started_at, finished_at, resume_from, created_at, \
-    eval_dataset_id, placement";
+    eval_dataset_id, placement, name, note";
 
 impl JobRow {
     /// The engine's settings the job was accepted with.
@@ -171,8 +175,12 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
         .await
         .map_err(ApiError::internal)?;
     let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
+    let duration_s = job_duration_s(job);
+    let summary = metric_summary(state, job.id).await?;
     Ok(json!({
         "id": job.id,
+        "name": job.name,
+        "note": job.note,
         "owner": owner,
         "model": job.model,
         "dataset": job.dataset_id,
@@ -195,7 +203,30 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
+        "duration_s": duration_s,
+        "summary": {
+            "final_loss": summary.final_loss,
+            "best_loss": summary.best_loss,
+            "best_loss_step": summary.best_loss_step,
+            "final_eval_loss": summary.final_eval_loss,
+            "best_eval_loss": summary.best_eval_loss,
+            "best_eval_step": summary.best_eval_step,
+            "tokens_seen": summary.tokens_seen,
+            "trained_tokens": summary.trained_tokens,
+            "tokens_per_s": summary.tokens_per_s,
+        },
     }))
+}
+
+/// Seconds from the latest start to the finish (or to now while running).
+fn job_duration_s(job: &JobRow) -> Option<f64> {
+    let started = job.started_at?;
+    let end = match (job.status, job.finished_at) {
+        (JobStatus::Running, _) => now_f64(),
+        (_, Some(finished)) => finished as f64,
+        (_, None) => return None,
+    };
+    Some((end - started).max(0.0))
 }
 
 /// The engine's job a row describes, its files named by their paths in this data directory.
@@ -301,6 +332,8 @@ pub async fn list_for(state: &AppState, user: &User) -> ApiResult<Vec<JobRow>> {
 /// A job to queue, as the API accepted it.
 pub struct NewJob<'a> {
     pub owner_id: i64,
+    pub name: &'a str,
+    pub note: &'a str,
     pub model: &'a str,
     pub dataset_id: i64,
     pub eval_dataset_id: Option<i64>,
@@ -327,18 +360,21 @@ pub async fn insert_queued(
     limit: i64,
 ) -> ApiResult<Result<i64, NotQueued>> {
     let id: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO jobs (id, owner_id, model, dataset_id, eval_dataset_id, device, config,
-                           status, queue_seq, total_steps, created_at)
+        "INSERT INTO jobs (id, owner_id, name, note, model, dataset_id, eval_dataset_id, device,
+                           config, status, queue_seq, total_steps, created_at)
          SELECT MAX(COALESCE((SELECT MAX(id) FROM jobs), 0),
                     COALESCE((SELECT CAST(value AS INTEGER) FROM meta
                               WHERE key = 'job_id_high_water'), 0)) + 1,
-                ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?, ?
+                ?, ?, ?, ?, ?, ?, ?, ?, 'queued', (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
+                ?, ?
          WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN ('queued', 'running')) < ?
            AND EXISTS (SELECT 1 FROM datasets WHERE id = ?)
            AND (? IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?))
          RETURNING id",
     )
     .bind(job.owner_id)
+    .bind(job.name)
+    .bind(job.note)
     .bind(job.model)
     .bind(job.dataset_id)
     .bind(job.eval_dataset_id)
@@ -533,12 +569,115 @@ pub async fn record_step(state: &AppState, id: i64, step: i64, point: &str) -> A
     Ok(())
 }
 
-/// Every stored metrics point of job `id` (JSON text), in step order.
+/// Every stored metrics point of job `id` (JSON text) without its per-unit timeline, which is
+/// most of a point's bytes (see [`timeline_at`]), in step order.
 pub async fn metric_points(state: &AppState, id: i64) -> ApiResult<Vec<String>> {
-    Ok(sqlx::query_scalar("SELECT point FROM metrics WHERE job_id = ? ORDER BY step")
+    Ok(sqlx::query_scalar(
+        "SELECT json_remove(point, '$.timeline') FROM metrics WHERE job_id = ? ORDER BY step",
+    )
+    .bind(id)
+    .fetch_all(state.pool())
+    .await?)
+}
+
+/// The per-unit timeline of job `id`'s step `step` (JSON text): `Ok(None)` when the step has no
+/// point; `Some("null")` when it has no timeline.
+pub async fn timeline_at(state: &AppState, id: i64, step: i64) -> ApiResult<Option<String>> {
+    let found: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT json_extract(point, '$.timeline') FROM metrics WHERE job_id = ? AND step = ?",
+    )
+    .bind(id)
+    .bind(step)
+    .fetch_optional(state.pool())
+    .await?;
+    Ok(found.map(|t| t.unwrap_or_else(|| "null".to_string())))
+}
+
+/// The latest step of job `id` whose point has a timeline.
+pub async fn latest_timeline_step(state: &AppState, id: i64) -> ApiResult<Option<i64>> {
+    Ok(sqlx::query_scalar(
+        "SELECT MAX(step) FROM metrics WHERE job_id = ?
+           AND json_type(point, '$.timeline') IS NOT NULL
+           AND json_type(point, '$.timeline') != 'null'",
+    )
+    .bind(id)
+    .fetch_one(state.pool())
+    .await?)
+}
+
+/// What a job's summary needs from its metrics: the latest and best losses (with their steps),
+/// the tokens of every step, and the tokens per second over the time spent in steps.
+#[derive(Debug, Default, FromRow)]
+pub struct MetricSummary {
+    pub best_loss: Option<f64>,
+    pub best_loss_step: Option<i64>,
+    pub final_loss: Option<f64>,
+    pub final_eval_loss: Option<f64>,
+    pub best_eval_loss: Option<f64>,
+    pub best_eval_step: Option<i64>,
+    pub tokens_seen: Option<i64>,
+    pub trained_tokens: Option<i64>,
+    pub tokens_per_s: Option<f64>,
+}
+
+pub async fn metric_summary(state: &AppState, id: i64) -> ApiResult<MetricSummary> {
+    Ok(sqlx::query_as(
+        "WITH p AS (SELECT step,
+                           json_extract(point, '$.loss') AS loss,
+                           json_extract(point, '$.eval_loss') AS eval_loss,
+                           json_extract(point, '$.tokens') AS tokens,
+                           json_extract(point, '$.trained_tokens') AS trained,
+                           json_extract(point, '$.step_s') AS step_s
+                    FROM metrics WHERE job_id = ?)
+         SELECT (SELECT MIN(loss) FROM p) AS best_loss,
+                (SELECT step FROM p WHERE loss IS NOT NULL ORDER BY loss, step LIMIT 1)
+                    AS best_loss_step,
+                (SELECT loss FROM p ORDER BY step DESC LIMIT 1) AS final_loss,
+                (SELECT eval_loss FROM p WHERE eval_loss IS NOT NULL ORDER BY step DESC LIMIT 1)
+                    AS final_eval_loss,
+                (SELECT MIN(eval_loss) FROM p) AS best_eval_loss,
+                (SELECT step FROM p WHERE eval_loss IS NOT NULL ORDER BY eval_loss, step LIMIT 1)
+                    AS best_eval_step,
+                (SELECT SUM(tokens) FROM p) AS tokens_seen,
+                (SELECT SUM(trained) FROM p) AS trained_tokens,
+                (SELECT CASE WHEN SUM(step_s) > 0 THEN SUM(tokens) / SUM(step_s) END FROM p)
+                    AS tokens_per_s",
+    )
+    .bind(id)
+    .fetch_one(state.pool())
+    .await?)
+}
+
+/// Sets job `id`'s name and note.
+pub async fn set_label(state: &AppState, id: i64, name: &str, note: &str) -> ApiResult<()> {
+    sqlx::query("UPDATE jobs SET name = ?, note = ? WHERE id = ?")
+        .bind(name)
+        .bind(note)
         .bind(id)
-        .fetch_all(state.pool())
-        .await?)
+        .execute(state.pool())
+        .await?;
+    Ok(())
+}
+
+/// Deletes job `id` (its metrics, log and checkpoint rows go with it) unless it is queued or
+/// running, in one statement, so no resume or claim slips in between. Says whether it was.
+pub async fn delete_job_if_idle(state: &AppState, id: i64) -> ApiResult<bool> {
+    let deleted =
+        sqlx::query("DELETE FROM jobs WHERE id = ? AND status NOT IN ('queued', 'running')")
+            .bind(id)
+            .execute(state.pool())
+            .await?;
+    Ok(deleted.rows_affected() == 1)
+}
+
+/// Forgets checkpoint `name` of job `id`.
+pub async fn forget_checkpoint(state: &AppState, id: i64, name: &str) -> ApiResult<()> {
+    sqlx::query("DELETE FROM checkpoints WHERE job_id = ? AND name = ?")
+        .bind(id)
+        .bind(name)
+        .execute(state.pool())
+        .await?;
+    Ok(())
 }
 
 /// Every log line of job `id`, oldest first.

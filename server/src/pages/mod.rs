@@ -45,6 +45,8 @@ static NEW_JOB: Page = page!("New job", "new_job", Nav::NewJob);
 static JOB: Page = page!("Job", "job", Nav::Dashboard, true);
 static USERS: Page = page!("Users", "users", Nav::Users);
 static ACCOUNT: Page = page!("Your account", "account", Nav::Account);
+static COMPARE: Page = page!("Compare jobs", "compare", Nav::Dashboard, true);
+static STORAGE: Page = page!("Storage", "storage", Nav::Storage);
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -55,9 +57,11 @@ pub fn router() -> Router<AppState> {
         .route("/datasets/{id}", get(|id: Path<String>| with_id(id, &DATASET)))
         .route("/models", get(|| async { MODELS.response() }))
         .route("/jobs/new", get(|| async { NEW_JOB.response() }))
+        .route("/jobs/compare", get(|| async { COMPARE.response() }))
         .route("/jobs/{id}", get(|id: Path<String>| with_id(id, &JOB)))
         .route("/admin/users", get(|| async { USERS.response() }))
         .route("/account", get(|| async { ACCOUNT.response() }))
+        .route("/admin/storage", get(|| async { STORAGE.response() }))
         .route("/static/{*path}", get(assets::serve))
 }
 

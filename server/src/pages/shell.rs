@@ -19,6 +19,7 @@ pub(crate) enum Nav {
     Users,
     /// The user's own page (API tokens, webhook), linked from their name in the top bar.
     Account,
+    Storage,
 }
 
 /// One page: its title, its body (a fragment of `web/templates/pages/`) and the module script
@@ -89,6 +90,7 @@ fn nav_html(active: Nav) -> String {
         (Nav::NewJob, "/jobs/new", "New job", ""),
         // Shown by the page script once the session says the user is an admin.
         (Nav::Users, "/admin/users", "Users", " data-admin-only hidden"),
+        (Nav::Storage, "/admin/storage", "Storage", " data-admin-only hidden"),
     ];
     let mut links = String::new();
     for (nav, href, label, extra) in entries {

@@ -16,7 +16,10 @@ async fn asset(path: &str, headers: HeaderMap) -> Response {
 
 #[tokio::test]
 async fn pages_are_html_with_a_strict_script_policy() {
-    for page in [&SETUP, &LOGIN, &DASHBOARD, &DATASETS, &DATASET, &MODELS, &NEW_JOB, &JOB, &USERS] {
+    for page in [
+        &SETUP, &LOGIN, &DASHBOARD, &DATASETS, &DATASET, &MODELS, &NEW_JOB, &JOB, &USERS, &COMPARE,
+        &STORAGE,
+    ] {
         let response = page.response();
         assert_eq!(response.status(), StatusCode::OK);
         let headers = response.headers();

@@ -46,6 +46,12 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("DELETE", "/api/account/tokens/{id}") => User,
         ("GET" | "PUT", "/api/account/webhook") => User,
         ("POST", "/api/account/webhook/test") => User,
+        ("PATCH" | "DELETE", "/api/jobs/{id}") => Owner,
+        ("GET", "/api/jobs/{id}/timeline") => Owner,
+        ("DELETE", "/api/jobs/{id}/checkpoints/{name}") => Owner,
+        ("GET", "/api/storage") => Admin,
+        ("PUT", "/api/storage/users/{id}/quota") => Admin,
+        ("DELETE", "/api/storage/models/{name}") => Admin,
         _ => return None,
     })
 }

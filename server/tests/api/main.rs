@@ -14,5 +14,7 @@ mod models;
 mod plan_words;
 mod recovery;
 mod tokens;
+mod runs;
+mod storage;
 mod try_checkpoint;
 mod webhooks;

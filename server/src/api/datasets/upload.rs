@@ -40,6 +40,7 @@ pub(super) async fn upload(
     if size == 0 {
         return Err(ApiError::unprocessable("the file is empty"));
     }
+    crate::api::storage::refuse_over_quota(&state, &user, size).await?;
     let Some(temp_path) = temp.0.clone() else {
         return Err(ApiError::internal(anyhow::anyhow!("upload temp file vanished")));
     };

@@ -1,10 +1,22 @@
-// Dashboard: every job the user may see, and the GPUs with their memory in use.
+// Dashboard: every job the user may see (ticked ones open side by side in the comparison), and
+// the GPUs with their memory in use.
 import { get, requireUser } from '../api.js';
-import { $, bar, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, ownerName, showError, statusBadge } from '../ui.js';
+import { $, bar, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, ownerName, showError, statusBadge } from '../ui.js';
 import { jobProgress, modelLabel, placeInLine, queuePosition } from './job_fields.js';
 
 const user = await requireUser();
 const admin = user.role === 'admin';
+// Ticked jobs, kept across the periodic refresh.
+const chosen = new Set();
+
+function syncCompare() {
+  const button = $('#compare');
+  const ids = [...chosen].sort((a, b) => a - b);
+  button.href = `/jobs/compare?ids=${ids.join(',')}`;
+  button.classList.toggle('disabled', ids.length < 2);
+  button.setAttribute('aria-disabled', String(ids.length < 2));
+  $('#compare-hint').textContent = ids.length < 2 ? 'Tick two or more jobs to compare them.' : `${ids.length} jobs ticked.`;
+}
 
 function jobRow(job) {
   const { step, steps, fraction } = jobProgress(job);
@@ -13,14 +25,23 @@ function jobRow(job) {
   if (job.status === 'queued') detail = placeInLine(position);
   else if (job.status === 'running' && typeof job.eta_s === 'number') detail = `about ${fmtDuration(job.eta_s)} left`;
   else if (job.status === 'failed' && job.error) detail = job.error;
+  const finalLoss = job.summary && typeof job.summary.final_loss === 'number' ? fmtNum(job.summary.final_loss) : '—';
   return el('tr', { dataset: { job: job.id } },
-    el('td', {}, el('a', { href: `/jobs/${job.id}` }, `#${job.id}`)),
+    el('td', {}, el('input', {
+      type: 'checkbox', 'aria-label': `Compare job ${job.id}`, checked: chosen.has(job.id), dataset: { compare: job.id },
+      onchange: (event) => {
+        if (event.target.checked) chosen.add(job.id); else chosen.delete(job.id);
+        syncCompare();
+      },
+    })),
+    el('td', {}, el('a', { href: `/jobs/${job.id}` }, `#${job.id}`), job.name ? el('div', { class: 'small', dataset: { name: job.id } }, job.name) : null),
     el('td', {}, modelLabel(job.model)),
     el('td', {}, job.dataset_name || `#${job.dataset}`),
     admin ? el('td', {}, ownerName(job.owner)) : null,
     el('td', {}, statusBadge(job.status)),
     el('td', {}, el('div', { class: 'progress-line' }, bar(fraction),
       el('span', { class: 'num small' }, steps ? `${fmtInt(step)} / ${fmtInt(steps)}` : '—'))),
+    el('td', { class: 'num' }, finalLoss),
     el('td', { class: 'small muted' }, detail),
     el('td', { class: 'small muted' }, fmtDate(job.created_at)));
 }
@@ -34,7 +55,7 @@ function renderJobs(jobs) {
   }
   const sorted = [...jobs].sort((a, b) => b.id - a.id);
   fill(box, el('table', { class: 'list', id: 'jobs-table' },
-    el('thead', {}, el('tr', {}, ['Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', '', 'Created']
+    el('thead', {}, el('tr', {}, ['', 'Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', 'Loss', '', 'Created']
       .filter((h) => h !== null).map((h) => el('th', {}, h)))),
     el('tbody', {}, sorted.map(jobRow))));
 }
@@ -70,5 +91,9 @@ async function refresh() {
   if (gpus.status === 'fulfilled') renderGpus(gpus.value);
 }
 
+$('#compare').addEventListener('click', (event) => {
+  if (chosen.size < 2) event.preventDefault();
+});
+syncCompare();
 await refresh();
 setInterval(refresh, 5000);

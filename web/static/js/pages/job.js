@@ -1,8 +1,10 @@
 // One job: status, progress and ETA; its settings, placement, disk use and equivalent command;
 // live charts fed by server-sent events on top of the stored history (so a reload loses
 // nothing); the log; checkpoints to download, or to chat with (the answer streams in as it is
-// written); cancel and resume (which continues from the saved training state exactly).
-import { ApiError, get, post, postStream, requireUser } from '../api.js';
+// written); cancel and resume (which continues from the saved training state exactly). A summary
+// (times, losses, tokens, throughput) with the job's name and note, "run again", and deletes of
+// the job or of single checkpoints that say what they free.
+import { ApiError, del, get, post, postStream, request, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
@@ -33,6 +35,8 @@ const points = new Map(); // step -> merged point
 let sorted = [];
 let charts = [];
 let drawQueued = false;
+let fetchedTimeline = null; // {step, timeline} of the latest stored step that has one
+let shownTimeline = null;
 
 // --- metric points ---------------------------------------------------------------------------
 
@@ -54,8 +58,13 @@ function scheduleDraw() {
     drawQueued = false;
     sorted = [...points.values()].sort((a, b) => a.step - b.step);
     for (const chart of charts) chart.update(sorted);
-    const withTimeline = [...sorted].reverse().find((p) => p.timeline);
-    if (withTimeline) renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step);
+    // Live points carry their timeline; the stored history does not (it is fetched per step).
+    const withTimeline = [...sorted].reverse().find((p) => p.timeline) || fetchedTimeline;
+    if (withTimeline && withTimeline !== shownTimeline) {
+      shownTimeline = withTimeline;
+      renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step);
+      $('#timeline-title').textContent = `Stream timeline of step ${fmtInt(withTimeline.step)}`;
+    }
     renderSummary();
   });
 }
@@ -68,8 +77,13 @@ function fact(label, value, key) {
 
 function renderJob() {
   if (!job) return;
-  document.title = `Job ${id} · Sluice`;
-  $('#title').textContent = `Job #${id}`;
+  const title = job.name ? `${job.name} (#${id})` : `Job #${id}`;
+  document.title = `${title} · Sluice`;
+  $('#title').textContent = title;
+  $('#run-again').href = `/jobs/new?from=${id}`;
+  $('#delete-job').hidden = !TERMINAL.has(job.status);
+  $('#delete-job').textContent = `Delete (frees ${fmtBytes(job.disk_bytes || 0)})`;
+  renderLabel();
   fill($('#status'), statusBadge(job.status));
   $('#subtitle').textContent = [modelLabel(job.model), job.dataset_name, deviceLabel(job.gpu), me.role === 'admin' && job.owner ? `owner ${job.owner}` : null, `created ${fmtDate(job.created_at)}`]
     .filter(Boolean).join(' · ');
@@ -84,6 +98,7 @@ function renderJob() {
   }
   renderSettings();
   renderSummary();
+  renderRunSummary();
 }
 
 // Rebuilt only when it changes, so a selection in it survives the periodic refresh.
@@ -145,6 +160,67 @@ function renderSummary() {
     fact('Points', fmtInt(sorted.length), 'points'));
 }
 
+// The label fields are filled from the job until the person edits them.
+let labelEdited = false;
+
+function renderLabel() {
+  if (labelEdited) return;
+  $('#job-name').value = job.name || '';
+  $('#job-note').value = job.note || '';
+}
+
+/** Settings that tell runs apart at a glance, on one line. */
+function settingsLine(config) {
+  const c = config && typeof config === 'object' ? config : {};
+  const n = (v) => (typeof v === 'number' ? Number(v.toPrecision(6)) : v);
+  return [
+    typeof c.steps === 'number' ? `${fmtInt(c.steps)} steps` : 'one pass',
+    typeof c.seq_len === 'number' ? `${fmtInt(c.seq_len)} tokens per row` : null,
+    typeof c.micro_batch === 'number' ? `batch ${c.micro_batch} × ${c.grad_accum ?? 1}` : null,
+    c.lr !== undefined && c.lr !== null ? `lr ${n(c.lr)}` : null,
+    c.schedule ? `${c.schedule} schedule` : null,
+    typeof c.seed === 'number' ? `seed ${c.seed}` : null,
+  ].filter(Boolean).join(' · ');
+}
+
+/** The run as a whole: when it ran, how it ended, what it saw. */
+function renderRunSummary() {
+  const s = job.summary || {};
+  const loss = (v) => (typeof v === 'number' ? fmtNum(v) : '—');
+  const at = (step) => (typeof step === 'number' ? ` (step ${fmtInt(step)})` : '');
+  const time = (t) => (t ? fmtDate(t) : '—');
+  $('#run-settings-line').textContent = [modelLabel(job.model), job.dataset_name, deviceLabel(job.gpu)].filter(Boolean).join(' · ')
+    + ' — ' + settingsLine(job.config);
+  fill($('#run-summary'),
+    fact('Queued', time(job.created_at), 'queued'),
+    fact('Started', time(job.started_at), 'started'),
+    fact('Finished', time(job.finished_at), 'finished'),
+    fact('Duration', typeof job.duration_s === 'number' ? fmtDuration(job.duration_s) : '—', 'duration'),
+    fact('Final loss', loss(s.final_loss), 'final_loss'),
+    fact('Best loss', `${loss(s.best_loss)}${at(s.best_loss_step)}`, 'best_loss'),
+    fact('Eval loss', typeof s.final_eval_loss === 'number' ? `${loss(s.final_eval_loss)}, best ${loss(s.best_eval_loss)}${at(s.best_eval_step)}` : '—', 'summary_eval_loss'),
+    fact('Tokens seen', typeof s.tokens_seen === 'number' ? fmtInt(s.tokens_seen) : '—', 'tokens_seen'),
+    fact('Throughput', typeof s.tokens_per_s === 'number' ? `${fmtNum(s.tokens_per_s)} tok/s` : '—', 'throughput'));
+}
+
+async function loadTimeline() {
+  try {
+    const found = await get(`/api/jobs/${id}/timeline`);
+    if (found && Array.isArray(found.timeline) && typeof found.step === 'number') {
+      fetchedTimeline = { step: found.step, timeline: found.timeline };
+      scheduleDraw();
+    }
+  } catch {
+    // The timeline is an extra: without it the panel keeps its explanation.
+  }
+}
+
+function notice(text) {
+  const box = $('#notice');
+  box.textContent = text;
+  box.hidden = !text;
+}
+
 async function refreshJob() {
   job = await get(`/api/jobs/${id}`);
   renderJob();
@@ -177,11 +253,27 @@ async function refreshCheckpoints() {
     return el('div', { class: 'checkpoint', dataset: { checkpoint: c.name } },
       el('div', { class: 'buttons', style: { justifyContent: 'space-between' } },
         el('div', {}, el('strong', {}, c.name), el('span', { class: 'small muted' }, ` · step ${fmtInt(c.step)} · ${fmtBytes(total)}`)),
-        el('a', { class: 'btn small', href: `/api/jobs/${id}/checkpoints/${encodeURIComponent(c.name)}/archive`, download: `job-${id}-${c.name}.tar`, dataset: { archive: c.name } }, 'Download all (.tar)')),
+        el('div', { class: 'buttons' },
+          el('a', { class: 'btn small', href: `/api/jobs/${id}/checkpoints/${encodeURIComponent(c.name)}/archive`, download: `job-${id}-${c.name}.tar`, dataset: { archive: c.name } }, 'Download all (.tar)'),
+          job && job.status !== 'running'
+            ? el('button', { type: 'button', class: 'small danger', dataset: { deleteCheckpoint: c.name }, onclick: () => deleteCheckpoint(c, total) }, `Delete (frees ${fmtBytes(total)})`)
+            : null)),
       el('details', {}, el('summary', { class: 'small muted' }, `${(c.files || []).length} files`),
         el('ul', { class: 'files' }, (c.files || []).map((f) => el('li', {},
           el('a', { href: fileUrl(c, f), download: f.name }, f.name), el('span', { class: 'muted num' }, fmtBytes(f.size)))))));
   }));
+}
+
+async function deleteCheckpoint(checkpoint, bytes) {
+  if (!confirm(`Delete ${checkpoint.name}? This frees ${fmtBytes(bytes)}; its files cannot be downloaded or tried afterwards.`)) return;
+  try {
+    const done = await del(`/api/jobs/${id}/checkpoints/${encodeURIComponent(checkpoint.name)}`);
+    notice(`Deleted ${checkpoint.name}: ${fmtBytes(done.freed_bytes)} freed.`);
+    await refreshJob();
+    await refreshCheckpoints();
+  } catch (err) {
+    showError(error, err);
+  }
 }
 
 // --- try a checkpoint: a small chat ----------------------------------------------------------
@@ -508,6 +600,38 @@ $('#cancel').addEventListener('click', async () => {
   }
 });
 
+$('#delete-job').addEventListener('click', async () => {
+  if (!confirm(`Delete this job with its metrics, log and checkpoints? This frees ${fmtBytes(job.disk_bytes || 0)} and cannot be undone.`)) return;
+  try {
+    const done = await del(`/api/jobs/${id}`);
+    if (source) source.close();
+    $('#job-body').hidden = true;
+    for (const button of ['#delete-job', '#cancel', '#resume']) $(button).hidden = true;
+    fill($('#notice'), `Job #${id} deleted: ${fmtBytes(done.freed_bytes)} freed. `, el('a', { href: '/' }, 'Back to the dashboard'));
+    $('#notice').hidden = false;
+    job = null;
+  } catch (err) {
+    showError(error, err);
+  }
+});
+
+$('#job-name').addEventListener('input', () => { labelEdited = true; });
+$('#job-note').addEventListener('input', () => { labelEdited = true; });
+$('#label-form').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  const status = $('#label-status');
+  try {
+    job = await request('PATCH', `/api/jobs/${id}`, { name: $('#job-name').value, note: $('#job-note').value });
+    labelEdited = false;
+    renderJob();
+    status.textContent = 'Saved.';
+  } catch (err) {
+    status.textContent = '';
+    showError(error, err);
+  }
+  setTimeout(() => { status.textContent = ''; }, 2500);
+});
+
 $('#copy-job-command').addEventListener('click', async () => {
   const copied = await copyText($('#job-command').textContent);
   const note = $('#copy-job-note');
@@ -543,6 +667,7 @@ async function main() {
     showError(error, err);
   }
   await refreshCheckpoints();
+  await loadTimeline();
   // Status, queue position and ETA move between events; checkpoints appear as the run saves.
   let tick = 0;
   setInterval(async () => {

@@ -14,7 +14,7 @@ await requireUser();
 const PRESETS = {
   demo: {
     hint: 'A short run to see training work: about a minute for the tiny preset, even on the processor.',
-    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, save_every: 10, seed: 0, eval_every: '', save_dtype: 'bf16' },
+    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
   finetune: {
@@ -113,7 +113,40 @@ function jobBody() {
   }
   for (const id of CHOICE_FIELDS) body[id] = $(`#${id}`).value;
   body.train_on_prompt = $('#train_on_prompt').checked;
+  // The name and note are the job's, not the plan's; the server ignores them in a plan.
+  for (const id of ['name', 'note']) {
+    const text = $(`#${id}`).value.trim();
+    if (text) body[id] = text;
+  }
   return body;
+}
+
+/**
+ * "Run again with these settings": the form takes job `from`'s model, data, device and every
+ * setting it ran with; the person can change any of them before starting.
+ */
+async function prefillFrom(from) {
+  const job = await get(`/api/jobs/${encodeURIComponent(from)}`);
+  const config = job.config && typeof job.config === 'object' ? job.config : {};
+  if (models.some((m) => m.id === job.model)) $('#model').value = job.model;
+  describeModel();
+  if (datasets.some((d) => d.id === job.dataset)) $('#dataset').value = String(job.dataset);
+  $('#eval_dataset').value = datasets.some((d) => d.id === job.eval_dataset) ? String(job.eval_dataset) : '';
+  const radio = document.querySelector(`input[name="gpu"][value="${CSS.escape(job.gpu || '')}"]`);
+  if (radio) radio.checked = true;
+  describeDevice();
+  for (const id of [...NUMBER_FIELDS, ...CHOICE_FIELDS]) {
+    const value = config[id];
+    // f32 settings arrive widened (1e-3 as 0.0010000000474974513): six digits say it all.
+    $(`#${id}`).value = typeof value === 'number' ? String(Number(value.toPrecision(6))) : value ?? '';
+  }
+  $('#train_on_prompt').checked = Boolean(config.train_on_prompt);
+  const name = job.name || `Job #${job.id}`;
+  $('#name').value = `${name} (again)`.slice(0, 100);
+  $('#note').value = job.note || '';
+  setPreset('custom');
+  syncEvalFields();
+  $('#preset-hint').textContent = `The settings of ${name}; change any of them before starting.`;
 }
 
 function fieldLabel(id) {
@@ -376,6 +409,13 @@ async function main() {
   renderDatasets();
   renderGpus(gpus);
   applyPreset('demo');
+  if (params.get('from')) {
+    try {
+      await prefillFrom(params.get('from'));
+    } catch (err) {
+      showError($('#error'), err);
+    }
+  }
 
   $('#model').addEventListener('change', () => {
     describeModel();
