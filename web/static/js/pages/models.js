@@ -6,7 +6,6 @@ import { $, bar, el, fill, fmtBytes, fmtCount, showError } from '../ui.js';
 await requireUser();
 
 const ORIGINS = {
-  preset: 'Preset: random weights, for trying the appliance, not for real use',
   folder: 'Local folder',
   pulled: 'Pulled from the Hub',
   'hf-cache': 'Hugging Face cache',
@@ -24,7 +23,9 @@ async function refresh() {
         el('thead', {}, el('tr', {}, ['Name', 'Kind', 'Family', 'Parameters', ''].map((h) => el('th', {}, h)))),
         el('tbody', {}, sorted.map((m) => el('tr', { dataset: { model: m.id } },
           el('td', {}, el('div', {}, m.name || m.id), el('div', { class: 'small muted mono' }, m.id)),
-          el('td', { title: m.description || null }, ORIGINS[m.origin] || (m.kind === 'preset' ? ORIGINS.preset : m.kind || '—')),
+          el('td', { title: m.description || null }, m.kind === 'preset'
+            ? [el('div', {}, 'Preset: random weights'), el('div', { class: 'small muted' }, 'for trying the appliance, not for real use')]
+            : ORIGINS[m.origin] || m.kind || '—'),
           el('td', {}, m.family || '—'),
           el('td', { class: 'num', title: typeof m.params === 'number' ? m.params.toLocaleString('en-US') : null }, fmtCount(m.params)),
           el('td', { class: 'actions' }, el('a', { class: 'btn small', href: `/jobs/new?model=${encodeURIComponent(m.id)}` }, 'Train')))))));
