@@ -38,11 +38,11 @@ pub(crate) struct PullArgs {
 pub(crate) fn run(args: PullArgs) -> anyhow::Result<()> {
     let data_dir = args.data_dir.unwrap_or_else(|| PathBuf::from(Config::DEFAULT_DATA_DIR));
     let root = Config::new(data_dir).hub_dir();
-    std::fs::create_dir_all(&root)
-        .with_context(|| format!("cannot create the cache folder {}", root.display()))?;
     let token = args.hf_token.as_deref().and_then(HubToken::new);
     let client = Hub::new(&args.hf_endpoint, token);
     let plan = hub::pull::plan(&client, args.repo.trim(), args.revision.trim())?;
+    std::fs::create_dir_all(&root)
+        .with_context(|| format!("cannot create the cache folder {}", root.display()))?;
     eprintln!(
         "pulling {} at {} (commit {}): {} files",
         plan.repo,
