@@ -85,6 +85,24 @@ fn small_repo() -> &'static Path {
         std::fs::write(dir.join("model.safetensors"), weights).expect("writes");
         std::fs::write(dir.join("README.md"), "# a model card\n").expect("writes");
         std::fs::write(dir.join("pytorch_model.bin"), vec![7u8; 4096]).expect("writes");
+        // A sharded layout beside it, with the consolidated file some repos also carry.
+        let index = json!({"metadata": {}, "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors",
+        }});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())
+            .expect("writes");
+        for (i, name) in [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "consolidated.safetensors",
+        ]
+        .iter()
+        .enumerate()
+        {
+            std::fs::write(dir.join(name), vec![i as u8 + 1; 300_000]).expect("writes");
+        }
         (tmp, dir)
     });
     dir
@@ -171,6 +189,17 @@ impl FakeHub {
             "pytorch_model.bin",
         ];
         let small = served_folder(small_repo(), &small_names, false);
+        let sharded_names = [
+            "config.json",
+            "tokenizer.json",
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "consolidated.safetensors",
+        ];
+        let sharded = served_folder(small_repo(), &sharded_names, false);
+        let mut broken_index = sharded.clone();
+        broken_index.remove("model-00002-of-00002.safetensors");
         let mut bin_only = small.clone();
         bin_only.remove("model.safetensors");
         let mut repos = BTreeMap::new();
@@ -211,6 +240,22 @@ impl FakeHub {
             FakeRepo {
                 revisions: revisions(&[("main", commit(6))]),
                 files: bin_only,
+                gated: false,
+            },
+        );
+        repos.insert(
+            "test-org/sharded".to_string(),
+            FakeRepo {
+                revisions: revisions(&[("main", commit(10))]),
+                files: sharded,
+                gated: false,
+            },
+        );
+        repos.insert(
+            "test-org/broken-index".to_string(),
+            FakeRepo {
+                revisions: revisions(&[("main", commit(11))]),
+                files: broken_index,
                 gated: false,
             },
         );
@@ -575,7 +620,31 @@ async fn revisions_refusals_and_skipped_files() -> anyhow::Result<()> {
     assert_eq!(fetched, [format!("{repo}/config.json")], "only the access check is fetched");
     assert!(model_ids(&admin).await?.contains(&format!("hf:{repo}@{}", commit(2))));
 
+    // A sharded model: the index and exactly the shards it names.
+    let reply = admin.post("/api/models/pull", json!({"repo": "test-org/sharded"})).await?;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let pull = wait_pull(&admin, "test-org/sharded").await?;
+    assert_eq!(pull["state"], "done", "{pull}");
+    let names: Vec<&str> =
+        pull["files"].as_array().into_iter().flatten().filter_map(|f| f["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "config.json",
+            "tokenizer.json",
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors"
+        ]
+    );
+    assert!(model_ids(&admin).await?.contains(&"hf:test-org/sharded@main".to_string()));
+
     let cases = [
+        (
+            json!({"repo": "test-org/broken-index"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "names model-00002-of-00002.safetensors",
+        ),
         (json!({"repo": "test-org/missing"}), StatusCode::NOT_FOUND, "no model test-org/missing"),
         (json!({"repo": repo, "revision": "v9"}), StatusCode::NOT_FOUND, "no revision \"v9\""),
         (json!({"repo": "test-org/bin-only"}), StatusCode::UNPROCESSABLE_ENTITY, "no safetensors"),
