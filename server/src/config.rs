@@ -27,6 +27,19 @@ pub struct Config {
     /// slash.
     pub public_url: Option<String>,
     pub limits: JobLimits,
+    pub hub: HubSettings,
+}
+
+/// Where models by Hugging Face name come from.
+#[derive(Debug, Clone)]
+pub struct HubSettings {
+    /// The Hub's URL without a trailing slash (`HF_ENDPOINT`).
+    pub endpoint: String,
+    /// For gated and private repos (`HF_TOKEN`); never shown to users or logged.
+    pub token: Option<crate::hub::HubToken>,
+    /// The user's own Hugging Face cache, read (never written) for models already there;
+    /// `None` reads none.
+    pub user_cache: Option<PathBuf>,
 }
 
 /// PEM files for HTTPS: the certificate chain (leaf first) and its private key.
@@ -74,12 +87,23 @@ impl Config {
                 max_active_jobs_per_user: 20,
                 keep_checkpoints: 3,
             },
+            // No user cache by default: `serve` finds it from the environment.
+            hub: HubSettings {
+                endpoint: crate::hub::DEFAULT_ENDPOINT.to_string(),
+                token: None,
+                user_cache: None,
+            },
         }
     }
 
     /// Where the database lives.
     pub fn database_path(&self) -> PathBuf {
         self.data_dir.join("sluice.db")
+    }
+
+    /// The appliance's own Hugging Face cache, where pulls land.
+    pub fn hub_dir(&self) -> PathBuf {
+        self.data_dir.join("hub")
     }
 
     /// Applies the settings a config file states, with flags and variables merged in first
@@ -127,6 +151,20 @@ impl Config {
                  (--tls-cert, SLUICE_TLS_CERT or tls_cert in sluice.toml)"
             ),
         }
+        if let Some(endpoint) = &file.hf_endpoint {
+            let lower = endpoint.to_ascii_lowercase();
+            anyhow::ensure!(
+                lower.starts_with("https://") || lower.starts_with("http://"),
+                "hf_endpoint {endpoint:?} must start with https:// or http://"
+            );
+            self.hub.endpoint = endpoint.trim_end_matches('/').to_owned();
+        }
+        if let Some(token) = &file.hf_token {
+            self.hub.token = Some(token.clone());
+        }
+        if let Some(dir) = &file.hf_cache {
+            self.hub.user_cache = Some(dir.clone());
+        }
         if let Some(url) = &file.public_url {
             let lower = url.to_ascii_lowercase();
             let (https, host) = if let Some(host) = lower.strip_prefix("https://") {
@@ -159,6 +197,9 @@ pub struct FileConfig {
     pub tls_key: Option<PathBuf>,
     pub public_url: Option<String>,
     pub keep_checkpoints: Option<usize>,
+    pub hf_endpoint: Option<String>,
+    pub hf_token: Option<crate::hub::HubToken>,
+    pub hf_cache: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -178,6 +219,9 @@ impl FileConfig {
             tls_key: self.tls_key.or(lower.tls_key),
             public_url: self.public_url.or(lower.public_url),
             keep_checkpoints: self.keep_checkpoints.or(lower.keep_checkpoints),
+            hf_endpoint: self.hf_endpoint.or(lower.hf_endpoint),
+            hf_token: self.hf_token.or(lower.hf_token),
+            hf_cache: self.hf_cache.or(lower.hf_cache),
         }
     }
 

@@ -17,6 +17,7 @@ mod datasets;
 pub mod db;
 pub mod error;
 pub mod gpus;
+pub mod hub;
 pub mod jobs;
 pub mod models;
 mod pages;

@@ -1,6 +1,7 @@
-//! Models a job can train: the engine's random-init presets (`preset:<name>`) and Hugging Face
+//! Models a job can train: the engine's random-init presets (`preset:<name>`), Hugging Face
 //! folders under `DATA_DIR/models/<folder>` (`local:<folder>`), some of them imported from GGUF
-//! uploads (see `api::models`).
+//! uploads (see `api::models`), and snapshots in a Hugging Face cache (`hf:Org/Name@revision`):
+//! the appliance's own (`DATA_DIR/hub`, where pulls land) first, then the user's.
 
 use std::path::{Path, PathBuf};
 
@@ -20,10 +21,16 @@ pub struct ModelView {
     /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral.
     pub family: &'static str,
     pub params: usize,
-    /// "preset" or "local".
+    /// "preset" (random weights) or "local" (real weights on this machine).
     pub kind: &'static str,
+    /// Where it comes from: "preset", "folder" (`models/`), "pulled" (from the Hub, into the
+    /// appliance's cache) or "hf-cache" (the user's Hugging Face cache).
+    pub origin: &'static str,
     pub description: String,
 }
+
+/// What every random-init preset is called where models are chosen.
+pub const PRESET_LABEL: &str = "random weights, for trying the appliance, not for real use";
 
 /// A model id checked against what exists.
 #[derive(Debug, Clone)]
@@ -63,7 +70,30 @@ pub fn resolve(state: &AppState, id: &str) -> ApiResult<ResolvedModel> {
         let spec = ModelSpec::from_path(&dir).map_err(|e| unknown(e.to_string()))?;
         return Ok(ResolvedModel { id: id.to_string(), source: ModelSource::Dir(dir), spec });
     }
-    Err(unknown("model ids start with \"preset:\" or \"local:\"".into()))
+    if let Some(name) = id.strip_prefix("hf:") {
+        let (repo, revision) = name.split_once('@').unwrap_or((name, "main"));
+        let found = hub_caches(state)
+            .into_iter()
+            .find_map(|(root, _)| crate::hub::cache::find(&root, repo, revision))
+            .ok_or_else(|| {
+                unknown(format!(
+                    "{repo} at {revision} is not in the appliance's or your Hugging Face cache \
+                     (pull it first)"
+                ))
+            })?;
+        let spec = ModelSpec::from_path(&found.dir).map_err(|e| unknown(e.to_string()))?;
+        return Ok(ResolvedModel { id: id.to_string(), source: ModelSource::Dir(found.dir), spec });
+    }
+    Err(unknown("model ids start with \"preset:\", \"local:\" or \"hf:\"".into()))
+}
+
+/// The Hugging Face caches read, in order, with the origin their models are shown with.
+fn hub_caches(state: &AppState) -> Vec<(PathBuf, &'static str)> {
+    let mut caches = vec![(state.config().hub_dir(), "pulled")];
+    if let Some(user) = &state.config().hub.user_cache {
+        caches.push((user.clone(), "hf-cache"));
+    }
+    caches
 }
 
 /// `DATA_DIR/models/<folder>` when `folder` is one plain path component naming a folder.
@@ -86,7 +116,8 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
                 family: spec.family.model_type(),
                 params: spec.total_params(),
                 kind: "preset",
-                description: format!("random init: {description}"),
+                origin: "preset",
+                description: format!("{PRESET_LABEL}: {description}"),
             }),
             Err(err) => warn!("preset {name}: {err}"),
         }
@@ -106,7 +137,49 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
     }
     local.sort_by(|a, b| a.name.cmp(&b.name));
     models.extend(local);
+    // A snapshot in both caches is listed once, from the appliance's.
+    let mut seen = std::collections::HashSet::new();
+    for (root, origin) in hub_caches(state) {
+        for cached in crate::hub::cache::list(&root) {
+            if !seen.insert(cached.id()) {
+                continue;
+            }
+            match hub_view(&cached, origin, &root) {
+                Ok(view) => models.push(view),
+                Err(err) => warn!("skipping {} in {}: {err}", cached.id(), root.display()),
+            }
+        }
+    }
     models
+}
+
+/// The listing entry of a cached snapshot.
+pub(crate) fn hub_view(
+    cached: &crate::hub::CachedModel,
+    origin: &'static str,
+    root: &Path,
+) -> sluice_engine::Result<ModelView> {
+    let spec = ModelSpec::from_path(&cached.dir)?;
+    let short = &cached.commit[..cached.commit.len().min(7)];
+    let at = if cached.revision == cached.commit {
+        format!("commit {short}")
+    } else {
+        format!("revision {} (commit {short})", cached.revision)
+    };
+    let place = if origin == "pulled" {
+        "pulled from the Hugging Face Hub".to_string()
+    } else {
+        format!("in the Hugging Face cache {}", root.display())
+    };
+    Ok(ModelView {
+        id: cached.id(),
+        name: cached.repo.clone(),
+        family: spec.family.model_type(),
+        params: spec.total_params(),
+        kind: "local",
+        origin,
+        description: format!("{place}, {at}"),
+    })
 }
 
 /// The listing entry of the model folder `dir` named `folder`.
@@ -118,6 +191,77 @@ pub(crate) fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<Mode
         family: spec.family.model_type(),
         params: spec.total_params(),
         kind: "local",
+        origin: "folder",
         description: format!("model folder models/{folder}"),
     })
+}
+
+/// The pulls of this process, one per repo: the one under way, or how the last one ended.
+#[derive(Debug, Default)]
+pub struct Pulls(std::sync::Mutex<std::collections::BTreeMap<String, PullView>>);
+
+/// A pull as the models page shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PullView {
+    pub repo: String,
+    pub revision: String,
+    pub commit: Option<String>,
+    /// "running", "done" or "failed".
+    pub state: &'static str,
+    /// Why it failed, for the user.
+    pub error: Option<String>,
+    /// The model id, once done.
+    pub model: Option<String>,
+    pub files: Vec<crate::hub::FileProgress>,
+    pub done: u64,
+    pub total: u64,
+}
+
+impl PullView {
+    pub fn running(repo: &str, revision: &str) -> PullView {
+        PullView {
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+            commit: None,
+            state: "running",
+            error: None,
+            model: None,
+            files: Vec::new(),
+            done: 0,
+            total: 0,
+        }
+    }
+}
+
+impl Pulls {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, PullView>> {
+        // A panic while holding the lock leaves plain data behind: still usable.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a new pull of `repo`, unless one is under way (then `false`).
+    pub fn begin(&self, repo: &str, revision: &str) -> bool {
+        let mut pulls = self.lock();
+        if pulls.get(repo).is_some_and(|p| p.state == "running") {
+            return false;
+        }
+        pulls.insert(repo.to_string(), PullView::running(repo, revision));
+        true
+    }
+
+    /// Changes the record of `repo`'s pull.
+    pub fn update(&self, repo: &str, change: impl FnOnce(&mut PullView)) {
+        if let Some(view) = self.lock().get_mut(repo) {
+            change(view);
+        }
+    }
+
+    /// Forgets `repo`'s pull (one refused before it started).
+    pub fn forget(&self, repo: &str) {
+        self.lock().remove(repo);
+    }
+
+    pub fn all(&self) -> Vec<PullView> {
+        self.lock().values().cloned().collect()
+    }
 }

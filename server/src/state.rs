@@ -38,6 +38,7 @@ struct Inner {
     queue: Queue,
     events: broadcast::Sender<JobMessage>,
     tryit: TryIt,
+    pulls: crate::models::Pulls,
 }
 
 impl AppState {
@@ -61,7 +62,8 @@ impl AppState {
         let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let tryit = TryIt::default();
-        Ok(AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit }) })
+        let pulls = crate::models::Pulls::default();
+        Ok(AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit, pulls }) })
     }
 
     pub fn config(&self) -> &Config {
@@ -101,6 +103,11 @@ impl AppState {
     /// The model kept loaded for "try it".
     pub fn tryit(&self) -> &TryIt {
         &self.inner.tryit
+    }
+
+    /// Models being pulled from the Hugging Face Hub.
+    pub fn pulls(&self) -> &crate::models::Pulls {
+        &self.inner.pulls
     }
 
     /// Sends news of a job to whoever watches; nobody watching is fine.

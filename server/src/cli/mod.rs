@@ -10,6 +10,7 @@ mod device;
 mod generate;
 mod import_gguf;
 mod plan;
+mod pull;
 mod serve;
 mod shape;
 pub(crate) mod train;
@@ -52,6 +53,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Measure parts of the engine on this machine.
     Bench(bench::BenchArgs),
+    /// Download a model from the Hugging Face Hub by name into the appliance's cache
+    /// (resumes a pull cut short).
+    Pull(pull::PullArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -81,6 +85,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Pull(args) => pull::run(args),
     }
 }
 

@@ -70,6 +70,20 @@ pub(crate) struct ServeArgs {
     /// an https:// URL makes login cookies Secure and sends HSTS.
     #[arg(long, env = "SLUICE_PUBLIC_URL", value_name = "URL")]
     public_url: Option<String>,
+
+    /// The Hugging Face Hub that models are pulled from [default: https://huggingface.co].
+    #[arg(long, env = "HF_ENDPOINT", value_name = "URL")]
+    hf_endpoint: Option<String>,
+
+    /// Access token for gated and private Hugging Face repos (prefer the variable: a flag shows
+    /// in the process list). Never shown to users.
+    #[arg(long, env = "HF_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+    hf_token: Option<String>,
+
+    /// Your Hugging Face cache, whose models are listed too [default: HF_HOME/hub, else
+    /// ~/.cache/huggingface/hub].
+    #[arg(long, env = "HF_HUB_CACHE", value_name = "DIR")]
+    hf_cache: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -99,8 +113,14 @@ impl ServeArgs {
             tls_key: self.tls_key.clone(),
             public_url: self.public_url.clone(),
             keep_checkpoints: None,
+            hf_endpoint: self.hf_endpoint.clone(),
+            hf_token: self.hf_token.as_deref().and_then(crate::hub::HubToken::new),
+            hf_cache: self.hf_cache.clone(),
         };
         config.apply_file(&overrides.or(file.unwrap_or_default()))?;
+        if config.hub.user_cache.is_none() {
+            config.hub.user_cache = crate::hub::cache::user_cache_from_env();
+        }
         Ok(config)
     }
 }

@@ -7,6 +7,7 @@ mod auth;
 mod authorization;
 mod damaged_uploads;
 mod datasets;
+mod hub;
 mod isolation;
 mod jobs;
 mod misc;

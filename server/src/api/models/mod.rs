@@ -1,6 +1,8 @@
-//! `/api/models`: the models a job can train, and the GGUF import.
+//! `/api/models`: the models a job can train, the GGUF import, and pulls from the Hugging Face
+//! Hub.
 
 mod import;
+mod pull;
 
 use axum::extract::State;
 use axum::routing::get;
@@ -15,6 +17,8 @@ pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/api/models", get(list))
         .route("/api/models/import", axum::routing::post(import::import))
+        .route("/api/models/pull", axum::routing::post(pull::start))
+        .route("/api/models/pulls", get(pull::list))
         // The import counts its own bytes against the configured limit while streaming.
         .layer(axum::extract::DefaultBodyLimit::disable())
 }
