@@ -7,6 +7,7 @@
 mod bench;
 mod bench_train;
 mod device;
+mod export_gguf;
 mod generate;
 mod import_gguf;
 mod plan;
@@ -52,6 +53,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Measure parts of the engine on this machine.
     Bench(bench::BenchArgs),
+    /// Write a checkpoint folder as a GGUF file for llama.cpp and Ollama (F16 or Q8_0).
+    ExportGguf(export_gguf::ExportGgufArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -81,6 +84,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::ExportGguf(args) => export_gguf::run(args),
     }
 }
 
