@@ -78,16 +78,14 @@ fn fine_tune(base: &Path, tmp: &Path) -> PathBuf {
         },
     };
     let options = RunOptions { job, out: tmp.join("run"), placement: RunPlacement::default() };
-    let summary = sluice_engine::train::run(&Cpu::new(), &options, false, &mut Quiet)
-        .expect("fine-tunes");
+    let summary =
+        sluice_engine::train::run(&Cpu::new(), &options, false, &mut Quiet).expect("fine-tunes");
     assert_eq!(summary.steps, 3);
     summary.final_checkpoint
 }
 
 fn python_check(gguf: &Path, checkpoint: &Path, ty: GgufType) {
-    let path = [asset("py-gguf"), asset("py-numpy")]
-        .map(|p| p.display().to_string())
-        .join(":");
+    let path = [asset("py-gguf"), asset("py-numpy")].map(|p| p.display().to_string()).join(":");
     let output = Command::new("python3")
         .arg("-s")
         .arg(root().join("scripts/check_gguf_export.py"))

@@ -471,9 +471,11 @@ fn run_with<S: Stepper>(
     }
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
+    let curves = std::cell::Cell::new(super::card::Curves::from_step(streamer.taken()));
     let save = |streamer: &mut S, cursor: usize, dir: &Path| -> Result<()> {
         let params = streamer.params()?;
         save_checkpoint(dir, &model, &params, settings.save_dtype)?;
+        super::card::write_model_card(dir, options, &curves.get())?;
         let (m, v) = streamer.moments()?;
         let state = TrainingState {
             step: streamer.taken(),
@@ -509,6 +511,7 @@ fn run_with<S: Stepper>(
             first_loss = metrics.loss;
         }
         last_loss = metrics.loss;
+        curves.set(curves.get().after(&metrics));
         let step = metrics.step;
         observer.event(&Event::Step(metrics));
         if settings.save_every.is_some_and(|n| step % n == 0 && step < steps) {

@@ -208,7 +208,10 @@ mod tests {
         }
         // A bf16 file passes through unchanged in its data.
         let again = Bf16Safetensors::open(&bf16_dir.join("model.safetensors")).unwrap();
-        assert_eq!(again.len(), std::fs::metadata(bf16_dir.join("model.safetensors")).unwrap().len());
+        assert_eq!(
+            again.len(),
+            std::fs::metadata(bf16_dir.join("model.safetensors")).unwrap().len()
+        );
     }
 
     #[test]

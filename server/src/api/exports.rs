@@ -71,7 +71,10 @@ pub(crate) async fn bf16_file(path: PathBuf, file: &str) -> ApiResult<Response> 
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
             (header::CONTENT_LENGTH, len.to_string()),
-            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{}\"", file.replace('"', ""))),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{}\"", file.replace('"', "")),
+            ),
         ],
         Body::from_stream(ReaderStream::new(reader)),
     )
@@ -140,10 +143,9 @@ async fn gguf(
         .parse()
         .map_err(|e: sluice_engine::Error| ApiError::bad_request(e.to_string()))?;
     let dir = checkpoint_dir(&state, &user, id, &name).await?;
-    let runs = runner::run_dir(&state, id)
-        .parent()
-        .map(Path::to_path_buf)
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("run folder of job {id} has no parent")))?;
+    let runs = runner::run_dir(&state, id).parent().map(Path::to_path_buf).ok_or_else(|| {
+        ApiError::internal(anyhow::anyhow!("run folder of job {id} has no parent"))
+    })?;
     let (file, len) = tokio::task::spawn_blocking(move || -> ApiResult<(std::fs::File, u64)> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -159,11 +161,8 @@ async fn gguf(
         Ok((file, summary.bytes))
     })
     .await??;
-    let disposition = format!(
-        "attachment; filename=\"job-{id}-{}-{}.gguf\"",
-        name.replace('"', ""),
-        ty.name()
-    );
+    let disposition =
+        format!("attachment; filename=\"job-{id}-{}-{}.gguf\"", name.replace('"', ""), ty.name());
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),

@@ -213,7 +213,7 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
         }
         RopeScaling::Llama3 { .. } => {
             return Err(err(
-                "GGUF export does not write Llama 3.1 rope frequency factors yet".into(),
+                "GGUF export does not write Llama 3.1 rope frequency factors yet".into()
             ));
         }
     }
@@ -299,7 +299,8 @@ fn tokenizer_metadata(dir: &Path, vocab: usize) -> Result<Vec<(String, MetaValue
     let pre = PRE_NAMES
         .into_iter()
         .find(|name| {
-            pre_tokenizer(name).is_ok_and(|v| split_signature(&v) == split_signature(&json["pre_tokenizer"]))
+            pre_tokenizer(name)
+                .is_ok_and(|v| split_signature(&v) == split_signature(&json["pre_tokenizer"]))
         })
         .ok_or_else(|| {
             err(format!(
@@ -311,20 +312,26 @@ fn tokenizer_metadata(dir: &Path, vocab: usize) -> Result<Vec<(String, MetaValue
 
     let mut tokens: Vec<Option<(String, i32)>> = vec![None; vocab];
     let mut place = |id: &Value, token: &str, ty: i32| -> Result<()> {
-        let slot = id
-            .as_u64()
-            .and_then(|i| tokens.get_mut(i as usize))
-            .ok_or_else(|| err(format!("token {token:?} has id {id}, outside the {vocab} rows of the embedding")))?;
+        let slot = id.as_u64().and_then(|i| tokens.get_mut(i as usize)).ok_or_else(|| {
+            err(format!("token {token:?} has id {id}, outside the {vocab} rows of the embedding"))
+        })?;
         *slot = Some((token.to_string(), ty));
         Ok(())
     };
-    let entries = model["vocab"].as_object().ok_or_else(|| err("model.vocab is not an object".into()))?;
+    let entries =
+        model["vocab"].as_object().ok_or_else(|| err("model.vocab is not an object".into()))?;
     for (token, id) in entries {
         place(id, token, TOKEN_NORMAL)?;
     }
     for added in json["added_tokens"].as_array().into_iter().flatten() {
-        let token = added["content"].as_str().ok_or_else(|| err(format!("added token {added} has no content")))?;
-        let ty = if added["special"].as_bool() == Some(true) { TOKEN_CONTROL } else { TOKEN_USER_DEFINED };
+        let token = added["content"]
+            .as_str()
+            .ok_or_else(|| err(format!("added token {added} has no content")))?;
+        let ty = if added["special"].as_bool() == Some(true) {
+            TOKEN_CONTROL
+        } else {
+            TOKEN_USER_DEFINED
+        };
         place(&added["id"], token, ty)?;
     }
     let (mut names, mut types) = (Vec::with_capacity(vocab), Vec::with_capacity(vocab));

@@ -115,11 +115,7 @@ fn checkpoint(root: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf
 
 fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let (_, params) = HostParams::load_dir(dir).unwrap();
-    params
-        .tensor_refs()
-        .into_iter()
-        .map(|t| (t.name.to_string(), t.data.to_vec()))
-        .collect()
+    params.tensor_refs().into_iter().map(|t| (t.name.to_string(), t.data.to_vec())).collect()
 }
 
 #[test]
@@ -138,7 +134,10 @@ fn f16_and_q8_0_exports_import_back_with_the_same_tensors_and_tokenizer() {
         assert_eq!(file.version, 3);
         let meta = |k: &str| file.get(k).unwrap_or_else(|| panic!("{k} missing")).clone();
         assert_eq!(meta("general.architecture"), MetaValue::String("llama".into()));
-        assert_eq!(meta("general.file_type").as_u64(), Some(if ty == GgufType::F16 { 1 } else { 7 }));
+        assert_eq!(
+            meta("general.file_type").as_u64(),
+            Some(if ty == GgufType::F16 { 1 } else { 7 })
+        );
         assert_eq!(meta("llama.block_count").as_u64(), Some(4));
         assert_eq!(meta("llama.attention.head_count_kv").as_u64(), Some(2));
         assert_eq!(meta("tokenizer.ggml.model").as_str(), Some("gpt2"));
