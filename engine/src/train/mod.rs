@@ -5,6 +5,7 @@
 //! and an observer that needs to do slow work (write to a database, push to browsers) queues
 //! them itself.
 
+mod card;
 mod job;
 mod launch;
 mod retention;
@@ -15,6 +16,7 @@ mod trainer;
 use std::time::Duration;
 
 pub use crate::schedule::Interrupt;
+pub use card::{CARD_FILE, Curves, model_card, write_model_card};
 pub use job::{DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, Job, JobSettings, Limits};
 pub use launch::run_on;
 pub use run::{

@@ -476,9 +476,11 @@ fn run_with<S: Stepper>(
     }
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
+    let curves = std::cell::Cell::new(super::card::Curves::from_step(streamer.taken()));
     let save = |streamer: &mut S, cursor: usize, dir: &Path| -> Result<()> {
         let params = streamer.params()?;
         save_checkpoint(dir, &model, &params, settings.save_dtype)?;
+        super::card::write_model_card(dir, options, &curves.get())?;
         let (m, v) = streamer.moments()?;
         let state = TrainingState {
             step: streamer.taken(),
@@ -514,6 +516,7 @@ fn run_with<S: Stepper>(
             first_loss = metrics.loss;
         }
         last_loss = metrics.loss;
+        curves.set(curves.get().after(&metrics));
         let (step, eval_loss) = (metrics.step, metrics.eval_loss);
         observer.event(&Event::Step(metrics));
         if save_every.is_some_and(|n| step % n == 0 && step < steps) {

@@ -9,10 +9,14 @@
 //! - [`save_hf_folder`] writes a whole checkpoint folder (weights, `config.json`, tokenizer and
 //!   template files) that transformers loads as is, never leaving a half-written checkpoint
 //!   under its final name.
+//! - [`Bf16Safetensors`] reads an f32 safetensors file as its bf16 twin, converted while read
+//!   (downloads in bf16 of checkpoints saved in f32).
 
 mod atomic;
+mod bf16_stream;
 
 pub use atomic::write_file_atomically;
+pub use bf16_stream::Bf16Safetensors;
 mod folder;
 pub mod gguf;
 mod read;

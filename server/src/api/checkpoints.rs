@@ -1,9 +1,10 @@
 //! Checkpoint folders of a job: listed, downloaded file by file (with HTTP ranges, so a broken
-//! download of a large shard resumes), or whole as a tar streamed while it is written; or tried
-//! out (see `tryit`); or deleted, one at a time.
+//! download of a large shard resumes), or whole as a tar streamed while it is written, either
+//! in bf16 with `?dtype=bf16` (see `exports`); or tried out (see `tryit`); or deleted, one at a
+//! time.
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{Query, Request, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -128,12 +129,16 @@ async fn file(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
     ApiPath((id, name, file)): ApiPath<(i64, String, String)>,
+    Query(query): Query<super::exports::DownloadQuery>,
     request: Request,
 ) -> ApiResult<Response> {
     let dir = checkpoint_dir(&state, &user, id, &name).await?;
     let path = dir.join(&file);
     if !is_plain_name(&file) || !path.is_file() {
         return Err(ApiError::not_found(format!("checkpoint {name} has no file {file:?}")));
+    }
+    if query.bf16()? && super::exports::is_safetensors(&file) {
+        return super::exports::bf16_file(path, &file).await;
     }
     let response = ServeFile::new(&path).oneshot(request).await.map_err(ApiError::internal)?;
     let mut response = response.map(Body::new);
@@ -151,7 +156,9 @@ async fn archive(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
     ApiPath((id, name)): ApiPath<(i64, String)>,
+    Query(query): Query<super::exports::DownloadQuery>,
 ) -> ApiResult<Response> {
+    let bf16 = query.bf16()?;
     let dir = checkpoint_dir(&state, &user, id, &name).await?;
     let (reader, writer) = tokio::io::duplex(256 << 10);
     let writer = SyncIoBridge::new(writer);
@@ -159,8 +166,7 @@ async fn archive(
     tokio::task::spawn_blocking(move || {
         let mut builder = tar::Builder::new(writer);
         builder.follow_symlinks(false);
-        let result = builder
-            .append_dir_all(&folder, &dir)
+        let result = super::exports::append_checkpoint(&mut builder, &folder, &dir, bf16)
             .and_then(|()| builder.into_inner())
             .and_then(|mut bridge| {
                 use std::io::Write;

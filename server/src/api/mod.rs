@@ -5,6 +5,7 @@
 mod account;
 mod checkpoints;
 mod datasets;
+mod exports;
 mod gpus;
 mod health;
 mod jobs;
@@ -42,5 +43,5 @@ pub(crate) fn compressed() -> Router<AppState> {
 
 /// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.
 pub(crate) fn uncompressed() -> Router<AppState> {
-    checkpoints::router()
+    checkpoints::router().merge(exports::router())
 }

@@ -7,6 +7,7 @@
 mod bench;
 mod bench_train;
 mod device;
+mod export_gguf;
 mod generate;
 mod import_gguf;
 mod plan;
@@ -56,6 +57,8 @@ enum Command {
     /// Download a model from the Hugging Face Hub by name into the appliance's cache
     /// (resumes a pull cut short).
     Pull(pull::PullArgs),
+    /// Write a checkpoint folder as a GGUF file for llama.cpp and Ollama (F16 or Q8_0).
+    ExportGguf(export_gguf::ExportGgufArgs),
 }
 
 /// Parses the command line, runs the subcommand and turns its error into one line on stderr
@@ -86,6 +89,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Pull(args) => pull::run(args),
+        Command::ExportGguf(args) => export_gguf::run(args),
     }
 }
 

@@ -36,6 +36,7 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("GET", "/api/jobs/{id}/log" | "/api/jobs/{id}/checkpoints") => Owner,
         ("GET", "/api/jobs/{id}/checkpoints/{name}/files/{file}") => Owner,
         ("GET", "/api/jobs/{id}/checkpoints/{name}/archive") => Owner,
+        ("GET", "/api/jobs/{id}/checkpoints/{name}/gguf") => Owner,
         ("POST", "/api/jobs/{id}/checkpoints/{name}/generate") => Owner,
         ("POST", "/api/jobs/{id}/cancel" | "/api/jobs/{id}/resume") => Owner,
         ("GET" | "DELETE", "/api/datasets/{id}") => Owner,

@@ -8,6 +8,7 @@ mod authorization;
 mod damaged_uploads;
 mod datasets;
 mod hub;
+mod exports;
 mod isolation;
 mod jobs;
 mod misc;

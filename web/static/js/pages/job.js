@@ -229,8 +229,15 @@ async function refreshJob() {
 
 // --- checkpoints -----------------------------------------------------------------------------
 
-function fileUrl(checkpoint, file) {
-  return `/api/jobs/${id}/checkpoints/${encodeURIComponent(checkpoint.name)}/files/${encodeURIComponent(file.name)}`;
+// Weights download in bf16 by default (half the size of f32, what transformers loads as is);
+// the f32 link sends a safetensors file as it was saved.
+function fileUrl(checkpoint, file, dtype = 'bf16') {
+  const url = `/api/jobs/${id}/checkpoints/${encodeURIComponent(checkpoint.name)}/files/${encodeURIComponent(file.name)}`;
+  return file.name.endsWith('.safetensors') ? `${url}?dtype=${dtype}` : url;
+}
+
+function checkpointUrl(checkpoint, what) {
+  return `/api/jobs/${id}/checkpoints/${encodeURIComponent(checkpoint.name)}/${what}`;
 }
 
 async function refreshCheckpoints() {
@@ -254,13 +261,18 @@ async function refreshCheckpoints() {
       el('div', { class: 'buttons', style: { justifyContent: 'space-between' } },
         el('div', {}, el('strong', {}, c.name), el('span', { class: 'small muted' }, ` · step ${fmtInt(c.step)} · ${fmtBytes(total)}`)),
         el('div', { class: 'buttons' },
-          el('a', { class: 'btn small', href: `/api/jobs/${id}/checkpoints/${encodeURIComponent(c.name)}/archive`, download: `job-${id}-${c.name}.tar`, dataset: { archive: c.name } }, 'Download all (.tar)'),
+          el('a', { class: 'btn small', href: checkpointUrl(c, 'archive?dtype=bf16'), download: `job-${id}-${c.name}.tar`, dataset: { archive: c.name } }, 'Download all (.tar, bf16)'),
+          el('a', { class: 'btn small', href: checkpointUrl(c, 'gguf?type=q8_0'), download: `job-${id}-${c.name}-q8_0.gguf`, dataset: { gguf: c.name }, title: 'One file for llama.cpp and Ollama (8-bit)' }, 'GGUF (Q8_0)'),
+          el('a', { class: 'small', href: checkpointUrl(c, 'gguf?type=f16'), download: `job-${id}-${c.name}-f16.gguf` }, 'F16'),
+          el('a', { class: 'small', href: checkpointUrl(c, 'archive?dtype=f32'), download: `job-${id}-${c.name}-f32.tar` }, 'as saved (.tar)'),
           job && job.status !== 'running'
             ? el('button', { type: 'button', class: 'small danger', dataset: { deleteCheckpoint: c.name }, onclick: () => deleteCheckpoint(c, total) }, `Delete (frees ${fmtBytes(total)})`)
             : null)),
       el('details', {}, el('summary', { class: 'small muted' }, `${(c.files || []).length} files`),
         el('ul', { class: 'files' }, (c.files || []).map((f) => el('li', {},
-          el('a', { href: fileUrl(c, f), download: f.name }, f.name), el('span', { class: 'muted num' }, fmtBytes(f.size)))))));
+          el('a', { href: fileUrl(c, f), download: f.name }, f.name),
+          f.name.endsWith('.safetensors') ? el('a', { class: 'small', href: fileUrl(c, f, 'f32'), download: f.name }, ' (as saved)') : null,
+          el('span', { class: 'muted num' }, fmtBytes(f.size)))))));
   }));
 }
 
