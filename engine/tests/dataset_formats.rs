@@ -2,6 +2,8 @@
 //! format, and lenient reading that skips invalid records (a real ShareGPT dump with an odd
 //! conversation trains with it left out). Damaged files of every layout are errors, never panics.
 
+#![allow(clippy::unwrap_used)]
+
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
