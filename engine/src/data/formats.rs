@@ -86,20 +86,48 @@ impl Format {
     }
 }
 
-/// How records are laid out in the file; decides whether problems cite lines or records.
+/// How records are laid out in the file; decides whether problems cite lines, records or rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
     JsonLines,
     JsonArray,
+    /// Comma-separated values with a header row.
+    Csv,
+    /// Tab-separated values with a header row.
+    Tsv,
+    Parquet,
 }
 
 impl Layout {
-    /// What a [`Problem`]'s number counts: `line` or `record`.
+    /// What a [`Problem`]'s number counts: `line`, `record` (of a JSON array) or `row` (of a
+    /// Parquet file).
     pub fn unit(self) -> &'static str {
         match self {
-            Layout::JsonLines => "line",
+            Layout::JsonLines | Layout::Csv | Layout::Tsv => "line",
             Layout::JsonArray => "record",
+            Layout::Parquet => "row",
         }
+    }
+
+    /// A table whose columns are named once for every row.
+    pub fn is_tabular(self) -> bool {
+        matches!(self, Layout::Csv | Layout::Tsv | Layout::Parquet)
+    }
+
+    /// The usual file extension, which is also how a file's layout is recognised first.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Layout::JsonLines => "jsonl",
+            Layout::JsonArray => "json",
+            Layout::Csv => "csv",
+            Layout::Tsv => "tsv",
+            Layout::Parquet => "parquet",
+        }
+    }
+
+    /// `jsonl`, `json`, `csv`, `tsv` or `parquet`, as [`Self::extension`] names them.
+    pub fn name(self) -> &'static str {
+        self.extension()
     }
 }
 
@@ -140,13 +168,30 @@ impl Parsed {
         if let Some(first) = self.problems.first() {
             let more = self.problems.len() - 1;
             let mut message = first.message.clone();
-            if self.layout == Layout::JsonArray {
-                message = format!("record {}: {message}", first.line);
+            if self.layout.unit() != "line" {
+                message = format!("{} {}: {message}", self.layout.unit(), first.line);
             }
             if more > 0 {
                 message.push_str(&format!(" (and {more} more bad records)"));
             }
             return Err(Error::DatasetRecord { path: self.path, line: first.line, message });
+        }
+        Ok(self.entries)
+    }
+
+    /// The valid records, the bad ones skipped; an error only when no record is valid.
+    pub fn into_valid_entries(self) -> Result<Vec<Entry>> {
+        if self.entries.is_empty() {
+            let message = match self.problems.first() {
+                Some(first) => format!(
+                    "no record is valid, so none is left to train on once the {} bad ones are \
+                     skipped (the first: {})",
+                    self.problems.len(),
+                    first.display(self.layout)
+                ),
+                None => "contains no records".into(),
+            };
+            return Err(Error::Dataset { path: self.path, message });
         }
         Ok(self.entries)
     }

@@ -1,13 +1,18 @@
 //! Dataset files read record by record, for checks that must not hold a whole file in memory:
-//! the appliance's upload lint and its preview. Memory is bounded by the largest record, never by
-//! the file: JSON Lines are read one line at a time, and a JSON array one element at a time
-//! through serde_json's deserializer over the file.
+//! the appliance's upload lint and its preview, and training for tables. Memory is bounded by the
+//! largest record, never by the file: JSON Lines are read one line at a time, a JSON array one
+//! element at a time through serde_json's deserializer over the file, CSV and TSV one row at a
+//! time ([`super::tabular`]) and Parquet row group by row group ([`super::parquet`]).
 //!
 //! Records, problems and their numbers are those of [`super::read_dataset`] (which training
-//! uses, as it needs every record anyway), with one addition: a record longer than
+//! uses for JSON, as it needs every record anyway), with one addition: a record longer than
 //! [`MAX_RECORD_BYTES`] is refused. In JSON Lines it is a problem of its own line and reading
-//! goes on; in a JSON array it ends the read with an error, since nothing after it can be found
-//! without parsing through it.
+//! goes on; in a JSON array or a CSV file it ends the read with an error, since nothing after it
+//! can be found without parsing through it.
+//!
+//! A table's columns, and a JSON file's keys when a mapping is given, are renamed to a format's
+//! fields by [`Columns`] before a record is checked; a table's header without a mapping is
+//! mapped automatically ([`Columns::auto`]).
 //!
 //! The format is decided by the first valid record, wherever it is, and a record before it is
 //! checked against that format like any other. So a file is read twice: once up to its first
@@ -23,9 +28,12 @@ use std::rc::Rc;
 use serde::de::{DeserializeSeed, Error as _, SeqAccess, Visitor};
 use serde_json::Value;
 
+use super::columns::Columns;
 use super::formats::{
-    Entry, Format, Layout, Problem, Schema, check_record, no_records, registry_file, schema_of,
+    Entry, Format, Layout, Parsed, Problem, Schema, check_record, no_records, registry_file,
+    schema_of,
 };
+use super::{parquet, tabular};
 use crate::error::{Error, Result};
 
 /// The longest record read: a few times the longest conversation a 128k-token context holds,
@@ -46,29 +54,63 @@ pub struct DatasetReader {
     schema: Option<Schema>,
     /// The schema was detected from the file, not stated by a registry.
     detected: bool,
+    /// A table's column names; empty for JSON.
+    names: Vec<String>,
+    /// How columns are renamed before a record is checked.
+    columns: Columns,
 }
 
 impl DatasetReader {
-    /// Opens a JSON Lines or JSON array file and detects its format, reading up to its first
-    /// valid record. A file without any record is an error.
+    /// Opens a JSON Lines, JSON array, CSV, TSV or Parquet file and detects its format, reading
+    /// up to its first valid record. A file without any record is an error.
     pub fn open(path: impl AsRef<Path>) -> Result<DatasetReader> {
-        Self::open_with(path.as_ref(), None)
+        Self::open_mapped(path, &Columns::default())
+    }
+
+    /// [`Self::open`] with the file's columns renamed by `columns` (an empty mapping lets a
+    /// table's header be mapped automatically). A mapped column the table lacks is an error.
+    pub fn open_mapped(path: impl AsRef<Path>, columns: &Columns) -> Result<DatasetReader> {
+        Self::open_with(path.as_ref(), None, columns)
     }
 
     /// Opens the dataset `name` of a LLaMA-Factory `dataset_info.json` registry, as
     /// [`super::read_registry_dataset`] resolves it.
     pub fn open_registry(registry: impl AsRef<Path>, name: &str) -> Result<DatasetReader> {
         let (file, schema) = registry_file(registry.as_ref(), name)?;
-        Self::open_with(&file, Some(schema))
+        Self::open_with(&file, Some(schema), &Columns::default())
     }
 
-    fn open_with(path: &Path, schema: Option<Schema>) -> Result<DatasetReader> {
-        let mut reader = open(path)?;
-        let layout = layout(path, &mut reader)?;
-        let detected = schema.is_none();
+    fn open_with(path: &Path, schema: Option<Schema>, columns: &Columns) -> Result<DatasetReader> {
+        let layout = layout_of(path)?;
+        let names = column_names(path, layout)?;
+        // A registry names its columns itself.
+        let columns = match (&schema, layout.is_tabular() && columns.is_empty()) {
+            (Some(_), _) => Columns::default(),
+            (None, true) => Columns::auto(&names),
+            (None, false) => columns.clone(),
+        };
+        if layout.is_tabular()
+            && let Some(missing) = columns.missing(&names)
+        {
+            return Err(Error::Dataset {
+                path: path.to_path_buf(),
+                message: format!(
+                    "the column mapping names {missing:?}, but the columns are: {}",
+                    names.join(", ")
+                ),
+            });
+        }
+        let mut this = DatasetReader {
+            path: path.to_path_buf(),
+            layout,
+            schema: None,
+            detected: schema.is_none(),
+            names,
+            columns,
+        };
         let mut any = false;
         let mut schema = schema;
-        raw_records(path, reader, layout, |_, value| {
+        this.raw_records(|_, value| {
             any = true;
             if schema.is_none() {
                 schema = schema_of(&value);
@@ -78,7 +120,75 @@ impl DatasetReader {
         if !any {
             return Err(no_records(path));
         }
-        Ok(DatasetReader { path: path.to_path_buf(), layout, schema, detected })
+        this.schema = schema;
+        Ok(this)
+    }
+
+    /// A table's column names, as its header (or schema) gives them; empty for JSON.
+    pub fn column_names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The mapping records are read with: the one given, or a table's automatic one.
+    pub fn columns(&self) -> &Columns {
+        &self.columns
+    }
+
+    /// Every record, kept in memory: what training reads when the file is a table or mapped.
+    pub fn read_all(&self) -> Result<Parsed> {
+        let mut parsed = Parsed {
+            path: self.path.clone(),
+            layout: self.layout,
+            format: self.format(),
+            entries: Vec::new(),
+            problems: Vec::new(),
+        };
+        self.for_each(|checked| {
+            match checked {
+                Ok(entry) => parsed.entries.push(entry),
+                Err(problem) => parsed.problems.push(problem),
+            }
+            ControlFlow::Continue(())
+        })?;
+        Ok(parsed)
+    }
+
+    /// Calls `visit` with each record's line (or record or row number) and its JSON value, its
+    /// columns renamed, or why it is not JSON, until it breaks.
+    fn raw_records(
+        &self,
+        mut visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+    ) -> Result<()> {
+        let path = self.path.as_path();
+        let rename = self.layout.is_tabular() || !self.columns.is_empty();
+        let mut visit = |line: usize, value: std::result::Result<Value, String>| {
+            let value = match value {
+                Ok(Value::Object(object)) if rename => {
+                    Ok(Value::Object(self.columns.apply(object)))
+                }
+                other => other,
+            };
+            visit(line, value)
+        };
+        match self.layout {
+            Layout::JsonLines | Layout::JsonArray => {
+                let mut reader = open(path)?;
+                skip_bom(path, &mut reader)?;
+                if self.layout == Layout::JsonLines {
+                    lines(path, reader, visit)
+                } else {
+                    skip_whitespace(path, &mut reader)?;
+                    elements(path, reader, visit)
+                }
+            }
+            Layout::Csv | Layout::Tsv => {
+                let mut reader = open(path)?;
+                skip_bom(path, &mut reader)?;
+                let delimiter = if self.layout == Layout::Csv { b',' } else { b'\t' };
+                tabular::rows(path, reader, delimiter, |(line, value)| visit(line, value))
+            }
+            Layout::Parquet => parquet::rows(path, |(line, value)| visit(line, value)),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -98,9 +208,7 @@ impl DatasetReader {
     /// breaks. An error is about the file as a whole: it cannot be read, its JSON array is
     /// broken, or an array element is longer than [`MAX_RECORD_BYTES`].
     pub fn for_each(&self, mut visit: impl FnMut(Checked) -> ControlFlow<()>) -> Result<()> {
-        let mut reader = open(&self.path)?;
-        skip_bom(&self.path, &mut reader)?;
-        raw_records(&self.path, reader, self.layout, |line, value| {
+        self.raw_records(|line, value| {
             visit(match check_record(self.schema.as_ref(), self.detected, value) {
                 Ok(record) => Ok(Entry { line, record }),
                 Err(message) => Err(Problem { line, message }),
@@ -114,6 +222,8 @@ impl DatasetReader {
         let mut lint = Lint {
             layout: self.layout,
             format: self.format(),
+            column_names: self.names.clone(),
+            columns: self.columns.clone(),
             records: 0,
             bad: 0,
             problems: Vec::new(),
@@ -140,6 +250,10 @@ pub struct Lint {
     pub layout: Layout,
     /// `None` when no record is valid.
     pub format: Option<Format>,
+    /// A table's column names; empty for JSON.
+    pub column_names: Vec<String>,
+    /// The mapping the records were read with.
+    pub columns: Columns,
     /// Valid records.
     pub records: usize,
     /// Bad records, every one counted.
@@ -168,40 +282,74 @@ fn skip_bom(path: &Path, reader: &mut BufReader<File>) -> Result<()> {
     Ok(())
 }
 
-/// Skips a byte-order mark and leading whitespace: a file whose first other byte is `[` is a
-/// JSON array. The whitespace holds only blank lines, so line numbers do not matter here.
-fn layout(path: &Path, reader: &mut BufReader<File>) -> Result<Layout> {
-    skip_bom(path, reader)?;
+/// How a file is laid out: by its extension (`.csv`, `.tsv`, `.parquet`, `.jsonl`, `.json`,
+/// as the appliance stores them), else by its first bytes: Parquet's magic, a JSON array's `[`
+/// or a record's `{`, a first line with a tab (TSV) or a comma (CSV); anything else is read as
+/// JSON Lines, so each bad line is reported as such.
+pub fn layout_of(path: &Path) -> Result<Layout> {
+    let extension = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let mut reader = open(path)?;
+    let start = reader.fill_buf().map_err(|e| Error::io(path, e))?;
+    let is_parquet = start.starts_with(parquet::MAGIC);
+    match extension.as_deref() {
+        Some("parquet") => return Ok(Layout::Parquet),
+        Some("csv") => return Ok(Layout::Csv),
+        Some("tsv") => return Ok(Layout::Tsv),
+        Some("jsonl" | "ndjson" | "json") => {}
+        _ if is_parquet => return Ok(Layout::Parquet),
+        _ => {}
+    }
+    skip_bom(path, &mut reader)?;
+    let array = skip_whitespace(path, &mut reader)?;
+    if array == Some(b'[') {
+        return Ok(Layout::JsonArray);
+    }
+    if array == Some(b'{') || matches!(extension.as_deref(), Some("jsonl" | "ndjson" | "json")) {
+        return Ok(Layout::JsonLines);
+    }
+    let buf = reader.fill_buf().map_err(|e| Error::io(path, e))?;
+    let first_line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+    Ok(if first_line.contains(&b'\t') {
+        Layout::Tsv
+    } else if first_line.contains(&b',') {
+        Layout::Csv
+    } else {
+        Layout::JsonLines
+    })
+}
+
+/// A table's column names; none for JSON.
+fn column_names(path: &Path, layout: Layout) -> Result<Vec<String>> {
+    match layout {
+        Layout::JsonLines | Layout::JsonArray => Ok(Vec::new()),
+        Layout::Csv | Layout::Tsv => {
+            let mut reader = open(path)?;
+            skip_bom(path, &mut reader)?;
+            tabular::columns(path, reader, if layout == Layout::Csv { b',' } else { b'\t' })
+        }
+        Layout::Parquet => parquet::columns(path),
+    }
+}
+
+/// Skips leading whitespace and returns the first other byte, if any. The whitespace holds
+/// only blank lines, so line numbers do not matter here.
+fn skip_whitespace(path: &Path, reader: &mut BufReader<File>) -> Result<Option<u8>> {
     loop {
         let buf = reader.fill_buf().map_err(|e| Error::io(path, e))?;
         if buf.is_empty() {
-            return Ok(Layout::JsonLines);
+            return Ok(None);
         }
         match buf.iter().position(|b| !b.is_ascii_whitespace()) {
             Some(at) => {
-                let layout = if buf[at] == b'[' { Layout::JsonArray } else { Layout::JsonLines };
+                let first = buf[at];
                 reader.consume(at);
-                return Ok(layout);
+                return Ok(Some(first));
             }
             None => {
                 let all = buf.len();
                 reader.consume(all);
             }
         }
-    }
-}
-
-/// Calls `visit` with each record's line (or record number) and its JSON value, or why it is
-/// not JSON, until it breaks.
-fn raw_records(
-    path: &Path,
-    reader: BufReader<File>,
-    layout: Layout,
-    visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
-) -> Result<()> {
-    match layout {
-        Layout::JsonLines => lines(path, reader, visit),
-        Layout::JsonArray => elements(path, reader, visit),
     }
 }
 
@@ -247,7 +395,7 @@ fn lines(
     Ok(())
 }
 
-fn mib(bytes: usize) -> String {
+pub(super) fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
 }
 

@@ -90,7 +90,20 @@ pub(crate) struct Upload {
     pub file: (TempFile, u64, Option<String>),
     /// The `name` field as sent (callers trim it).
     pub name: Option<String>,
+    /// Every other field, in the order sent, each at most [`FIELD_LIMIT`] bytes.
+    pub fields: Vec<(String, String)>,
 }
+
+impl Upload {
+    /// The last value sent for field `name`.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields.iter().rev().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// Fields an upload may send besides its file and name: enough for any form, and a bound on
+/// what a client can make the server hold.
+pub(crate) const MAX_FIELDS: usize = 32;
 
 /// Reads an upload of one `file` field, streamed to `temp` and counted against `limit`, and an
 /// optional `name`; every other field is read up to [`FIELD_LIMIT`] and dropped. `what` names
@@ -103,6 +116,7 @@ pub(crate) async fn read_upload(
 ) -> ApiResult<Upload> {
     let mut name = None;
     let mut file = None;
+    let mut fields = Vec::new();
     while let Some(mut field) = multipart.next_field().await? {
         let field_name = field.name().map(str::to_string);
         match field_name.as_deref() {
@@ -116,14 +130,20 @@ pub(crate) async fn read_upload(
             }
             Some("name") => name = Some(read_small_field(&mut field, FIELD_LIMIT).await?),
             _ => {
-                read_small_field(&mut field, FIELD_LIMIT).await?;
+                let value = read_small_field(&mut field, FIELD_LIMIT).await?;
+                if fields.len() == MAX_FIELDS {
+                    return Err(ApiError::bad_request(format!(
+                        "the {what} sends more than {MAX_FIELDS} fields"
+                    )));
+                }
+                fields.push((field_name.unwrap_or_default(), value));
             }
         }
     }
     let Some(file) = file else {
         return Err(ApiError::bad_request(format!("the {what} needs a \"file\" field")));
     };
-    Ok(Upload { file, name })
+    Ok(Upload { file, name, fields })
 }
 
 /// Deletes the temporary file unless the upload is kept.

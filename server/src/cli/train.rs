@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use sluice_engine::data::DatasetSource;
+use sluice_engine::data::{Columns, DatasetSource, ReadOptions};
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{CheckpointTier, MachineMemory, Plan, Verdict, plan};
 use sluice_engine::train::{
@@ -26,21 +26,32 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
-        "save_every", "save_dtype", "eval_every", "eval_data", "held_out",
+        "save_every", "save_dtype", "eval_every", "eval_data", "held_out", "skip_invalid",
+        "columns",
     ])]
     resume: Option<PathBuf>,
 
     #[command(flatten)]
     shape: ShapeArgs,
 
-    /// Dataset: JSON Lines or JSON (alpaca, sharegpt, messages, prompt/completion, text), or a
-    /// LLaMA-Factory dataset_info.json together with --dataset.
+    /// Dataset: JSON Lines, JSON, CSV, TSV or Parquet (alpaca, sharegpt, messages,
+    /// prompt/completion, text), or a LLaMA-Factory dataset_info.json together with --dataset.
     #[arg(long, value_name = "FILE", required_unless_present = "resume")]
     data: Option<PathBuf>,
 
     /// Dataset name inside a dataset_info.json registry.
     #[arg(long, value_name = "NAME")]
     dataset: Option<String>,
+
+    /// Leave out invalid records of --data (each is listed) instead of refusing the dataset.
+    #[arg(long)]
+    skip_invalid: bool,
+
+    /// Read these columns of --data as a format's fields, role=column separated by commas:
+    /// instruction=question,output=answer (roles: instruction, input, output, system, history,
+    /// prompt, completion, text, messages, conversations) [default: a table's usual names].
+    #[arg(long, value_name = "ROLE=COLUMN,...", conflicts_with = "dataset")]
+    columns: Option<String>,
 
     /// Run folder; checkpoints go to OUT/checkpoint-<step> and OUT/final [default: runs/<model>].
     #[arg(long, value_name = "DIR")]
@@ -117,6 +128,9 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     job.validate(&sluice_engine::train::Limits::ENGINE)?;
+    if job.data.skips_invalid() {
+        print_skipped(&job.data)?;
+    }
     // The planner decides where everything lives, and refuses a job that cannot fit, before
     // anything is loaded or allocated.
     let plan = plan_run(&job, gpu_mem, host_mem)?;
@@ -138,6 +152,23 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Lists the records a lenient run leaves out: the same the engine skips when it loads the data.
+fn print_skipped(data: &DatasetSource) -> anyhow::Result<()> {
+    const SHOWN: usize = 20;
+    let lint = data.open().and_then(|reader| reader.lint(SHOWN))?;
+    if lint.bad == 0 {
+        return Ok(());
+    }
+    println!("skipping {} invalid records ({} kept):", lint.bad, lint.records);
+    for line in lint.problem_lines() {
+        println!("  {line}");
+    }
+    if lint.bad > SHOWN {
+        println!("  ... and {} more", lint.bad - SHOWN);
+    }
+    Ok(())
+}
+
 /// The job the command line describes, and its run folder.
 fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
     let model = args.shape.source()?;
@@ -152,6 +183,8 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
         Some(name) => DatasetSource::Registry { registry: data, name: name.clone() },
         None => DatasetSource::File(data),
     };
+    let columns = Columns::parse(args.columns.as_deref().unwrap_or_default())?;
+    let data = data.with(ReadOptions { columns, skip_invalid: args.skip_invalid });
     let d = JobSettings::default();
     let batch = args.shape.batch();
     let settings = JobSettings {
@@ -199,17 +232,16 @@ pub(crate) fn command_line(job: &Job) -> String {
         ModelSource::Dir(dir) => flag("model", path(dir)),
         ModelSource::Preset(name) => flag("preset", name.clone()),
     }
-    match &job.data {
-        DatasetSource::File(file) => flag("data", path(file)),
-        DatasetSource::Registry { registry, name } => {
-            flag("data", path(registry));
-            flag("dataset", name.clone());
-        }
+    flag("data", path(job.data.path()));
+    if let DatasetSource::Registry { name, .. } = job.data.clone().with(ReadOptions::default()) {
+        flag("dataset", name);
     }
-    if let Some(DatasetSource::File(file) | DatasetSource::Registry { registry: file, .. }) =
-        &job.eval_data
-    {
-        flag("eval-data", path(file));
+    let read = job.data.read_options();
+    if !read.columns.is_empty() {
+        flag("columns", read.columns.to_flag());
+    }
+    if let Some(eval) = &job.eval_data {
+        flag("eval-data", path(eval.path()));
     }
     flag("device", job.devices.to_string());
     let (s, d) = (&job.settings, JobSettings::default());
@@ -251,6 +283,9 @@ pub(crate) fn command_line(job: &Job) -> String {
     }
     if s.train_on_prompt {
         words.push("--train-on-prompt".into());
+    }
+    if job.data.skips_invalid() {
+        words.push("--skip-invalid".into());
     }
     words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
 }
@@ -470,6 +505,53 @@ mod tests {
         let words: Vec<String> = shell_words(&line);
         let words: Vec<&str> = words.iter().map(String::as_str).collect();
         assert_eq!(parse(&words), preset);
+    }
+
+    #[test]
+    fn dataset_flags_are_read_into_the_source_and_shown_again() {
+        let job = parse(&[
+            "sluice",
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            "qa.csv",
+            "--skip-invalid",
+            "--columns",
+            "output=answer,instruction=question",
+        ]);
+        let read = job.data.read_options();
+        assert!(read.skip_invalid);
+        assert_eq!(read.columns.to_flag(), "instruction=question,output=answer");
+        assert_eq!(job.data.path(), Path::new("qa.csv"));
+        let line = command_line(&job);
+        assert!(line.contains("--columns instruction=question,output=answer"), "{line}");
+        assert!(line.ends_with("--skip-invalid"), "{line}");
+        let words = shell_words(&line);
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        assert_eq!(parse(&words), job);
+
+        let Sub::Train(args) = Cli::try_parse_from([
+            "sluice",
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            "x.csv",
+            "--columns",
+            "question=instruction",
+        ])
+        .expect("parses")
+        .command;
+        let err = job_of_args(*args);
+        assert!(err.contains("unknown role \"question\""), "{err}");
+    }
+
+    fn job_of_args(args: TrainArgs) -> String {
+        match job(args) {
+            Ok(_) => "no error".into(),
+            Err(err) => err.to_string(),
+        }
     }
 
     /// POSIX words of `line` with single quotes and backslash escapes (what [`shell_quote`]

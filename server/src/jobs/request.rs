@@ -170,10 +170,10 @@ pub async fn resolve(state: &AppState, user: &User, request: JobRequest) -> ApiR
     settings.lr = Some(settings.lr_for(&model.source));
     let job = Job {
         model: model.source.clone(),
-        data: DatasetSource::File(
-            dataset.as_ref().map_or_else(|| "DATASET.jsonl".into(), |d| d.path(state)),
-        ),
-        eval_data: eval_dataset.as_ref().map(|d| DatasetSource::File(d.path(state))),
+        data: dataset
+            .as_ref()
+            .map_or_else(|| DatasetSource::File("DATASET.jsonl".into()), |d| d.source(state)),
+        eval_data: eval_dataset.as_ref().map(|d| d.source(state)),
         devices: request.devices,
         settings,
     };

@@ -5,7 +5,6 @@ use std::path::Path;
 
 use serde::Serialize;
 use serde_json::{Value, json};
-use sluice_engine::data::DatasetSource;
 use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
 use sqlx::FromRow;
 
@@ -245,13 +244,14 @@ pub async fn job_of(state: &AppState, row: &JobRow) -> Result<Job, String> {
     };
     let file = |id: Option<i64>| async move {
         let Some(id) = id else { return Ok(None) };
-        let name: Option<String> =
-            sqlx::query_scalar("SELECT file_name FROM datasets WHERE id = ?")
+        // Read as the dataset was linted at upload: the same records skipped, the same columns.
+        let dataset: Option<crate::datasets::Dataset> =
+            sqlx::query_as(&format!("{} WHERE d.id = ?", crate::datasets::SELECT))
                 .bind(id)
                 .fetch_optional(state.pool())
                 .await
                 .map_err(|e| format!("database: {e}"))?;
-        Ok::<_, String>(name.map(|n| DatasetSource::File(state.datasets_dir().join(n))))
+        Ok::<_, String>(dataset.map(|d| d.source(state)))
     };
     let data = file(row.dataset_id).await?.ok_or("the dataset was deleted")?;
     let eval_data = match row.eval_dataset_id {

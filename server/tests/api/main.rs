@@ -6,6 +6,7 @@ mod common;
 mod auth;
 mod authorization;
 mod damaged_uploads;
+mod dataset_formats;
 mod datasets;
 mod hub;
 mod exports;

@@ -1,5 +1,7 @@
 //! `GET /api/datasets/{id}/preview`: the first records as the model will see them (its chat
-//! template applied, trained text marked) and token statistics over the dataset.
+//! template applied, trained text marked) and token statistics over the dataset. The answer
+//! says which tokenizer and chat template rendered them: a model folder's own, or for a preset
+//! (which has none) the built-in tiny tokenizer and its ChatML template.
 //!
 //! The file is read record by record and only up to the records the statistics cover; each
 //! sample's length goes into the running totals and the histogram as it is tokenized, and only
@@ -10,7 +12,8 @@ use std::ops::ControlFlow;
 use axum::Json;
 use axum::extract::State;
 use serde::{Deserialize, Serialize};
-use sluice_engine::data::{DatasetReader, PrepareOptions, Preparer, Sample, Tokenizer};
+use sluice_engine::data::{DatasetSource, PrepareOptions, Preparer, Sample, Tokenizer};
+use sluice_engine::train::ModelSource;
 use tokio::sync::Semaphore;
 
 use crate::AppState;
@@ -55,6 +58,23 @@ fn default_seq_len() -> usize {
 pub(super) struct Preview {
     samples: Vec<PreviewSample>,
     stats: PreviewStats,
+    rendered_with: RenderedWith,
+}
+
+/// The tokenizer and chat template the samples went through: the ones training uses.
+#[derive(Debug, Serialize)]
+struct RenderedWith {
+    model: String,
+    /// `model`: the model folder's own files; `builtin`: a preset's stand-in, the built-in
+    /// tiny tokenizer with its ChatML template.
+    source: &'static str,
+    /// Where the chat template came from, or `null` when the tokenizer has none (then
+    /// conversations cannot be rendered, and prompt/completion and text are plain text).
+    template_file: Option<&'static str>,
+    /// The template's Jinja source.
+    chat_template: Option<String>,
+    /// One sentence for the page.
+    summary: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -107,7 +127,7 @@ pub(super) async fn preview(
             state.config().limits.max_seq_len
         )));
     }
-    let path = dataset.path(&state);
+    let source = dataset.source(&state);
     // The lint counted every record at upload, and a dataset's file never changes: the preview
     // need not read past the records it measures.
     let records = usize::try_from(dataset.records).unwrap_or(0);
@@ -119,20 +139,61 @@ pub(super) async fn preview(
         let tokenizer = model.tokenizer().map_err(|e| {
             ApiError::unprocessable(format!("cannot load the model's tokenizer: {e}"))
         })?;
-        build(&tokenizer, &path, records, &query)
+        let rendered_with = rendered_with(&query.model, &model.source, &tokenizer);
+        let (samples, stats) = build(&tokenizer, &source, records, &query)?;
+        Ok(Preview { samples, stats, rendered_with })
     })
     .await??;
     Ok(Json(preview))
 }
 
+fn rendered_with(id: &str, source: &ModelSource, tokenizer: &Tokenizer) -> RenderedWith {
+    let chat_template = tokenizer.chat_template().map(str::to_owned);
+    let (source, template_file, summary) = match source {
+        ModelSource::Dir(dir) => {
+            let file = if dir.join("chat_template.jinja").is_file() {
+                "chat_template.jinja"
+            } else {
+                "tokenizer_config.json"
+            };
+            match chat_template {
+                Some(_) => (
+                    "model",
+                    Some(file),
+                    format!("Rendered with {id}'s own tokenizer and chat template ({file})."),
+                ),
+                None => (
+                    "model",
+                    None,
+                    format!(
+                        "{id}'s tokenizer has no chat template: prompt/completion and text \
+                         records are plain text, and conversations cannot be rendered."
+                    ),
+                ),
+            }
+        }
+        ModelSource::Preset(_) => (
+            "builtin",
+            chat_template.as_ref().map(|_| "built-in"),
+            format!(
+                "{id} is a random-init preset without a tokenizer of its own: rendered with the \
+                 built-in tiny tokenizer ({} tokens) and its ChatML template, as training on it \
+                 uses.",
+                tokenizer.vocab_size()
+            ),
+        ),
+    };
+    RenderedWith { model: id.to_string(), source, template_file, chat_template, summary }
+}
+
 fn build(
     tokenizer: &Tokenizer,
-    path: &std::path::Path,
+    source: &DatasetSource,
     records: usize,
     query: &PreviewQuery,
-) -> ApiResult<Preview> {
+) -> ApiResult<(Vec<PreviewSample>, PreviewStats)> {
     let refuse = |e: sluice_engine::Error| ApiError::unprocessable(e.to_string());
-    let reader = DatasetReader::open(path).map_err(refuse)?;
+    let reader = source.open().map_err(refuse)?;
     let preparer =
         Preparer::new(tokenizer, PrepareOptions { train_on_prompt: query.train_on_prompt })
             .map_err(refuse)?;
@@ -145,7 +206,7 @@ fn build(
     let mut failed = None;
     reader
         .for_each(|checked| {
-            // The lint refused every file with a bad record; there is none to show.
+            // A bad record was refused at upload, or skipped by a lenient one as training skips it.
             let Ok(entry) = checked else { return ControlFlow::Continue(()) };
             let shown = preparer
                 .sample(&entry.record)
@@ -185,7 +246,7 @@ fn build(
         seq_len,
         lengths: lengths.buckets(),
     };
-    Ok(Preview { samples, stats })
+    Ok((samples, stats))
 }
 
 /// Runs of tokens with the same trained flag, decoded to text. Each run is the difference of

@@ -1,5 +1,6 @@
 // One dataset: its first examples as the chosen model sees them (trained tokens highlighted),
-// token statistics and a length histogram.
+// which tokenizer and template rendered them, the records a lenient upload skipped, token
+// statistics and a length histogram.
 import { del, get, requireUser } from '../api.js';
 import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
 
@@ -70,12 +71,27 @@ function renderHistogram(lengths) {
       el('span', { class: 'range' }, b.label)))));
 }
 
+/** The records a lenient upload left out, as training leaves them out. */
+function renderSkipped(dataset) {
+  const listed = dataset.skipped_records || [];
+  $('#skipped-card').hidden = !(dataset.skipped > 0);
+  if (!(dataset.skipped > 0)) return;
+  const unit = dataset.layout === 'json' ? 'record' : dataset.layout === 'parquet' ? 'row' : 'line';
+  $('#skipped-note').textContent = `${fmtInt(dataset.skipped)} invalid records were skipped at upload and are left out of training; ${fmtInt(dataset.records)} are kept.`
+    + (dataset.skipped > listed.length ? ` The first ${fmtInt(listed.length)}:` : '');
+  fill($('#skipped'), listed.map((s) => el('li', {}, `${unit} ${s.line}: ${s.reason}`)));
+}
+
 async function loadPreview() {
   const model = $('#model').value;
   fill($('#samples'), el('p', { class: 'empty' }, 'Loading…'));
   try {
     const preview = await get(`/api/datasets/${id}/preview?model=${encodeURIComponent(model)}&limit=5`);
     renderSamples(preview.samples || []);
+    const rendered = preview.rendered_with || {};
+    fill($('#rendered-with'), rendered.summary || '',
+      rendered.chat_template ? el('details', {}, el('summary', { class: 'small muted' }, 'The chat template'),
+        el('pre', { class: 'sample' }, rendered.chat_template)) : null);
     renderStats(preview.stats || {});
     renderHistogram((preview.stats || {}).lengths);
     showError(error, null);
@@ -100,9 +116,13 @@ async function main() {
   }
   document.title = `${dataset.name} · Sluice`;
   $('#title').textContent = dataset.name || `Dataset ${id}`;
-  $('#subtitle').textContent = [dataset.format, `${fmtInt(dataset.records)} examples`, fmtBytes(dataset.size_bytes)]
+  const mapped = Object.entries(dataset.columns || {}).map(([role, column]) => `${role} ← ${column}`).join(', ');
+  $('#subtitle').textContent = [dataset.format, dataset.layout ? dataset.layout.toUpperCase() : null,
+    `${fmtInt(dataset.records)} examples`, dataset.skipped > 0 ? `${fmtInt(dataset.skipped)} skipped` : null,
+    fmtBytes(dataset.size_bytes), mapped ? `columns: ${mapped}` : null]
     .filter(Boolean).join(' · ');
   $('#train-link').href = `/jobs/new?dataset=${id}`;
+  renderSkipped(dataset);
   $('#delete').hidden = !(me.role === 'admin' || dataset.owner === me.username);
 
   const select = $('#model');

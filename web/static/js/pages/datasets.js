@@ -1,4 +1,5 @@
-// Datasets: upload with progress (a refused file lists its problems by line), the list, delete.
+// Datasets: upload with progress (a refused file lists its problems by line; a lenient one
+// lists what it skipped), a table's columns mapped to a format's fields, the list, delete.
 import { del, get, requireUser, upload } from '../api.js';
 import { $, el, fill, fmtBytes, fmtDate, fmtInt, ownerName, showError } from '../ui.js';
 
@@ -29,6 +30,63 @@ function render(datasets) {
           ? el('button', { type: 'button', class: 'small danger', onclick: () => remove(d) }, 'Delete') : null))))));
 }
 
+// The fields a column can be mapped to, and the column names each is usually found under (the
+// server's automatic mapping uses the same).
+const ROLES = [
+  ['instruction', ['instruction', 'question', 'prompt', 'query', 'problem']],
+  ['input', ['input', 'context']],
+  ['output', ['output', 'response', 'answer', 'completion', 'solution']],
+  ['system', ['system', 'system_prompt']],
+  ['prompt', []],
+  ['completion', []],
+  ['text', ['text']],
+  ['messages', ['messages']],
+  ['conversations', ['conversations']],
+];
+
+/** Shows a select per field with `columns` as its choices, each preset to its usual column. */
+function showColumns(columns, note) {
+  const box = $('#columns-box');
+  if (!columns.length) {
+    box.hidden = true;
+    fill($('#columns'));
+    return;
+  }
+  const used = new Set();
+  fill($('#columns'), ROLES.map(([role, usual]) => {
+    const guess = usual.find((name) => columns.includes(name) && !used.has(name));
+    if (guess) used.add(guess);
+    const select = el('select', { id: `column-${role}`, dataset: { role } },
+      el('option', { value: '' }, '—'),
+      columns.map((c) => el('option', { value: c }, c)));
+    select.value = guess || '';
+    return el('div', { class: 'field' }, el('label', { for: `column-${role}` }, role), select);
+  }));
+  if (note) $('#columns-note').textContent = note;
+  box.hidden = false;
+}
+
+/** `role=column,...` from the selects; empty when no mapping is shown. */
+function chosenColumns() {
+  if ($('#columns-box').hidden) return '';
+  return [...document.querySelectorAll('#columns select')]
+    .filter((s) => s.value).map((s) => `${s.dataset.role}=${s.value}`).join(',');
+}
+
+/** A CSV or TSV file's header, read in the browser (the first line; quotes undone). */
+async function headerOf(file) {
+  const lower = file.name.toLowerCase();
+  const delimiter = lower.endsWith('.tsv') ? '\t' : lower.endsWith('.csv') ? ',' : null;
+  if (!delimiter) return [];
+  const first = (await file.slice(0, 64 * 1024).text()).replace(/^\ufeff/, '').split(/\r?\n/)[0];
+  return first.split(delimiter).map((c) => c.trim().replace(/^"(.*)"$/, '$1').replace(/""/g, '"')).filter(Boolean);
+}
+
+$('#file').addEventListener('change', async () => {
+  const file = $('#file').files[0];
+  showColumns(file ? await headerOf(file) : []);
+});
+
 async function refresh() {
   try {
     render(await get('/api/datasets'));
@@ -42,7 +100,12 @@ async function remove(dataset) {
   if (!confirm(`Delete the dataset “${dataset.name}”? Jobs that already used it keep their results.`)) return;
   try {
     await del(`/api/datasets/${dataset.id}`);
-    await refresh();
+    /** What a layout's record numbers count. */
+function unitOf(layout) {
+  return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
+}
+
+await refresh();
   } catch (err) {
     showError($('#error'), err);
   }
@@ -55,6 +118,9 @@ $('#upload-form').addEventListener('submit', async (event) => {
   const form = new FormData();
   const name = $('#name').value.trim();
   if (name) form.append('name', name);
+  if ($('#skip-invalid').checked) form.append('skip_invalid', 'true');
+  const columns = chosenColumns();
+  if (columns) form.append('columns', columns);
   form.append('file', file);
 
   const button = $('#upload-button');
@@ -76,21 +142,41 @@ $('#upload-form').addEventListener('submit', async (event) => {
     progress.hidden = true;
     const ok = $('#upload-ok');
     const id = created && created.id;
+    const skipped = created && created.skipped > 0 ? created.skipped_records || [] : [];
     fill(ok, `Uploaded ${created && created.name ? created.name : file.name}`,
-      created && typeof created.records === 'number' ? ` (${fmtInt(created.records)} examples)` : '', '. ',
-      id !== undefined ? el('a', { href: `/datasets/${id}` }, 'See the preview') : null);
+      created && typeof created.records === 'number' ? ` (${fmtInt(created.records)} examples kept)` : '', '. ',
+      id !== undefined ? el('a', { href: `/datasets/${id}` }, 'See the preview') : null,
+      skipped.length ? el('div', { id: 'upload-skipped' },
+        el('p', {}, `${fmtInt(created.skipped)} invalid records were skipped:`),
+        el('ul', { class: 'problems' }, skipped.map((s) => el('li', {}, `${unitOf(created.layout)} ${s.line}: ${s.reason}`))),
+        created.skipped > skipped.length ? el('p', { class: 'small muted' }, `… and ${fmtInt(created.skipped - skipped.length)} more`) : null)
+        : null);
     ok.hidden = false;
     event.target.reset();
-    await refresh();
+    showColumns([]);
+    /** What a layout's record numbers count. */
+function unitOf(layout) {
+  return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
+}
+
+await refresh();
   } catch (err) {
     progress.hidden = true;
-    if (err.status === 422 && err.problems.length) {
-      err.message = `${err.message} Nothing was kept; fix these lines and upload again:`;
+    const named = err.status === 422 && /the columns \((.*)\) are not/.exec(err.message || '');
+    if (named) {
+      showColumns(named[1].split(', '), 'Its columns are not named as a format\'s: choose which column holds what, then upload again.');
+    } else if (err.status === 422 && err.problems.length) {
+      err.message = `${err.message} Nothing was kept; fix these lines and upload again, or tick “Skip invalid records”:`;
     }
     showError($('#upload-error'), err);
   } finally {
     button.disabled = false;
   }
 });
+
+/** What a layout's record numbers count. */
+function unitOf(layout) {
+  return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
+}
 
 await refresh();

@@ -1,0 +1,205 @@
+//! Datasets as people have them: lenient uploads that skip invalid records (listed, counted,
+//! and skipped again by the jobs that train on them), CSV and Parquet uploads with column
+//! mapping, and the preview's account of the template it rendered with.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode, header};
+use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
+
+use crate::common::{Client, Reply, TestApp, tiny_job};
+
+/// An upload of `file` with extra form fields.
+async fn upload(
+    client: &Client,
+    file_name: &str,
+    bytes: &[u8],
+    fields: &[(&str, &str)],
+) -> anyhow::Result<Reply> {
+    let boundary = "sluice-formats-boundary";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"
+            )
+            .as_bytes(),
+        );
+    }
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; \
+             filename=\"{file_name}\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let request = client
+        .builder(Method::POST, "/api/datasets")
+        .header(header::CONTENT_TYPE, format!("multipart/form-data; boundary={boundary}"))
+        .body(Body::from(body))?;
+    client.send(request).await
+}
+
+/// Five records; lines 2 and 4 are bad (not JSON; a conversation ending with the user).
+const MIXED: &str = r#"{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+{"conversations": [{"from": "human", "value": "broken"
+{"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
+{"conversations": [{"from": "human", "value": "Anyone there?"}]}
+{"conversations": [{"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Goodbye."}]}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lenient_upload_lists_what_it_skips_and_its_jobs_skip_the_same() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+
+    let strict = upload(&admin, "chat.jsonl", MIXED.as_bytes(), &[]).await?;
+    assert_eq!(strict.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", strict.text());
+    assert!(strict.error().contains("2 bad records"), "{}", strict.text());
+
+    let reply = upload(&admin, "chat.jsonl", MIXED.as_bytes(), &[("skip_invalid", "true")]).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!(created["format"], "sharegpt");
+    assert_eq!(created["records"], 3);
+    assert_eq!(created["skip_invalid"], true);
+    assert_eq!(created["skipped"], 2);
+    let skipped = created["skipped_records"].as_array().cloned().unwrap_or_default();
+    let lines: Vec<i64> = skipped.iter().filter_map(|s| s["line"].as_i64()).collect();
+    assert_eq!(lines, [2, 4], "{created}");
+    assert!(skipped[0]["reason"].as_str().is_some_and(|r| r.contains("not valid JSON")));
+    assert!(skipped[1]["reason"].as_str().is_some_and(|r| r.contains("ends with a user")));
+    let id = created["id"].as_i64().unwrap_or(0);
+    let shown = admin.get(&format!("/api/datasets/{id}")).await?.json()?;
+    assert_eq!(shown["skipped"], 2);
+    assert_eq!(shown["skipped_records"], created["skipped_records"]);
+
+    // A job on it trains on the three good records; a strict read would fail at line 2.
+    let job = admin.submit(tiny_job(id, 2)).await?;
+    let done =
+        admin.wait_job(job, 300, |j| j["status"] != "queued" && j["status"] != "running").await?;
+    assert_eq!(done["status"], "completed", "{done}");
+
+    // Nothing valid at all is refused even leniently.
+    let none = "{\"conversations\": []}\nnot json\n";
+    let reply = upload(&admin, "none.jsonl", none.as_bytes(), &[("skip_invalid", "on")]).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    let reply = upload(&admin, "x.jsonl", MIXED.as_bytes(), &[("skip_invalid", "maybe")]).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    Ok(())
+}
+
+const QA_CSV: &str =
+    "id,q,a\n1,What is the capital of France?,Paris.\n2,\"Two, words?\",\"Yes, two.\"\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_upload_is_mapped_by_its_columns_and_previewed_with_the_template_used()
+-> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+
+    // Columns of no known name: refused, naming them, so the page can offer a mapping.
+    let reply = upload(&admin, "qa.csv", QA_CSV.as_bytes(), &[]).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    assert!(reply.error().contains("(id, q, a)"), "{}", reply.text());
+    let reply =
+        upload(&admin, "qa.csv", QA_CSV.as_bytes(), &[("columns", "instruction=q,output=b")])
+            .await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    assert!(reply.error().contains("\"b\""), "{}", reply.text());
+    let reply = upload(&admin, "qa.csv", QA_CSV.as_bytes(), &[("columns", "answer=a")]).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+
+    let reply =
+        upload(&admin, "qa.csv", QA_CSV.as_bytes(), &[("columns", "instruction=q,output=a")])
+            .await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!(created["layout"], "csv");
+    assert_eq!(created["format"], "alpaca");
+    assert_eq!(created["records"], 2);
+    assert_eq!(created["columns"], serde_json::json!({"instruction": "q", "output": "a"}));
+    let id = created["id"].as_i64().unwrap_or(0);
+
+    let preview =
+        admin.get(&format!("/api/datasets/{id}/preview?model=preset:tiny&limit=2")).await?;
+    assert_eq!(preview.status, StatusCode::OK, "{}", preview.text());
+    let preview = preview.json()?;
+    let text: String = preview["samples"][1]["segments"]
+        .as_array()
+        .map(|s| s.iter().filter_map(|p| p["text"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(text.contains("<|im_start|>user\nTwo, words?"), "{text}");
+    assert!(text.contains("Yes, two."), "{text}");
+    assert_eq!(preview["samples"][1]["line"], 3);
+    let with = &preview["rendered_with"];
+    assert_eq!(with["source"], "builtin", "{with}");
+    assert!(with["summary"].as_str().is_some_and(|s| s.contains("tiny tokenizer")), "{with}");
+    assert!(with["chat_template"].as_str().is_some_and(|t| t.contains("<|im_start|>")));
+
+    // The job reads it with the same mapping.
+    let job = admin.submit(tiny_job(id, 1)).await?;
+    let done =
+        admin.wait_job(job, 300, |j| j["status"] != "queued" && j["status"] != "running").await?;
+    assert_eq!(done["status"], "completed", "{done}");
+    Ok(())
+}
+
+fn parquet_bytes(rows: &[(&str, &str)]) -> anyhow::Result<Vec<u8>> {
+    let schema = "message schema {
+        REQUIRED BYTE_ARRAY question (UTF8);
+        REQUIRED BYTE_ARRAY answer (UTF8);
+    }";
+    let schema = Arc::new(parse_message_type(schema)?);
+    let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
+    let mut writer = SerializedFileWriter::new(Vec::new(), schema, props)?;
+    let mut group = writer.next_row_group()?;
+    for column in 0..2 {
+        let values: Vec<ByteArray> =
+            rows.iter().map(|r| ByteArray::from(if column == 0 { r.0 } else { r.1 })).collect();
+        let Some(mut col) = group.next_column()? else { anyhow::bail!("no column {column}") };
+        col.typed::<ByteArrayType>().write_batch(&values, None, None)?;
+        col.close()?;
+    }
+    group.close()?;
+    Ok(writer.into_inner()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_upload_with_the_usual_column_names_is_mapped_automatically() -> anyhow::Result<()>
+{
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let bytes = parquet_bytes(&[("2+2?", "4"), ("", "nothing asked"), ("3+3?", "6")])?;
+
+    let strict = upload(&admin, "train-00000-of-00001.parquet", &bytes, &[]).await?;
+    assert_eq!(strict.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", strict.text());
+    let problems = strict.json()?;
+    assert!(problems.to_string().contains("row 2"), "{problems}");
+
+    let reply = upload(&admin, "train.parquet", &bytes, &[("skip_invalid", "1")]).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!(created["layout"], "parquet");
+    assert_eq!(created["records"], 2);
+    assert_eq!(created["skipped"], 1);
+    assert_eq!(created["skipped_records"][0]["line"], 2);
+    assert_eq!(
+        created["columns"],
+        serde_json::json!({"instruction": "question", "output": "answer"})
+    );
+
+    // A damaged Parquet file is refused with a reason, not a 500.
+    let damaged = &bytes[..bytes.len() - 9];
+    let reply = upload(&admin, "broken.parquet", damaged, &[]).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    assert!(reply.error().contains("Parquet"), "{}", reply.text());
+    Ok(())
+}
