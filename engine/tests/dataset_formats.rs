@@ -292,8 +292,12 @@ fn a_real_sharegpt_dump_with_an_odd_conversation_trains_with_it_skipped() {
             ..JobSettings::default()
         },
     };
-    let options =
-        RunOptions { job, out: tmp.path().join("run"), placement: RunPlacement::default() };
+    let options = RunOptions {
+        job,
+        out: tmp.path().join("run"),
+        placement: RunPlacement::default(),
+        keep_checkpoints: None,
+    };
     let summary = sluice_engine::train::run(&Cpu::new(), &options, false, &mut ()).unwrap();
     assert_eq!(summary.steps, 2);
     assert!(summary.last_loss.is_finite());

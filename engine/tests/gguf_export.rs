@@ -77,7 +77,12 @@ fn fine_tune(base: &Path, tmp: &Path) -> PathBuf {
             ..JobSettings::default()
         },
     };
-    let options = RunOptions { job, out: tmp.join("run"), placement: RunPlacement::default() };
+    let options = RunOptions {
+        job,
+        out: tmp.join("run"),
+        placement: RunPlacement::default(),
+        keep_checkpoints: None,
+    };
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut Quiet).expect("fine-tunes");
     assert_eq!(summary.steps, 3);

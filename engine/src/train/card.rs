@@ -164,6 +164,7 @@ mod tests {
             },
             out: dir.path().to_path_buf(),
             placement: RunPlacement::default(),
+            keep_checkpoints: None,
         };
         let mut curves = Curves::from_step(0);
         curves.step = 12;
