@@ -72,11 +72,12 @@ async fn announce_end(state: &AppState, id: i64) {
             "job {id} {status}"
         ),
     }
-    // The job's name as the API shows it, when jobs have one.
+    // The job's name as the API shows it; an unnamed job is "job N", as the pages call it.
     let name = match store::view(state, &job).await {
         Ok(view) => view.get("name").and_then(Value::as_str).map(str::to_string),
         Err(_) => None,
     };
+    let name = name.filter(|n| !n.trim().is_empty());
     let body = json!({
         "event": "job_ended",
         "id": id,

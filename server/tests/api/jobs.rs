@@ -162,7 +162,7 @@ async fn bad_jobs_get_clear_4xx() -> anyhow::Result<()> {
         (
             json!({"model": "preset:qwen2.5-72b", "dataset": demo, "gpu": "cpu"}),
             StatusCode::UNPROCESSABLE_ENTITY,
-            "does not fit",
+            "Does not fit",
         ),
     ];
     for (body, status, needle) in cases {
