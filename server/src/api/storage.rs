@@ -1,6 +1,7 @@
 //! Disk use: what each user's datasets and runs take, the per-user quota that submits and
-//! uploads respect, and the model folders (shared by everyone) an admin may delete. Every delete
-//! says how many bytes it freed.
+//! uploads respect, and the models (shared by everyone) an admin may delete: folders under
+//! `DATA_DIR/models` and repos pulled into `DATA_DIR/hub` (never the user's own Hugging Face
+//! cache, which Sluice only reads). Every delete says how many bytes it freed.
 
 use std::path::{Path, PathBuf};
 
@@ -184,16 +185,17 @@ async fn overview(State(state): State<AppState>, _admin: AdminUser) -> ApiResult
     )
     .fetch_one(state.pool())
     .await?;
-    let models_dir = state.models_dir();
-    let models = tokio::task::spawn_blocking(move || model_folders(&models_dir))
+    let (models_dir, hub_dir) = (state.models_dir(), state.config().hub_dir());
+    let models = tokio::task::spawn_blocking(move || model_folders(&models_dir, &hub_dir))
         .await
         .map_err(ApiError::internal)?;
     let mut model_rows = Vec::with_capacity(models.len());
-    for (name, bytes) in models {
-        let in_use = active_using_model(&state, &name).await?;
+    for (model, bytes) in models {
+        let in_use = active_using_model(&state, &model).await?;
         model_rows.push(json!({
-            "name": name,
-            "id": format!("local:{name}"),
+            "name": model.name(),
+            "id": model.id(),
+            "origin": model.origin(),
             "bytes": bytes,
             "active_jobs": in_use,
         }));
@@ -205,26 +207,92 @@ async fn overview(State(state): State<AppState>, _admin: AdminUser) -> ApiResult
     })))
 }
 
-/// The model folders (not the hidden ones of imports under way) with their bytes, by name.
-fn model_folders(dir: &Path) -> Vec<(String, u64)> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut folders: Vec<(String, u64)> = entries
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-        .filter_map(|e| e.file_name().to_str().map(|n| (n.to_string(), e.path())))
-        .filter(|(name, _)| is_plain_name(name) && !name.starts_with('.'))
-        .map(|(name, path)| (name, store::dir_bytes(&path)))
-        .collect();
-    folders.sort();
-    folders
+/// A model an admin may delete, named as `DELETE /api/storage/models/{name}` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Model {
+    /// `DATA_DIR/models/<folder>`, named by its folder.
+    Local(String),
+    /// A repo pulled into `DATA_DIR/hub` with all its revisions, named `hf:Org/Name`.
+    Pulled(String),
 }
 
-/// Queued or running jobs that train model folder `name`.
-async fn active_using_model(state: &AppState, name: &str) -> ApiResult<i64> {
+impl Model {
+    /// The model a name stands for, if it is a valid one (it may not exist).
+    fn parse(name: &str) -> Option<Model> {
+        match name.strip_prefix("hf:") {
+            Some(repo) => crate::hub::check_repo(repo).ok().map(|()| Model::Pulled(repo.into())),
+            None => (is_plain_name(name) && !name.starts_with('.'))
+                .then(|| Model::Local(name.to_string())),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Model::Local(folder) => folder.clone(),
+            Model::Pulled(repo) => format!("hf:{repo}"),
+        }
+    }
+
+    /// The model id jobs name it by (a pulled repo's jobs add `@revision`).
+    fn id(&self) -> String {
+        match self {
+            Model::Local(folder) => format!("local:{folder}"),
+            Model::Pulled(repo) => format!("hf:{repo}"),
+        }
+    }
+
+    fn origin(&self) -> &'static str {
+        match self {
+            Model::Local(_) => "local",
+            Model::Pulled(_) => "pulled",
+        }
+    }
+
+    fn dir(&self, state: &AppState) -> PathBuf {
+        match self {
+            Model::Local(folder) => state.models_dir().join(folder),
+            Model::Pulled(repo) => {
+                state.config().hub_dir().join(crate::hub::cache::repo_folder(repo))
+            }
+        }
+    }
+}
+
+/// The model folders (not the hidden ones of imports under way), then the pulled repos, with
+/// their bytes.
+fn model_folders(models: &Path, hub: &Path) -> Vec<(Model, u64)> {
+    let folders = |dir: &Path| -> Vec<(String, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+        let mut found: Vec<(String, PathBuf)> = entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|e| e.file_name().to_str().map(|n| (n.to_string(), e.path())))
+            .collect();
+        found.sort();
+        found
+    };
+    let local = folders(models)
+        .into_iter()
+        .filter(|(name, _)| is_plain_name(name) && !name.starts_with('.'))
+        .map(|(name, path)| (Model::Local(name), store::dir_bytes(&path)));
+    let pulled = folders(hub).into_iter().filter_map(|(name, path)| {
+        let repo = crate::hub::cache::repo_of_folder(&name)?;
+        Some((Model::Pulled(repo), store::dir_bytes(&path)))
+    });
+    local.chain(pulled).collect()
+}
+
+/// Queued or running jobs that train `model` (any revision of a pulled repo).
+async fn active_using_model(state: &AppState, model: &Model) -> ApiResult<i64> {
+    let id = model.id();
+    let revisions = format!("{id}@");
     Ok(sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE model = ? AND status IN ('queued', 'running')",
+        "SELECT COUNT(*) FROM jobs WHERE (model = ? OR substr(model, 1, ?) = ?)
+            AND status IN ('queued', 'running')",
     )
-    .bind(format!("local:{name}"))
+    .bind(&id)
+    .bind(revisions.len() as i64)
+    .bind(&revisions)
     .fetch_one(state.pool())
     .await?)
 }
@@ -259,23 +327,32 @@ async fn set_quota(
     Ok(Json(json!({ "id": id, "quota_bytes": quota })))
 }
 
-/// `DELETE /api/storage/models/{name}` (admins): the model folder `models/<name>`;
-/// `{"freed_bytes"}`. 409 while a queued or running job trains it.
+/// `DELETE /api/storage/models/{name}` (admins): the model folder `models/<name>`, or for
+/// `hf:Org/Name` the pulled repo with every revision; `{"freed_bytes"}`. 409 while a queued or
+/// running job trains it or the repo is being pulled; 404 for anything else.
 async fn delete_model(
     State(state): State<AppState>,
     _admin: AdminUser,
     ApiPath(name): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
-    let dir = state.models_dir().join(&name);
-    if !is_plain_name(&name) || name.starts_with('.') || !dir.is_dir() {
-        return Err(ApiError::not_found(format!("no model folder {name:?}")));
+    let not_found = || ApiError::not_found(format!("no model {name:?} to delete"));
+    let model = Model::parse(&name).ok_or_else(not_found)?;
+    let dir = model.dir(&state);
+    if !dir.is_dir() {
+        return Err(not_found());
     }
-    let active = active_using_model(&state, &name).await?;
+    let active = active_using_model(&state, &model).await?;
     if active > 0 {
         return Err(ApiError::conflict(format!(
             "{active} queued or running jobs train this model; cancel them first"
         )));
     }
+    if let Model::Pulled(repo) = &model
+        && state.pulls().all().iter().any(|p| &p.repo == repo && p.state == "running")
+    {
+        return Err(ApiError::conflict(format!("{repo} is being pulled; wait for it to end")));
+    }
     let freed = remove_dir(dir).await;
+    tracing::info!("model {name} deleted; {freed} bytes freed");
     Ok(Json(json!({ "name": name, "freed_bytes": freed })))
 }

@@ -51,7 +51,7 @@ pub fn repo_folder(repo: &str) -> String {
 }
 
 /// The repo id a cache folder stands for, if it is a model folder with a valid name.
-fn repo_of_folder(folder: &str) -> Option<String> {
+pub fn repo_of_folder(folder: &str) -> Option<String> {
     let repo = folder.strip_prefix("models--")?.replace("--", "/");
     check_repo(&repo).ok().map(|()| repo)
 }

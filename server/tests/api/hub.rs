@@ -733,6 +733,72 @@ async fn a_user_cache_is_listed_and_its_models_load() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pulled_model_is_deleted_with_every_revision_and_the_users_cache_never_is()
+-> anyhow::Result<()> {
+    let hub = FakeHub::new();
+    let endpoint = hub.serve();
+    let cache = tempfile::tempdir()?;
+    let theirs = user_cache(cache.path(), "HuggingFaceTB/SmolLM2-135M-Instruct", &commit(9));
+    let root = cache.path().to_path_buf();
+    let app = TestApp::with_config(move |config| {
+        config.hub.endpoint = endpoint;
+        config.hub.user_cache = Some(root);
+    })
+    .await?;
+    let admin = app.admin().await?;
+    let alice = app.user(&admin, "alice").await?;
+    let reply = alice.post("/api/models/pull", json!({"repo": SMOL})).await?;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    assert_eq!(wait_pull(&alice, SMOL).await?["state"], "done");
+
+    // The storage page lists the pulled repo with its size; the user's cache is not Sluice's.
+    let storage = admin.get("/api/storage").await?.json()?;
+    let name = format!("hf:{SMOL}");
+    let models = storage["models"].as_array().cloned().unwrap_or_default();
+    let row = models.iter().find(|m| m["name"] == name.as_str()).cloned();
+    let row = row.ok_or_else(|| anyhow::anyhow!("{name} not in {storage}"))?;
+    assert_eq!(row["origin"], "pulled", "{row}");
+    let weights = std::fs::metadata(smollm2().join("model.safetensors"))?.len();
+    let bytes = row["bytes"].as_u64().unwrap_or_default();
+    assert!(bytes > weights, "{row}");
+    assert!(!storage.to_string().contains("HuggingFaceTB"), "{storage}");
+
+    let path = format!("/api/storage/models/hf%3A{}", SMOL.replace('/', "%2F"));
+    assert_eq!(alice.delete(&path).await?.status, StatusCode::FORBIDDEN);
+    // Not while a job trains any revision of it.
+    let demo = admin.demo_dataset().await?;
+    let job = alice
+        .submit(json!({"model": format!("hf:{SMOL}@main"), "dataset": demo, "gpu": "cpu",
+            "steps": 100, "seq_len": 32}))
+        .await?;
+    let busy = admin.delete(&path).await?;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{}", busy.text());
+    alice.post(&format!("/api/jobs/{job}/cancel"), json!({})).await?;
+    alice.wait_job(job, 120, |j| j["status"] == "cancelled").await?;
+
+    let deleted = admin.delete(&path).await?;
+    assert_eq!(deleted.status, StatusCode::OK, "{}", deleted.text());
+    assert_eq!(deleted.json()?["freed_bytes"], bytes);
+    let folder = app.state.config().hub_dir().join("models--test-org--SmolLM2-135M-Instruct");
+    assert!(!folder.exists(), "{}", folder.display());
+    let ids = model_ids(&admin).await?;
+    assert!(!ids.iter().any(|id| id.contains(SMOL)), "{ids:?}");
+    assert!(ids.iter().any(|id| id.contains("HuggingFaceTB")), "{ids:?}");
+    assert!(theirs.join("config.json").exists(), "the user's cache is untouched");
+
+    // Gone, in the user's cache only, or no repo name at all: nothing to delete.
+    assert_eq!(admin.delete(&path).await?.status, StatusCode::NOT_FOUND);
+    let user_cache_path = "/api/storage/models/hf%3AHuggingFaceTB%2FSmolLM2-135M-Instruct";
+    assert_eq!(admin.delete(user_cache_path).await?.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        admin.delete("/api/storage/models/hf%3A..%2Fx").await?.status,
+        StatusCode::NOT_FOUND
+    );
+    assert!(theirs.join("config.json").exists());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sluice_pull_pulls_from_the_command_line() -> anyhow::Result<()> {
     let hub = FakeHub::new();
     let endpoint = hub.serve();
