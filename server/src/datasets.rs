@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use serde::{Serialize, Serializer};
-use sluice_engine::data::{Columns, DatasetReader, DatasetSource, Layout, ReadOptions};
+use sluice_engine::data::{Columns, DatasetSource, Layout, ReadOptions};
 use sqlx::FromRow;
 use tracing::{info, warn};
 
@@ -49,12 +49,18 @@ pub struct Dataset {
     /// The column mapping records are read with: `{"instruction": "question", ...}`.
     #[serde(serialize_with = "stored_json")]
     pub columns: String,
+    /// The one-entry `dataset_info.json` kept beside the file, for a dataset uploaded with its
+    /// LLaMA-Factory registry.
+    #[serde(skip)]
+    pub registry_file: Option<String>,
+    /// That registry's entry: the dataset's name in LLaMA-Factory's terms.
+    pub registry_name: Option<String>,
 }
 
 pub(crate) const SELECT: &str =
     "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
         u.username AS owner, d.owner_id, d.file_name, d.layout, d.skip_invalid, d.skipped,
-        d.skipped_records, d.columns
+        d.skipped_records, d.columns, d.registry_file, d.registry_name
     FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
 
 /// A column of JSON text the server wrote, sent as the JSON it holds (`null` if damaged).
@@ -79,7 +85,20 @@ impl Dataset {
 
     /// The engine's source for this dataset, read as at upload.
     pub fn source(&self, state: &AppState) -> DatasetSource {
-        DatasetSource::File(self.path(state)).with(self.read_options())
+        let base = match (&self.registry_file, &self.registry_name) {
+            (Some(registry), Some(name)) => DatasetSource::Registry {
+                registry: state.datasets_dir().join(registry),
+                name: name.clone(),
+            },
+            _ => DatasetSource::File(self.path(state)),
+        };
+        base.with(self.read_options())
+    }
+
+    /// The files it keeps under `DATA_DIR/datasets/`: the data, and its registry if any.
+    pub fn files(&self, state: &AppState) -> Vec<PathBuf> {
+        let registry = self.registry_file.iter().map(|r| state.datasets_dir().join(r));
+        std::iter::once(self.path(state)).chain(registry).collect()
     }
 }
 
@@ -112,27 +131,31 @@ pub async fn all_visible(state: &AppState, user: &User) -> ApiResult<Vec<Dataset
 
 /// The files of `owner_id`'s datasets.
 pub async fn files_of_owner(state: &AppState, owner_id: i64) -> ApiResult<Vec<PathBuf>> {
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT file_name FROM datasets WHERE owner_id = ?")
-            .bind(owner_id)
-            .fetch_all(state.pool())
-            .await?;
-    Ok(names.iter().map(|name| state.datasets_dir().join(name)).collect())
+    let owned: Vec<Dataset> = sqlx::query_as(&format!("{SELECT} WHERE d.owner_id = ?"))
+        .bind(owner_id)
+        .fetch_all(state.pool())
+        .await?;
+    Ok(owned.iter().flat_map(|d| d.files(state)).collect())
 }
 
-/// Forgets `dataset` and removes its file (a file that cannot be removed is logged); 409 while a
-/// queued or running job uses it, whatever runs beside this.
-pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<()> {
+/// Forgets `dataset` and removes its file (a file that cannot be removed is logged), answering
+/// the bytes freed; 409 while a queued or running job uses it, whatever runs beside this.
+pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<u64> {
     if !crate::jobs::store::delete_dataset_if_unused(state, dataset.id).await? {
         let active = crate::jobs::store::active_using_dataset(state, dataset.id).await?;
         return Err(ApiError::conflict(format!(
             "{active} queued or running jobs use this dataset; cancel them first"
         )));
     }
-    if let Err(err) = tokio::fs::remove_file(dataset.path(state)).await {
-        warn!("dataset {}: cannot remove {}: {err}", dataset.id, dataset.path(state).display());
+    let mut freed = 0;
+    for path in dataset.files(state) {
+        let size = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+        match tokio::fs::remove_file(&path).await {
+            Ok(()) => freed += size,
+            Err(err) => warn!("dataset {}: cannot remove {}: {err}", dataset.id, path.display()),
+        }
     }
-    Ok(())
+    Ok(freed)
 }
 
 /// What the lint found in a file that is good enough to keep.
@@ -151,18 +174,18 @@ pub struct Linted {
 /// Problems a refused upload lists, and a lenient one keeps; the rest are counted.
 const SHOWN_PROBLEMS: usize = 100;
 
-/// Reads `path` with the engine, record by record, so a file of any size costs only its largest
-/// record in memory. A file with any bad record is refused with 422 and one line per problem
-/// (the first 100), unless `read` skips invalid records: then they are counted and listed, and
-/// only a file with no valid record is refused. A table whose columns name no format is refused
-/// with its columns listed, for a mapping.
-pub fn lint(path: PathBuf, read: &ReadOptions) -> ApiResult<Linted> {
-    let lint = DatasetReader::open_mapped(&path, &read.columns)
-        .and_then(|reader| reader.lint(SHOWN_PROBLEMS))
-        .map_err(|err| ApiError::Unprocessable {
+/// Reads `source` with the engine, record by record, so a file of any size costs only its
+/// largest record in memory. A file with any bad record is refused with 422 and one line per
+/// problem (the first 100), unless the source skips invalid records: then they are counted and
+/// listed, and only a file with no valid record is refused. A table whose columns name no format
+/// is refused with its columns listed, for a mapping.
+pub fn lint(source: &DatasetSource) -> ApiResult<Linted> {
+    let lint = source.open().and_then(|reader| reader.lint(SHOWN_PROBLEMS)).map_err(|err| {
+        ApiError::Unprocessable {
             message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
             problems: Vec::new(),
-        })?;
+        }
+    })?;
     let listed = |lint: &sluice_engine::data::Lint| {
         let mut problems = lint.problem_lines();
         if lint.bad > problems.len() {
@@ -182,7 +205,7 @@ pub fn lint(path: PathBuf, read: &ReadOptions) -> ApiResult<Linted> {
         };
         return Err(ApiError::Unprocessable { message, problems: listed(&lint) });
     };
-    if lint.bad > 0 && !read.skip_invalid {
+    if lint.bad > 0 && !source.skips_invalid() {
         return Err(ApiError::Unprocessable {
             message: format!(
                 "the dataset has {} bad records; fix them and upload again, or skip invalid \
@@ -232,7 +255,7 @@ pub async fn register_demo(state: &AppState) -> anyhow::Result<()> {
     }
     let path = state.datasets_dir().join(DEMO_FILE);
     tokio::fs::write(&path, DEMO_BYTES).await?;
-    let linted = tokio::task::spawn_blocking(move || lint(path, &ReadOptions::default()))
+    let linted = tokio::task::spawn_blocking(move || lint(&DatasetSource::File(path)))
         .await?
         .map_err(|err| anyhow::anyhow!("the bundled demo dataset does not lint: {err:?}"))?;
     let mut tx = state.pool().begin().await?;

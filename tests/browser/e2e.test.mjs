@@ -242,6 +242,15 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const names = members.map((m) => m.name);
     assert.ok(names.some((n) => path.posix.basename(n) === 'config.json'), `archive members: ${names.join(', ')}`);
     assert.ok(members.some((m) => m.name.endsWith('.safetensors') && m.size > 0), `archive members: ${names.join(', ')}`);
+    // The job kept the form's default, bf16: every tensor of the download is BF16. (A
+    // safetensors file starts with its JSON header's length, a little-endian u64, then the
+    // header.)
+    for (const member of members.filter((m) => m.name.endsWith('.safetensors'))) {
+      const length = Number(member.data.readBigUInt64LE(0));
+      const header = JSON.parse(member.data.subarray(8, 8 + length).toString('utf8'));
+      const dtypes = new Set(Object.entries(header).filter(([k]) => k !== '__metadata__').map(([, t]) => t.dtype));
+      assert.deepEqual([...dtypes], ['BF16'], `${member.name}: tensors of ${[...dtypes].join(', ')}`);
+    }
   });
 
   await t.test('a checkpoint answers a two-turn chat, streamed token by token', async () => {

@@ -289,7 +289,7 @@ async function checkPage(name, { ready, nav = true, focusTarget = null }) {
 let datasetId;
 let jobId;
 
-test('every page on a phone in dark mode, and at 1280 px', { timeout: 6 * 60_000 }, async (context) => {
+test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000 }, async (context) => {
   // The steps depend on each other: after the first failure the rest are skipped.
   let failed = false;
   const t = {
@@ -431,6 +431,36 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 6 * 60_000
     await checkPage('models', { ready: () => page.waitForSelector('#models-table') });
     await page.goto(url('/admin/users'));
     await checkPage('users', { ready: () => page.waitForSelector('#users-table') });
+  });
+
+  await t.test('account, storage, and two jobs compared', async () => {
+    await page.goto(url('/account'));
+    await checkPage('account', {
+      ready: () => page.waitForFunction(() => !document.querySelector('#tokens').textContent.includes('Loading')),
+    });
+    await page.goto(url('/admin/storage'));
+    await checkPage('storage', {
+      ready: async () => {
+        await page.waitForSelector('#storage-table');
+        await page.waitForFunction(() => !document.querySelector('#storage-models').textContent.includes('Loading'));
+      },
+    });
+    // A second, shorter job through the page's own API helper, to compare with the first.
+    const secondJobId = await page.evaluate(async (dataset) => {
+      const { post } = await import('/static/js/api.js');
+      const created = await post('/api/jobs', { model: 'preset:tiny', dataset, gpu: 'cpu', steps: 2, seq_len: 64, name: 'shorter run' });
+      return created.id;
+    }, datasetId);
+    await page.goto(url(`/jobs/${secondJobId}`));
+    await page.waitForSelector('#status .badge[data-status="completed"]', { timeout: 120_000 });
+    await page.goto(url(`/jobs/compare?ids=${jobId},${secondJobId}`));
+    await checkPage('compare', {
+      ready: async () => {
+        await page.waitForSelector('#settings-table');
+        await page.waitForSelector('#results-table');
+        await page.waitForSelector('#compare-charts canvas');
+      },
+    });
   });
 
   await t.test('login, reached through the menu', async () => {

@@ -1,5 +1,6 @@
 // Lists the members of a ustar/GNU tar archive: enough to check what the appliance streams,
-// with no dependency. Returns [{name, size}] and throws on a malformed archive.
+// with no dependency. Returns [{name, size, type, data}] (`data` a view of the member's bytes)
+// and throws on a malformed archive.
 
 export function tarMembers(buffer) {
   const members = [];
@@ -31,7 +32,7 @@ export function tarMembers(buffer) {
         name = longName;
         longName = null;
       }
-      members.push({ name, size, type });
+      members.push({ name, size, type, data: buffer.subarray(dataStart, dataStart + size) });
     }
     offset = dataStart + Math.ceil(size / 512) * 512;
   }

@@ -250,6 +250,65 @@ pub(super) fn registry_file(registry: &Path, name: &str) -> Result<(PathBuf, Sch
     Ok((file, schema))
 }
 
+/// A `dataset_info.json` registry reduced to the one entry an upload of one data file uses,
+/// that entry's `file_name` replaced by `stored_as` (the file's name where it is kept beside the
+/// registry). The entry is `name` when given, else the one whose `file_name` is the uploaded
+/// file's own name (`file_name`, directories ignored), else the only entry. Returns the new
+/// registry's JSON and the entry's name; the entry's mapping is checked when it is read.
+pub fn single_dataset_registry(
+    registry: &str,
+    name: Option<&str>,
+    file_name: Option<&str>,
+    stored_as: &str,
+) -> Result<(String, String)> {
+    let info: Map<String, Value> = match serde_json::from_str(registry) {
+        Ok(Value::Object(map)) => map,
+        Ok(_) => return Err(Error::invalid("dataset_info.json must be a JSON object")),
+        Err(e) => return Err(Error::invalid(format!("dataset_info.json is not valid JSON: {e}"))),
+    };
+    let mut names: Vec<&str> = info.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    let listed = names.join(", ");
+    let base = |path: &str| path.rsplit(['/', '\\']).next().unwrap_or(path).to_string();
+    let chosen = match name.map(str::trim).filter(|n| !n.is_empty()) {
+        Some(name) if info.contains_key(name) => name.to_string(),
+        Some(name) => {
+            return Err(Error::invalid(format!(
+                "dataset_info.json has no dataset named {name:?} (it has: {listed})"
+            )));
+        }
+        None => {
+            let uploaded = file_name.map(base);
+            let matching: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| {
+                    let entry_file = info[*n].get("file_name").and_then(Value::as_str);
+                    uploaded.is_some() && entry_file.map(base) == uploaded
+                })
+                .collect();
+            match (matching.as_slice(), names.as_slice()) {
+                ([one], _) | ([], [one]) => (*one).to_string(),
+                ([], []) => return Err(Error::invalid("dataset_info.json names no dataset")),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "dataset_info.json names several datasets; name the dataset to use \
+                         (it has: {listed})"
+                    )));
+                }
+            }
+        }
+    };
+    let mut entry = info[&chosen].clone();
+    if let Some(object) = entry.as_object_mut()
+        && object.contains_key("file_name")
+    {
+        object.insert("file_name".into(), Value::String(stored_as.to_string()));
+    }
+    let single = Value::Object(Map::from_iter([(chosen.clone(), entry)]));
+    Ok((single.to_string(), chosen))
+}
+
 /// Dataset names in a `dataset_info.json` registry, sorted.
 pub fn registry_names(registry: impl AsRef<Path>) -> Result<Vec<String>> {
     let mut names: Vec<String> = read_registry(registry.as_ref())?.keys().cloned().collect();

@@ -307,6 +307,57 @@ fn registry_resolves_files_columns_and_tags() {
 }
 
 #[test]
+fn an_uploaded_registry_is_reduced_to_the_entry_of_its_file() {
+    let text = std::fs::read_to_string(examples().join("dataset_info.json")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(examples().join("openai-tags.jsonl"), dir.path().join("kept.jsonl")).unwrap();
+    let registry = dir.path().join("kept.dataset_info.json");
+
+    // Told by the uploaded file's name (directories ignored), then read as its entry maps it.
+    let (single, name) =
+        single_dataset_registry(&text, None, Some("C:\\data\\openai-tags.jsonl"), "kept.jsonl")
+            .unwrap();
+    assert_eq!(name, "custom_tags_example");
+    std::fs::write(&registry, &single).unwrap();
+    assert_eq!(registry_names(&registry).unwrap(), ["custom_tags_example"]);
+    let parsed = read_registry_dataset(&registry, &name).unwrap();
+    assert!(parsed.problems.is_empty(), "{:?}", parsed.problems);
+    assert_eq!(
+        parsed.entries[0].record,
+        Record::Conversation(vec![
+            system("Answer with the sum."),
+            user("What is 2 + 2?"),
+            assistant("2 + 2 = 4.")
+        ])
+    );
+
+    // Named outright, whatever the file is called.
+    let (single, name) =
+        single_dataset_registry(&text, Some("qa_columns_example"), Some("x.jsonl"), "k.jsonl")
+            .unwrap();
+    assert_eq!(name, "qa_columns_example");
+    let value: Value = serde_json::from_str(&single).unwrap();
+    assert_eq!(value["qa_columns_example"]["file_name"], "k.jsonl");
+    assert_eq!(value["qa_columns_example"]["columns"]["prompt"], "question");
+
+    // Several entries and nothing to choose by, an unknown name, not a registry: errors that
+    // say what to do.
+    let err = single_dataset_registry(&text, None, Some("other.jsonl"), "k").unwrap_err();
+    assert!(err.to_string().contains("name the dataset to use (it has: alpaca_example, "), "{err}");
+    let err = single_dataset_registry(&text, Some("nope"), None, "k").unwrap_err();
+    assert!(err.to_string().contains("no dataset named \"nope\""), "{err}");
+    let err = single_dataset_registry("[1]", None, None, "k").unwrap_err();
+    assert!(err.to_string().contains("must be a JSON object"), "{err}");
+    let err = single_dataset_registry("{", None, None, "k").unwrap_err();
+    assert!(err.to_string().contains("not valid JSON"), "{err}");
+    // One entry is used whatever the file is called.
+    let (_, name) =
+        single_dataset_registry(r#"{"only": {"file_name": "a.json"}}"#, None, Some("b"), "k")
+            .unwrap();
+    assert_eq!(name, "only");
+}
+
+#[test]
 fn registry_entries_that_cannot_be_used_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let registry = dir.path().join("dataset_info.json");

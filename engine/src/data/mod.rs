@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 pub use columns::Columns;
 pub use formats::{
     Entry, Format, Layout, Message, Parsed, Problem, Record, Role, read_dataset,
-    read_registry_dataset, registry_names,
+    read_registry_dataset, registry_names, single_dataset_registry,
 };
 pub use pack::{MicroBatch, PackOptions, Packed, Row, Stats, pack};
 pub use prepare::{PrepareOptions, Prepared, Preparer, Sample};

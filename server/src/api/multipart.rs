@@ -1,7 +1,8 @@
 //! Multipart uploads streamed to disk: a declared size over the limit is refused before
 //! anything is read, a file field is counted against the limit as it arrives, and the temporary
-//! file is deleted unless the upload is kept. Every other field is small (a name) and read into
-//! memory only up to its own limit. Used by dataset uploads and GGUF model imports.
+//! file is deleted unless the upload is kept. Every other field is small (a name, at most a
+//! small JSON document) and read into memory only up to its own limit. Used by dataset uploads
+//! and GGUF model imports.
 //!
 //! The parser reads the body one network chunk at a time ([`BoundedMultipart`]): left to
 //! itself it reads ahead as long as bytes are ready, so a fast client streaming one long field
@@ -20,11 +21,14 @@ use tokio::io::AsyncWriteExt;
 
 use crate::error::{ApiError, ApiResult};
 
-/// Multipart framing and the `name` field on top of the file itself.
-pub(crate) const MULTIPART_OVERHEAD: u64 = 64 << 10;
-
 /// The most a field other than the file may hold; a name needs far less.
 pub(crate) const FIELD_LIMIT: usize = 1 << 10;
+
+/// The most a small document sent beside the file may hold (a dataset's `dataset_info.json`).
+pub(crate) const DOCUMENT_LIMIT: usize = 256 << 10;
+
+/// Multipart framing, the small fields and a document on top of the file itself.
+pub(crate) const MULTIPART_OVERHEAD: u64 = (64 << 10) + DOCUMENT_LIMIT as u64;
 
 /// Reads a small field chunk by chunk and refuses it with 400, naming it, once it passes
 /// `limit` bytes: only the file is streamed to disk, so any other field must stay small in
@@ -90,7 +94,8 @@ pub(crate) struct Upload {
     pub file: (TempFile, u64, Option<String>),
     /// The `name` field as sent (callers trim it).
     pub name: Option<String>,
-    /// Every other field, in the order sent, each at most [`FIELD_LIMIT`] bytes.
+    /// Every other field, in the order sent, each at most [`FIELD_LIMIT`] bytes (a document
+    /// [`DOCUMENT_LIMIT`]).
     pub fields: Vec<(String, String)>,
 }
 
@@ -106,13 +111,14 @@ impl Upload {
 pub(crate) const MAX_FIELDS: usize = 32;
 
 /// Reads an upload of one `file` field, streamed to `temp` and counted against `limit`, and an
-/// optional `name`; every other field is read up to [`FIELD_LIMIT`] and dropped. `what` names
-/// the upload in the errors ("upload", "import").
+/// optional `name`; the fields named in `documents` are read up to [`DOCUMENT_LIMIT`], every
+/// other one up to [`FIELD_LIMIT`]. `what` names the upload in the errors ("upload", "import").
 pub(crate) async fn read_upload(
     BoundedMultipart(multipart): &mut BoundedMultipart,
     temp: PathBuf,
     limit: u64,
     what: &str,
+    documents: &[&str],
 ) -> ApiResult<Upload> {
     let mut name = None;
     let mut file = None;
@@ -129,8 +135,10 @@ pub(crate) async fn read_upload(
                 file = Some((kept, size, original));
             }
             Some("name") => name = Some(read_small_field(&mut field, FIELD_LIMIT).await?),
-            _ => {
-                let value = read_small_field(&mut field, FIELD_LIMIT).await?;
+            other => {
+                let document = other.is_some_and(|name| documents.contains(&name));
+                let field_limit = if document { DOCUMENT_LIMIT } else { FIELD_LIMIT };
+                let value = read_small_field(&mut field, field_limit).await?;
                 if fields.len() == MAX_FIELDS {
                     return Err(ApiError::bad_request(format!(
                         "the {what} sends more than {MAX_FIELDS} fields"

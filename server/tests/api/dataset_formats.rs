@@ -203,3 +203,94 @@ async fn a_parquet_upload_with_the_usual_column_names_is_mapped_automatically() 
     assert!(reply.error().contains("Parquet"), "{}", reply.text());
     Ok(())
 }
+
+/// The repository's LLaMA-Factory example: `datasets/examples/dataset_info.json` and its files.
+fn example(name: &str) -> anyhow::Result<Vec<u8>> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/examples");
+    Ok(std::fs::read(dir.join(name))?)
+}
+
+/// The files under `DATA_DIR/datasets/` but the demo's.
+fn stored_files(app: &TestApp) -> anyhow::Result<Vec<String>> {
+    let mut names: Vec<String> = std::fs::read_dir(app.state.datasets_dir())?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|n| !n.starts_with("demo-"))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataset_info_json_maps_an_upload_kept_beside_it_and_deleted_with_it()
+-> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let registry = String::from_utf8(example("dataset_info.json")?)?;
+    let data = example("openai-tags.jsonl")?;
+
+    // Its own tags ("dialog", "speaker", "text") are no format Sluice knows by itself.
+    let alone = upload(&admin, "openai-tags.jsonl", &data, &[]).await?;
+    assert_eq!(alone.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", alone.text());
+
+    // The registry's entry for the file's own name maps them.
+    let fields = [("dataset_info", registry.as_str())];
+    let reply = upload(&admin, "openai-tags.jsonl", &data, &fields).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!(created["registry_name"], "custom_tags_example", "{created}");
+    assert_eq!(created["records"], 1, "{created}");
+    let id = created["id"].as_i64().unwrap_or(0);
+    let files = stored_files(&app)?;
+    assert_eq!(files.len(), 2, "the file and its registry: {files:?}");
+    assert!(files.iter().any(|f| f.ends_with(".dataset_info.json")), "{files:?}");
+
+    let preview =
+        admin.get(&format!("/api/datasets/{id}/preview?model=preset:tiny&limit=1")).await?;
+    assert_eq!(preview.status, StatusCode::OK, "{}", preview.text());
+    let text = preview.text();
+    assert!(text.contains("What is 2 + 2?") && text.contains("Answer with the sum."), "{text}");
+    let job = admin.submit(tiny_job(id, 1)).await?;
+    let done =
+        admin.wait_job(job, 300, |j| j["status"] != "queued" && j["status"] != "running").await?;
+    assert_eq!(done["status"], "completed", "{done}");
+
+    // A file the registry does not name: the entry must be named, and then it is used.
+    let other = upload(&admin, "mine.jsonl", &data, &fields).await?;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", other.text());
+    assert!(other.error().contains("name the dataset to use (it has: "), "{}", other.text());
+    let named = [("dataset_info", registry.as_str()), ("dataset", "custom_tags_example")];
+    let reply = upload(&admin, "mine.jsonl", &data, &named).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let second = reply.json()?["id"].as_i64().unwrap_or(0);
+    let unknown = [("dataset_info", registry.as_str()), ("dataset", "nope")];
+    let reply = upload(&admin, "mine.jsonl", &data, &unknown).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    assert!(reply.error().contains("no dataset named \"nope\""), "{}", reply.text());
+    let reply = upload(&admin, "mine.jsonl", &data, &[("dataset_info", "{")]).await?;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", reply.text());
+    assert!(reply.error().contains("not valid JSON"), "{}", reply.text());
+    let both = [("dataset_info", registry.as_str()), ("columns", "text=dialog")];
+    let reply = upload(&admin, "openai-tags.jsonl", &data, &both).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(stored_files(&app)?.len(), 4, "refused uploads leave nothing behind");
+
+    // Deleting it frees the file and its registry (both registries are the same size: their
+    // file names differ only in their random part).
+    let registry_size: u64 = std::fs::read_dir(app.state.datasets_dir())?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".dataset_info.json"))
+        .map(|e| e.metadata().map_or(0, |m| m.len()))
+        .min()
+        .unwrap_or(0);
+    assert!(registry_size > 0);
+    let deleted = admin.delete(&format!("/api/datasets/{id}")).await?;
+    assert_eq!(deleted.status, StatusCode::OK, "{}", deleted.text());
+    let freed = deleted.json()?["freed_bytes"].as_u64().unwrap_or(0);
+    assert_eq!(freed, data.len() as u64 + registry_size, "the file's and the registry's bytes");
+    assert_eq!(stored_files(&app)?.len(), 2, "{:?}", stored_files(&app)?);
+    assert_eq!(admin.delete(&format!("/api/datasets/{second}")).await?.status, StatusCode::OK);
+    assert_eq!(stored_files(&app)?, Vec::<String>::new());
+    Ok(())
+}

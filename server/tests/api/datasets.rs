@@ -52,13 +52,14 @@ async fn upload_list_show_delete() -> anyhow::Result<()> {
 
     // Users cannot delete the shared demo; admins can.
     assert_eq!(alice.delete(&format!("/api/datasets/{demo}")).await?.status, StatusCode::FORBIDDEN);
-    assert_eq!(alice.delete(&format!("/api/datasets/{id}")).await?.status, StatusCode::NO_CONTENT);
+    let deleted = alice.delete(&format!("/api/datasets/{id}")).await?;
+    assert_eq!(deleted.status, StatusCode::OK, "{}", deleted.text());
+    let deleted = deleted.json()?;
+    assert_eq!(deleted["id"], id, "{deleted}");
+    assert_eq!(deleted["freed_bytes"], GOOD.len(), "the file's size is freed: {deleted}");
     assert_eq!(alice.get(&format!("/api/datasets/{id}")).await?.status, StatusCode::NOT_FOUND);
     assert_eq!(dataset_files(&app)?.len(), 2);
-    assert_eq!(
-        admin.delete(&format!("/api/datasets/{demo}")).await?.status,
-        StatusCode::NO_CONTENT
-    );
+    assert_eq!(admin.delete(&format!("/api/datasets/{demo}")).await?.status, StatusCode::OK);
 
     // The demo is registered once per installation, not again at the next start.
     let restarted = app.restart().await?;

@@ -4,9 +4,9 @@ mod preview;
 mod upload;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
+use serde_json::{Value, json};
 
 use crate::AppState;
 use crate::auth::CurrentUser;
@@ -37,17 +37,18 @@ async fn show(
     Ok(Json(datasets::visible(&state, &user, id).await?))
 }
 
-/// `DELETE /api/datasets/{id}`: 204; 403 for a non-admin on the shared demo; 409 while a queued
+/// `DELETE /api/datasets/{id}`: `{"id", "freed_bytes"}`; 403 for a non-admin on the shared demo; 409 while a queued
 /// or running job uses it. Finished jobs keep their checkpoints but can no longer be resumed.
 async fn remove(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Json<Value>> {
     let dataset = datasets::visible(&state, &user, id).await?;
     if dataset.owner_id.is_none() && !user.is_admin() {
         return Err(ApiError::Forbidden("only an admin can delete a shared dataset".into()));
     }
-    datasets::delete(&state, &dataset).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let freed = datasets::delete(&state, &dataset).await?;
+    tracing::info!("dataset {id} deleted by {}; {freed} bytes freed", user.username);
+    Ok(Json(json!({ "id": id, "freed_bytes": freed })))
 }

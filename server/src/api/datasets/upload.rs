@@ -2,7 +2,9 @@
 //! the size limit as it arrives, linted, and kept only when every record is good, or, with
 //! `skip_invalid`, when any is (the others are listed and left out of every job). Fields other
 //! than the file are refused past 1 KiB: `name`; `skip_invalid` (`true`, `on` or `1`);
-//! `columns`, a table's mapping to a format's fields (`instruction=question,output=answer`).
+//! `columns`, a table's mapping to a format's fields (`instruction=question,output=answer`);
+//! `dataset_info`, a LLaMA-Factory `dataset_info.json` (up to 256 KiB) whose entry for the file
+//! maps it instead, with `dataset` naming the entry when the file's name does not tell it.
 //! The file may be JSON Lines, JSON, CSV, TSV or Parquet, told by its name's extension or else
 //! its contents.
 
@@ -11,10 +13,13 @@ use std::path::Path;
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use sluice_engine::data::{Columns, Layout, ReadOptions};
+use sluice_engine::Error as EngineError;
+use sluice_engine::data::{Columns, DatasetSource, Layout, ReadOptions, single_dataset_registry};
 use tokio::sync::Semaphore;
 
-use super::super::multipart::{BoundedMultipart, read_upload, refuse_declared_oversize};
+use super::super::multipart::{
+    BoundedMultipart, TempFile, Upload, read_upload, refuse_declared_oversize,
+};
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
@@ -26,8 +31,10 @@ use crate::error::{ApiError, ApiResult};
 /// once bound what a burst of uploads of long records costs; later uploads wait their turn.
 static LINTING: Semaphore = Semaphore::const_new(2);
 
-/// 201 with the dataset; 413 over the limit; 422 with one line per bad record; 400 without a
-/// `file` field or with another field over 1 KiB.
+/// 201 with the dataset; 413 over the limit; 422 with one line per bad record, or for a
+/// `dataset_info` that does not say how to read the file; 400 without a `file` field, with
+/// another field over 1 KiB (`dataset_info` over 256 KiB), or with both `columns` and
+/// `dataset_info`.
 pub(super) async fn upload(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -38,8 +45,16 @@ pub(super) async fn upload(
     refuse_declared_oversize(&headers, limit)?;
 
     let path = state.datasets_dir().join(format!(".upload-{}", random_token()));
-    let upload = read_upload(&mut multipart, path, limit, "upload").await?;
+    let upload = read_upload(&mut multipart, path, limit, "upload", &["dataset_info"]).await?;
     let read = read_options(&upload)?;
+    let registry = upload.field("dataset_info").filter(|text| !text.trim().is_empty());
+    let registry = registry.map(str::to_string);
+    let entry = upload.field("dataset").map(str::to_string);
+    if registry.is_some() && !read.columns.is_empty() {
+        return Err(ApiError::bad_request(
+            "send columns or a dataset_info.json, not both: the registry maps the columns",
+        ));
+    }
     let (mut temp, size, original) = upload.file;
     let name: Option<String> = upload.name.map(|n| n.trim().chars().take(200).collect());
     if size == 0 {
@@ -58,20 +73,42 @@ pub(super) async fn upload(
         temp_path = named;
     }
 
-    let lint_path = temp_path.clone();
+    // With a registry, the file is read through a one-entry copy of it kept beside the file.
+    let registry = match registry {
+        Some(text) => Some(Registry::write(&temp_path, text, entry, original.as_deref()).await?),
+        None => None,
+    };
+    let source = match &registry {
+        Some(registry) => DatasetSource::Registry {
+            registry: registry.temp.0.clone().unwrap_or_default(),
+            name: registry.name.clone(),
+        },
+        None => DatasetSource::File(temp_path.clone()),
+    }
+    .with(read.clone());
     let permit = LINTING.acquire().await.map_err(ApiError::internal)?;
-    let lint_read = read.clone();
     let linted = tokio::task::spawn_blocking(move || {
         // Held by the lint itself: a client that goes away does not free its place early.
         let _permit = permit;
-        lint(lint_path, &lint_read)
+        lint(&source)
     })
     .await??;
 
-    let file_name = format!("{}.{}", random_token(), linted.layout.extension());
+    let token = random_token();
+    let file_name = format!("{token}.{}", linted.layout.extension());
     let final_path = state.datasets_dir().join(&file_name);
     tokio::fs::rename(&temp_path, &final_path).await?;
     temp.0 = None;
+    let registry_file = match registry {
+        Some(mut registry) => match registry.keep(&state, &token, &file_name).await {
+            Ok(kept) => Some(kept),
+            Err(err) => {
+                let _ = tokio::fs::remove_file(&final_path).await;
+                return Err(err);
+            }
+        },
+        None => None,
+    };
     let name = name
         .filter(|n| !n.is_empty())
         .or_else(|| original.as_deref().map(display_name))
@@ -80,8 +117,8 @@ pub(super) async fn upload(
     let columns = serde_json::to_string(&linted.columns).map_err(ApiError::internal)?;
     let inserted = sqlx::query(
         "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at,
-            layout, skip_invalid, skipped, skipped_records, columns)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            layout, skip_invalid, skipped, skipped_records, columns, registry_file, registry_name)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(user.id)
     .bind(&name)
@@ -95,12 +132,17 @@ pub(super) async fn upload(
     .bind(linted.skipped as i64)
     .bind(&linted.skipped_records)
     .bind(&columns)
+    .bind(registry_file.as_ref().map(|(file, _)| file))
+    .bind(registry_file.as_ref().map(|(_, name)| name))
     .execute(state.pool())
     .await;
     let id = match inserted {
         Ok(result) => result.last_insert_rowid(),
         Err(err) => {
             let _ = tokio::fs::remove_file(&final_path).await;
+            if let Some((file, _)) = &registry_file {
+                let _ = tokio::fs::remove_file(state.datasets_dir().join(file)).await;
+            }
             return Err(err.into());
         }
     };
@@ -111,8 +153,77 @@ pub(super) async fn upload(
     Ok((StatusCode::CREATED, Json(dataset)))
 }
 
+/// An upload's `dataset_info.json`, reduced to the entry for its file and written beside the
+/// uploaded file under a temporary name until the dataset is kept.
+struct Registry {
+    temp: TempFile,
+    /// The registry as sent (the entry is picked again when it is kept, for the final name).
+    text: String,
+    /// The entry's name.
+    name: String,
+    dataset: Option<String>,
+    original: Option<String>,
+}
+
+impl Registry {
+    /// 422 for a registry that names no usable entry for the file, saying why.
+    async fn write(
+        data: &Path,
+        text: String,
+        dataset: Option<String>,
+        original: Option<&str>,
+    ) -> ApiResult<Registry> {
+        let stored_as = file_name_of(data);
+        let (single, name) =
+            single_dataset_registry(&text, dataset.as_deref(), original, &stored_as)
+                .map_err(refused_registry)?;
+        let path = data.with_file_name(format!("{stored_as}.dataset_info.json"));
+        let temp = TempFile(Some(path.clone()));
+        tokio::fs::write(&path, single).await?;
+        Ok(Registry { temp, text, name, dataset, original: original.map(str::to_string) })
+    }
+
+    /// Writes the registry for the data's final name `file_name` as `{token}.dataset_info.json`;
+    /// returns that file's name and the entry's.
+    async fn keep(
+        &mut self,
+        state: &AppState,
+        token: &str,
+        file_name: &str,
+    ) -> ApiResult<(String, String)> {
+        let (single, name) = single_dataset_registry(
+            &self.text,
+            self.dataset.as_deref(),
+            self.original.as_deref(),
+            file_name,
+        )
+        .map_err(refused_registry)?;
+        let Some(temp) = self.temp.0.clone() else {
+            return Err(ApiError::internal(anyhow::anyhow!("upload registry vanished")));
+        };
+        tokio::fs::write(&temp, single).await?;
+        let registry_file = format!("{token}.dataset_info.json");
+        tokio::fs::rename(&temp, state.datasets_dir().join(&registry_file)).await?;
+        self.temp.0 = None;
+        Ok((registry_file, name))
+    }
+}
+
+fn file_name_of(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// A registry the engine cannot use, as the 422 that says why.
+fn refused_registry(err: EngineError) -> ApiError {
+    let message = match err {
+        EngineError::Invalid(message) => message,
+        other => other.to_string(),
+    };
+    ApiError::unprocessable(message)
+}
+
 /// The upload's `skip_invalid` and `columns` fields; 400 for a value that means nothing.
-fn read_options(upload: &super::super::multipart::Upload) -> ApiResult<ReadOptions> {
+fn read_options(upload: &Upload) -> ApiResult<ReadOptions> {
     let skip_invalid = match upload.field("skip_invalid").map(str::trim) {
         None | Some("" | "false" | "off" | "0") => false,
         Some("true" | "on" | "1") => true,

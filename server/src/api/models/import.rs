@@ -79,7 +79,7 @@ pub(super) async fn import(
     tokio::fs::create_dir_all(&models_dir).await?;
 
     let path = models_dir.join(format!(".upload-{}.gguf", random_token()));
-    let upload = read_upload(&mut multipart, path, limit, "import").await?;
+    let upload = read_upload(&mut multipart, path, limit, "import", &[]).await?;
     let (temp, size, original) = upload.file;
     let name = upload.name.map(|n| n.trim().to_string());
     let name = name

@@ -119,7 +119,8 @@ async function main() {
   const mapped = Object.entries(dataset.columns || {}).map(([role, column]) => `${role} ← ${column}`).join(', ');
   $('#subtitle').textContent = [dataset.format, dataset.layout ? dataset.layout.toUpperCase() : null,
     `${fmtInt(dataset.records)} examples`, dataset.skipped > 0 ? `${fmtInt(dataset.skipped)} skipped` : null,
-    fmtBytes(dataset.size_bytes), mapped ? `columns: ${mapped}` : null]
+    fmtBytes(dataset.size_bytes), mapped ? `columns: ${mapped}` : null,
+    dataset.registry_name ? `dataset_info.json entry “${dataset.registry_name}”` : null]
     .filter(Boolean).join(' · ');
   $('#train-link').href = `/jobs/new?dataset=${id}`;
   renderSkipped(dataset);
@@ -137,7 +138,8 @@ async function main() {
   $('#delete').addEventListener('click', async () => {
     if (!confirm(`Delete the dataset “${dataset.name}”?`)) return;
     try {
-      await del(`/api/datasets/${id}`);
+      const done = await del(`/api/datasets/${id}`);
+      sessionStorage.setItem('sluice.notice', `Deleted “${dataset.name}”: ${fmtBytes(done.freed_bytes)} freed.`);
       location.href = '/datasets';
     } catch (err) {
       showError(error, err);

@@ -1,5 +1,6 @@
 // Datasets: upload with progress (a refused file lists its problems by line; a lenient one
-// lists what it skipped), a table's columns mapped to a format's fields, the list, delete.
+// lists what it skipped), a table's columns mapped to a format's fields or a LLaMA-Factory
+// dataset_info.json sent beside the file, the list, delete with the disk it frees.
 import { del, get, requireUser, upload } from '../api.js';
 import { $, el, fill, fmtBytes, fmtDate, fmtInt, ownerName, showError } from '../ui.js';
 
@@ -19,7 +20,8 @@ function render(datasets) {
     el('tbody', {}, sorted.map((d) => el('tr', { dataset: { dataset: d.id } },
       el('td', {}, el('a', { href: `/datasets/${d.id}` }, d.name || `Dataset ${d.id}`),
         d.owner === null ? el('span', { class: 'badge', title: 'Bundled with Sluice; everyone can train on it' }, 'shared') : null),
-      el('td', {}, d.format || '—'),
+      el('td', {}, d.format || '—', d.registry_name
+        ? el('span', { class: 'small muted', title: 'Read as its dataset_info.json entry says' }, ` (${d.registry_name})`) : null),
       el('td', { class: 'num' }, fmtInt(d.records)),
       el('td', { class: 'num' }, fmtBytes(d.size_bytes)),
       admin ? el('td', {}, d.owner === null ? 'shared' : ownerName(d.owner)) : null,
@@ -96,16 +98,18 @@ async function refresh() {
   }
 }
 
+/** A line above the list saying what was just done; empty hides it. */
+function notice(text) {
+  $('#notice').textContent = text;
+  $('#notice').hidden = !text;
+}
+
 async function remove(dataset) {
   if (!confirm(`Delete the dataset “${dataset.name}”? Jobs that already used it keep their results.`)) return;
   try {
-    await del(`/api/datasets/${dataset.id}`);
-    /** What a layout's record numbers count. */
-function unitOf(layout) {
-  return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
-}
-
-await refresh();
+    const done = await del(`/api/datasets/${dataset.id}`);
+    notice(`Deleted “${dataset.name}”: ${fmtBytes(done.freed_bytes)} freed.`);
+    await refresh();
   } catch (err) {
     showError($('#error'), err);
   }
@@ -121,6 +125,12 @@ $('#upload-form').addEventListener('submit', async (event) => {
   if ($('#skip-invalid').checked) form.append('skip_invalid', 'true');
   const columns = chosenColumns();
   if (columns) form.append('columns', columns);
+  const registry = $('#dataset-info').files[0];
+  if (registry) {
+    form.append('dataset_info', await registry.text());
+    const entry = $('#registry-dataset').value.trim();
+    if (entry) form.append('dataset', entry);
+  }
   form.append('file', file);
 
   const button = $('#upload-button');
@@ -154,12 +164,7 @@ $('#upload-form').addEventListener('submit', async (event) => {
     ok.hidden = false;
     event.target.reset();
     showColumns([]);
-    /** What a layout's record numbers count. */
-function unitOf(layout) {
-  return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
-}
-
-await refresh();
+    await refresh();
   } catch (err) {
     progress.hidden = true;
     const named = err.status === 422 && /the columns \((.*)\) are not/.exec(err.message || '');
@@ -179,4 +184,7 @@ function unitOf(layout) {
   return layout === 'json' ? 'record' : layout === 'parquet' ? 'row' : 'line';
 }
 
+// The dataset page deletes, then comes back here to say so.
+notice(sessionStorage.getItem('sluice.notice') || '');
+sessionStorage.removeItem('sluice.notice');
 await refresh();
