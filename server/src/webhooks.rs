@@ -214,9 +214,16 @@ async fn record(
     } else {
         warn!(user_id, job = job_id, "webhook for {about} failed: {}", delivery.result);
     }
+    // Deliveries run side by side and retries take their time: one about a job that ended
+    // earlier must not replace the outcome of one about a job that ended later.
     let stored = sqlx::query(
-        "UPDATE webhooks SET last_job_id = ?, last_at = ?, last_ok = ?, last_result = ?
-         WHERE user_id = ? AND url = ?",
+        "UPDATE webhooks SET last_job_id = ?1, last_at = ?2, last_ok = ?3, last_result = ?4
+         WHERE user_id = ?5 AND url = ?6
+           AND NOT EXISTS (
+             SELECT 1 FROM jobs later, jobs this
+             WHERE later.id = webhooks.last_job_id AND this.id = ?1
+               AND (COALESCE(later.finished_at, 0), later.id)
+                 > (COALESCE(this.finished_at, 0), this.id))",
     )
     .bind(job_id)
     .bind(now())
