@@ -1,6 +1,7 @@
 // Datasets as people have them, in a real browser: a lenient upload of a file with bad records
 // (the skipped lines listed, the count kept, the same on the dataset's page) and a CSV upload
-// whose columns are mapped on the page.
+// whose columns are mapped on the page, a LLaMA-Factory file with its dataset_info.json, and a
+// delete that says what it freed.
 import assert from 'node:assert/strict';
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -8,7 +9,7 @@ import path from 'node:path';
 import { after, before, test } from 'node:test';
 
 import { openBrowser, setupAdmin } from './harness.mjs';
-import { startServer } from './server.mjs';
+import { repoRoot, startServer } from './server.mjs';
 
 const ADMIN = { username: 'dora', password: 'datasets are data too' };
 
@@ -94,5 +95,31 @@ test('a CSV upload maps its columns on the page', async () => {
   assert.match(await page.locator('#subtitle').innerText(), /alpaca · CSV · 2 examples[\s\S]*columns: instruction ← ask, output ← reply/);
   assert.match(await page.locator('#samples').innerText(), /Largest planet, by mass\?[\s\S]*Jupiter\./);
   assert.ok(await page.locator('#skipped-card').isHidden());
+  browser.noErrorsSoFar();
+});
+
+test('a LLaMA-Factory file uploads with its dataset_info.json, and a delete says what it freed', async () => {
+  const examples = path.join(repoRoot, 'datasets', 'examples');
+  await page.goto(url('/datasets'));
+  await page.setInputFiles('#file', path.join(examples, 'openai-tags.jsonl'));
+  await page.click('#registry-box summary');
+  await page.setInputFiles('#dataset-info', path.join(examples, 'dataset_info.json'));
+  await browser.screenshot('datasets-registry');
+  await page.click('#upload-button');
+  const ok = page.locator('#upload-ok');
+  await ok.waitFor({ state: 'visible' });
+  assert.match(await ok.innerText(), /1 example kept/);
+  await ok.locator('a[href^="/datasets/"]').click();
+  await page.waitForSelector('#samples pre.sample');
+  assert.match(await page.locator('#subtitle').innerText(), /dataset_info\.json entry “custom_tags_example”/);
+  assert.match(await page.locator('#samples').innerText(), /Answer with the sum\.[\s\S]*2 \+ 2 = 4\./);
+
+  // Deleted from its own page: the list then says how much disk came back.
+  page.once('dialog', (dialog) => dialog.accept());
+  await page.click('#delete');
+  await page.waitForURL(url('/datasets'));
+  const notice = page.locator('#notice');
+  await notice.waitFor({ state: 'visible' });
+  assert.match(await notice.innerText(), /^Deleted “openai-tags\.jsonl”: \d+(\.\d+)? (B|KiB) freed\.$/);
   browser.noErrorsSoFar();
 });

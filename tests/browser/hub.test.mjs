@@ -81,3 +81,24 @@ test('a model pulled by name on the models page is listed and offered for traini
   await page.waitForFunction((id) => document.querySelector('#model')?.value === id, MODEL_ID);
   browser.noErrorsSoFar();
 });
+
+test('the pulled model is deleted from the storage page, which says what it freed', async () => {
+  const name = `hf:${REPO}`;
+  await page.goto(url('/admin/storage'));
+  const row = page.locator(`#models-table tr[data-model="${name}"]`);
+  await row.waitFor();
+  assert.match(await row.textContent(), /pulled from the Hub/);
+  const button = row.locator('button', { hasText: 'Delete' });
+  const frees = /frees (\S+ \S+)\)$/.exec(await button.innerText());
+  assert.ok(frees, await button.innerText());
+  page.once('dialog', (dialog) => dialog.accept());
+  await button.click();
+  const notice = page.locator('#notice');
+  await notice.waitFor({ state: 'visible' });
+  assert.equal(await notice.innerText(), `Deleted ${name}: ${frees[1]} freed.`);
+  await row.waitFor({ state: 'detached' });
+  await page.goto(url('/models'));
+  await page.waitForSelector('#models-table');
+  assert.equal(await page.locator(`tr[data-model="${MODEL_ID}"]`).count(), 0, 'the deleted model is still listed');
+  browser.noErrorsSoFar();
+});

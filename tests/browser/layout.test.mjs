@@ -411,12 +411,12 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
         display: getComputedStyle(tr).display,
         inside: tr.getBoundingClientRect().right <= card.right,
         labels: [...tr.cells].map((td) => td.dataset.label),
-        shown: getComputedStyle(tr.cells[1], '::before').content,
+        shown: getComputedStyle(tr.cells[2], '::before').content,
       };
     }, jobId);
     assert.equal(row.display, 'flex', 'the jobs table is not a list on a phone');
     assert.ok(row.inside, 'a job row reaches past its card');
-    assert.deepEqual(row.labels.slice(0, 3), ['Job', 'Model', 'Dataset']);
+    assert.deepEqual(row.labels.slice(0, 4), ['Compare', 'Job', 'Model', 'Dataset']);
     assert.equal(row.shown, '"Model"', 'the model cell does not say it is the model');
 
     // The open menu, as the keyboard leaves it.

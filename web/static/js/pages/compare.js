@@ -2,8 +2,8 @@
 // charts, their results, and their settings with the rows that differ marked.
 import { get, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
-import { $, el, fill, fmtBytes, fmtDuration, fmtInt, fmtNum, showError, statusBadge } from '../ui.js';
-import { deviceLabel, modelLabel, settingsList } from './job_fields.js';
+import { $, el, fill, fmtBytes, fmtInt, fmtNum, showError, statusBadge } from '../ui.js';
+import { deviceLabel, modelLabel, runDuration, settingsList } from './job_fields.js';
 
 await requireUser();
 const MAX_JOBS = 8;
@@ -74,7 +74,7 @@ function renderSettings(jobs) {
   });
   $('#diff-count').textContent = differing === 0 ? 'The jobs ran with the same settings.'
     : `${differing} of ${rows.length} rows differ.`;
-  fill($('#compare-settings'), el('table', { class: 'list', id: 'settings-table' },
+  fill($('#compare-settings'), el('table', { class: 'list wide', id: 'settings-table' },
     el('thead', {}, el('tr', {}, el('th', {}, 'Setting'), jobs.map((j) => el('th', {}, el('a', { href: `/jobs/${j.id}` }, label(j)))))),
     el('tbody', {}, body)));
 }
@@ -90,10 +90,10 @@ function renderResults(jobs) {
     ['Best eval loss', (j) => loss(j.summary && j.summary.best_eval_loss)],
     ['Tokens seen', (j) => (j.summary && typeof j.summary.tokens_seen === 'number' ? fmtInt(j.summary.tokens_seen) : '—')],
     ['Throughput', (j) => (j.summary && typeof j.summary.tokens_per_s === 'number' ? `${fmtNum(j.summary.tokens_per_s)} tok/s` : '—')],
-    ['Duration', (j) => (typeof j.duration_s === 'number' ? fmtDuration(j.duration_s) : '—')],
+    ['Duration', runDuration],
     ['Disk used', (j) => fmtBytes(j.disk_bytes || 0)],
   ];
-  fill($('#compare-results'), el('table', { class: 'list', id: 'results-table' },
+  fill($('#compare-results'), el('table', { class: 'list wide', id: 'results-table' },
     el('thead', {}, el('tr', {}, el('th', {}, ''), jobs.map((j) => el('th', {}, el('a', { href: `/jobs/${j.id}` }, label(j)))))),
     el('tbody', {}, rows.map(([name, value]) => el('tr', {}, el('th', { scope: 'row' }, name), jobs.map((j) => el('td', {}, value(j))))))));
 }
@@ -121,7 +121,11 @@ async function main() {
     { key: 'loss', title: 'Training loss', series: jobs.map((j) => ({ field: `loss_${j.id}`, label: label(j) })), format: fmtNum },
     { key: 'eval_loss', title: 'Eval loss', series: jobs.map((j) => ({ field: `eval_${j.id}`, label: label(j), sparse: true })), format: fmtNum },
   ];
-  for (const spec of specs) new MetricChart($('#compare-charts'), spec).update(points);
+  // Eval loss only where some job evaluated: an empty chart would only say "not reported".
+  const evaluated = points.some((p) => jobs.some((j) => typeof p[`eval_${j.id}`] === 'number'));
+  for (const spec of specs.filter((s) => s.key !== 'eval_loss' || evaluated)) {
+    new MetricChart($('#compare-charts'), spec).update(points);
+  }
   renderResults(jobs);
   renderSettings(jobs);
 }

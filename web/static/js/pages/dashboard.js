@@ -27,7 +27,7 @@ function jobRow(job) {
   else if (job.status === 'failed' && job.error) detail = job.error;
   const finalLoss = job.summary && typeof job.summary.final_loss === 'number' ? fmtNum(job.summary.final_loss) : '—';
   return el('tr', { dataset: { job: job.id } },
-    el('td', {}, el('input', {
+    el('td', { class: 'tick' }, el('input', {
       type: 'checkbox', 'aria-label': `Compare job ${job.id}`, checked: chosen.has(job.id), dataset: { compare: job.id },
       onchange: (event) => {
         if (event.target.checked) chosen.add(job.id); else chosen.delete(job.id);
@@ -55,7 +55,7 @@ function renderJobs(jobs) {
   }
   const sorted = [...jobs].sort((a, b) => b.id - a.id);
   fill(box, el('table', { class: 'list', id: 'jobs-table' },
-    el('thead', {}, el('tr', {}, ['', 'Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', 'Loss', '', 'Created']
+    el('thead', {}, el('tr', {}, ['Compare', 'Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', 'Loss', '', 'Created']
       .filter((h) => h !== null).map((h) => el('th', {}, h)))),
     el('tbody', {}, sorted.map(jobRow))));
 }

@@ -154,7 +154,8 @@ $('#upload-form').addEventListener('submit', async (event) => {
     const id = created && created.id;
     const skipped = created && created.skipped > 0 ? created.skipped_records || [] : [];
     fill(ok, `Uploaded ${created && created.name ? created.name : file.name}`,
-      created && typeof created.records === 'number' ? ` (${fmtInt(created.records)} examples kept)` : '', '. ',
+      created && typeof created.records === 'number'
+        ? ` (${fmtInt(created.records)} example${created.records === 1 ? '' : 's'} kept)` : '', '. ',
       id !== undefined ? el('a', { href: `/datasets/${id}` }, 'See the preview') : null,
       skipped.length ? el('div', { id: 'upload-skipped' },
         el('p', {}, `${fmtInt(created.skipped)} invalid records were skipped:`),

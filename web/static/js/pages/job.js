@@ -8,7 +8,7 @@ import { ApiError, del, get, post, postStream, request, requireUser } from '../a
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
-import { canResume, deviceLabel, gpuIndices, jobProgress, modelLabel, placeInLine, queuePosition, settingsList } from './job_fields.js';
+import { canResume, deviceLabel, gpuIndices, jobProgress, modelLabel, placeInLine, queuePosition, runDuration, settingsList } from './job_fields.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -195,7 +195,7 @@ function renderRunSummary() {
     fact('Queued', time(job.created_at), 'queued'),
     fact('Started', time(job.started_at), 'started'),
     fact('Finished', time(job.finished_at), 'finished'),
-    fact('Duration', typeof job.duration_s === 'number' ? fmtDuration(job.duration_s) : '—', 'duration'),
+    fact('Duration', runDuration(job), 'duration'),
     fact('Final loss', loss(s.final_loss), 'final_loss'),
     fact('Best loss', `${loss(s.best_loss)}${at(s.best_loss_step)}`, 'best_loss'),
     fact('Eval loss', typeof s.final_eval_loss === 'number' ? `${loss(s.final_eval_loss)}, best ${loss(s.best_eval_loss)}${at(s.best_eval_step)}` : '—', 'summary_eval_loss'),

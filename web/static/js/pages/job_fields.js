@@ -1,4 +1,5 @@
 // Reading a job as `GET /api/jobs` and `GET /api/jobs/{id}` send it, in one place.
+import { fmtDuration } from '../ui.js';
 
 /** `{step, steps, fraction}`; fraction is 0..1. `total_steps` is 0 until a one-pass job starts. */
 export function jobProgress(job) {
@@ -100,4 +101,10 @@ function settingText(setting, value) {
 
 function num(value) {
   return typeof value === 'number' && Number.isFinite(value) ? value : undefined;
+}
+
+/** A job's duration as the API gives it: whole seconds (job times are kept to the second). */
+export function runDuration(job) {
+  if (typeof job.duration_s !== 'number') return '—';
+  return job.duration_s < 1 ? 'under 1 s' : fmtDuration(job.duration_s);
 }

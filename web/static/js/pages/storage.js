@@ -53,7 +53,7 @@ function renderUsers(users) {
 }
 
 async function removeModel(model) {
-  if (!confirm(`Delete the model folder “${model.name}”? This frees ${fmtBytes(model.bytes)}. Jobs that trained it keep their checkpoints.`)) return;
+  if (!confirm(`Delete the model “${model.name}”? This frees ${fmtBytes(model.bytes)}. Jobs that trained it keep their checkpoints.`)) return;
   try {
     const done = await del(`/api/storage/models/${encodeURIComponent(model.name)}`);
     notice(`Deleted ${model.name}: ${fmtBytes(done.freed_bytes)} freed.`);
@@ -65,13 +65,14 @@ async function removeModel(model) {
 
 function renderModels(models) {
   if (!models.length) {
-    fill($('#storage-models'), el('p', { class: 'empty' }, 'No model folders.'));
+    fill($('#storage-models'), el('p', { class: 'empty' }, 'No model folders or pulled models.'));
     return;
   }
   fill($('#storage-models'), el('table', { class: 'list', id: 'models-table' },
-    el('thead', {}, el('tr', {}, ['Folder', 'Size', ''].map((h) => el('th', {}, h)))),
+    el('thead', {}, el('tr', {}, ['Model', 'From', 'Size', ''].map((h) => el('th', {}, h)))),
     el('tbody', {}, models.map((m) => el('tr', { dataset: { model: m.name } },
-      el('td', {}, m.name),
+      el('td', {}, m.origin === 'pulled' ? m.name.replace(/^hf:/, '') : m.name),
+      el('td', { class: 'small muted' }, m.origin === 'pulled' ? 'pulled from the Hub' : 'models/ folder'),
       el('td', { class: 'num' }, fmtBytes(m.bytes)),
       el('td', { class: 'actions' }, m.active_jobs > 0
         ? el('span', { class: 'small muted' }, `in use by ${m.active_jobs} job${m.active_jobs === 1 ? '' : 's'}`)
