@@ -54,21 +54,29 @@ impl ResolvedModel {
     }
 }
 
-/// `preset:<name>` or `local:<folder>` to its spec; 400 naming the id when it is unknown.
+/// `preset:<name>`, `local:<folder>` or `hf:Org/Name[@revision]` to its spec; 400 naming the
+/// id when it is unknown.
 pub fn resolve(state: &AppState, id: &str) -> ApiResult<ResolvedModel> {
     let unknown = |why: String| ApiError::bad_request(format!("unknown model {id:?}: {why}"));
+    let source = source(state, id).map_err(unknown)?;
+    let spec = match &source {
+        ModelSource::Preset(name) => spec::preset(name),
+        ModelSource::Dir(dir) => ModelSpec::from_path(dir),
+    }
+    .map_err(|e| unknown(e.to_string()))?;
+    Ok(ResolvedModel { id: id.to_string(), source, spec })
+}
+
+/// Where model `id` is: the one reading of ids, for the API as for the runner (a job names its
+/// model by id, and a pulled model may be deleted between the submit and the start). `Err` says
+/// why it is unknown.
+pub fn source(state: &AppState, id: &str) -> Result<ModelSource, String> {
     if let Some(name) = id.strip_prefix("preset:") {
-        let spec = spec::preset(name).map_err(|e| unknown(e.to_string()))?;
-        return Ok(ResolvedModel {
-            id: id.to_string(),
-            source: ModelSource::Preset(name.to_string()),
-            spec,
-        });
+        return Ok(ModelSource::Preset(name.to_string()));
     }
     if let Some(folder) = id.strip_prefix("local:") {
-        let dir = local_dir(state, folder).ok_or_else(|| unknown("no such folder".into()))?;
-        let spec = ModelSpec::from_path(&dir).map_err(|e| unknown(e.to_string()))?;
-        return Ok(ResolvedModel { id: id.to_string(), source: ModelSource::Dir(dir), spec });
+        let dir = local_dir(state, folder).ok_or_else(|| "no such folder".to_string())?;
+        return Ok(ModelSource::Dir(dir));
     }
     if let Some(name) = id.strip_prefix("hf:") {
         let (repo, revision) = name.split_once('@').unwrap_or((name, "main"));
@@ -76,15 +84,14 @@ pub fn resolve(state: &AppState, id: &str) -> ApiResult<ResolvedModel> {
             .into_iter()
             .find_map(|(root, _)| crate::hub::cache::find(&root, repo, revision))
             .ok_or_else(|| {
-                unknown(format!(
+                format!(
                     "{repo} at {revision} is not in the appliance's or your Hugging Face cache \
                      (pull it first)"
-                ))
+                )
             })?;
-        let spec = ModelSpec::from_path(&found.dir).map_err(|e| unknown(e.to_string()))?;
-        return Ok(ResolvedModel { id: id.to_string(), source: ModelSource::Dir(found.dir), spec });
+        return Ok(ModelSource::Dir(found.dir));
     }
-    Err(unknown("model ids start with \"preset:\", \"local:\" or \"hf:\"".into()))
+    Err("model ids start with \"preset:\", \"local:\" or \"hf:\"".into())
 }
 
 /// The Hugging Face caches read, in order, with the origin their models are shown with.

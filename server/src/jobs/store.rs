@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Serialize;
 use serde_json::{Value, json};
-use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
+use sluice_engine::train::{Devices, Job, JobSettings};
 use sqlx::FromRow;
 
 use crate::AppState;
@@ -233,15 +233,11 @@ fn job_duration_s(job: &JobRow) -> Option<f64> {
 pub async fn job_of(state: &AppState, row: &JobRow) -> Result<Job, String> {
     let settings = row.settings().map_err(|e| format!("{e:?}"))?;
     let devices: Devices = row.device.parse().map_err(|e: sluice_engine::Error| e.to_string())?;
-    let model = if let Some(name) = row.model.strip_prefix("preset:") {
-        ModelSource::Preset(name.to_string())
-    } else if let Some(folder) = row.model.strip_prefix("local:")
-        && crate::paths::is_plain_name(folder)
-    {
-        ModelSource::Dir(state.models_dir().join(folder))
-    } else {
-        return Err(format!("unknown model {:?}", row.model));
-    };
+    let (model_state, id) = (state.clone(), row.model.clone());
+    let model = tokio::task::spawn_blocking(move || crate::models::source(&model_state, &id))
+        .await
+        .map_err(|e| format!("model lookup: {e}"))?
+        .map_err(|why| format!("unknown model {:?}: {why}", row.model))?;
     let file = |id: Option<i64>| async move {
         let Some(id) = id else { return Ok(None) };
         // Read as the dataset was linted at upload: the same records skipped, the same columns.

@@ -769,10 +769,14 @@ async fn a_pulled_model_is_deleted_with_every_revision_and_the_users_cache_never
     let demo = admin.demo_dataset().await?;
     let job = alice
         .submit(json!({"model": format!("hf:{SMOL}@main"), "dataset": demo, "gpu": "cpu",
-            "steps": 100, "seq_len": 32}))
+            "steps": 100_000, "seq_len": 256, "micro_batch": 1, "grad_accum": 1}))
         .await?;
+    let started = alice.wait_job(job, 120, |j| j["status"] != "queued").await?;
+    let log = alice.get(&format!("/api/jobs/{job}/log")).await?.text();
+    assert_eq!(started["status"], "running", "{started}\n{log}");
     let busy = admin.delete(&path).await?;
-    assert_eq!(busy.status, StatusCode::CONFLICT, "{}", busy.text());
+    let now = alice.get(&format!("/api/jobs/{job}")).await?.json()?;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{} while the job is {now}", busy.text());
     alice.post(&format!("/api/jobs/{job}/cancel"), json!({})).await?;
     alice.wait_job(job, 120, |j| j["status"] == "cancelled").await?;
 
