@@ -265,6 +265,15 @@ fn empty_files_are_a_clear_error() {
     assert!(matches!(err, Error::Io { .. }), "{err}");
 }
 
+/// The one record of `openai-tags.jsonl`, as its registry entry's tags read it.
+fn sum_conversation() -> Record {
+    Record::Conversation(vec![
+        system("Answer with the sum."),
+        user("What is 2 + 2?"),
+        assistant("2 + 2 = 4."),
+    ])
+}
+
 #[test]
 fn registry_resolves_files_columns_and_tags() {
     let registry = examples().join("dataset_info.json");
@@ -284,14 +293,7 @@ fn registry_resolves_files_columns_and_tags() {
 
     let tags = read_registry_dataset(&registry, "custom_tags_example").unwrap();
     assert!(tags.problems.is_empty(), "{:?}", tags.problems);
-    assert_eq!(
-        tags.entries[0].record,
-        Record::Conversation(vec![
-            system("Answer with the sum."),
-            user("What is 2 + 2?"),
-            assistant("2 + 2 = 4.")
-        ])
-    );
+    assert_eq!(tags.entries[0].record, sum_conversation());
 
     let qa = read_registry_dataset(&registry, "qa_columns_example").unwrap();
     assert_eq!(
@@ -322,14 +324,7 @@ fn an_uploaded_registry_is_reduced_to_the_entry_of_its_file() {
     assert_eq!(registry_names(&registry).unwrap(), ["custom_tags_example"]);
     let parsed = read_registry_dataset(&registry, &name).unwrap();
     assert!(parsed.problems.is_empty(), "{:?}", parsed.problems);
-    assert_eq!(
-        parsed.entries[0].record,
-        Record::Conversation(vec![
-            system("Answer with the sum."),
-            user("What is 2 + 2?"),
-            assistant("2 + 2 = 4.")
-        ])
-    );
+    assert_eq!(parsed.entries[0].record, sum_conversation());
 
     // Named outright, whatever the file is called.
     let (single, name) =

@@ -37,8 +37,9 @@ async fn show(
     Ok(Json(datasets::visible(&state, &user, id).await?))
 }
 
-/// `DELETE /api/datasets/{id}`: `{"id", "freed_bytes"}`; 403 for a non-admin on the shared demo; 409 while a queued
-/// or running job uses it. Finished jobs keep their checkpoints but can no longer be resumed.
+/// `DELETE /api/datasets/{id}`: `{"id", "freed_bytes"}`; 403 for a non-admin on the shared
+/// demo; 409 while a queued or running job uses it. Finished jobs keep their checkpoints but can
+/// no longer be resumed.
 async fn remove(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,

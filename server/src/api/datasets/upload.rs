@@ -157,12 +157,10 @@ pub(super) async fn upload(
 /// uploaded file under a temporary name until the dataset is kept.
 struct Registry {
     temp: TempFile,
-    /// The registry as sent (the entry is picked again when it is kept, for the final name).
-    text: String,
+    /// The one-entry registry as written (its `file_name` the temporary file's).
+    single: String,
     /// The entry's name.
     name: String,
-    dataset: Option<String>,
-    original: Option<String>,
 }
 
 impl Registry {
@@ -179,8 +177,8 @@ impl Registry {
                 .map_err(refused_registry)?;
         let path = data.with_file_name(format!("{stored_as}.dataset_info.json"));
         let temp = TempFile(Some(path.clone()));
-        tokio::fs::write(&path, single).await?;
-        Ok(Registry { temp, text, name, dataset, original: original.map(str::to_string) })
+        tokio::fs::write(&path, &single).await?;
+        Ok(Registry { temp, single, name })
     }
 
     /// Writes the registry for the data's final name `file_name` as `{token}.dataset_info.json`;
@@ -191,13 +189,10 @@ impl Registry {
         token: &str,
         file_name: &str,
     ) -> ApiResult<(String, String)> {
-        let (single, name) = single_dataset_registry(
-            &self.text,
-            self.dataset.as_deref(),
-            self.original.as_deref(),
-            file_name,
-        )
-        .map_err(refused_registry)?;
+        // The one entry again, pointing at the final name.
+        let (single, name) =
+            single_dataset_registry(&self.single, Some(&self.name), None, file_name)
+                .map_err(refused_registry)?;
         let Some(temp) = self.temp.0.clone() else {
             return Err(ApiError::internal(anyhow::anyhow!("upload registry vanished")));
         };
