@@ -13,7 +13,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::schedule::{
-    CpuGroup, DataParallel, GradientTier, ScheduleOptions, Streamer, Tier,
+    CpuGroup, DataParallel, GradientTier, ScheduleOptions, Streamer, Tier, WeightSource,
 };
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::TrainConfig;
@@ -37,6 +37,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
         optimizer_threads: 2,
         resident: Vec::new(),
         gradients,
+        weights: WeightSource::Master,
     }
 }
 

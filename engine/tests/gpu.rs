@@ -24,8 +24,9 @@ use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{AttentionShape, Backend, FloatKind, IGNORE};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerScratch};
-use sluice_engine::schedule::{GradientTier, ScheduleOptions, Streamer, Tier};
+use sluice_engine::schedule::{GradientTier, ScheduleOptions, Streamer, Tier, WeightSource};
 use sluice_engine::spec::{ModelSpec, preset};
+use sluice_engine::store::HostSlab;
 use sluice_engine::train::{TrainConfig, Trainer};
 
 use FloatKind::{Accum, Activation};
@@ -913,11 +914,15 @@ fn streaming_schedule_matches_the_reference_loop() {
     use GradientTier::{DeviceStore, HostRing, HostStore};
     // (checkpoint tier, checkpoint interval K, gradient tier, clipping); the fixtures have 2
     // layers, so K = 2 recomputes layer 1's input from layer 0's checkpoint.
+    use WeightSource::{Master, StreamingCopy};
     let tiers = [
-        (Tier::Host, 1, HostStore, Some(1.0)),
-        (Tier::Host, 2, DeviceStore, Some(1.0)),
-        (Tier::Device, 1, HostRing, None),
-        (Tier::Device, 2, DeviceStore, None),
+        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy),
+        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy),
+        (Tier::Device, 1, HostRing, None, StreamingCopy),
+        (Tier::Device, 2, DeviceStore, None, StreamingCopy),
+        // The fp32 master cast on the device rounds as the host's copy does: the same bits.
+        (Tier::Host, 1, HostStore, Some(1.0), Master),
+        (Tier::Device, 1, HostRing, None, Master),
     ];
     for case in ["llama", "qwen2", "mistral"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -925,9 +930,10 @@ fn streaming_schedule_matches_the_reference_loop() {
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
             .collect();
         let tied = spec.tie_embeddings;
-        for &(checkpoints, interval, gradients, clip) in &tiers {
-            let what =
-                format!("{case} {checkpoints:?} checkpoints every {interval}, {gradients:?}");
+        for &(checkpoints, interval, gradients, clip, weights) in &tiers {
+            let what = format!(
+                "{case} {checkpoints:?} checkpoints every {interval}, {gradients:?}, {weights:?}"
+            );
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
             let mut reference =
                 Trainer::new(gpu(), &spec, p.clone(), cfg.clone(), 42).expect("trainer");
@@ -939,6 +945,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                 optimizer_threads: 4,
                 resident: Vec::new(),
                 gradients,
+                weights,
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");
@@ -963,6 +970,61 @@ fn streaming_schedule_matches_the_reference_loop() {
             record(&format!("streaming vs reference loop: {what}"), worst, tol.max(1e-30));
         }
     }
+}
+
+/// Weights streamed from the fp32 master: copied up a staging chunk at a time and cast on the
+/// copy stream. Many chunks and a short last one, against the host's rounding bit for bit:
+/// ties to even both ways, subnormals, infinities and the largest finite values.
+#[test]
+fn a_casting_upload_rounds_as_the_host_does() {
+    let g = gpu();
+    let n = 10_007;
+    let mut rng = ChaCha8Rng::seed_from_u64(77);
+    let mut values: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let special = [
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        -(1.0 + 1.0 / 256.0),
+        f32::from_bits(0x0000_8000),
+        f32::from_bits(0x8001_7fff),
+        f32::MIN_POSITIVE,
+        f32::MAX,
+        f32::MIN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+    ];
+    values[..special.len()].copy_from_slice(&special);
+    let mut slab = HostSlab::zeroed(n * 4).expect("slab");
+    slab.as_f32_mut().copy_from_slice(&values);
+    g.pin(&mut slab).expect("pin");
+    let mut out = g.alloc(n, Activation).expect("alloc");
+    let mut staging = g.alloc(1000, Accum).expect("staging");
+    let stream = g.new_stream().expect("stream");
+    let done = g.new_event().expect("event");
+    // SAFETY: the slab, the output and the staging outlive the synchronisation below, and
+    // nothing else touches them until then.
+    unsafe {
+        g.upload_f32_on(&stream, g.view_mut(&mut out, 0..n), &slab, 0, Some(&mut staging))
+            .expect("casting upload");
+    }
+    g.record(&done, &stream).expect("record");
+    Backend::synchronize(g, &done).expect("sync");
+    let mut got = vec![0f32; n];
+    g.download(&mut got, g.view(&out, 0..n)).expect("download");
+    let bad = got
+        .iter()
+        .zip(&values)
+        .filter(|(a, x)| a.to_bits() != bf16::from_f32(**x).to_f32().to_bits())
+        .count();
+    assert_eq!(bad, 0, "{bad} of {n} elements round differently from the host");
+    // A bf16 destination without staging is refused, not left half-written.
+    // SAFETY: as above; the call queues nothing when it fails.
+    let err = unsafe { g.upload_f32_on(&stream, g.view_mut(&mut out, 0..n), &slab, 0, None) }
+        .expect_err("no staging");
+    assert!(err.to_string().contains("staging"), "{err}");
+    println!("casting upload: {n} elements through 1000-element chunks, bit-exact");
 }
 
 #[test]
@@ -1261,6 +1323,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
         optimizer_threads: 4,
         resident: Vec::new(),
         gradients,
+        weights: WeightSource::Master,
     };
     let second = match sluice_engine::backend::cuda::probe().expect("GPUs") {
         n if n >= 2 => Some(Cuda::new(1).expect("GPU 1")),

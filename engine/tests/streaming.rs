@@ -11,7 +11,9 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
-use sluice_engine::schedule::{GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier};
+use sluice_engine::schedule::{
+    GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+};
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{TrainConfig, Trainer};
 
@@ -19,6 +21,8 @@ use support::micro_batch;
 
 const G: usize = 4;
 const STEPS: usize = 5;
+const COPY: WeightSource = WeightSource::StreamingCopy;
+const MASTER: WeightSource = WeightSource::Master;
 
 fn config(clip: Option<f32>) -> TrainConfig {
     TrainConfig {
@@ -38,6 +42,7 @@ fn check(
     gradients: GradientTier,
     clip: Option<f32>,
     resident: Vec<usize>,
+    weights: WeightSource,
 ) {
     let (spec, params): (ModelSpec, HostParams) = if case == "tiny" {
         // The 4-layer preset: deep enough for several checkpoint groups.
@@ -62,6 +67,7 @@ fn check(
         optimizer_threads: 2,
         resident,
         gradients,
+        weights,
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     for (k, micro) in steps.iter().enumerate() {
@@ -131,16 +137,16 @@ fn check(
 #[test]
 fn streaming_equals_reference_host_checkpoints_clipped() {
     for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
-        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new());
-        check(case, (Tier::Host, 1), GradientTier::DeviceStore, Some(1.0), Vec::new());
+        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), COPY);
+        check(case, (Tier::Host, 1), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
     }
 }
 
 #[test]
 fn streaming_equals_reference_device_checkpoints_unclipped() {
     for case in ["llama", "qwen2", "qwen3", "mistral"] {
-        check(case, (Tier::Device, 1), GradientTier::HostRing, None, Vec::new());
-        check(case, (Tier::Device, 1), GradientTier::DeviceStore, None, Vec::new());
+        check(case, (Tier::Device, 1), GradientTier::HostRing, None, Vec::new(), COPY);
+        check(case, (Tier::Device, 1), GradientTier::DeviceStore, None, Vec::new(), COPY);
     }
 }
 
@@ -148,7 +154,7 @@ fn streaming_equals_reference_device_checkpoints_unclipped() {
 fn resident_units_give_the_same_results_with_less_traffic() {
     // The embedding, the first layer and the head stay on the device.
     for case in ["llama", "qwen2"] {
-        check(case, (Tier::Device, 1), GradientTier::HostStore, Some(1.0), vec![0, 1, 3]);
+        check(case, (Tier::Device, 1), GradientTier::HostStore, Some(1.0), vec![0, 1, 3], COPY);
     }
 }
 
@@ -159,10 +165,20 @@ fn a_checkpoint_interval_recomputes_to_the_same_results() {
     // 2-layer fixtures cover an untied model (bitwise equality) and a tied one.
     for case in ["tiny", "llama", "qwen2"] {
         for k in [2, 3, 8] {
-            check(case, (Tier::Device, k), GradientTier::HostStore, Some(1.0), Vec::new());
-            check(case, (Tier::Host, k), GradientTier::HostRing, None, Vec::new());
+            check(case, (Tier::Device, k), GradientTier::HostStore, Some(1.0), Vec::new(), COPY);
+            check(case, (Tier::Host, k), GradientTier::HostRing, None, Vec::new(), COPY);
             // The tiny preset's 6 units outnumber the ring's slots: landings rotate through it.
-            check(case, (Tier::Device, k), GradientTier::DeviceStore, Some(1.0), Vec::new());
+            check(case, (Tier::Device, k), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
         }
+    }
+}
+
+#[test]
+fn streaming_from_the_master_equals_the_reference() {
+    // No streaming copy: the device reads the master, the optimizer refreshes no copy.
+    for case in ["llama", "qwen2"] {
+        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), MASTER);
+        check(case, (Tier::Device, 1), GradientTier::HostRing, None, vec![0, 3], MASTER);
+        check(case, (Tier::Device, 2), GradientTier::DeviceStore, Some(1.0), Vec::new(), MASTER);
     }
 }

@@ -191,6 +191,34 @@ pub trait Backend: Send + Sync {
         src: &HostSlab,
         offset: usize,
     ) -> Result<()>;
+    /// Queues a copy of the view's length in f32 elements from `src` (starting `offset` bytes
+    /// in) into `dst`, converted to `dst`'s dtype on the device (round to nearest even, as
+    /// `half::bf16::from_f32`), on `stream`, and returns before it has run. Where the dtypes
+    /// differ the values pass through `staging`, an f32 buffer (`FloatKind::Accum`), a chunk
+    /// of its length at a time; where they are the same (the CPU's f32 weights) this is
+    /// [`Backend::upload_on`] and `staging` may be `None`.
+    ///
+    /// # Safety
+    /// As [`Backend::upload_on`], and `staging` must not be read or written by work on another
+    /// stream until an event recorded on `stream` after this call has completed.
+    unsafe fn upload_f32_on(
+        &self,
+        stream: &Self::Stream,
+        dst: Self::ViewMut<'_>,
+        src: &HostSlab,
+        offset: usize,
+        staging: Option<&mut Self::Floats>,
+    ) -> Result<()> {
+        let _ = staging;
+        if self.weight_dtype() != WeightDtype::F32 {
+            return Err(crate::error::Error::invalid(format!(
+                "{} does not implement casting uploads",
+                self.name()
+            )));
+        }
+        // SAFETY: the caller's obligations are `upload_on`'s.
+        unsafe { self.upload_on(stream, dst, src, offset) }
+    }
     /// Queues a copy of `src` (in its own dtype) into `dst` at `offset` bytes on `stream`, and
     /// returns before it has run.
     ///

@@ -251,8 +251,8 @@ pub struct UnitState<'a> {
     /// Second moment.
     pub v: &'a mut [f32], // [n]
     /// The bf16 streaming copy (raw bits), overwritten with the new master rounded to nearest
-    /// even.
-    pub bf16: &'a mut [u16], // [n]
+    /// even; empty when the weights stream from the master (nothing to refresh).
+    pub bf16: &'a mut [u16], // [n] or [0]
 }
 
 /// The per-step arguments of [`adamw_fused`].
@@ -326,8 +326,8 @@ pub fn fused_isa() -> &'static str {
 const FUSED_CHUNK: usize = 16 * 1024;
 
 /// The fused AdamW update of one unit, in one pass over memory on `pool`: reads `grad`, m, v and
-/// master; writes m, v, master and the bf16 streaming copy. Per element the arithmetic is
-/// exactly [`adamw_step`]'s on the gradient multiplied by `args.clip_coef`, so the result is
+/// master; writes m, v, master and the bf16 streaming copy (unless it is empty). Per element the
+/// arithmetic is exactly [`adamw_step`]'s on the gradient multiplied by `args.clip_coef`, so the result is
 /// bit-identical to `scale` + `adamw_step` per tensor + a bf16 rounding pass, and does not
 /// depend on the pool's size.
 ///
@@ -343,6 +343,24 @@ pub fn adamw_fused(
     let (plain, decayed) = check_fused(&state, grad, args)?;
     let isa = Isa::detect();
     let UnitState { master, m, v, bf16 } = state;
+    if bf16.is_empty() {
+        pool.install(|| {
+            master
+                .par_chunks_mut(FUSED_CHUNK)
+                .zip(grad.par_chunks(FUSED_CHUNK))
+                .zip(m.par_chunks_mut(FUSED_CHUNK))
+                .zip(v.par_chunks_mut(FUSED_CHUNK))
+                .enumerate()
+                .for_each(|(i, (((p, g), m), v))| {
+                    let chunk = Chunk { p, g, m, v, out: &mut [] };
+                    for_each_span(chunk, i * FUSED_CHUNK, args.decayed, |c, decay| {
+                        let coeffs = if decay { &decayed } else { &plain };
+                        fused_chunk(isa, c, coeffs, args.clip_coef);
+                    });
+                });
+        });
+        return Ok(());
+    }
     pool.install(|| {
         master
             .par_chunks_mut(FUSED_CHUNK)
@@ -386,7 +404,8 @@ fn check_fused(
     args: &FusedStep<'_>,
 ) -> Result<(Coeffs, Coeffs)> {
     let n = state.master.len();
-    if grad.len() != n || state.m.len() != n || state.v.len() != n || state.bf16.len() != n {
+    let copy = state.bf16.len();
+    if grad.len() != n || state.m.len() != n || state.v.len() != n || (copy != n && copy != 0) {
         return Err(Error::invalid(format!(
             "fused AdamW slice lengths differ: master {n}, grad {}, m {}, v {}, bf16 {}",
             grad.len(),
@@ -415,7 +434,7 @@ fn check_fused(
     Ok((plain, decayed))
 }
 
-/// Matching windows of the five arrays.
+/// Matching windows of the five arrays (`out` empty when there is no bf16 copy to write).
 struct Chunk<'a> {
     p: &'a mut [f32],
     g: &'a [f32],
@@ -431,7 +450,11 @@ impl<'a> Chunk<'a> {
         let (g0, g1) = self.g.split_at(k);
         let (m0, m1) = self.m.split_at_mut(k);
         let (v0, v1) = self.v.split_at_mut(k);
-        let (o0, o1) = self.out.split_at_mut(k);
+        let (o0, o1) = if self.out.is_empty() {
+            (Default::default(), self.out)
+        } else {
+            self.out.split_at_mut(k)
+        };
         (
             Chunk { p: p0, g: g0, m: m0, v: v0, out: o0 },
             Chunk { p: p1, g: g1, m: m1, v: v1, out: o1 },
@@ -523,6 +546,15 @@ fn fused_element(
 fn fused_body(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
     let Chunk { p, g, m, v, out } = c;
     let n = p.len();
+    if out.is_empty() {
+        let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+        // No copy to refresh: the rounding lands in a local the compiler drops.
+        let mut none = 0;
+        for i in 0..n {
+            fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut none, coeffs, clip);
+        }
+        return;
+    }
     // Equal lengths let the compiler drop the bounds checks and vectorise the loop.
     let (g, m, v, out) = (&g[..n], &mut m[..n], &mut v[..n], &mut out[..n]);
     for i in 0..n {
@@ -534,6 +566,13 @@ fn fused_body(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
 /// handing every element through `black_box`.
 fn fused_scalar(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
     let Chunk { p, g, m, v, out } = c;
+    if out.is_empty() {
+        let mut none = 0;
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            fused_element(p, std::hint::black_box(g), m, v, &mut none, coeffs, clip);
+        }
+        return;
+    }
     for ((((p, &g), m), v), out) in
         p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(out.iter_mut())
     {
@@ -819,6 +858,53 @@ mod tests {
         for (isa, r) in &results[1..] {
             assert!(*r == results[0].1, "{isa:?} differs from the portable body");
         }
+    }
+
+    #[test]
+    fn without_a_copy_the_update_is_the_same_and_writes_no_copy() {
+        // Odd offsets and lengths: the AVX-512 body's head, vector loop and tail all run.
+        let n = 2 * FUSED_CHUNK + 333;
+        let decayed = [5..FUSED_CHUNK + 17, n - 40..n];
+        let pool = AdamPool::new(3).expect("pool");
+        let mut with = Unit::new(n);
+        fused_on(&pool, &mut with, &fused_args(&decayed, 0.6)).expect("valid");
+        let mut without = Unit::new(n);
+        without.bf16.clear();
+        fused_on(&pool, &mut without, &fused_args(&decayed, 0.6)).expect("valid");
+        let (a, b) = (with.bits(), without.bits());
+        assert_eq!((&a.0, &a.1, &a.2), (&b.0, &b.1, &b.2));
+        assert!(b.3.is_empty());
+        // Every instruction set this CPU has, and the scalar baseline.
+        let c = Coeffs::new(&hp(), 1e-2, 3, true).expect("valid");
+        let mut isas = vec![Isa::Portable, Isa::detect()];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            isas.push(Isa::Avx2Fma);
+        }
+        for isa in isas {
+            let run = |copy: bool| {
+                let mut u = Unit::new(4099);
+                if !copy {
+                    u.bf16.clear();
+                }
+                let g = u.grad.clone();
+                let (p, m, v) = (&mut u.master[3..], &mut u.m[3..], &mut u.v[3..]);
+                let out: &mut [u16] = if copy { &mut u.bf16[3..] } else { &mut [] };
+                fused_chunk(isa, Chunk { p, g: &g[3..], m, v, out }, &c, 0.5);
+                let b = u.bits();
+                (b.0, b.1, b.2)
+            };
+            assert_eq!(run(true), run(false), "{isa:?}");
+        }
+        let mut scalar = Unit::new(n);
+        scalar.bf16.clear();
+        {
+            let (st, g) = scalar.parts();
+            adamw_fused_scalar(st, g, &fused_args(&decayed, 0.6))
+        }
+        .expect("valid");
+        assert_eq!(scalar.bits().0, a.0, "scalar baseline");
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! norm into a factor ([`clip_coef`]), [`scale`] the gradients, then [`adamw_step`] each tensor
 //! with the rate [`LrSchedule::lr_at`] gives for the steps already taken, decaying only tensors
 //! that [`decays`] selects. The streaming trainer does the last two in one pass per unit with
-//! [`adamw_fused`] on its own [`AdamPool`], which also writes the unit's bf16 streaming copy.
+//! [`adamw_fused`] on its own [`AdamPool`], which also writes the unit's bf16 streaming copy
+//! where one is kept.
 
 pub mod adamw;
 pub mod clip;

@@ -1,10 +1,10 @@
 //! Bytes per memory tier for one placement, part by part.
 
-use crate::schedule::RING_SLOTS;
+use crate::schedule::{CAST_CHUNK, RING_SLOTS};
 use serde::Serialize;
 
 use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};
-use super::{CheckpointTier, GradientTier};
+use super::{CheckpointTier, GradientTier, WeightSource};
 
 /// Device memory kept back for the CUDA context's allocations after start-up, cuBLAS workspaces
 /// and allocator slack: the schedule allocates every buffer at job start, so fragmentation is
@@ -12,6 +12,9 @@ use super::{CheckpointTier, GradientTier};
 pub const DEVICE_RESERVE: u64 = 1 << 30;
 /// The name of that part of the device budget.
 pub const RUNTIME_RESERVE: &str = "runtime reserve (CUDA context, cuBLAS workspace)";
+/// The name of the device buffer the fp32 master lands in before its cast (a GPU's part only:
+/// the CPU computes on f32 weights and reads the master as it is).
+pub const CAST_STAGING: &str = "cast staging (fp32 master weights arriving, one chunk)";
 /// Alignment of every unit's slab in the host store (DMA bursts start on a page).
 pub const SLAB_ALIGN: u64 = 4096;
 
@@ -109,6 +112,7 @@ pub struct Layout {
     pub checkpoints: CheckpointTier,
     pub interval: usize,
     pub gradients: GradientTier,
+    pub weights: WeightSource,
     /// Per unit: whether its bf16 weights stay on the device.
     pub resident: Vec<bool>,
 }
@@ -203,6 +207,10 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
         format!("token batches ({g} micro-batches, i32)"),
         s.batch.step_tokens() * TOKEN_ARRAYS * 4 + g * 4,
     ));
+    if l.weights == WeightSource::Master {
+        let largest = s.units.iter().map(|u| u.params).max().unwrap_or(0);
+        parts.push((CAST_STAGING.to_string(), largest.min(CAST_CHUNK as u64) * F32));
+    }
     parts.push((RUNTIME_RESERVE.to_string(), DEVICE_RESERVE));
     parts
 }
@@ -229,7 +237,13 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
     let units = s.units.len() as u64;
     let largest = s.units.iter().map(|u| u.params).max().unwrap_or(0);
     let g = s.batch.grad_accum as u64;
-    let mut pinned = vec![("bf16 streaming copy".to_string(), p * BF16)];
+    let mut pinned = Vec::new();
+    match l.weights {
+        WeightSource::StreamingCopy => pinned.push(("bf16 streaming copy".to_string(), p * BF16)),
+        WeightSource::Master => {
+            pinned.push(("fp32 master weights (the weights stream from them)".to_string(), p * F32))
+        }
+    }
     match l.gradients {
         GradientTier::HostStore => {
             pinned.push(("gradient store (fp32, waits for the global norm)".to_string(), p * F32))
@@ -255,12 +269,16 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
     pinned.push(("slab alignment (4 KiB per unit)".to_string(), units * SLAB_ALIGN));
     let mut pinned = Tier::new(TierName::PinnedHost, pinned);
 
-    let pageable = vec![
-        ("fp32 master weights".to_string(), p * F32),
+    let mut pageable = Vec::new();
+    let arrays = if l.weights == WeightSource::StreamingCopy { 3 } else { 2 };
+    if l.weights == WeightSource::StreamingCopy {
+        pageable.push(("fp32 master weights".to_string(), p * F32));
+    }
+    pageable.extend([
         ("Adam first moment m (fp32)".to_string(), p * F32),
         ("Adam second moment v (fp32)".to_string(), p * F32),
-        ("slab alignment (4 KiB per unit per array)".to_string(), 3 * units * SLAB_ALIGN),
-    ];
+        ("slab alignment (4 KiB per unit per array)".to_string(), arrays * units * SLAB_ALIGN),
+    ]);
     let mut pageable = Tier::new(TierName::PageableHost, pageable);
     pinned.capacity = host_bytes.saturating_sub(pageable.used);
     pageable.capacity = host_bytes.saturating_sub(pinned.used);

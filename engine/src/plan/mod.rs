@@ -4,17 +4,21 @@
 //! (which refuses a plan that does not fit before it allocates anything).
 //!
 //! The step it plans (DESIGN.md §3): units (embedding, each decoder layer, head) stream through
-//! the device in layer-major order over G micro-batches. Weights cross PCIe as bf16 twice per
-//! step (forward, backward; once for a resident unit), fp32 gradients come back once. The host
-//! holds 14 bytes per parameter (fp32 master, m, v; bf16 streaming copy) plus the gradient store
-//! or landing ring, host checkpoints and staging.
+//! the device in layer-major order over G micro-batches. Weights cross PCIe twice per step
+//! (forward, backward; once for a resident unit), as bf16 from a streaming copy or as the fp32
+//! master cast on the device; fp32 gradients come back once. The host
+//! holds 12 bytes per parameter (fp32 master, m, v) plus, where PCIe bounds the step, a bf16
+//! streaming copy (2 more: the weights then cross PCIe at half the bytes), the gradient store or
+//! landing ring, host checkpoints and staging.
 //!
 //! How it decides: every combination of checkpoint tier (device or host), checkpoint interval K
 //! (1, or up to about sqrt(L) on the device) and, with clipping on, gradient tier (device store
-//! or host store) is a candidate. Each candidate then keeps as many units' weights resident as
+//! or host store) and weight source (the fp32 master, cast on the device, or a bf16 streaming
+//! copy) is a candidate. Each candidate then keeps as many units' weights resident as
 //! spare device memory allows, most-used first. Candidates that fit are timed by a
 //! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
-//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device). Only layouts the
+//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device, weights from the
+//! master). Only layouts the
 //! executing schedule implements are candidates ([`Capabilities`]). For the CPU backend the
 //! device is host memory ([`MemorySource::SharedWithHost`]): nothing is kept resident, and the
 //! device's buffers and the host store must fit the host together.
@@ -66,6 +70,29 @@ pub enum GradientTier {
     HostRing,
 }
 
+/// Where the weights that cross PCIe come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightSource {
+    /// A copy in the device's weight dtype (bf16 on GPUs) in pinned host memory, rewritten by
+    /// every update: 2 more host bytes per parameter, 2 bytes per parameter across PCIe.
+    StreamingCopy,
+    /// The fp32 master weights themselves, pinned, cast to the device's dtype as they arrive:
+    /// no second copy on the host, 4 bytes per parameter across PCIe (a GPU's cast is exact,
+    /// round to nearest even as the host's copy, so training is bit for bit the same).
+    Master,
+}
+
+impl WeightSource {
+    /// Bytes per parameter that cross PCIe per upload (and that the source holds on the host).
+    pub fn bytes(self) -> u64 {
+        match self {
+            WeightSource::StreamingCopy => sizes::BF16,
+            WeightSource::Master => sizes::F32,
+        }
+    }
+}
+
 /// When the CPU AdamW runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -115,6 +142,9 @@ pub struct Capabilities {
     /// With clipping off, gradients land in a small ring ([`GradientTier::HostRing`]);
     /// otherwise in a full host store.
     pub gradient_ring: bool,
+    /// Weights can stream from the fp32 master ([`WeightSource::Master`]); otherwise from a
+    /// streaming copy.
+    pub master_streaming: bool,
 }
 
 impl Capabilities {
@@ -123,6 +153,7 @@ impl Capabilities {
         max_checkpoint_interval: usize::MAX,
         device_gradient_store: true,
         gradient_ring: true,
+        master_streaming: true,
     };
 }
 
@@ -152,6 +183,11 @@ pub struct Placement {
     /// K: one checkpoint every K layers (K - 1 layers recomputed from it in a separate pass).
     pub checkpoint_interval: usize,
     pub gradients: GradientTier,
+    /// What the weights stream from: the fp32 master (less host memory) unless PCIe bounds
+    /// the step, where a half-size copy is faster.
+    pub weights: WeightSource,
+    /// Why, in a clause: "PCIe bounds the step: ...".
+    pub weights_reason: String,
     pub optimizer: OptimizerMode,
 }
 
@@ -291,8 +327,9 @@ fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
         units: sizes.units.len(),
     };
     match search(&sizes, input) {
-        Some(best) => {
-            let placement = placement(&sizes, &best.layout, input.clipping);
+        Some((best, other_s)) => {
+            let mut placement = placement(&sizes, &best.layout, input.clipping);
+            placement.weights_reason = weights_reason(&best.layout, best.cost.step, other_s, input);
             let time = step_time(&sizes, &best, input);
             Ok(Verdict::Fits(Box::new(Plan {
                 model,
@@ -321,7 +358,7 @@ struct Evaluated {
 
 /// The candidate layouts (nothing resident yet), each with its preference rank (lower is
 /// simpler): device checkpoints with K = 1, then host checkpoints, then growing K; gradients on
-/// the device before the host.
+/// the device before the host; weights from the master before a copy (less host memory).
 fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
     let caps = input.supports;
     let max_k = ((s.layers as f64).sqrt().ceil() as usize).clamp(1, caps.max_checkpoint_interval);
@@ -340,12 +377,29 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
         // times updates after the backward, not as gradients land: an upper bound on the step.
         _ => vec![(GradientTier::HostStore, 0)],
     };
+    // Streaming from the master saves host memory at the price of PCIe bytes: preferred
+    // whenever it is as fast (PCIe has room), and the only source some jobs fit with.
+    let sources: &[(WeightSource, usize)] = if caps.master_streaming {
+        &[(WeightSource::Master, 0), (WeightSource::StreamingCopy, 1)]
+    } else {
+        &[(WeightSource::StreamingCopy, 0)]
+    };
     let mut out = Vec::new();
     for &(checkpoints, interval, ck_rank) in &ckpts {
         for &(gradients, g_rank) in &grads {
-            let layout =
-                Layout { checkpoints, interval, gradients, resident: vec![false; s.units.len()] };
-            out.push((layout, 2 * ck_rank + g_rank));
+            for &(weights, w_rank) in sources {
+                let layout = Layout {
+                    checkpoints,
+                    interval,
+                    gradients,
+                    weights,
+                    resident: vec![false; s.units.len()],
+                };
+                // The weight source ranks last: a simpler checkpoint or gradient placement at
+                // the same predicted speed is also the one whose prediction holds best (host
+                // checkpoints with fp32 weights measured 10% slower than predicted at 7B).
+                out.push((layout, 4 * ck_rank + 2 * g_rank + w_rank));
+            }
         }
     }
     out
@@ -382,8 +436,9 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, memory: &MachineMemory) {
     }
 }
 
-/// The best fitting layout, or the closest one when none fits.
-fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<Evaluated> {
+/// The best fitting layout (`None` when none fits), with the fastest fitting step of the other
+/// weight source (`None` when that source fits nowhere), so the plan can say why it chose.
+fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> {
     let mut fitting = Vec::new();
     for (mut layout, rank) in candidates(s, input) {
         fill_resident(s, &mut layout, &input.memory);
@@ -394,7 +449,57 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<Evaluated> {
         }
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
-    fitting.into_iter().filter(|e| e.cost.step <= fastest * 1.01).min_by_key(|e| e.rank)
+    let source = fitting
+        .iter()
+        .filter(|e| e.cost.step <= fastest * 1.01)
+        .min_by_key(|e| e.rank)?
+        .layout
+        .weights;
+    let other =
+        fitting.iter().filter(|e| e.layout.weights != source).map(|e| e.cost.step).reduce(f64::min);
+    let best =
+        fitting.into_iter().filter(|e| e.cost.step <= fastest * 1.01).min_by_key(|e| e.rank)?;
+    Some((best, other))
+}
+
+/// Why the weights stream from where they do, in a clause for the plan's text.
+fn weights_reason(
+    l: &Layout,
+    chosen_s: f64,
+    other_s: Option<f64>,
+    input: &PlanInput<'_>,
+) -> String {
+    if !input.supports.master_streaming {
+        return "the schedule was asked to stream from a copy".to_string();
+    }
+    let memory = &input.memory;
+    match (l.weights, other_s) {
+        (WeightSource::Master, _) if memory.shared() => {
+            "the CPU computes on the fp32 master as it is".to_string()
+        }
+        (WeightSource::Master, Some(copy)) if copy < chosen_s * 0.9995 => format!(
+            "PCIe has room for fp32: a bf16 copy would save only {:.1}% of the step for 2 more \
+             host bytes per parameter",
+            (chosen_s - copy) / chosen_s * 100.0
+        ),
+        (WeightSource::Master, Some(_)) => "PCIe has room for fp32: a bf16 copy would be no \
+                                            faster and take 2 more host bytes per parameter"
+            .to_string(),
+        (WeightSource::Master, None) => {
+            "a bf16 copy would not fit beside the rest of the training state".to_string()
+        }
+        (WeightSource::StreamingCopy, Some(master)) if master > chosen_s * 1.01 => format!(
+            "PCIe bounds the step: streaming the fp32 master would take {master:.2} s per step \
+             instead of {chosen_s:.2} s"
+        ),
+        (WeightSource::StreamingCopy, Some(master)) => format!(
+            "streaming the fp32 master would be no faster ({master:.2} s per step) and needs a \
+             more involved placement of checkpoints or gradients"
+        ),
+        (WeightSource::StreamingCopy, None) => {
+            "the fp32 master's cast staging would not fit the device".to_string()
+        }
+    }
 }
 
 /// The budget of a layout on a machine. Where the device is host memory (the CPU backend), the
@@ -406,8 +511,9 @@ fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
     }
     let gpu = host.saturating_sub(budget::budget(s, l, 0, host).host_used());
     let mut b = budget::budget(s, l, gpu, host);
-    // No CUDA context or cuBLAS workspace to keep room for.
-    b.device.parts.retain(|p| p.name != budget::RUNTIME_RESERVE);
+    // No CUDA context or cuBLAS workspace to keep room for, and no cast: the CPU computes on
+    // f32 weights and reads the master as it is.
+    b.device.parts.retain(|p| p.name != budget::RUNTIME_RESERVE && p.name != budget::CAST_STAGING);
     b.device.used = b.device.parts.iter().map(|p| p.bytes).sum();
     b
 }
@@ -421,6 +527,8 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
         checkpoints: l.checkpoints,
         checkpoint_interval: l.interval,
         gradients: l.gradients,
+        weights: l.weights,
+        weights_reason: String::new(),
         optimizer: if clipping { OptimizerMode::AfterNorm } else { OptimizerMode::AsGradientsLand },
     }
 }

@@ -6,7 +6,7 @@ use std::fmt;
 use super::sizes::Sizes;
 use super::{
     Bottleneck, Budget, CheckpointTier, GradientTier, MachineMemory, MemorySource, OptimizerMode,
-    Plan, Refusal, Suggestion,
+    Plan, Refusal, Suggestion, WeightSource,
 };
 
 /// Bytes as GiB with two decimals ("13.27 GiB"); small sizes in MiB.
@@ -146,6 +146,16 @@ impl fmt::Display for Plan {
                 OptimizerMode::AfterNorm => "after the norm, overlapped with the next forward",
                 OptimizerMode::AsGradientsLand => "as gradients land, overlapped with the backward",
             }
+        )?;
+        writeln!(
+            f,
+            "  weights: stream from {} ({})",
+            match p.weights {
+                WeightSource::Master if self.memory.shared() => "the fp32 master",
+                WeightSource::Master => "the fp32 master, cast to bf16 on the device",
+                WeightSource::StreamingCopy => "a bf16 copy in pinned host memory",
+            },
+            p.weights_reason
         )?;
         if let Some(par) = &self.parallel {
             writeln!(

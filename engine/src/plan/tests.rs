@@ -1,6 +1,7 @@
 //! The planner against budgets computed by hand from the published model shapes.
 
 use super::*;
+use crate::schedule::CAST_CHUNK;
 use crate::spec::preset;
 
 const GIB: u64 = 1 << 30;
@@ -110,25 +111,63 @@ const QWEN72: Shape = Shape {
     qkv_bias: true,
 };
 
+const LLAMA70: Shape = Shape {
+    vocab: 128256,
+    hidden: 8192,
+    inter: 28672,
+    layers: 80,
+    q_heads: 64,
+    kv_heads: 8,
+    head_dim: 128,
+    qkv_bias: false,
+};
+
 #[test]
 fn hand_shapes_match_the_published_parameter_counts() {
-    // Hugging Face model cards: 7.62B, 8.03B, 14.8B, 72.7B.
+    // Hugging Face model cards: 7.62B, 8.03B, 14.8B, 72.7B, 70.6B.
     assert_eq!(QWEN7.params(), 7_615_616_512);
     assert_eq!(LLAMA8.params(), 8_030_261_248);
     assert_eq!(QWEN14.params(), 14_770_033_664);
     assert_eq!(QWEN72.params(), 72_706_203_648);
+    assert_eq!(LLAMA70.params(), 70_553_706_496);
+    // The presets plan with those counts.
+    for (name, shape) in [("llama3-70b", &LLAMA70), ("qwen2.5-72b", &QWEN72)] {
+        let huge = (139 * GIB, 4096 * GIB);
+        assert_eq!(fits(check(name, (1024, 8, 8), huge, true)).model.params, shape.params());
+    }
 }
 
-/// Host bytes by hand: 14 per parameter, plus the gradient ring (four slots of the largest unit
+#[test]
+fn seventy_b_class_fits_one_h200_with_1_5_tb_at_about_12_host_bytes_per_parameter() {
+    // The paper's machine: one H200 and 1.5 TB of host memory. The weights stream from the
+    // fp32 master (no bf16 copy), the gradients wait on the device or land in a ring.
+    let machine = (139 * GIB, 1536 * GIB);
+    for (name, shape) in [("llama3-70b", &LLAMA70), ("qwen2.5-72b", &QWEN72)] {
+        for clipping in [true, false] {
+            let plan = fits(check(name, (1024, 8, 8), machine, clipping));
+            assert_eq!(plan.placement.weights, WeightSource::Master, "{name}\n{plan}");
+            let per_param = plan.budget.host_used() as f64 / shape.params() as f64;
+            // 12 for master, m and v; the rest is the ring or gradient store and staging.
+            assert!(per_param >= 12.0, "{name}: {per_param:.2}");
+            let most = if plan.placement.gradients == GradientTier::HostStore { 16.1 } else { 12.5 };
+            assert!(per_param <= most, "{name} clipping {clipping}: {per_param:.2}\n{plan}");
+        }
+    }
+}
+
+/// Host bytes by hand: 12 per parameter (fp32 master, m and v) and, unless the weights stream
+/// from the master, a 2-byte bf16 copy; plus the gradient ring (four slots of the largest unit
 /// in fp32: the untied head, its norm and LM head) or the 4-byte gradient store, token staging
 /// (4 i32 arrays per token and one bound per micro-batch) and one 4 KiB alignment page per unit
-/// per array (4 arrays).
-fn host_by_hand(s: &Shape, grads_on_host: bool, tokens: u64, g: u64) -> (u64, u64) {
+/// per array (4 arrays with a copy, 3 without). The master is pinned when the weights stream
+/// from it.
+fn host_by_hand(s: &Shape, grads_on_host: bool, tokens: u64, g: u64, master: bool) -> (u64, u64) {
     let p = s.params();
     let units = s.layers + 2;
     let grads = if grads_on_host { 4 * p } else { 4 * (s.vocab * s.hidden + s.hidden) * 4 };
-    let pinned = 2 * p + grads + tokens * 16 + g * 4 + units * 4096;
-    let pageable = 12 * p + 3 * units * 4096;
+    let (source, arrays) = if master { (4 * p, 2) } else { (2 * p, 3) };
+    let pinned = source + grads + tokens * 16 + g * 4 + units * 4096;
+    let pageable = (if master { 8 } else { 12 }) * p + arrays * units * 4096;
     (pinned, pageable)
 }
 
@@ -141,9 +180,12 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
         let (t, g, h) = (8 * 1024u64, 8u64, shape.hidden);
         let b = &plan.budget;
 
-        // Host: 14 bytes per parameter plus the stated extras, exactly.
+        // Host: 12 bytes per parameter plus the stated extras, exactly. Every unit is
+        // resident, so weights cross PCIe once per step: room for fp32, no bf16 copy.
+        assert_eq!(plan.placement.weights, WeightSource::Master, "{name}\n{plan}");
+        assert!(plan.placement.weights_reason.contains("PCIe has room"), "{plan}");
         let on_host = plan.placement.gradients == GradientTier::HostStore;
-        let (pinned, pageable) = host_by_hand(shape, on_host, g * t, g);
+        let (pinned, pageable) = host_by_hand(shape, on_host, g * t, g, true);
         assert_eq!(b.pinned_host.used, pinned, "{name} pinned\n{plan}");
         assert_eq!(b.pageable_host.used, pageable, "{name} pageable\n{plan}");
         assert_eq!(b.host_used(), pinned + pageable);
@@ -164,6 +206,7 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
             + 2 * g * t * h * 2 // activations in and out
             + (shape.layers + 1) * g * t * h * 2 // checkpoints
             + g * t * 16 + g * 4 // token batches
+            + 4 * (shape.vocab * shape.hidden + shape.hidden).min(CAST_CHUNK as u64) // staging
             + GIB; // runtime reserve
         assert_eq!(b.device.part("layer scratch"), scratch, "{name}");
         assert_eq!(b.device.part("checkpoints"), (shape.layers + 1) * g * t * h * 2, "{name}");
@@ -174,17 +217,17 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
 
 #[test]
 fn fourteen_b_needs_more_host_than_the_h200_machine_has_and_fits_with_it() {
-    // 14 x 14.77e9 = 206.8 GB = 192.6 GiB of training state alone: more than 125 GiB.
+    // 12 x 14.77e9 = 177.2 GB = 165.1 GiB of training state alone: more than 125 GiB.
     let r = refused(check("qwen2.5-14b", (1024, 8, 8), H200, true));
     assert_eq!(r.overflows.len(), 1, "{r}");
     assert_eq!(r.overflows[0].memory, Memory::Host);
-    let (pinned, pageable) = host_by_hand(&QWEN14, false, 8 * 8 * 1024, 8);
+    let (pinned, pageable) = host_by_hand(&QWEN14, false, 8 * 8 * 1024, 8, true);
     assert_eq!(r.overflows[0].needed, pinned + pageable, "{r}");
     assert_eq!(r.overflows[0].over_by, pinned + pageable - 125 * GIB);
     assert!(r.fits.contains(&Suggestion::HostMemory(pinned + pageable)), "{r}");
     assert!(r.reason.contains("host memory"), "{}", r.reason);
 
-    // With that much host RAM it fits, and its budget is still 14 bytes/param plus extras.
+    // With that much host RAM it fits, and its budget is still 12 bytes/param plus extras.
     let plan = fits(check("qwen2.5-14b", (1024, 8, 8), (139 * GIB, pinned + pageable), true));
     assert_eq!(plan.budget.host_used(), pinned + pageable);
     assert!(plan.placement.resident_units.len() > 1, "{plan}");
@@ -194,15 +237,15 @@ fn fourteen_b_needs_more_host_than_the_h200_machine_has_and_fits_with_it() {
 fn seventy_two_b_is_refused_for_host_memory_with_what_it_needs() {
     let r = refused(check("qwen2.5-72b", (1024, 8, 8), H200, true));
     let p = QWEN72.params();
-    assert!(14 * p > 125 * GIB, "the premise: 14 bytes/param exceeds the host");
+    assert!(12 * p > 125 * GIB, "the premise: 12 bytes/param exceeds the host");
     let host = r.overflows.iter().find(|o| o.memory == Memory::Host).expect("host overflows");
     // The leanest host placement keeps gradients on the device (a four-slot ring on the host),
     // but 4 bytes/param of gradients (291 GB) do not fit 139 GiB, so RAM for the host store
     // is what it takes.
-    let (lean_pinned, lean_pageable) = host_by_hand(&QWEN72, false, 8 * 8 * 1024, 8);
+    let (lean_pinned, lean_pageable) = host_by_hand(&QWEN72, false, 8 * 8 * 1024, 8, true);
     assert_eq!(host.needed, lean_pinned + lean_pageable);
     assert_eq!(host.over_by, lean_pinned + lean_pageable - 125 * GIB);
-    let (pinned, pageable) = host_by_hand(&QWEN72, true, 8 * 8 * 1024, 8);
+    let (pinned, pageable) = host_by_hand(&QWEN72, true, 8 * 8 * 1024, 8, true);
     assert!(r.fits.contains(&Suggestion::HostMemory(pinned + pageable)), "{:?}", r.fits);
     let text = r.to_string();
     assert!(text.contains("host memory") && text.contains("over by"), "{text}");
@@ -212,7 +255,9 @@ fn seventy_two_b_is_refused_for_host_memory_with_what_it_needs() {
 
 #[test]
 fn tight_gpu_streams_the_rest_through_two_slots() {
-    let plan = fits(check("qwen2.5-7b", (1024, 8, 8), (40 * GIB, 125 * GIB), true));
+    // 110 GiB of host memory holds the gradient ring but not a gradient store: the gradients
+    // wait on the device, and what room is left keeps some units resident.
+    let plan = fits(check("qwen2.5-7b", (1024, 8, 8), (40 * GIB, 110 * GIB), true));
     let pl = &plan.placement;
     assert!(pl.streamed_units > 0 && !pl.resident_units.is_empty(), "{plan}");
     // The embedding is resident before any layer (same saving per byte, larger unit); the head
@@ -246,7 +291,7 @@ fn pcie_traffic_by_hand_and_independent_of_grad_accum() {
         let h2d: u64 = (0..=head_unit)
             .map(|u| {
                 let visits = if pl.resident_units.contains(&u) || u == head_unit { 1 } else { 2 };
-                visits * 2 * unit_params(u)
+                visits * pl.weights.bytes() * unit_params(u)
             })
             .sum();
         assert_eq!(plan.time.h2d_bytes, h2d, "G = {g}\n{plan}");
@@ -268,8 +313,20 @@ fn long_context_moves_checkpoints_to_the_host() {
     // They go down once and come back once (the head's input is used where it is made).
     assert!(long.time.h2d_bytes >= ckpt - 16 * 32768 * QWEN7.hidden * 2);
 
-    // On the H200 machine the host has no room for them: the device keeps every K-th input.
+    // On the H200 machine the host has no room for them: the device keeps them, which it can
+    // with every layer's input once the gradients wait in the host store (the master as the
+    // weights' source leaves the host room for it).
     let h200 = fits(check("qwen2.5-7b", (32768, 1, 16), H200, true));
+    assert_eq!(h200.placement.checkpoints, CheckpointTier::Device, "{h200}");
+    assert_eq!(
+        (h200.placement.gradients, h200.placement.weights),
+        (GradientTier::HostStore, WeightSource::Master),
+        "{h200}"
+    );
+    // Without the master as a source that store does not fit: every K-th input instead.
+    let copy = Capabilities { master_streaming: false, ..Capabilities::ALL };
+    let memory = MachineMemory::given(H200.0, H200.1);
+    let h200 = fits(plan_with("qwen2.5-7b", (32768, 1, 16), memory, copy));
     assert_eq!(h200.placement.checkpoints, CheckpointTier::Device, "{h200}");
     assert!(h200.placement.checkpoint_interval > 1, "{h200}");
 }
@@ -283,8 +340,13 @@ fn bottleneck_moves_to_compute_as_tokens_per_step_grow() {
     assert_eq!(small.time.bottleneck, Bottleneck::CpuAdam, "{small}");
     let large = fits(check("qwen2.5-7b", (1024, 8, 8), H200, true));
     assert_eq!(large.time.bottleneck, Bottleneck::GpuCompute, "{large}");
-    // The same bytes cross PCIe either way: traffic does not grow with the batch.
-    assert_eq!(small.time.h2d_bytes, large.time.h2d_bytes);
+    // The same weights cross PCIe either way: traffic does not grow with the batch (only with
+    // the weights' source: bf16 where the short step is bound by what crosses, fp32 where
+    // compute hides it).
+    assert_eq!(
+        small.time.h2d_bytes / small.placement.weights.bytes(),
+        large.time.h2d_bytes / large.placement.weights.bytes()
+    );
     assert!(large.time.tokens_per_s > 10.0 * small.time.tokens_per_s);
 
     // With a CPU four times faster and a GPU too small to keep units resident, PCIe is the
@@ -406,10 +468,20 @@ fn only_placements_the_schedule_implements_are_offered() {
         max_checkpoint_interval: 1,
         device_gradient_store: false,
         gradient_ring: false,
+        master_streaming: false,
     };
     let memory = MachineMemory::given(H200.0, H200.1);
     let r = refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), host_only_grads));
     assert_eq!(r.overflows[0].memory, Memory::Host, "{r}");
+    // Streaming from the master drops the bf16 copy: 16 bytes per parameter, 122 GB, fits.
+    let from_master = Capabilities { master_streaming: true, ..host_only_grads };
+    let p = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), from_master));
+    assert_eq!(
+        (p.placement.gradients, p.placement.weights),
+        (GradientTier::HostStore, WeightSource::Master),
+        "{p}"
+    );
+    assert!(p.placement.weights_reason.contains("would not fit"), "{p}");
     let all = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), Capabilities::ALL));
     assert_eq!(all.placement.gradients, GradientTier::DeviceStore, "{all}");
 

@@ -16,7 +16,7 @@
 
 use super::budget::Layout;
 use super::rates::MachineRates;
-use super::sizes::{BF16, F32, Sizes};
+use super::sizes::{F32, Sizes};
 use super::{CheckpointTier, GradientTier};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +84,8 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
     let host_ckpt = l.checkpoints == CheckpointTier::Host;
     // With K > 1 a streamed layer is uploaded once more, for the segment's recompute pass.
     let bwd_uploads = |u: usize| if l.interval > 1 && u != 0 { 2 } else { 1 };
+    // Bytes per parameter per upload: bf16 from a streaming copy, fp32 from the master.
+    let wb = l.weights.bytes();
 
     let mut g = Graph { end: Vec::new(), start: Vec::new(), free: [0.0; 4], busy: [0.0; 4] };
     let mut adam_done: Vec<Option<usize>> = vec![None; units];
@@ -124,16 +126,16 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
         // every micro-batch; the head also runs its loss and backward in the same visit.
         for u in 0..units {
             let weights = if resident(u) {
-                g.task(Res::H2d, (s.units[u].params * BF16) as f64 / r.pcie_h2d, &[adam_done[u]])
+                g.task(Res::H2d, (s.units[u].params * wb) as f64 / r.pcie_h2d, &[adam_done[u]])
             } else {
                 let table = (u == head && s.tied && !emb_resident).then_some(adam_done[0]);
-                let bytes = s.visit_params(u, emb_resident) * BF16;
+                let bytes = s.visit_params(u, emb_resident) * wb;
                 h2d_bytes += bytes;
                 let deps = [adam_done[u], slot_free(&slot_users), table.flatten()];
                 g.task(Res::H2d, bytes as f64 / r.pcie_h2d, &deps)
             };
             if resident(u) {
-                h2d_bytes += s.units[u].params * BF16;
+                h2d_bytes += s.units[u].params * wb;
             }
             let visit = g.task(Res::Gpu, fwd_secs(u), &[Some(weights)]);
             if u == 0 {
@@ -164,7 +166,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
         let mut last_visit = None;
         for u in (0..head).rev() {
             let weights = (!resident(u)).then(|| {
-                let bytes = bwd_uploads(u) * s.units[u].params * BF16;
+                let bytes = bwd_uploads(u) * s.units[u].params * wb;
                 h2d_bytes += bytes;
                 g.task(Res::H2d, bytes as f64 / r.pcie_h2d, &[slot_free(&slot_users)])
             });

@@ -7,11 +7,12 @@ use crate::error::{Error, Result};
 use crate::plan::{Capabilities, CheckpointTier, GradientTier, Plan};
 
 /// What the streamer implements, for [`crate::plan::PlanInput::supports`]: any checkpoint
-/// interval, and every gradient tier (device store, host store, host ring).
+/// interval, every gradient tier (device store, host store, host ring) and both weight sources.
 pub const STREAMER: Capabilities = Capabilities {
     max_checkpoint_interval: usize::MAX,
     device_gradient_store: true,
     gradient_ring: true,
+    master_streaming: true,
 };
 
 /// The streamer's options for `plan`, with `optimizer_threads` threads for AdamW (0: one per
@@ -42,6 +43,7 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
         optimizer_threads,
         resident: p.resident_units.clone(),
         gradients: p.gradients,
+        weights: p.weights,
     })
 }
 

@@ -42,12 +42,19 @@ use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
 use crate::optim::{AdamW, clip_coef};
-pub use crate::plan::GradientTier;
+pub use crate::plan::{GradientTier, WeightSource};
 use crate::spec::ModelSpec;
 use crate::store::{GradLanding, HostSlab, HostStore};
 use crate::train::{Span, StepMetrics, TrainConfig};
 use grads::Grads;
 pub use grads::RING_SLOTS;
+
+/// Elements of fp32 master weights staged on the device per cast when weights stream from the
+/// master: 128 MiB, large enough that a copy's setup is noise next to its bytes (a 7B layer is
+/// seven chunks) and small next to the weight slots. Each chunk's cast waits for its copy and
+/// the next copy for the cast, so the casts (at device memory speed) add about 2% to the copy
+/// engine's time.
+pub const CAST_CHUNK: usize = 32 << 20;
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -82,6 +89,9 @@ pub struct ScheduleOptions {
     pub resident: Vec<usize>,
     /// Where weight gradients wait for the optimizer; the host ring needs clipping off.
     pub gradients: GradientTier,
+    /// What weights stream from: a streaming copy in the device's dtype, or the fp32 master
+    /// (cast on the device through [`CAST_CHUNK`] elements of staging).
+    pub weights: WeightSource,
 }
 
 impl ScheduleOptions {
@@ -149,6 +159,9 @@ pub struct Streamer<'b, B: Backend> {
     /// Unit weights on the device: slots 0 and 1 are the streaming double buffer, slots from 2
     /// on hold resident units.
     slots: Vec<B::Floats>,
+    /// Where the fp32 master lands before its cast, when weights stream from the master onto a
+    /// device that computes in another dtype; used only on `h2d`.
+    cast_staging: Option<B::Floats>,
     next_slot: usize,
     /// What each streaming slot holds (or is receiving): a unit and the optimizer step of its
     /// weights.
@@ -234,10 +247,15 @@ impl<'b, B: Backend> Streamer<'b, B> {
             GradientTier::HostStore => GradLanding::PerUnit,
             GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(RING_SLOTS),
         };
-        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing)?);
+        let copy = options.weights == WeightSource::StreamingCopy;
+        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing, copy)?);
         for u in 0..store.units() {
             let mut unit = store.lock(u)?;
-            b.pin(&mut unit.stream)?;
+            if copy {
+                b.pin(&mut unit.stream)?;
+            } else {
+                b.pin(&mut unit.master)?;
+            }
             b.pin(&mut unit.grad)?;
         }
         for slab in store.ring().slabs() {
@@ -319,6 +337,12 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let embed_len = layout.units[0].len;
         let units = layout.units.len();
         let mut slots = vec![act(largest)?, act(largest)?];
+        let cast_staging = match options.weights {
+            WeightSource::Master if b.weight_dtype() != crate::backend::WeightDtype::F32 => {
+                Some(acc(largest.min(CAST_CHUNK))?)
+            }
+            _ => None,
+        };
         let mut resident_slot = vec![None; units];
         for &u in &options.resident {
             let unit = layout
@@ -359,6 +383,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 resident_ready: b.new_event()?,
             },
             slots,
+            cast_staging,
             next_slot: 0,
             slot_holds: [None, None],
             resident_slot,
@@ -450,15 +475,28 @@ impl<'b, B: Backend> Streamer<'b, B> {
         {
             let unit = self.store.lock(u)?;
             let dst = b.view_mut(&mut self.slots[slot], 0..len);
-            // SAFETY: the streaming copy lives in the store for the whole run and the optimizer
-            // rewrites it only in unit `u`'s next update, which is submitted after the backward
-            // has read this slot (compute waits for the upload's event first, and the update
-            // only after the gradients computed from it have landed). The slot is not freed
-            // while the streamer lives, and `Drop` drains the streams.
-            unsafe { b.upload_on(&self.h2d, dst, &unit.stream, 0)? };
+            // SAFETY: the streaming copy and the master live in the store for the whole run and
+            // the optimizer rewrites them only in unit `u`'s next update, which is submitted
+            // after the backward has read this slot (compute waits for the upload's event
+            // first, and the update only after the gradients computed from it have landed).
+            // The slot and the staging are not freed while the streamer lives, only `h2d` uses
+            // the staging, and `Drop` drains the streams.
+            unsafe {
+                match self.options.weights {
+                    WeightSource::StreamingCopy => b.upload_on(&self.h2d, dst, &unit.stream, 0)?,
+                    WeightSource::Master => {
+                        let staging = self.cast_staging.as_mut();
+                        b.upload_f32_on(&self.h2d, dst, &unit.master, 0, staging)?
+                    }
+                }
+            }
         }
         self.span(u, "h2d", started);
-        self.traffic.h2d_bytes += (len * b.weight_dtype().bytes()) as u64;
+        let bytes = match self.options.weights {
+            WeightSource::StreamingCopy => b.weight_dtype().bytes(),
+            WeightSource::Master => 4,
+        };
+        self.traffic.h2d_bytes += (len * bytes) as u64;
         Ok(())
     }
 

@@ -131,8 +131,9 @@ impl Drop for OptimizerWorker {
 }
 
 /// Clip, AdamW every tensor of the unit (no decay on norms and biases), refresh the streaming
-/// copy. A bf16 streaming copy (GPUs) is written in the same single pass by the fused update;
-/// an f32 copy (the CPU reference) is the master itself, copied after the update.
+/// copy where one is kept. A bf16 streaming copy (GPUs) is written in the same single pass by
+/// the fused update; an f32 copy (the CPU reference) is the master itself, copied after the
+/// update.
 fn update(
     pool: &AdamPool,
     store: &HostStore,
@@ -147,7 +148,7 @@ fn update(
         GradAt::Unit => None,
         GradAt::Ring(slot) => Some(store.ring().lock(slot)?),
     };
-    let n = state.master.len();
+    let n = state.master.bytes() / 4;
     let grad: &mut [f32] = match ring_slot.as_deref_mut() {
         Some(slab) => slab.as_f32_mut().get_mut(..n).ok_or_else(|| {
             Error::invalid(format!("unit {} does not fit a gradient ring slot", job.unit))
@@ -165,16 +166,19 @@ fn update(
         let args =
             FusedStep { step: job.step, lr: job.lr, hp, clip_coef: job.coef, decayed: &decayed };
         let fused = crate::optim::UnitState {
-            master: &mut state.master,
+            master: state.master.as_f32_mut(),
             m: &mut state.m,
             v: &mut state.v,
+            // Empty without a streaming copy: the fused update then writes none.
             bf16: state.stream.as_u16_mut(),
         };
         return adamw_fused(pool, fused, grad, &args);
     }
     let moments = (&mut state.m[..], &mut state.v[..]);
-    pool.install(|| unfused(&mut state.master, moments, grad, unit, &hp, job))?;
-    refresh_stream(state, dtype);
+    pool.install(|| unfused(state.master.as_f32_mut(), moments, grad, unit, &hp, job))?;
+    if store.keeps_copy() {
+        refresh_stream(state, dtype);
+    }
     Ok(())
 }
 

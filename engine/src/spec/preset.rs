@@ -20,6 +20,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qwen2.5-32b", "Qwen2.5-32B shape"),
     ("qwen2.5-72b", "Qwen2.5-72B shape"),
     ("llama3-8b", "Llama-3.1-8B shape (llama3 RoPE scaling)"),
+    ("llama3-70b", "Llama-3.1-70B shape (llama3 RoPE scaling)"),
     ("qwen3-8b", "Qwen3-8B shape (q/k RMSNorm)"),
     ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
 ];
@@ -45,6 +46,19 @@ fn qwen2(
     })
 }
 
+/// Llama 3.1's `config.json` for a size: 128K positions through llama3 RoPE scaling.
+fn llama3(hidden: usize, inter: usize, layers: usize, heads: usize) -> Value {
+    json!({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+        "vocab_size": 128256, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128009,
+    })
+}
+
 /// The raw `config.json` of a preset, or `None` for an unknown name.
 fn preset_config(name: &str) -> Option<Value> {
     Some(match name {
@@ -62,15 +76,8 @@ fn preset_config(name: &str) -> Option<Value> {
         "qwen2.5-14b" => qwen2(5120, 13824, 48, 40, 8, 152064, false, 1e-5),
         "qwen2.5-32b" => qwen2(5120, 27648, 64, 40, 8, 152064, false, 1e-5),
         "qwen2.5-72b" => qwen2(8192, 29568, 80, 64, 8, 152064, false, 1e-5),
-        "llama3-8b" => json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-            "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128009,
-        }),
+        "llama3-8b" => llama3(4096, 14336, 32, 32),
+        "llama3-70b" => llama3(8192, 28672, 80, 64),
         "qwen3-8b" => json!({
             "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu",
             "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,

@@ -1,6 +1,8 @@
 //! The host store: the authoritative home of every byte of training state. Per unit: f32 master
-//! weights, f32 Adam moments m and v, the streaming copy of the weights in the backend's weight
-//! dtype (a 4 KiB-aligned slab the backend page-locks, so a unit crosses PCIe in one burst), and
+//! weights (a 4 KiB-aligned slab the backend page-locks, so a unit crosses PCIe in one burst),
+//! f32 Adam moments m and v, optionally a streaming copy of the weights in the backend's weight
+//! dtype (another such slab: half the PCIe bytes of the master for 2 more host bytes per
+//! parameter; without it the device reads the master and casts it), and
 //! where gradients land from the device: either an f32 slab per unit (the host gradient store,
 //! when gradients must wait for the global norm and the device has no room for them) or a small
 //! [`GradRing`] the optimizer worker consumes.
@@ -23,10 +25,12 @@ use crate::model::{HostParams, ModelLayout};
 
 /// One unit's training state.
 pub struct UnitState {
-    pub master: Vec<f32>,
+    /// f32 master weights (`as_f32`).
+    pub master: HostSlab,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
-    /// The weights as the device consumes them (f32 or bf16), refreshed after every update.
+    /// The weights as the device consumes them (f32 or bf16), refreshed after every update;
+    /// empty when the weights stream from the master.
     pub stream: HostSlab,
     /// f32 gradients landed from the device, waiting for the optimizer (host gradient store
     /// only; empty when gradients land in the ring).
@@ -66,6 +70,8 @@ pub struct HostStore {
     applied: Mutex<Vec<u64>>,
     changed: Condvar,
     weight_dtype: WeightDtype,
+    /// Whether each unit keeps a streaming copy.
+    copy: bool,
     params: usize,
 }
 
@@ -74,27 +80,41 @@ fn poisoned() -> Error {
 }
 
 impl HostStore {
-    /// Takes ownership of the master weights; moments start at zero.
+    /// Takes the master weights (each unit moved into a slab as it goes, so the peak is one
+    /// unit over the store); moments start at zero. With `copy` every unit keeps a streaming
+    /// copy in `weight_dtype`; without, the device reads the master.
     pub fn new(
         params: HostParams,
         weight_dtype: WeightDtype,
         landing: GradLanding,
+        copy: bool,
     ) -> Result<HostStore> {
         let n_params = params.layout.params();
         let largest = params.units.iter().map(Vec::len).max().unwrap_or(0);
         let mut units = Vec::with_capacity(params.units.len());
-        for master in params.units {
-            let n = master.len();
+        for weights in params.units {
+            let n = weights.len();
             let grad = if landing == GradLanding::PerUnit { n * 4 } else { 0 };
+            let mut master = HostSlab::zeroed(n * 4)?;
+            {
+                use rayon::prelude::*;
+                let dst = master.as_f32_mut();
+                dst.par_chunks_mut(1 << 16)
+                    .zip(weights.par_chunks(1 << 16))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            }
+            drop(weights);
             let mut state = UnitState {
                 // Allocated as `sluice bench adam` measures them (marked for huge pages).
                 m: zeroed_f32_vec(n, Pages::Huge),
                 v: zeroed_f32_vec(n, Pages::Huge),
-                stream: HostSlab::zeroed(n * weight_dtype.bytes())?,
+                stream: HostSlab::zeroed(if copy { n * weight_dtype.bytes() } else { 0 })?,
                 grad: HostSlab::zeroed(grad)?,
                 master,
             };
-            refresh_stream(&mut state, weight_dtype);
+            if copy {
+                refresh_stream(&mut state, weight_dtype);
+            }
             first_touch(&mut state.m);
             first_touch(&mut state.v);
             units.push(Mutex::new(state));
@@ -110,6 +130,7 @@ impl HostStore {
             applied,
             changed: Condvar::new(),
             weight_dtype,
+            copy,
             params: n_params,
         })
     }
@@ -125,6 +146,11 @@ impl HostStore {
 
     pub fn weight_dtype(&self) -> WeightDtype {
         self.weight_dtype
+    }
+
+    /// Whether units keep a streaming copy (else the device streams the master).
+    pub fn keeps_copy(&self) -> bool {
+        self.copy
     }
 
     /// Exclusive access to one unit.
@@ -165,20 +191,20 @@ impl HostStore {
     }
 
     /// Bytes per part: 12 per parameter slot for the master and moments, 2 (bf16, GPUs) or 4
-    /// (f32, the CPU) for the streaming copy, plus the gradient landing area: 4 per slot for a
+    /// (f32, the CPU) for the streaming copy where one is kept, plus the gradient landing area: 4 per slot for a
     /// per-unit store, or the ring's slabs.
     pub fn bytes(&self) -> StoreBytes {
         let (mut slots, mut grads) = (0, self.ring.bytes());
         for u in &self.units {
             if let Ok(u) = u.lock() {
-                slots += u.master.len();
+                slots += u.master.bytes() / 4;
                 grads += u.grad.bytes();
             }
         }
         StoreBytes {
             master: slots * 4,
             moments: slots * 8,
-            streaming: slots * self.weight_dtype.bytes(),
+            streaming: if self.copy { slots * self.weight_dtype.bytes() } else { 0 },
             grads,
         }
     }
@@ -191,7 +217,7 @@ impl HostStore {
     /// A copy of the master weights.
     pub fn snapshot(&self, layout: std::sync::Arc<ModelLayout>) -> Result<HostParams> {
         let units = (0..self.units.len())
-            .map(|u| self.lock(u).map(|s| s.master.clone()))
+            .map(|u| self.lock(u).map(|s| s.master.as_f32().to_vec()))
             .collect::<Result<Vec<_>>>()?;
         Ok(HostParams { layout, units })
     }
@@ -212,10 +238,10 @@ fn first_touch(v: &mut [f32]) {
 /// Rewrites a unit's streaming copy from its master weights (bf16 by round-to-nearest-even).
 pub fn refresh_stream(state: &mut UnitState, dtype: WeightDtype) {
     match dtype {
-        WeightDtype::F32 => state.stream.as_f32_mut().copy_from_slice(&state.master),
+        WeightDtype::F32 => state.stream.as_f32_mut().copy_from_slice(state.master.as_f32()),
         WeightDtype::Bf16 => {
             use rayon::prelude::*;
-            let (dst, src) = (state.stream.as_u16_mut(), &state.master);
+            let (dst, src) = (state.stream.as_u16_mut(), state.master.as_f32());
             dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| {
                 for (d, &x) in d.iter_mut().zip(s) {
                     *d = half::bf16::from_f32(x).to_bits();

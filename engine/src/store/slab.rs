@@ -1,5 +1,5 @@
 //! `HostSlab`: a page-aligned, zero-initialised block of host memory that a backend may
-//! page-lock for DMA. One slab holds one unit's streaming copy, gradients or checkpoints, so a
+//! page-lock for DMA. One slab holds one unit's master weights, streaming copy, gradients or checkpoints, so a
 //! transfer is a single burst.
 //!
 //! Large host buffers ask the kernel for transparent huge pages. The optimizer streams the whole

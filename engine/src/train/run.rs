@@ -17,7 +17,7 @@ use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{
-    DataParallel, GradientTier, Interrupt, Moments, ScheduleOptions, Streamer, Tier,
+    DataParallel, GradientTier, Interrupt, Moments, ScheduleOptions, Streamer, Tier, WeightSource,
 };
 use crate::spec::{self, ModelSpec};
 use crate::store::StoreBytes;
@@ -73,6 +73,10 @@ pub struct RunPlacement {
     /// Where weight gradients wait for the optimizer; `None`: the host store with clipping,
     /// the ring without.
     pub gradients: Option<GradientTier>,
+    /// What weights stream from; `None` (a run recorded before the choice existed): a
+    /// streaming copy.
+    #[serde(default)]
+    pub weights: Option<WeightSource>,
 }
 
 impl Default for RunPlacement {
@@ -84,6 +88,7 @@ impl Default for RunPlacement {
             checkpoint_interval: 1,
             resident: Vec::new(),
             gradients: None,
+            weights: None,
         }
     }
 }
@@ -97,6 +102,7 @@ impl RunPlacement {
             checkpoint_interval: schedule.checkpoint_interval,
             resident: schedule.resident,
             gradients: Some(schedule.gradients),
+            weights: Some(schedule.weights),
         })
     }
 
@@ -116,8 +122,13 @@ impl RunPlacement {
             Some(GradientTier::HostStore) | None => "gradients wait in host memory",
             Some(GradientTier::HostRing) => "gradients go straight to the optimizer",
         };
+        let weights = match self.weights {
+            Some(WeightSource::Master) => "weights stream from the fp32 master",
+            Some(WeightSource::StreamingCopy) | None => "weights stream from a copy",
+        };
         format!(
-            "{} of {units} units resident, checkpoints {checkpoints} {interval}, {gradients}",
+            "{} of {units} units resident, checkpoints {checkpoints} {interval}, {gradients}, \
+             {weights}",
             self.resident.len()
         )
     }
@@ -434,6 +445,7 @@ fn run_with<S: Stepper>(
         gradients: placement
             .gradients
             .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
+        weights: placement.weights.unwrap_or(WeightSource::StreamingCopy),
     };
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).

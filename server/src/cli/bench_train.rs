@@ -33,7 +33,7 @@ use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{
-    BatchShape, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
+    BatchShape, Capabilities, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
 };
 use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
@@ -70,6 +70,11 @@ pub(crate) struct TrainArgs {
     /// Seed of the initialisation and of the synthetic tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+
+    /// Stream the weights from a bf16 copy even where the planner would stream the fp32
+    /// master (to measure one against the other).
+    #[arg(long)]
+    streaming_copy: bool,
 
     /// Write the per-step records and the summary to this JSON file.
     #[arg(long, value_name = "FILE")]
@@ -150,7 +155,7 @@ fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Resul
         clipping: !args.no_clip,
         memory,
         rates: MachineRates::default(),
-        supports: STREAMER,
+        supports: Capabilities { master_streaming: !args.streaming_copy, ..STREAMER },
         gpus: 1,
     };
     match plan(&input)? {
@@ -178,13 +183,15 @@ fn print_plan(p: &Plan) {
         p.batch.grad_accum, p.batch.micro_batch, p.batch.seq_len, p.tokens_per_step
     );
     println!(
-        "plan: {} of {} units resident ({}), checkpoints {:?}, gradients {:?}; device {} of {}, \
-         host {} of {}",
+        "plan: {} of {} units resident ({}), checkpoints {:?}, gradients {:?}, weights from {:?} \
+         ({}); device {} of {}, host {} of {}",
         p.placement.resident_units.len(),
         m.units,
         p.placement.resident_summary,
         p.placement.checkpoints,
         p.placement.gradients,
+        p.placement.weights,
+        p.placement.weights_reason,
         gib(p.budget.device.used),
         gib(p.memory.gpu_bytes),
         gib(p.budget.host_used()),
@@ -434,7 +441,13 @@ fn summarise(records: &[Record], plan: &Plan, device_bytes: u64, store_bytes: u6
         "host_store_bytes": store_bytes,
         "planned_host_bytes": plan.budget.host_used(),
         "peak_rss_bytes": records.iter().filter_map(|r| r.peak_rss_bytes).max(),
+        "weights": plan.placement.weights,
     });
+    // Everything the process holds, over what it trains: the figure to compare with the
+    // planner's bytes per parameter.
+    if let Some(rss) = summary["peak_rss_bytes"].as_u64() {
+        summary["host_bytes_per_param"] = json!(rss as f64 / plan.model.params as f64);
+    }
     if !plan.memory.shared() {
         summary["predicted_step_s"] = json!(plan.time.total_s);
         summary["predicted_bottleneck"] = json!(plan.time.bottleneck);
@@ -465,13 +478,14 @@ fn print_summary(s: &Value, drain: Duration) {
     );
     println!(
         "memory: GPU peak {} used (driver), streamer {} allocated, planned {}; host store {}, \
-         planned {}, peak RSS {}; last updates and teardown {:.3} s",
+         planned {}, peak RSS {} ({:.2} bytes per parameter); last updates and teardown {:.3} s",
         bytes("peak_gpu_used_bytes"),
         bytes("streamer_device_bytes"),
         bytes("planned_device_bytes"),
         bytes("host_store_bytes"),
         bytes("planned_host_bytes"),
         bytes("peak_rss_bytes"),
+        f("host_bytes_per_param"),
         drain.as_secs_f64(),
     );
     if s["predicted_step_s"].is_null() {

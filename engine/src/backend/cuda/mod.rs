@@ -309,6 +309,19 @@ impl Backend for Cuda {
         unsafe { self.upload_slab(stream, dst, src, offset) }
     }
 
+    unsafe fn upload_f32_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: ViewMut<'_>,
+        src: &HostSlab,
+        offset: usize,
+        staging: Option<&mut Floats>,
+    ) -> Result<()> {
+        // SAFETY: the caller keeps `src`, `dst` and `staging` as this function's contract
+        // asks until the copy and the cast have completed.
+        unsafe { self.upload_cast_slab(stream, dst, src, offset, staging) }
+    }
+
     unsafe fn download_on(
         &self,
         stream: &Arc<CudaStream>,

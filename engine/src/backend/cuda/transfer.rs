@@ -1,6 +1,7 @@
 //! The schedule's transfer operations on the GPU: page-locking the host store's slabs, events,
 //! and asynchronous copies between slabs and device buffers in the buffers' own dtype, queued on
-//! the stream the schedule names and ordered by its events.
+//! the stream the schedule names and ordered by its events; and the upload of fp32 master weights
+//! into bf16 buffers, cast on the device as they arrive.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -8,8 +9,8 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::device::drv;
-use super::{Cuda, View, ViewMut, check};
+use super::device::{self, drv, grid_1d};
+use super::{Cuda, Floats, View, ViewMut, check};
 use crate::error::Result;
 use crate::store::{HostSlab, PinGuard};
 
@@ -144,6 +145,69 @@ impl Cuda {
         drv("upload_on", unsafe {
             cudarc::driver::result::memcpy_htod_async(ptr, host, stream.cu_stream())
         })
+    }
+
+    /// # Safety
+    /// As [`crate::backend::Backend::upload_f32_on`]: the copies and casts run after this
+    /// returns.
+    pub(super) unsafe fn upload_cast_slab(
+        &self,
+        stream: &CudaStream,
+        dst: ViewMut<'_>,
+        src: &HostSlab,
+        offset: usize,
+        staging: Option<&mut Floats>,
+    ) -> Result<()> {
+        if let Floats::F32(_) = dst.buf {
+            // SAFETY: the same dtype on both ends: a plain upload, under the same contract.
+            return unsafe { self.upload_slab(stream, dst, src, offset) };
+        }
+        let len = dst.len;
+        Self::slab_span("upload_f32_on", src, offset, len * 4)?;
+        let staging = match staging {
+            Some(Floats::F32(s)) if !s.is_empty() => s,
+            _ => {
+                return Err(check::err(
+                    "upload_f32_on",
+                    "a bf16 destination needs a non-empty f32 staging buffer".to_string(),
+                ));
+            }
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let chunk = staging.len();
+        let stage = device::base_ptr(staging, stream);
+        let out = self.ptr_mut(&dst);
+        let host = &src.as_bytes()[offset..offset + len * 4];
+        let convert = self.kernels.get("convert")?;
+        for start in (0..len).step_by(chunk) {
+            let n = chunk.min(len - start);
+            let part = &host[start * 4..(start + n) * 4];
+            // SAFETY: `stage` holds `chunk >= n` f32s; the caller keeps `part` unchanged and
+            // the staging buffer to this stream until the work queued here has completed. The
+            // cast below is queued after this copy on the same stream, and the next chunk's copy
+            // after that cast, so each chunk is read only once it has arrived and overwritten
+            // only once it has been cast.
+            drv("upload_f32_on", unsafe {
+                cudarc::driver::result::memcpy_htod_async(stage, part, stream.cu_stream())
+            })?;
+            device::launch(
+                stream,
+                convert,
+                "convert",
+                grid_1d(n),
+                &[
+                    device::Arg::Ptr(out + (start * 2) as u64),
+                    device::Arg::I32(0),
+                    device::Arg::Ptr(stage),
+                    device::Arg::I32(1),
+                    device::Arg::I64(n as i64),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     /// # Safety

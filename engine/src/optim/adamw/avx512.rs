@@ -26,14 +26,34 @@ const LANES: usize = 16;
 /// The CPU must support AVX-512F and FMA.
 #[target_feature(enable = "avx512f,avx2,fma")]
 pub(super) unsafe fn fused(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
+    if c.out.is_empty() {
+        // SAFETY: this function's own requirement.
+        unsafe { fused_impl::<false>(c, coeffs, clip) }
+    } else {
+        // SAFETY: as above.
+        unsafe { fused_impl::<true>(c, coeffs, clip) }
+    }
+}
+
+/// The update, writing the bf16 copy when `COPY` (then `out` has `p`'s length; else it is
+/// empty and nothing is rounded).
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn fused_impl<const COPY: bool>(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
     let Chunk { p, g, m, v, out } = c;
     let n = p.len();
-    let (g, m, v, out) = (&g[..n], &mut m[..n], &mut v[..n], &mut out[..n]);
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let mut none = [0u16; 1];
+    // Without a copy every element writes its rounding to one discarded place.
+    let out: &mut [u16] = if COPY { &mut out[..n] } else { &mut none };
+    let at = |i: usize| if COPY { i } else { 0 };
     // Scalar elements until the bf16 copy reaches a 32-byte boundary, where 16 of its elements
     // fill one aligned store (streaming stores must be aligned).
-    let head = ((out.as_ptr() as usize).wrapping_neg() % 32 / 2).min(n);
+    let head = if COPY { ((out.as_ptr() as usize).wrapping_neg() % 32 / 2).min(n) } else { 0 };
     for i in 0..head {
-        fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut out[i], coeffs, clip);
+        fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut out[at(i)], coeffs, clip);
     }
     let end = head + (n - head) / LANES * LANES;
 
@@ -80,6 +100,16 @@ pub(super) unsafe fn fused(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
         let v_new = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(v, beta2));
         let denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_new), bc2_sqrt), eps);
         let p_new = _mm512_add_ps(decayed, _mm512_div_ps(_mm512_mul_ps(neg_step, m_new), denom));
+        // SAFETY: in bounds as for the loads.
+        unsafe {
+            _mm512_storeu_ps(pp.add(i), p_new);
+            _mm512_storeu_ps(mp.add(i), m_new);
+            _mm512_storeu_ps(vp.add(i), v_new);
+        }
+        i += LANES;
+        if !COPY {
+            continue;
+        }
         // bf16_bits: round to nearest even, NaN kept quiet.
         let bits = _mm512_castps_si512(p_new);
         let high = _mm512_srli_epi32::<16>(bits);
@@ -88,21 +118,15 @@ pub(super) unsafe fn fused(c: Chunk<'_>, coeffs: &Coeffs, clip: f32) {
         let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(p_new, p_new);
         let half = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(high, quiet));
         let half = _mm512_cvtepi32_epi16(half);
-        // SAFETY: in bounds as for the loads. The streaming store needs `op + i` 32-byte
-        // aligned: the head ended on a 32-byte boundary and `i - head` is a multiple of 16
-        // two-byte elements.
-        unsafe {
-            _mm512_storeu_ps(pp.add(i), p_new);
-            _mm512_storeu_ps(mp.add(i), m_new);
-            _mm512_storeu_ps(vp.add(i), v_new);
-            _mm256_stream_si256(op.add(i).cast(), half);
-        }
-        i += LANES;
+        // SAFETY: in bounds as for the loads (`i` has moved on by LANES). The streaming store
+        // needs `op + i` 32-byte aligned: the head ended on a 32-byte boundary and `i - head`
+        // is a multiple of 16 two-byte elements.
+        unsafe { _mm256_stream_si256(op.add(i - LANES).cast(), half) };
     }
     // Streaming stores are weakly ordered: fence them before the caller's synchronisation (the
     // end of the parallel loop, then the unit's lock) publishes the memory.
     _mm_sfence();
     for i in end..n {
-        fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut out[i], coeffs, clip);
+        fused_element(&mut p[i], g[i], &mut m[i], &mut v[i], &mut out[at(i)], coeffs, clip);
     }
 }
