@@ -117,6 +117,7 @@ async fn a_400_step_run_has_small_metrics_and_few_checkpoints() -> anyhow::Resul
     assert_eq!(points.len(), 400);
     assert!(points.iter().all(|p| p.get("timeline").is_none()), "{}", points[0]);
     assert!(points.iter().all(|p| p["loss"].is_number() && p["step"].is_number()));
+    println!("metrics of a 400-step run: {} bytes", reply.body.len());
     assert!(reply.body.len() < 100_000, "the metrics reply is {} bytes", reply.body.len());
 
     // The timeline of a chosen step, and of the latest when none is named.
