@@ -149,7 +149,8 @@ fn seventy_b_class_fits_one_h200_with_1_5_tb_at_about_12_host_bytes_per_paramete
             let per_param = plan.budget.host_used() as f64 / shape.params() as f64;
             // 12 for master, m and v; the rest is the ring or gradient store and staging.
             assert!(per_param >= 12.0, "{name}: {per_param:.2}");
-            let most = if plan.placement.gradients == GradientTier::HostStore { 16.1 } else { 12.5 };
+            let most =
+                if plan.placement.gradients == GradientTier::HostStore { 16.1 } else { 12.5 };
             assert!(per_param <= most, "{name} clipping {clipping}: {per_param:.2}\n{plan}");
         }
     }

@@ -5,6 +5,7 @@
 mod account;
 mod checkpoints;
 mod datasets;
+mod demo;
 mod exports;
 mod gpus;
 mod health;
@@ -36,6 +37,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(gpus::router())
         .merge(plan::router())
         .merge(jobs::router())
+        .merge(demo::router())
         .merge(metrics::router())
         .merge(account::router())
         .merge(storage::router())

@@ -131,6 +131,55 @@ pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<JobRow
     }
 }
 
+/// The token of job `id`'s demo link, while its owner keeps it on.
+pub async fn demo_token(state: &AppState, id: i64) -> ApiResult<Option<String>> {
+    Ok(sqlx::query_scalar("SELECT token FROM demo_links WHERE job_id = ?")
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?)
+}
+
+/// Turns job `id`'s demo link on and returns its token: the one it has, or `fresh`.
+pub async fn share_demo(state: &AppState, id: i64, fresh: &str) -> ApiResult<String> {
+    sqlx::query(
+        "INSERT INTO demo_links (job_id, token, created_at) VALUES (?, ?, ?)
+         ON CONFLICT (job_id) DO NOTHING",
+    )
+    .bind(id)
+    .bind(fresh)
+    .bind(now())
+    .execute(state.pool())
+    .await?;
+    demo_token(state, id).await?.ok_or_else(|| ApiError::not_found(format!("no job {id}")))
+}
+
+/// Turns job `id`'s demo link off; whether it was on.
+pub async fn unshare_demo(state: &AppState, id: i64) -> ApiResult<bool> {
+    let done = sqlx::query("DELETE FROM demo_links WHERE job_id = ?")
+        .bind(id)
+        .execute(state.pool())
+        .await?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// The job whose demo link carries `token`, if that link is on.
+pub async fn by_demo_token(state: &AppState, token: &str) -> ApiResult<Option<JobRow>> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM jobs WHERE id = (SELECT job_id FROM demo_links WHERE token = ?)"
+    ))
+    .bind(token)
+    .fetch_optional(state.pool())
+    .await?)
+}
+
+/// Job `id`'s latest metric point (JSON text, with its timeline), if it has one.
+pub async fn latest_point(state: &AppState, id: i64) -> ApiResult<Option<String>> {
+    Ok(sqlx::query_scalar("SELECT point FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1")
+        .bind(id)
+        .fetch_optional(state.pool())
+        .await?)
+}
+
 /// The name of dataset `id`; `None` for no id or a deleted dataset.
 async fn name_of_dataset(state: &AppState, id: Option<i64>) -> ApiResult<Option<String>> {
     let Some(id) = id else { return Ok(None) };
@@ -176,7 +225,9 @@ pub async fn view(state: &AppState, job: &JobRow) -> ApiResult<Value> {
     let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
     let duration_s = job_duration_s(job);
     let summary = metric_summary(state, job.id).await?;
+    let demo = demo_token(state, job.id).await?.map(|token| format!("/demo/{token}"));
     Ok(json!({
+        "demo": demo,
         "id": job.id,
         "name": job.name,
         "note": job.note,

@@ -67,6 +67,7 @@ const ASSETS: &[Asset] = &[
     asset!("js/pages/account.js", "js/pages/account.js", JS),
     asset!("js/pages/compare.js", "js/pages/compare.js", JS),
     asset!("js/pages/storage.js", "js/pages/storage.js", JS),
+    asset!("js/pages/demo.js", "js/pages/demo.js", JS),
     asset!("vendor/uplot-1.6.32/uPlot.iife.min.js", "vendor/uplot/uPlot.iife.min.js", JS, true),
     asset!("vendor/uplot-1.6.32/uPlot.min.css", "vendor/uplot/uPlot.min.css", CSS, true),
 ];

@@ -47,6 +47,7 @@ static USERS: Page = page!("Users", "users", Nav::Users);
 static ACCOUNT: Page = page!("Your account", "account", Nav::Account);
 static COMPARE: Page = page!("Compare jobs", "compare", Nav::Dashboard, true);
 static STORAGE: Page = page!("Storage", "storage", Nav::Storage);
+static DEMO: Page = page!("Live demo", "demo", Nav::None);
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -62,12 +63,23 @@ pub fn router() -> Router<AppState> {
         .route("/admin/users", get(|| async { USERS.response() }))
         .route("/account", get(|| async { ACCOUNT.response() }))
         .route("/admin/storage", get(|| async { STORAGE.response() }))
+        .route("/demo/{token}", get(demo))
         .route("/static/{*path}", get(assets::serve))
 }
 
 /// A page about one object: the shell for numeric ids, the 404 page for anything else.
 async fn with_id(Path(id): Path<String>, page: &'static Page) -> Response {
     if id.parse::<u64>().is_ok() { page.response() } else { not_found().await.into_response() }
+}
+
+/// A job's demo view: the shell for anything shaped like a token (its script asks the API
+/// whether the link is on), the 404 page otherwise.
+async fn demo(Path(token): Path<String>) -> Response {
+    if token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        DEMO.response()
+    } else {
+        not_found().await.into_response()
+    }
 }
 
 /// Middleware: headers on every reply, pages and API alike. Browsers must not guess a download's

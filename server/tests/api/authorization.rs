@@ -27,6 +27,8 @@ fn access(method: &str, path: &str) -> Option<Access> {
     use Access::*;
     Some(match (method, path) {
         ("GET", "/healthz" | "/metrics" | "/api/session") => Public,
+        // A demo link is its own key: without it, these answer 404.
+        ("GET", "/api/demo/{token}" | "/api/demo/{token}/events") => Public,
         ("POST", "/api/setup" | "/api/login") => Public,
         ("POST", "/api/logout") => User,
         ("GET" | "POST", "/api/jobs" | "/api/datasets") => User,
@@ -50,6 +52,7 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("POST", "/api/account/webhook/test") => User,
         ("PATCH" | "DELETE", "/api/jobs/{id}") => Owner,
         ("GET", "/api/jobs/{id}/timeline") => Owner,
+        ("PUT" | "DELETE", "/api/jobs/{id}/demo") => Owner,
         ("DELETE", "/api/jobs/{id}/checkpoints/{name}") => Owner,
         ("GET", "/api/storage") => Admin,
         ("PUT", "/api/storage/users/{id}/quota") => Admin,

@@ -8,6 +8,7 @@ mod authorization;
 mod damaged_uploads;
 mod dataset_formats;
 mod datasets;
+mod demo;
 mod exports;
 mod hub;
 mod isolation;

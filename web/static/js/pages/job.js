@@ -75,8 +75,22 @@ function fact(label, value, key) {
   return el('div', { class: 'fact', dataset: { fact: key } }, el('div', { class: 'k' }, label), el('div', { class: 'v' }, value));
 }
 
+// The demo link: on (a link to open or copy, and a button to end it) or off.
+function renderDemo() {
+  const link = $('#demo-link');
+  const on = Boolean(job.demo);
+  link.hidden = !on;
+  $('#demo-off').hidden = !on;
+  $('#demo-on').hidden = on;
+  if (on) {
+    link.href = job.demo;
+    link.textContent = new URL(job.demo, location.origin).href;
+  }
+}
+
 function renderJob() {
   if (!job) return;
+  renderDemo();
   const title = job.name ? `${job.name} (#${id})` : `Job #${id}`;
   document.title = `${title} · Sluice`;
   $('#title').textContent = title;
@@ -650,6 +664,18 @@ $('#copy-job-command').addEventListener('click', async () => {
   note.textContent = copied ? 'Copied.' : 'Could not copy: select the text and copy it by hand.';
   setTimeout(() => { note.textContent = ''; }, 2500);
 });
+
+for (const [button, method] of [['#demo-on', 'PUT'], ['#demo-off', 'DELETE']]) {
+  $(button).addEventListener('click', async () => {
+    try {
+      const reply = await request(method, `/api/jobs/${id}/demo`);
+      job.demo = reply.demo;
+      renderDemo();
+    } catch (err) {
+      showError(error, err);
+    }
+  });
+}
 
 $('#resume').addEventListener('click', async () => {
   try {
