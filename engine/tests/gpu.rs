@@ -911,7 +911,7 @@ fn training_step_every_family() {
 /// activations make its last bits move more than on the CPU) and 1e-2 of the weights' scale.
 #[test]
 fn streaming_schedule_matches_the_reference_loop() {
-    use GradientTier::{DeviceStore, HostRing, HostStore};
+    use GradientTier::{DeviceStore, HostRing, HostStore, HostStoreBf16};
     // (checkpoint tier, checkpoint interval K, gradient tier, clipping); the fixtures have 2
     // layers, so K = 2 recomputes layer 1's input from layer 0's checkpoint.
     use WeightSource::{Master, StreamingCopy};
@@ -923,6 +923,8 @@ fn streaming_schedule_matches_the_reference_loop() {
         // The fp32 master cast on the device rounds as the host's copy does: the same bits.
         (Tier::Host, 1, HostStore, Some(1.0), Master),
         (Tier::Device, 1, HostRing, None, Master),
+        // bf16 gradients for AdamW (the norm from fp32): close, not equal.
+        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master),
     ];
     for case in ["llama", "qwen2", "mistral"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -952,20 +954,31 @@ fn streaming_schedule_matches_the_reference_loop() {
             for (k, micro) in steps.iter().enumerate() {
                 let want = reference.step(micro).expect("reference step");
                 let (got, _) = streamer.step(micro).expect("streaming step");
-                let tol = if tied { 1e-5 } else { 0.0 };
+                let rounded = gradients == HostStoreBf16;
+                let tol = if rounded {
+                    1e-3
+                } else if tied {
+                    1e-5
+                } else {
+                    0.0
+                };
                 assert!(
                     (got.loss - want.loss).abs() <= tol * want.loss.abs(),
                     "{what} step {k}: loss {} vs {}",
                     got.loss,
                     want.loss
                 );
+                // The first step's norm comes from the same fp32 gradients: exact clipping.
+                if rounded && k == 0 && !tied {
+                    assert_eq!(got.grad_norm, want.grad_norm, "{what}: the norm moved");
+                }
             }
             let got = streamer.finish().expect("finish");
             let mut worst = 0f64;
             for (a, b) in got.units.iter().zip(&reference.params.units) {
                 worst = worst.max(rel_err(a, b).0);
             }
-            let tol = if tied { 1e-2 } else { 0.0 };
+            let tol = if gradients == HostStoreBf16 || tied { 1e-2 } else { 0.0 };
             assert!(worst <= tol, "{what}: weights differ by {worst:.3e} of their scale");
             record(&format!("streaming vs reference loop: {what}"), worst, tol.max(1e-30));
         }

@@ -180,5 +180,7 @@ fn streaming_from_the_master_equals_the_reference() {
         check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), MASTER);
         check(case, (Tier::Device, 1), GradientTier::HostRing, None, vec![0, 3], MASTER);
         check(case, (Tier::Device, 2), GradientTier::DeviceStore, Some(1.0), Vec::new(), MASTER);
+        // Gradients in the weight dtype: f32 on the CPU, so the same bits.
+        check(case, (Tier::Device, 1), GradientTier::HostStoreBf16, Some(1.0), Vec::new(), COPY);
     }
 }

@@ -340,42 +340,79 @@ pub fn adamw_fused(
     grad: &[f32], // [n]
     args: &FusedStep<'_>,
 ) -> Result<()> {
-    let (plain, decayed) = check_fused(&state, grad, args)?;
+    adamw_fused_from(pool, state, GradIn::F32(grad), args)
+}
+
+/// A unit's gradients as the fused update reads them.
+#[derive(Debug, Clone, Copy)]
+pub enum GradIn<'a> {
+    F32(&'a [f32]),
+    /// bf16 bits, each widened to the f32 it stands for (exactly) as its chunk is updated.
+    Bf16(&'a [u16]),
+}
+
+impl GradIn<'_> {
+    fn len(&self) -> usize {
+        match self {
+            GradIn::F32(g) => g.len(),
+            GradIn::Bf16(g) => g.len(),
+        }
+    }
+}
+
+thread_local! {
+    /// One chunk of widened bf16 gradients per optimizer thread, reused.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`adamw_fused`] on gradients in either precision: with [`GradIn::Bf16`] the result is
+/// bit-identical to [`adamw_fused`] on the same gradients widened to f32.
+pub fn adamw_fused_from(
+    pool: &AdamPool,
+    state: UnitState<'_>,
+    grad: GradIn<'_>,
+    args: &FusedStep<'_>,
+) -> Result<()> {
+    let (plain, decayed) = check_fused(&state, grad.len(), args)?;
     let isa = Isa::detect();
     let UnitState { master, m, v, bf16 } = state;
-    if bf16.is_empty() {
-        pool.install(|| {
+    // One task: chunk `i` of every array, with its gradients as f32.
+    let update = |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32], out: &mut [u16]| {
+        let start = i * FUSED_CHUNK;
+        let range = start..start + p.len();
+        let mut run = move |g: &[f32]| {
+            let chunk = Chunk { p, g, m, v, out };
+            for_each_span(chunk, start, args.decayed, |c, decay| {
+                let coeffs = if decay { &decayed } else { &plain };
+                fused_chunk(isa, c, coeffs, args.clip_coef);
+            });
+        };
+        match grad {
+            GradIn::F32(g) => run(&g[range]),
+            GradIn::Bf16(g) => WIDE.with_borrow_mut(|wide| {
+                wide.clear();
+                wide.extend(g[range].iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+                run(wide)
+            }),
+        }
+    };
+    pool.install(|| {
+        if bf16.is_empty() {
             master
                 .par_chunks_mut(FUSED_CHUNK)
-                .zip(grad.par_chunks(FUSED_CHUNK))
                 .zip(m.par_chunks_mut(FUSED_CHUNK))
                 .zip(v.par_chunks_mut(FUSED_CHUNK))
                 .enumerate()
-                .for_each(|(i, (((p, g), m), v))| {
-                    let chunk = Chunk { p, g, m, v, out: &mut [] };
-                    for_each_span(chunk, i * FUSED_CHUNK, args.decayed, |c, decay| {
-                        let coeffs = if decay { &decayed } else { &plain };
-                        fused_chunk(isa, c, coeffs, args.clip_coef);
-                    });
-                });
-        });
-        return Ok(());
-    }
-    pool.install(|| {
-        master
-            .par_chunks_mut(FUSED_CHUNK)
-            .zip(grad.par_chunks(FUSED_CHUNK))
-            .zip(m.par_chunks_mut(FUSED_CHUNK))
-            .zip(v.par_chunks_mut(FUSED_CHUNK))
-            .zip(bf16.par_chunks_mut(FUSED_CHUNK))
-            .enumerate()
-            .for_each(|(i, ((((p, g), m), v), out))| {
-                let chunk = Chunk { p, g, m, v, out };
-                for_each_span(chunk, i * FUSED_CHUNK, args.decayed, |c, decay| {
-                    let coeffs = if decay { &decayed } else { &plain };
-                    fused_chunk(isa, c, coeffs, args.clip_coef);
-                });
-            });
+                .for_each(|(i, ((p, m), v))| update(i, p, m, v, &mut []));
+        } else {
+            master
+                .par_chunks_mut(FUSED_CHUNK)
+                .zip(m.par_chunks_mut(FUSED_CHUNK))
+                .zip(v.par_chunks_mut(FUSED_CHUNK))
+                .zip(bf16.par_chunks_mut(FUSED_CHUNK))
+                .enumerate()
+                .for_each(|(i, (((p, m), v), out))| update(i, p, m, v, out));
+        }
     });
     Ok(())
 }
@@ -387,7 +424,7 @@ pub fn adamw_fused_scalar(
     grad: &[f32], // [n]
     args: &FusedStep<'_>,
 ) -> Result<()> {
-    let (plain, decayed) = check_fused(&state, grad, args)?;
+    let (plain, decayed) = check_fused(&state, grad.len(), args)?;
     let UnitState { master, m, v, bf16 } = state;
     let chunk = Chunk { p: master, g: grad, m, v, out: bf16 };
     for_each_span(chunk, 0, args.decayed, |c, decay| {
@@ -400,15 +437,14 @@ pub fn adamw_fused_scalar(
 /// Validates the arguments and returns the coefficients without and with decay.
 fn check_fused(
     state: &UnitState<'_>,
-    grad: &[f32],
+    grads: usize,
     args: &FusedStep<'_>,
 ) -> Result<(Coeffs, Coeffs)> {
     let n = state.master.len();
     let copy = state.bf16.len();
-    if grad.len() != n || state.m.len() != n || state.v.len() != n || (copy != n && copy != 0) {
+    if grads != n || state.m.len() != n || state.v.len() != n || (copy != n && copy != 0) {
         return Err(Error::invalid(format!(
-            "fused AdamW slice lengths differ: master {n}, grad {}, m {}, v {}, bf16 {}",
-            grad.len(),
+            "fused AdamW slice lengths differ: master {n}, grad {grads}, m {}, v {}, bf16 {}",
             state.m.len(),
             state.v.len(),
             state.bf16.len()
@@ -858,6 +894,45 @@ mod tests {
         for (isa, r) in &results[1..] {
             assert!(*r == results[0].1, "{isa:?} differs from the portable body");
         }
+    }
+
+    #[test]
+    fn bf16_gradients_update_as_their_f32_widening_does() {
+        let n = 2 * FUSED_CHUNK + 77;
+        let decayed = [3..FUSED_CHUNK + 9, 2 * FUSED_CHUNK..2 * FUSED_CHUNK + 30];
+        let pool = AdamPool::new(3).expect("pool");
+        let mut wide = Unit::new(n);
+        // Gradients that bf16 holds exactly, so both runs see the same values.
+        let bits: Vec<u16> = wide.grad.iter().map(|&g| bf16_bits(g)).collect();
+        wide.grad = bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect();
+        let mut narrow = Unit::new(n);
+        fused_on(&pool, &mut wide, &fused_args(&decayed, 0.8)).expect("valid");
+        {
+            let state = UnitState {
+                master: &mut narrow.master,
+                m: &mut narrow.m,
+                v: &mut narrow.v,
+                bf16: &mut narrow.bf16,
+            };
+            adamw_fused_from(&pool, state, GradIn::Bf16(&bits), &fused_args(&decayed, 0.8))
+        }
+        .expect("valid");
+        assert_eq!(wide.bits(), narrow.bits());
+        // And the rounding mattered: the f32 gradients give other weights.
+        let mut exact = Unit::new(n);
+        fused_on(&pool, &mut exact, &fused_args(&decayed, 0.8)).expect("valid");
+        assert_ne!(exact.bits().0, wide.bits().0);
+        let err = {
+            let state = UnitState {
+                master: &mut narrow.master,
+                m: &mut narrow.m,
+                v: &mut narrow.v,
+                bf16: &mut narrow.bf16,
+            };
+            adamw_fused_from(&pool, state, GradIn::Bf16(&bits[1..]), &fused_args(&decayed, 0.8))
+        }
+        .expect_err("short gradients");
+        assert!(err.to_string().contains("lengths differ"), "{err}");
     }
 
     #[test]

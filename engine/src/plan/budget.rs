@@ -156,7 +156,13 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
             "gradient store (fp32, every unit, waits for the global norm)".to_string(),
             s.params * F32,
         )),
-        GradientTier::HostStore | GradientTier::HostRing => {
+        GradientTier::HostStore | GradientTier::HostStoreBf16 | GradientTier::HostRing => {
+            if l.gradients == GradientTier::HostStoreBf16 {
+                parts.push((
+                    "gradient rounding (2 x largest unit, bf16, after the fp32 norm)".to_string(),
+                    2 * largest(false) * BF16,
+                ));
+            }
             // A tied LM head accumulates into the embedding's gradient, which then stays live
             // through the whole backward; the double buffer serves the other units.
             parts.push((
@@ -248,6 +254,10 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
         GradientTier::HostStore => {
             pinned.push(("gradient store (fp32, waits for the global norm)".to_string(), p * F32))
         }
+        GradientTier::HostStoreBf16 => pinned.push((
+            "gradient store (bf16, waits for the global norm taken in fp32)".to_string(),
+            p * BF16,
+        )),
         GradientTier::DeviceStore | GradientTier::HostRing => pinned.push((
             format!("gradient landing ring ({RING_SLOTS} x largest unit, fp32)"),
             RING_SLOTS as u64 * largest * F32,

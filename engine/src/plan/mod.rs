@@ -66,6 +66,11 @@ pub enum GradientTier {
     DeviceStore,
     /// Clipping on: gradients ship as each unit finishes and wait in a pinned host store.
     HostStore,
+    /// Clipping on: as the host store, but each unit's gradients are rounded to bf16 on the
+    /// device after their sum of squares is taken in fp32 (the norm, and so the clipping, stay
+    /// exact; AdamW sees gradients to bf16's 8 bits of mantissa): half the host bytes and the
+    /// PCIe bytes down. Only where no fp32 store fits.
+    HostStoreBf16,
     /// Clipping off: gradients land in a two-slot pinned ring and are consumed at once.
     HostRing,
 }
@@ -142,9 +147,15 @@ pub struct Capabilities {
     /// With clipping off, gradients land in a small ring ([`GradientTier::HostRing`]);
     /// otherwise in a full host store.
     pub gradient_ring: bool,
+    /// With clipping on, gradients can wait on the host in bf16
+    /// ([`GradientTier::HostStoreBf16`]) where no fp32 store fits.
+    pub bf16_gradient_store: bool,
     /// Weights can stream from the fp32 master ([`WeightSource::Master`]); otherwise from a
     /// streaming copy.
     pub master_streaming: bool,
+    /// The one gradient tier to offer, where the user chose it (it must suit the clipping);
+    /// `None`: the most exact that fits.
+    pub only_gradients: Option<GradientTier>,
 }
 
 impl Capabilities {
@@ -153,7 +164,9 @@ impl Capabilities {
         max_checkpoint_interval: usize::MAX,
         device_gradient_store: true,
         gradient_ring: true,
+        bf16_gradient_store: true,
         master_streaming: true,
+        only_gradients: None,
     };
 }
 
@@ -369,8 +382,13 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
     }
     ckpts.extend((2..=max_k).map(|k| (CheckpointTier::Device, k, k)));
     let grads: Vec<(GradientTier, usize)> = match (input.clipping, caps) {
+        (_, Capabilities { only_gradients: Some(tier), .. }) => vec![(tier, 0)],
         (true, c) if c.device_gradient_store => {
-            vec![(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)]
+            let mut tiers = vec![(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)];
+            if c.bf16_gradient_store {
+                tiers.push((GradientTier::HostStoreBf16, 2));
+            }
+            tiers
         }
         (false, c) if c.gradient_ring => vec![(GradientTier::HostRing, 0)],
         // Without a ring, unclipped gradients land in the host store too. The event model then
@@ -447,6 +465,10 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
             let cost = timing::simulate(s, &layout, &input.rates, 1.0);
             fitting.push(Evaluated { layout, budget: b, rank, cost });
         }
+    }
+    // The most exact gradients that fit: bf16 gradients only where no fp32 store does.
+    if fitting.iter().any(|e| e.layout.gradients != GradientTier::HostStoreBf16) {
+        fitting.retain(|e| e.layout.gradients != GradientTier::HostStoreBf16);
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
     let source = fitting

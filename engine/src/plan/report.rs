@@ -140,6 +140,10 @@ impl fmt::Display for Plan {
             match p.gradients {
                 GradientTier::DeviceStore => "wait for the norm on the device",
                 GradientTier::HostStore => "wait for the norm in the host store",
+                GradientTier::HostStoreBf16 => {
+                    "wait for the norm in the host store in bf16 (the norm itself in fp32 on the \
+                     device, so clipping is exact; AdamW sees bf16 gradients)"
+                }
                 GradientTier::HostRing => "land in a host ring",
             },
             match p.optimizer {

@@ -138,6 +138,32 @@ fn hand_shapes_match_the_published_parameter_counts() {
 }
 
 #[test]
+fn seven_b_on_a_24_gib_gpu_with_exact_clipping_keeps_its_gradients_in_bf16() {
+    // Where neither fp32 store fits (the device has no room for 30 GB of gradients, and 110
+    // GiB of host memory none for them beside the master and moments), they wait rounded to
+    // bf16 after the fp32 norm: 14 bytes per parameter plus staging.
+    let plan = fits(check("qwen2.5-7b", (1024, 8, 8), (24 * GIB, 110 * GIB), true));
+    assert_eq!(plan.placement.gradients, GradientTier::HostStoreBf16, "{plan}");
+    assert_eq!(plan.placement.weights, WeightSource::Master, "{plan}");
+    let p = QWEN7.params();
+    assert_eq!(plan.budget.pinned_host.part("gradient store (bf16"), 2 * p);
+    let per_param = plan.budget.host_used() as f64 / p as f64;
+    assert!((14.0..14.5).contains(&per_param), "{per_param:.2}\n{plan}");
+    // With an fp32 store that fits (125 GiB), the exact gradients win.
+    let roomy = fits(check("qwen2.5-7b", (1024, 8, 8), (24 * GIB, 125 * GIB), true));
+    assert_eq!(roomy.placement.gradients, GradientTier::HostStore, "{roomy}");
+    // Unless the user asks for bf16 gradients: then 125 GiB holds them too.
+    let asked =
+        Capabilities { only_gradients: Some(GradientTier::HostStoreBf16), ..Capabilities::ALL };
+    let memory = MachineMemory::given(24 * GIB, 125 * GIB);
+    let chosen = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory, asked));
+    assert_eq!(chosen.placement.gradients, GradientTier::HostStoreBf16, "{chosen}");
+    // The rounded gradients cross PCIe at half the bytes.
+    let grads = |plan: &Plan| plan.time.d2h_bytes;
+    assert_eq!(2 * grads(&plan), grads(&roomy));
+}
+
+#[test]
 fn seventy_b_class_fits_one_h200_with_1_5_tb_at_about_12_host_bytes_per_parameter() {
     // The paper's machine: one H200 and 1.5 TB of host memory. The weights stream from the
     // fp32 master (no bf16 copy), the gradients wait on the device or land in a ring.
@@ -241,13 +267,14 @@ fn seventy_two_b_is_refused_for_host_memory_with_what_it_needs() {
     assert!(12 * p > 125 * GIB, "the premise: 12 bytes/param exceeds the host");
     let host = r.overflows.iter().find(|o| o.memory == Memory::Host).expect("host overflows");
     // The leanest host placement keeps gradients on the device (a four-slot ring on the host),
-    // but 4 bytes/param of gradients (291 GB) do not fit 139 GiB, so RAM for the host store
-    // is what it takes.
+    // but 4 bytes/param of gradients (291 GB) do not fit 139 GiB, so RAM for a host store is
+    // what it takes: the least of it with the store in bf16 (2 bytes per parameter less).
     let (lean_pinned, lean_pageable) = host_by_hand(&QWEN72, false, 8 * 8 * 1024, 8, true);
     assert_eq!(host.needed, lean_pinned + lean_pageable);
     assert_eq!(host.over_by, lean_pinned + lean_pageable - 125 * GIB);
     let (pinned, pageable) = host_by_hand(&QWEN72, true, 8 * 8 * 1024, 8, true);
-    assert!(r.fits.contains(&Suggestion::HostMemory(pinned + pageable)), "{:?}", r.fits);
+    let bf16_store = pinned + pageable - 2 * p;
+    assert!(r.fits.contains(&Suggestion::HostMemory(bf16_store)), "{:?}", r.fits);
     let text = r.to_string();
     assert!(text.contains("host memory") && text.contains("over by"), "{text}");
     // No batch change rescues it.
@@ -469,7 +496,9 @@ fn only_placements_the_schedule_implements_are_offered() {
         max_checkpoint_interval: 1,
         device_gradient_store: false,
         gradient_ring: false,
+        bf16_gradient_store: false,
         master_streaming: false,
+        only_gradients: None,
     };
     let memory = MachineMemory::given(H200.0, H200.1);
     let r = refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), host_only_grads));

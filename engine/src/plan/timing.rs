@@ -16,7 +16,7 @@
 
 use super::budget::Layout;
 use super::rates::MachineRates;
-use super::sizes::{F32, Sizes};
+use super::sizes::{BF16, F32, Sizes};
 use super::{CheckpointTier, GradientTier};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +86,8 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
     let bwd_uploads = |u: usize| if l.interval > 1 && u != 0 { 2 } else { 1 };
     // Bytes per parameter per upload: bf16 from a streaming copy, fp32 from the master.
     let wb = l.weights.bytes();
+    // Bytes per parameter of gradients shipped as each unit finishes.
+    let grad_bytes = if l.gradients == GradientTier::HostStoreBf16 { BF16 } else { F32 };
 
     let mut g = Graph { end: Vec::new(), start: Vec::new(), free: [0.0; 4], busy: [0.0; 4] };
     let mut adam_done: Vec<Option<usize>> = vec![None; units];
@@ -110,7 +112,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
         // the update too (a landing slot frees when the update two back is done).
         let mut ship_grads =
             |g: &mut Graph, u: usize, visit: usize| -> (u64, usize, Option<usize>) {
-                let bytes = s.units[u].params * F32;
+                let bytes = s.units[u].params * grad_bytes;
                 let ring_free = if as_they_land {
                     ring_adams.len().checked_sub(2).map(|k| ring_adams[k])
                 } else {
@@ -197,7 +199,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
 
         match l.gradients {
             GradientTier::HostRing => {}
-            GradientTier::HostStore => {
+            GradientTier::HostStore | GradientTier::HostStoreBf16 => {
                 // The norm is known once the embedding's gradients (the last) have landed;
                 // the updates then run in forward order, overlapped with the next forward.
                 let all_landed = landings.last().copied();

@@ -12,7 +12,9 @@ pub const STREAMER: Capabilities = Capabilities {
     max_checkpoint_interval: usize::MAX,
     device_gradient_store: true,
     gradient_ring: true,
+    bf16_gradient_store: true,
     master_streaming: true,
+    only_gradients: None,
 };
 
 /// The streamer's options for `plan`, with `optimizer_threads` threads for AdamW (0: one per

@@ -7,7 +7,10 @@
 //! - **host store**: two accumulators used in turn; each unit's gradients ship to its own host
 //!   slab as soon as they are complete, overlapping the next unit's backward;
 //! - **host ring** (clipping off): the same two accumulators, landing in the two-slot ring and
-//!   handed to the optimizer at once.
+//!   handed to the optimizer at once;
+//! - **bf16 host store**: as the host store, but each unit's gradients are rounded into a
+//!   weight-dtype buffer on the device once their fp32 sum of squares is taken, and ship at half
+//!   the bytes to half-size slabs.
 //!
 //! A *lane* is a landing path with its own event and at most one copy in flight: with two
 //! accumulators lane `i` copies accumulator `i`; the device store has one lane per ring slot,
@@ -51,6 +54,9 @@ pub(super) struct Grads<B: Backend> {
     pub tier: GradientTier,
     /// Device store: one accumulator per unit. Otherwise: two, used in turn.
     acc: Vec<B::Floats>,
+    /// bf16 host store: per accumulator, the weight-dtype buffer its gradients are rounded
+    /// into and shipped from. Empty otherwise.
+    rounded: Vec<B::Floats>,
     lens: Vec<usize>,
     /// The accumulator the current unit uses (two-accumulator tiers).
     current: usize,
@@ -82,16 +88,25 @@ impl<B: Backend> Grads<B> {
         let largest = lens.iter().copied().max().unwrap_or(0);
         let sizes: Vec<usize> = match tier {
             GradientTier::DeviceStore => lens.clone(),
-            GradientTier::HostStore | GradientTier::HostRing => vec![largest; 2],
+            GradientTier::HostStore | GradientTier::HostStoreBf16 | GradientTier::HostRing => {
+                vec![largest; 2]
+            }
         };
         let acc = sizes.iter().map(|&n| b.alloc(n, FloatKind::Accum)).collect::<Result<_>>()?;
-        let bytes = sizes.iter().sum::<usize>() * b.elem_bytes(FloatKind::Accum);
+        let mut bytes = sizes.iter().sum::<usize>() * b.elem_bytes(FloatKind::Accum);
+        let rounded = if tier == GradientTier::HostStoreBf16 {
+            bytes += 2 * largest * b.elem_bytes(FloatKind::Activation);
+            vec![b.alloc(largest, FloatKind::Activation)?, b.alloc(largest, FloatKind::Activation)?]
+        } else {
+            Vec::new()
+        };
         let units = lens.len();
         let lanes = if tier == GradientTier::DeviceStore { RING_SLOTS } else { 2 };
         let grads = Grads {
             tier,
             lands,
             acc,
+            rounded,
             lens,
             current: 0,
             next_lane: 0,
@@ -186,7 +201,7 @@ impl<B: Backend> Grads<B> {
     /// the compute that produced them; returns the bytes.
     #[allow(clippy::too_many_arguments)]
     fn ship(
-        &self,
+        &mut self,
         b: &B,
         store: &HostStore,
         compute: &B::Stream,
@@ -197,9 +212,19 @@ impl<B: Backend> Grads<B> {
         dest: GradAt,
     ) -> Result<u64> {
         let len = self.lens[u];
+        let mut elem = 4;
+        if let Some(rounded) = self.rounded.get_mut(acc) {
+            // Queued on compute after the gradients, and read by the copy below only after it:
+            // the buffer is reused only once this lane's copy has finished (`begin`).
+            b.copy(b.view_mut(rounded, 0..len), b.view(&self.acc[acc], 0..len))?;
+            elem = b.elem_bytes(FloatKind::Activation);
+        }
         b.record(&self.ready, compute)?;
         b.wait(d2h, &self.ready)?;
-        let src = b.view(&self.acc[acc], 0..len);
+        let src = match self.rounded.get(acc) {
+            Some(rounded) => b.view(rounded, 0..len),
+            None => b.view(&self.acc[acc], 0..len),
+        };
         match dest {
             GradAt::Unit => {
                 let mut unit = store.lock(u)?;
@@ -217,7 +242,7 @@ impl<B: Backend> Grads<B> {
             }
         }
         b.record(&self.landed[lane], d2h)?;
-        Ok((len * 4) as u64)
+        Ok((len * elem) as u64)
     }
 
     /// Waits for `lane`'s copy, if any, and submits the update waiting on it.

@@ -245,6 +245,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let landing = match options.gradients {
             GradientTier::HostStore => GradLanding::PerUnit,
+            GradientTier::HostStoreBf16 => GradLanding::PerUnitHalf,
             GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(RING_SLOTS),
         };
         let copy = options.weights == WeightSource::StreamingCopy;

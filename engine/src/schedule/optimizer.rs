@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use crate::backend::WeightDtype;
 use crate::error::{Error, Result};
 use crate::model::ModelLayout;
-use crate::optim::{AdamPool, AdamW, FusedStep, adamw_fused, adamw_step, scale};
-use crate::store::{HostStore, refresh_stream};
+use crate::optim::{AdamPool, AdamW, FusedStep, GradIn, adamw_fused_from, adamw_step, scale};
+use crate::store::{HostSlab, HostStore, refresh_stream};
 
 /// Where an update finds its unit's gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,12 +149,6 @@ fn update(
         GradAt::Ring(slot) => Some(store.ring().lock(slot)?),
     };
     let n = state.master.bytes() / 4;
-    let grad: &mut [f32] = match ring_slot.as_deref_mut() {
-        Some(slab) => slab.as_f32_mut().get_mut(..n).ok_or_else(|| {
-            Error::invalid(format!("unit {} does not fit a gradient ring slot", job.unit))
-        })?,
-        None => state.grad.as_f32_mut(),
-    };
     let unit = layout
         .units
         .get(job.unit)
@@ -165,6 +159,12 @@ fn update(
             unit.tensors.iter().filter(|t| t.decay).map(|t| t.range.clone()).collect();
         let args =
             FusedStep { step: job.step, lr: job.lr, hp, clip_coef: job.coef, decayed: &decayed };
+        let grad = match ring_slot.as_deref_mut() {
+            Some(slab) => GradIn::F32(ring_grad(slab, n, job.unit)?),
+            // The bf16 gradient store: widened chunk by chunk as they are used.
+            None if store.half_grads() => GradIn::Bf16(state.grad.as_u16()),
+            None => GradIn::F32(state.grad.as_f32()),
+        };
         let fused = crate::optim::UnitState {
             master: state.master.as_f32_mut(),
             m: &mut state.m,
@@ -172,14 +172,26 @@ fn update(
             // Empty without a streaming copy: the fused update then writes none.
             bf16: state.stream.as_u16_mut(),
         };
-        return adamw_fused(pool, fused, grad, &args);
+        return adamw_fused_from(pool, fused, grad, &args);
     }
+    // The f32 path (the CPU): weight-dtype gradients are f32 here too.
+    let grad: &mut [f32] = match ring_slot.as_deref_mut() {
+        Some(slab) => ring_grad(slab, n, job.unit)?,
+        None => state.grad.as_f32_mut(),
+    };
     let moments = (&mut state.m[..], &mut state.v[..]);
     pool.install(|| unfused(state.master.as_f32_mut(), moments, grad, unit, &hp, job))?;
     if store.keeps_copy() {
         refresh_stream(state, dtype);
     }
     Ok(())
+}
+
+/// The first `n` f32s of a ring slot: unit `unit`'s gradients.
+fn ring_grad(slab: &mut HostSlab, n: usize, unit: usize) -> Result<&mut [f32]> {
+    slab.as_f32_mut()
+        .get_mut(..n)
+        .ok_or_else(|| Error::invalid(format!("unit {unit} does not fit a gradient ring slot")))
 }
 
 /// The per-tensor update of the f32 path, with the clip applied in its own pass first.

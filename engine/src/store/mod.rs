@@ -42,6 +42,9 @@ pub struct UnitState {
 pub enum GradLanding {
     /// An f32 slab per unit: every unit's gradients can wait at once.
     PerUnit,
+    /// The same in the backend's weight dtype (bf16 on GPUs, f32 on the CPU): half the bytes,
+    /// gradients rounded after their norm was taken.
+    PerUnitHalf,
     /// A ring of this many slabs, each as large as the largest unit.
     Ring(usize),
 }
@@ -72,6 +75,8 @@ pub struct HostStore {
     weight_dtype: WeightDtype,
     /// Whether each unit keeps a streaming copy.
     copy: bool,
+    /// Whether gradients wait in the weight dtype (else f32).
+    half_grads: bool,
     params: usize,
 }
 
@@ -94,7 +99,11 @@ impl HostStore {
         let mut units = Vec::with_capacity(params.units.len());
         for weights in params.units {
             let n = weights.len();
-            let grad = if landing == GradLanding::PerUnit { n * 4 } else { 0 };
+            let grad = match landing {
+                GradLanding::PerUnit => n * 4,
+                GradLanding::PerUnitHalf => n * weight_dtype.bytes(),
+                GradLanding::Ring(_) => 0,
+            };
             let mut master = HostSlab::zeroed(n * 4)?;
             {
                 use rayon::prelude::*;
@@ -120,7 +129,7 @@ impl HostStore {
             units.push(Mutex::new(state));
         }
         let ring = match landing {
-            GradLanding::PerUnit => GradRing::new(0, 0)?,
+            GradLanding::PerUnit | GradLanding::PerUnitHalf => GradRing::new(0, 0)?,
             GradLanding::Ring(slots) => GradRing::new(slots, largest * 4)?,
         };
         let applied = Mutex::new(vec![0; units.len()]);
@@ -131,6 +140,7 @@ impl HostStore {
             changed: Condvar::new(),
             weight_dtype,
             copy,
+            half_grads: landing == GradLanding::PerUnitHalf,
             params: n_params,
         })
     }
@@ -151,6 +161,11 @@ impl HostStore {
     /// Whether units keep a streaming copy (else the device streams the master).
     pub fn keeps_copy(&self) -> bool {
         self.copy
+    }
+
+    /// Whether the per-unit gradient slabs hold the weight dtype (else f32).
+    pub fn half_grads(&self) -> bool {
+        self.half_grads
     }
 
     /// Exclusive access to one unit.

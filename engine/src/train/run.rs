@@ -120,6 +120,7 @@ impl RunPlacement {
         let gradients = match self.gradients {
             Some(GradientTier::DeviceStore) => "gradients wait on the device",
             Some(GradientTier::HostStore) | None => "gradients wait in host memory",
+            Some(GradientTier::HostStoreBf16) => "gradients wait in host memory in bf16",
             Some(GradientTier::HostRing) => "gradients go straight to the optimizer",
         };
         let weights = match self.weights {

@@ -33,7 +33,8 @@ use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{
-    BatchShape, Capabilities, MachineMemory, MachineRates, Plan, PlanInput, Verdict, plan,
+    BatchShape, Capabilities, GradientTier, MachineMemory, MachineRates, Plan, PlanInput, Verdict,
+    plan,
 };
 use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
@@ -76,6 +77,12 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     streaming_copy: bool,
 
+    /// Where gradients wait, instead of the most exact place that fits: `device` (fp32, for
+    /// the norm), `host` (fp32), `host-bf16` (rounded after the fp32 norm; clipping stays
+    /// exact) or `ring` (clipping off: straight to the optimizer).
+    #[arg(long, value_enum)]
+    gradients: Option<GradientsArg>,
+
     /// Write the per-step records and the summary to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -83,6 +90,25 @@ pub(crate) struct TrainArgs {
     /// Write what PyTorch needs to replay step 1 into this folder (see the module docs).
     #[arg(long, value_name = "DIR")]
     check_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum GradientsArg {
+    Device,
+    Host,
+    HostBf16,
+    Ring,
+}
+
+impl From<GradientsArg> for GradientTier {
+    fn from(g: GradientsArg) -> GradientTier {
+        match g {
+            GradientsArg::Device => GradientTier::DeviceStore,
+            GradientsArg::Host => GradientTier::HostStore,
+            GradientsArg::HostBf16 => GradientTier::HostStoreBf16,
+            GradientsArg::Ring => GradientTier::HostRing,
+        }
+    }
 }
 
 /// One step's figures.
@@ -155,7 +181,11 @@ fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Resul
         clipping: !args.no_clip,
         memory,
         rates: MachineRates::default(),
-        supports: Capabilities { master_streaming: !args.streaming_copy, ..STREAMER },
+        supports: Capabilities {
+            master_streaming: !args.streaming_copy,
+            only_gradients: args.gradients.map(GradientTier::from),
+            ..STREAMER
+        },
         gpus: 1,
     };
     match plan(&input)? {
