@@ -214,7 +214,10 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
       if (status === 'failed' || status === 'cancelled' || status === 'interrupted') {
         assert.fail(`the job ended ${status}: ${await page.locator('#job-failure').innerText()}\n${server.log()}`);
       }
-      if (Date.now() > deadline) assert.fail(`the job did not complete in time; points seen: ${seen.join(' → ')}`);
+      if (Date.now() > deadline) {
+        const job = await page.evaluate(async (p) => (await fetch(p)).text(), `/api/jobs/${jobId}`).catch((e) => String(e));
+        assert.fail(`the job did not complete in time; points seen: ${seen.join(' → ')}\njob: ${job}\nserver log (end): ${server.log().slice(-4000)}`);
+      }
       await page.waitForTimeout(150);
     }
     // Live drawing: the chart grew in steps, not all at once at the end.
