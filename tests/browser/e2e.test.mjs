@@ -215,7 +215,8 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
         assert.fail(`the job ended ${status}: ${await page.locator('#job-failure').innerText()}\n${server.log()}`);
       }
       if (Date.now() > deadline) {
-        const job = await page.evaluate(async (p) => (await fetch(p)).text(), `/api/jobs/${jobId}`).catch((e) => String(e));
+        // Bounded, so a server that stopped answering says so instead of hanging the test.
+        const job = await page.evaluate(async (p) => (await fetch(p, { signal: AbortSignal.timeout(5000) })).text(), `/api/jobs/${jobId}`).catch((e) => String(e));
         assert.fail(`the job did not complete in time; points seen: ${seen.join(' → ')}\njob: ${job}\nserver log (end): ${server.log().slice(-4000)}`);
       }
       await page.waitForTimeout(150);
