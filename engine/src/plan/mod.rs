@@ -471,16 +471,15 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
         fitting.retain(|e| e.layout.gradients != GradientTier::HostStoreBf16);
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
-    let source = fitting
+    let (at, _) = fitting
         .iter()
-        .filter(|e| e.cost.step <= fastest * 1.01)
-        .min_by_key(|e| e.rank)?
-        .layout
-        .weights;
+        .enumerate()
+        .filter(|(_, e)| e.cost.step <= fastest * 1.01)
+        .min_by_key(|(_, e)| e.rank)?;
+    let best = fitting.swap_remove(at);
+    let source = best.layout.weights;
     let other =
         fitting.iter().filter(|e| e.layout.weights != source).map(|e| e.cost.step).reduce(f64::min);
-    let best =
-        fitting.into_iter().filter(|e| e.cost.step <= fastest * 1.01).min_by_key(|e| e.rank)?;
     Some((best, other))
 }
 

@@ -6,16 +6,15 @@
 use std::convert::Infallible;
 
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::routing::{get, put};
 use axum::{Json, Router};
-use futures_util::{Stream, StreamExt, stream};
+use futures_util::Stream;
 use serde_json::{Value, json};
-use tokio_stream::wrappers::BroadcastStream;
 
 use crate::AppState;
 use crate::auth::CurrentUser;
-use crate::auth::session::random_token;
+use crate::auth::session::{is_token, random_token};
 use crate::error::{ApiError, ApiPath, ApiResult};
 use crate::jobs::store::{self, JobRow};
 
@@ -54,8 +53,7 @@ async fn unshare(
 
 /// The job a demo token opens: 404, saying the link is off, for an unknown token.
 async fn shared(state: &AppState, token: &str) -> ApiResult<JobRow> {
-    let valid = token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit());
-    let job = if valid { store::by_demo_token(state, token).await? } else { None };
+    let job = if is_token(token) { store::by_demo_token(state, token).await? } else { None };
     job.ok_or_else(|| ApiError::not_found("this demo link is off or never existed"))
 }
 
@@ -102,17 +100,5 @@ async fn events(
     // Subscribe before reading the status, so no change falls between the two.
     let receiver = state.subscribe();
     let job = shared(&state, &token).await?;
-    let id = job.id;
-    let first = Event::default().event("status").data(job.status_json().to_string());
-    let live = BroadcastStream::new(receiver).filter_map(move |message| {
-        let event = match message {
-            Ok(m) if m.job_id == id && (m.kind == "metric" || m.kind == "status") => {
-                Some(Ok(Event::default().event(m.kind).data(m.data)))
-            }
-            _ => None,
-        };
-        std::future::ready(event)
-    });
-    Ok(Sse::new(stream::once(std::future::ready(Ok(first))).chain(live))
-        .keep_alive(KeepAlive::default()))
+    Ok(super::jobs::event_stream(receiver, &job, |kind| kind == "metric" || kind == "status"))
 }

@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::{Stream, StreamExt, stream};
 use serde_json::{Value, json};
+use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 
 use sluice_engine::train::{STATE_DIR, TrainingState};
@@ -21,7 +22,8 @@ use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::jobs::plan;
 use crate::jobs::request::{self, JobRequest, Label};
 use crate::jobs::runner;
-use crate::jobs::store::{self, JobStatus};
+use crate::jobs::store::{self, JobRow, JobStatus};
+use crate::state::JobMessage;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -322,16 +324,30 @@ async fn events(
     // Subscribe before reading the status, so no change falls between the two.
     let receiver = state.subscribe();
     let job = store::visible(&state, &user, id).await?;
+    Ok(event_stream(receiver, &job, |_| true))
+}
+
+/// A job's events as SSE: its status now, then each event whose kind `shown` lets through, as
+/// it happens. `receiver` must have subscribed before `job` was read, so no change falls
+/// between the two.
+pub(super) fn event_stream(
+    receiver: broadcast::Receiver<JobMessage>,
+    job: &JobRow,
+    shown: fn(&str) -> bool,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>> + use<>> {
+    let id = job.id;
     let first = Event::default().event("status").data(job.status_json().to_string());
     let live = BroadcastStream::new(receiver).filter_map(move |message| {
         let event = match message {
-            Ok(m) if m.job_id == id => Some(Ok(Event::default().event(m.kind).data(m.data))),
+            Ok(m) if m.job_id == id && shown(m.kind) => {
+                Some(Ok(Event::default().event(m.kind).data(m.data)))
+            }
             _ => None,
         };
         std::future::ready(event)
     });
-    Ok(Sse::new(stream::once(std::future::ready(Ok(first))).chain(live))
-        .keep_alive(KeepAlive::default()))
+    Sse::new(stream::once(std::future::ready(Ok(first))).chain(live))
+        .keep_alive(KeepAlive::default())
 }
 
 /// `GET /api/jobs/{id}/log`: the whole log as text, one line per entry.

@@ -95,6 +95,12 @@ pub fn random_token() -> String {
     hex(&bytes)
 }
 
+/// Whether `s` has the shape of a [`random_token`] (64 hex digits): anything else is refused
+/// before it reaches the database.
+pub fn is_token(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

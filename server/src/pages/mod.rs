@@ -75,7 +75,7 @@ async fn with_id(Path(id): Path<String>, page: &'static Page) -> Response {
 /// A job's demo view: the shell for anything shaped like a token (its script asks the API
 /// whether the link is on), the 404 page otherwise.
 async fn demo(Path(token): Path<String>) -> Response {
-    if token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if crate::auth::session::is_token(&token) {
         DEMO.response()
     } else {
         not_found().await.into_response()

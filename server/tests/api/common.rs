@@ -132,6 +132,14 @@ impl Client {
         self.send(request).await
     }
 
+    pub async fn put(&self, path: &str, body: Value) -> anyhow::Result<Reply> {
+        let request = self
+            .builder(Method::PUT, path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))?;
+        self.send(request).await
+    }
+
     pub async fn delete(&self, path: &str) -> anyhow::Result<Reply> {
         self.send(self.builder(Method::DELETE, path).body(Body::empty())?).await
     }

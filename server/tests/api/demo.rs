@@ -1,14 +1,10 @@
 //! Demo links: the owner turns a job's read-only live view on and off; with the link anyone
 //! sees the figures without an account, and nothing else of the job; without it, nobody does.
 
-use axum::body::Body;
-use axum::http::{Method, StatusCode};
+use axum::http::StatusCode;
+use serde_json::json;
 
-use crate::common::{Client, Reply, TestApp, tiny_job};
-
-async fn put(client: &Client, path: &str) -> anyhow::Result<Reply> {
-    client.send(client.builder(Method::PUT, path).body(Body::empty())?).await
-}
+use crate::common::{TestApp, tiny_job};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demo_link_shows_a_jobs_figures_to_anyone_until_it_is_turned_off() -> anyhow::Result<()> {
@@ -23,16 +19,19 @@ async fn a_demo_link_shows_a_jobs_figures_to_anyone_until_it_is_turned_off() -> 
     assert!(alice.get(&format!("/api/jobs/{job}")).await?.json()?["demo"].is_null());
 
     // Only the owner (or an admin) turns it on.
-    assert_eq!(put(&bob, &format!("/api/jobs/{job}/demo")).await?.status, StatusCode::NOT_FOUND);
-    let status = put(&anonymous, &format!("/api/jobs/{job}/demo")).await?.status;
+    assert_eq!(
+        bob.put(&format!("/api/jobs/{job}/demo"), json!({})).await?.status,
+        StatusCode::NOT_FOUND
+    );
+    let status = anonymous.put(&format!("/api/jobs/{job}/demo"), json!({})).await?.status;
     assert!([StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&status), "{status}");
-    let on = put(&alice, &format!("/api/jobs/{job}/demo")).await?;
+    let on = alice.put(&format!("/api/jobs/{job}/demo"), json!({})).await?;
     assert_eq!(on.status, StatusCode::OK, "{}", on.text());
     let link = on.json()?["demo"].as_str().unwrap_or_default().to_string();
     let token = link.strip_prefix("/demo/").unwrap_or_default().to_string();
     assert_eq!(token.len(), 64, "{link}");
     // Turning it on again keeps the link the room already has.
-    let again = put(&alice, &format!("/api/jobs/{job}/demo")).await?.json()?;
+    let again = alice.put(&format!("/api/jobs/{job}/demo"), json!({})).await?.json()?;
     assert_eq!(again["demo"], link.as_str());
     assert_eq!(alice.get(&format!("/api/jobs/{job}")).await?.json()?["demo"], link.as_str());
 

@@ -1,19 +1,10 @@
 //! Disk use per user, quotas that submits and uploads respect, and model folders deleted with
 //! the bytes they freed.
 
-use axum::body::Body;
-use axum::http::{Method, StatusCode, header};
+use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use crate::common::{Client, Reply, TestApp, tiny_job};
-
-async fn put(client: &Client, path: &str, body: Value) -> anyhow::Result<Reply> {
-    let request = client
-        .builder(Method::PUT, path)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))?;
-    client.send(request).await
-}
+use crate::common::{TestApp, tiny_job};
 
 fn row<'a>(storage: &'a Value, username: &str) -> &'a Value {
     storage["users"]
@@ -57,7 +48,7 @@ async fn usage_is_counted_per_user_and_a_quota_refuses_more() -> anyhow::Result<
     // A quota under what alice uses: no new job, no upload, each saying why.
     let alice_id = mine["id"].as_i64().unwrap_or(0);
     let quota = format!("/api/storage/users/{alice_id}/quota");
-    let set = put(&admin, &quota, json!({"quota_bytes": run_bytes})).await?;
+    let set = admin.put(&quota, json!({"quota_bytes": run_bytes})).await?;
     assert_eq!(set.status, StatusCode::OK, "{}", set.text());
     let refused = alice.post("/api/jobs", tiny_job(dataset, 1)).await?;
     assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
@@ -74,18 +65,18 @@ async fn usage_is_counted_per_user_and_a_quota_refuses_more() -> anyhow::Result<
     assert_eq!(freed["freed_bytes"], run_bytes);
     alice.submit(tiny_job(dataset, 1)).await?;
     // No quota at all again; bad values are refused.
-    assert_eq!(put(&admin, &quota, json!({"quota_bytes": null})).await?.status, StatusCode::OK);
+    assert_eq!(admin.put(&quota, json!({"quota_bytes": null})).await?.status, StatusCode::OK);
     for bad in [
         json!({"quota_bytes": -1}),
         json!({"quota_bytes": "1 GB"}),
         json!({}),
         json!({"quota_bytes": 1.5}),
     ] {
-        let reply = put(&admin, &quota, bad.clone()).await?;
+        let reply = admin.put(&quota, bad.clone()).await?;
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}: {}", reply.text());
     }
     assert_eq!(
-        put(&admin, "/api/storage/users/9999/quota", json!({"quota_bytes": 1})).await?.status,
+        admin.put("/api/storage/users/9999/quota", json!({"quota_bytes": 1})).await?.status,
         StatusCode::NOT_FOUND
     );
     Ok(())
