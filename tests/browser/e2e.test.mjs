@@ -168,12 +168,21 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForSelector('.tier .bar');
     assert.equal(await page.locator('#plan-placement').count(), 1, 'the plan card shows no placement line (the plan answered no `placement`)');
     assert.match(await page.locator('#plan-placement').innerText(), /^Placement\s*\S/);
+    // Every gradient policy is listed with its memory; choosing one from the card re-plans the
+    // job with it, and the job then runs with it.
+    const policies = await page.locator('#plan-gradients tbody tr').evaluateAll((rows) => rows.map((r) => r.dataset.policy));
+    assert.deepEqual(policies, ['device', 'host', 'host_bf16', 'no_clip'], 'the plan card lists every gradient policy');
+    assert.equal(await page.locator('#plan-gradients tr[data-chosen="true"]').getAttribute('data-policy'), 'device');
+    await page.click('#plan-gradients tr[data-policy="host_bf16"] button');
+    await page.waitForSelector('#plan-gradients tr[data-policy="host_bf16"][data-chosen="true"]');
+    assert.equal(await page.inputValue('#gradients'), 'host_bf16');
     assert.ok(await page.locator('#command').isHidden(), 'the command is shown before it is asked for');
     assert.ok(await page.locator('#show-command').isEnabled(), 'no command to show (the plan answered no `command`)');
     await page.click('#show-command');
     const command = (await page.locator('#command').innerText()).trim();
     assert.match(command, /^sluice train\b/, `the equivalent command: ${command}`);
     assert.match(command, /f32/, `the equivalent command does not carry save_dtype f32: ${command}`);
+    assert.match(command, /--gradients host_bf16/, `the equivalent command does not carry the gradient policy: ${command}`);
     await page.evaluate(() => window.scrollTo(0, 0));
     await screenshot('new-job');
     await page.click('#submit');
@@ -183,6 +192,7 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const saveDtype = page.locator('#settings [data-setting="save_dtype"] dd');
     await saveDtype.waitFor();
     assert.equal(await saveDtype.innerText(), 'f32');
+    assert.equal(await page.locator('#settings [data-setting="gradients"] dd').innerText(), 'host_bf16');
     assert.match(await page.locator('#settings [data-setting="save_every"] dd').innerText(), new RegExp(`^${SAVE_EVERY}\\b`));
     assert.match(await page.locator('[data-fact="disk"] .v').innerText(), /^\d[\d.]* (B|KiB|MiB|GiB|TiB)$/);
     noErrorsSoFar();

@@ -75,6 +75,51 @@ pub enum GradientTier {
     HostRing,
 }
 
+impl GradientTier {
+    /// Every tier, most exact first.
+    pub const ALL: [GradientTier; 4] = [
+        GradientTier::DeviceStore,
+        GradientTier::HostStore,
+        GradientTier::HostStoreBf16,
+        GradientTier::HostRing,
+    ];
+
+    /// Whether the tier waits for the global norm (clipping on) or feeds AdamW at once.
+    pub fn clips(self) -> bool {
+        self != GradientTier::HostRing
+    }
+
+    /// What the tier does to the results, in a clause a user can weigh.
+    pub fn effect(self) -> &'static str {
+        match self {
+            GradientTier::DeviceStore => {
+                "exact clipping; fp32 gradients wait in GPU memory (4 bytes per parameter there)"
+            }
+            GradientTier::HostStore => {
+                "exact clipping; fp32 gradients wait in host memory (4 bytes per parameter)"
+            }
+            GradientTier::HostStoreBf16 => {
+                "exact clipping (the norm is taken in fp32); AdamW sees gradients rounded to \
+                 bf16 (2 host bytes per parameter)"
+            }
+            GradientTier::HostRing => {
+                "no clipping: no step is limited by the gradient norm; gradients go straight \
+                 into AdamW (a small ring, no store)"
+            }
+        }
+    }
+
+    /// Whether a schedule with `caps` can run the tier.
+    fn supported(self, caps: &Capabilities) -> bool {
+        match self {
+            GradientTier::DeviceStore => caps.device_gradient_store,
+            GradientTier::HostStore => true,
+            GradientTier::HostStoreBf16 => caps.bf16_gradient_store,
+            GradientTier::HostRing => caps.gradient_ring,
+        }
+    }
+}
+
 /// Where the weights that cross PCIe come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -323,6 +368,56 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
         1 => plan_one(input),
         _ => parallel::plan(input),
     }
+}
+
+/// One gradient policy a job could run with, and what it would cost there.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GradientOption {
+    pub gradients: GradientTier,
+    /// Whether global-norm clipping is on with this policy.
+    pub clipping: bool,
+    /// What the policy does to the results ([`GradientTier::effect`]).
+    pub effect: &'static str,
+    pub fits: bool,
+    /// Host and device bytes of the best placement with this policy (of the closest one where
+    /// it does not fit).
+    pub host_bytes: u64,
+    pub device_bytes: u64,
+    /// Host bytes per parameter.
+    pub host_bytes_per_param: f64,
+    /// Predicted seconds per step where it fits.
+    pub step_s: Option<f64>,
+    /// Why it does not fit.
+    pub refused: Option<String>,
+}
+
+/// The job of `input` planned with each gradient policy the schedule runs, most exact first,
+/// whatever clipping and tier `input` asks for: what the choice between them costs.
+pub fn gradient_options(input: &PlanInput<'_>) -> Result<Vec<GradientOption>> {
+    let mut out = Vec::new();
+    for tier in GradientTier::ALL.into_iter().filter(|t| t.supported(&input.supports)) {
+        let one = PlanInput {
+            clipping: tier.clips(),
+            supports: Capabilities { only_gradients: Some(tier), ..input.supports },
+            ..input.clone()
+        };
+        let (fits, budget, params, step_s, refused) = match plan(&one)? {
+            Verdict::Fits(p) => (true, p.budget, p.model.params, Some(p.time.total_s), None),
+            Verdict::Refused(r) => (false, r.budget, r.model.params, None, Some(r.reason)),
+        };
+        out.push(GradientOption {
+            gradients: tier,
+            clipping: tier.clips(),
+            effect: tier.effect(),
+            fits,
+            host_bytes: budget.host_used(),
+            device_bytes: budget.device.used,
+            host_bytes_per_param: budget.host_used() as f64 / params.max(1) as f64,
+            step_s,
+            refused,
+        });
+    }
+    Ok(out)
 }
 
 /// Plans a job on one GPU.

@@ -164,6 +164,52 @@ fn seven_b_on_a_24_gib_gpu_with_exact_clipping_keeps_its_gradients_in_bf16() {
 }
 
 #[test]
+fn every_gradient_policy_is_planned_with_its_memory_and_its_effect() {
+    // 7B on a 24 GiB GPU with 110 GiB of host memory: neither fp32 store fits, bf16 gradients
+    // and the unclipped ring do, the ring with 2 host bytes per parameter less.
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len: 1024, micro_batch: 8, grad_accum: 8 },
+        clipping: true,
+        memory: MachineMemory::given(24 * GIB, 110 * GIB),
+        rates: MachineRates::default(),
+        supports: Capabilities::ALL,
+        gpus: 1,
+    };
+    let options = gradient_options(&input).expect("valid");
+    let tiers: Vec<_> = options.iter().map(|o| o.gradients).collect();
+    assert_eq!(tiers, GradientTier::ALL);
+    let fit: Vec<_> = options.iter().map(|o| o.fits).collect();
+    assert_eq!(fit, [false, false, true, true], "{options:#?}");
+    let [device, host, bf16, ring] = &options[..] else { unreachable!() };
+    let (ring, bf16) = (ring.clone(), bf16.clone());
+    assert!(device.refused.as_deref().unwrap_or("").contains("device"), "{device:?}");
+    assert!(host.refused.as_deref().unwrap_or("").contains("host"), "{host:?}");
+    assert!(host.host_bytes > input.memory.host_bytes, "{host:?}");
+    // The ring needs no store: with the same memory it is no slower (the planner spends the
+    // room on speed), and it alone fits 96 GiB: 12 bytes per parameter of master and moments,
+    // plus the ring's slots of the largest unit (the 2 GiB embedding, 1.15 bytes per parameter).
+    assert!(ring.step_s <= bf16.step_s, "{ring:?} {bf16:?}");
+    let tight = PlanInput { memory: MachineMemory::given(24 * GIB, 96 * GIB), ..input.clone() };
+    let options = gradient_options(&tight).expect("valid");
+    let fit: Vec<_> = options.iter().map(|o| o.fits).collect();
+    assert_eq!(fit, [false, false, false, true], "{options:#?}");
+    assert!((13.0..13.3).contains(&options[3].host_bytes_per_param), "{:?}", options[3]);
+    assert!(options[2].host_bytes > 96 * GIB, "{:?}", options[2]);
+    assert!(!ring.clipping && bf16.clipping);
+    assert!(ring.effect.starts_with("no clipping") && bf16.effect.contains("bf16"));
+    // A schedule without a ring is not offered one.
+    let no_ring = PlanInput {
+        supports: Capabilities { gradient_ring: false, ..Capabilities::ALL },
+        ..input.clone()
+    };
+    let tiers: Vec<_> =
+        gradient_options(&no_ring).expect("valid").iter().map(|o| o.gradients).collect();
+    assert!(!tiers.contains(&GradientTier::HostRing), "{tiers:?}");
+}
+
+#[test]
 fn seventy_b_class_fits_one_h200_with_1_5_tb_at_about_12_host_bytes_per_parameter() {
     // The paper's machine: one H200 and 1.5 TB of host memory. The weights stream from the
     // fp32 master (no bf16 copy), the gradients wait on the device or land in a ring.

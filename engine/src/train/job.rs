@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use crate::data::DatasetSource;
 use crate::error::{Error, Result};
 use crate::optim::Schedule;
-use crate::plan::{BatchShape, GpuQuery, MachineMemory, MachineRates, PlanInput};
+use crate::plan::{
+    BatchShape, Capabilities, GpuQuery, GradientTier, MachineMemory, MachineRates, PlanInput,
+};
 use crate::schedule::from_plan::STREAMER;
 use crate::spec::ModelSpec;
 use crate::weights::SaveDtype;
@@ -159,6 +161,73 @@ impl<'de> Deserialize<'de> for Devices {
     }
 }
 
+/// Where gradients wait for the global norm while clipping is on: the user's choice between
+/// memory and exactness, or `auto`, the most exact placement that fits (the planner's order:
+/// the GPU, then fp32 in host memory, then bf16 in host memory). With clipping off there is no
+/// choice: gradients go from a small ring straight into AdamW.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientPolicy {
+    #[default]
+    Auto,
+    /// fp32 gradients wait in GPU memory.
+    Device,
+    /// fp32 gradients wait in host memory.
+    Host,
+    /// Gradients wait in host memory rounded to bf16, after their norm is taken in fp32.
+    HostBf16,
+}
+
+impl GradientPolicy {
+    /// Every policy, as written on the command line and in JSON.
+    pub const NAMES: [&'static str; 4] = ["auto", "device", "host", "host_bf16"];
+
+    /// The tier the planner must use, or `None` for its own choice.
+    pub fn tier(self) -> Option<GradientTier> {
+        match self {
+            GradientPolicy::Auto => None,
+            GradientPolicy::Device => Some(GradientTier::DeviceStore),
+            GradientPolicy::Host => Some(GradientTier::HostStore),
+            GradientPolicy::HostBf16 => Some(GradientTier::HostStoreBf16),
+        }
+    }
+}
+
+impl GradientPolicy {
+    /// The policy that asks for `tier`; `None` for the ring, which is asked for by turning
+    /// clipping off.
+    pub fn asking_for(tier: GradientTier) -> Option<GradientPolicy> {
+        [Self::Device, Self::Host, Self::HostBf16].into_iter().find(|p| p.tier() == Some(tier))
+    }
+}
+
+impl fmt::Display for GradientPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = [Self::Auto, Self::Device, Self::Host, Self::HostBf16]
+            .iter()
+            .position(|p| p == self)
+            .unwrap_or(0);
+        f.write_str(Self::NAMES[i])
+    }
+}
+
+impl FromStr for GradientPolicy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<GradientPolicy> {
+        match s.replace('-', "_").as_str() {
+            "auto" => Ok(GradientPolicy::Auto),
+            "device" => Ok(GradientPolicy::Device),
+            "host" => Ok(GradientPolicy::Host),
+            "host_bf16" => Ok(GradientPolicy::HostBf16),
+            _ => Err(Error::invalid(format!(
+                "gradients {s:?}: expected one of {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
 /// How a job trains, everything but its model, data and devices. Every field has a default, so
 /// a JSON body may give any subset; unknown fields are refused (a typo must not pass silently).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -182,6 +251,8 @@ pub struct JobSettings {
     pub weight_decay: f32,
     /// Global gradient-norm clipping threshold; 0 turns clipping off.
     pub max_grad_norm: f32,
+    /// Where gradients wait for the norm while clipping is on.
+    pub gradients: GradientPolicy,
     /// Seeds random initialisation and the shuffle of samples.
     pub seed: u64,
     /// Train on prompt tokens too, not only on assistant turns.
@@ -209,6 +280,7 @@ impl Default for JobSettings {
             warmup: 0,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
+            gradients: GradientPolicy::Auto,
             seed: 0,
             train_on_prompt: false,
             save_every: None,
@@ -285,6 +357,13 @@ impl JobSettings {
             return Err(Error::invalid(format!(
                 "max_grad_norm must be 0 (no clipping) or more, got {}",
                 self.max_grad_norm
+            )));
+        }
+        if !self.clipping() && self.gradients != GradientPolicy::Auto {
+            return Err(Error::invalid(format!(
+                "gradients must be auto when max_grad_norm is 0 (no clipping: gradients go \
+                 straight into AdamW and wait nowhere), got {}",
+                self.gradients
             )));
         }
         if !(self.held_out.is_finite() && self.held_out > 0.0 && self.held_out <= 0.5) {
@@ -372,7 +451,7 @@ impl Job {
                 Devices::Cpu => MachineRates::cpu(),
                 Devices::Cuda(_) => MachineRates::default(),
             },
-            supports: STREAMER,
+            supports: Capabilities { only_gradients: self.settings.gradients.tier(), ..STREAMER },
             gpus: self.devices.count(),
         }
     }
@@ -422,6 +501,14 @@ mod tests {
             (JobSettings { lr: Some(f32::NAN), ..Default::default() }, "lr"),
             (JobSettings { weight_decay: -0.1, ..Default::default() }, "weight_decay"),
             (JobSettings { max_grad_norm: f32::INFINITY, ..Default::default() }, "max_grad_norm"),
+            (
+                JobSettings {
+                    max_grad_norm: 0.0,
+                    gradients: GradientPolicy::HostBf16,
+                    ..Default::default()
+                },
+                "gradients must be auto when max_grad_norm is 0",
+            ),
             (JobSettings { held_out: 0.0, ..Default::default() }, "held_out"),
             (JobSettings { held_out: 0.9, ..Default::default() }, "held_out"),
         ];
@@ -456,6 +543,48 @@ mod tests {
         assert!(err.expect_err("typo").to_string().contains("unknown field `stepz`"));
         let s = JobSettings::from_json(object(r#"{"seq_len": 64}"#)).expect("valid");
         assert_eq!(s.seq_len, 64);
+    }
+
+    #[test]
+    fn gradient_policies_parse_and_reach_the_planner() {
+        for name in GradientPolicy::NAMES {
+            let policy: GradientPolicy = name.parse().expect(name);
+            assert_eq!(policy.to_string(), name);
+            let json = serde_json::to_string(&policy).expect("json");
+            assert_eq!(json, format!("\"{name}\""));
+        }
+        assert_eq!("host-bf16".parse::<GradientPolicy>().expect("dash"), GradientPolicy::HostBf16);
+        let err = "gpu".parse::<GradientPolicy>().expect_err("unknown").to_string();
+        assert!(err.contains("auto, device, host, host_bf16"), "{err}");
+
+        // 7B on a 24 GiB GPU with 125 GiB of host memory: the planner's own choice is the fp32
+        // host store; a user who asks for bf16 gradients gets them, and one who asks for the
+        // device store is refused (it cannot hold 30 GB of gradients), not silently moved.
+        let spec = crate::spec::preset("qwen2.5-7b").expect("preset");
+        let gib = 1u64 << 30;
+        let memory = MachineMemory::given(24 * gib, 125 * gib);
+        let job = |gradients| Job {
+            model: ModelSource::Preset("qwen2.5-7b".into()),
+            data: DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices: Devices::Cuda(vec![0]),
+            settings: JobSettings {
+                seq_len: 1024,
+                micro_batch: 8,
+                grad_accum: 8,
+                gradients,
+                ..Default::default()
+            },
+        };
+        let planned = |policy| {
+            crate::plan::plan(&job(policy).plan_input(&spec, memory.clone())).expect("plan")
+        };
+        let tier = |v: crate::plan::Verdict| v.into_plan().expect("fits").placement.gradients;
+        assert_eq!(tier(planned(GradientPolicy::Auto)), GradientTier::HostStore);
+        assert_eq!(tier(planned(GradientPolicy::Host)), GradientTier::HostStore);
+        assert_eq!(tier(planned(GradientPolicy::HostBf16)), GradientTier::HostStoreBf16);
+        let refused = planned(GradientPolicy::Device).into_plan().expect_err("no room");
+        assert!(refused.to_string().contains("does not fit"), "{refused}");
     }
 
     #[test]

@@ -17,7 +17,10 @@ use std::time::Duration;
 
 pub use crate::schedule::Interrupt;
 pub use card::{CARD_FILE, Curves, model_card, write_model_card};
-pub use job::{DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, Job, JobSettings, Limits};
+pub use job::{
+    DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, GradientPolicy, Job, JobSettings,
+    Limits,
+};
 pub use launch::run_on;
 pub use run::{
     LoadedModel, ModelSource, RunOptions, RunPlacement, RunSummary, load_model, model_spec,

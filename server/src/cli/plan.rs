@@ -7,12 +7,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use sluice_engine::data::DatasetSource;
-use sluice_engine::plan::{GpuQuery, MachineMemory, Verdict, plan};
+use sluice_engine::plan::{
+    GpuQuery, GradientOption, GradientTier, MachineMemory, Verdict, gradient_options, plan,
+};
 use sluice_engine::spec::{ModelSpec, preset};
-use sluice_engine::train::{Devices, Job, JobSettings, ModelSource};
+use sluice_engine::train::{Devices, GradientPolicy, Job, JobSettings, ModelSource};
 
 use super::shape::ShapeArgs;
-use crate::jobs::plan::sentence;
+use crate::jobs::plan::{gib, sentence};
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset"])))]
@@ -26,8 +28,13 @@ pub(crate) struct PlanArgs {
     steps: Option<u64>,
 
     /// Plan with global-norm gradient clipping off (gradients then need no store).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "gradients")]
     no_clip: bool,
+
+    /// Where gradients wait for the norm: auto, device, host or host-bf16, as `sluice train
+    /// --gradients` [default: auto]. Every policy is listed after the plan either way.
+    #[arg(long, value_name = "POLICY")]
+    gradients: Option<GradientPolicy>,
 
     /// Print the plan as JSON (the engine planner's format).
     #[arg(long)]
@@ -61,10 +68,12 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
             grad_accum: batch.grad_accum,
             steps: args.steps,
             max_grad_norm: if args.no_clip { 0.0 } else { d.max_grad_norm },
+            gradients: args.gradients.unwrap_or(d.gradients),
             ..d
         },
     };
-    let verdict = plan(&job.plan_input(&spec, memory))?;
+    let input = job.plan_input(&spec, memory);
+    let verdict = plan(&input)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&verdict)?);
         return match verdict {
@@ -73,14 +82,41 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         };
     }
     println!("{}\n", sentence(&verdict, &job.devices, job.settings.steps));
+    let options = gradient_options(&input)?;
     match verdict {
         Verdict::Fits(plan) => {
             println!("{plan}");
+            print!("{}", options_table(&options));
             Ok(())
         }
         Verdict::Refused(r) => {
             print!("{}", r.details());
+            print!("\n{}", options_table(&options));
             Err(anyhow::anyhow!("does not fit: {r}"))
         }
     }
+}
+
+/// Each gradient policy's host memory, step time and effect on the results, one row each.
+fn options_table(options: &[GradientOption]) -> String {
+    let mut out = String::from("gradient policies (--gradients, or --no-clip for the ring):\n");
+    for o in options {
+        let name = match o.gradients {
+            GradientTier::DeviceStore => "device",
+            GradientTier::HostStore => "host",
+            GradientTier::HostStoreBf16 => "host-bf16",
+            GradientTier::HostRing => "no-clip",
+        };
+        let cost = match (o.step_s, &o.refused) {
+            (Some(s), _) => format!(
+                "fits: host {} ({:.2} B/param), device {}, {s:.2} s per step",
+                gib(o.host_bytes),
+                o.host_bytes_per_param,
+                gib(o.device_bytes)
+            ),
+            (None, reason) => format!("does not fit: {}", reason.as_deref().unwrap_or("")),
+        };
+        out.push_str(&format!("  {name:<10} {cost}\n  {:<10} {}\n", "", o.effect));
+    }
+    out
 }

@@ -9,8 +9,8 @@ use sluice_engine::data::{Columns, DatasetSource, ReadOptions};
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{CheckpointTier, MachineMemory, Plan, Verdict, plan};
 use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, model_spec,
-    read_run_options, run_on,
+    Devices, Event, GradientPolicy, Job, JobSettings, ModelSource, Observer, RunOptions,
+    model_spec, read_run_options, run_on,
 };
 use sluice_engine::weights::SaveDtype;
 
@@ -25,7 +25,8 @@ pub(crate) struct TrainArgs {
     /// options it was started with (no other option but --device and the memory limits).
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
-        "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "train_on_prompt",
+        "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "gradients", "seed",
+        "train_on_prompt",
         "save_every", "save_dtype", "eval_every", "eval_data", "held_out", "skip_invalid",
         "columns",
     ])]
@@ -80,6 +81,13 @@ pub(crate) struct TrainArgs {
     /// Clip the global gradient norm to this; 0 turns clipping off [default: 1].
     #[arg(long)]
     max_grad_norm: Option<f32>,
+
+    /// Where gradients wait for the norm while clipping: auto (the most exact that fits),
+    /// device (fp32 in GPU memory), host (fp32 in host memory) or host-bf16 (rounded to bf16
+    /// in host memory after an fp32 norm: half the host bytes); `sluice plan` lists each with
+    /// its memory [default: auto].
+    #[arg(long, value_name = "POLICY")]
+    gradients: Option<GradientPolicy>,
 
     /// Seed for initialisation and data order [default: 0].
     #[arg(long)]
@@ -197,6 +205,7 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
         warmup: args.warmup.unwrap_or(d.warmup),
         weight_decay: args.weight_decay.unwrap_or(d.weight_decay),
         max_grad_norm: args.max_grad_norm.unwrap_or(d.max_grad_norm),
+        gradients: args.gradients.unwrap_or(d.gradients),
         seed: args.seed.unwrap_or(d.seed),
         train_on_prompt: args.train_on_prompt,
         save_every: args.save_every,
@@ -265,6 +274,9 @@ pub(crate) fn command_line(job: &Job) -> String {
     }
     if s.max_grad_norm != d.max_grad_norm {
         flag("max-grad-norm", s.max_grad_norm.to_string());
+    }
+    if s.gradients != d.gradients {
+        flag("gradients", s.gradients.to_string());
     }
     if s.seed != d.seed {
         flag("seed", s.seed.to_string());
@@ -474,7 +486,8 @@ mod tests {
                 schedule: Schedule::Linear,
                 warmup: 5,
                 weight_decay: 0.1,
-                max_grad_norm: 0.0,
+                max_grad_norm: 0.5,
+                gradients: GradientPolicy::HostBf16,
                 seed: 7,
                 train_on_prompt: true,
                 save_every: Some(10),

@@ -10,7 +10,7 @@
 use serde::Serialize;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
 use sluice_engine::spec::ModelSpec;
-use sluice_engine::train::{Devices, Job, RunPlacement};
+use sluice_engine::train::{Devices, GradientPolicy, Job, RunPlacement};
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
@@ -39,6 +39,20 @@ pub struct Verdict {
     pub placement: Option<String>,
     /// The equivalent `sluice train` command line.
     pub command: String,
+    /// The job planned with each gradient policy, most exact first: what choosing between
+    /// them costs in memory and time, and what each does to the results.
+    pub gradient_options: Vec<GradientChoice>,
+}
+
+/// One gradient policy for this job.
+#[derive(Debug, Clone, Serialize)]
+pub struct GradientChoice {
+    /// The job's `gradients` value that asks for it, or "no_clip" (`max_grad_norm` 0).
+    pub policy: String,
+    /// Whether the job as asked runs with it.
+    pub chosen: bool,
+    #[serde(flatten)]
+    pub option: plan::GradientOption,
 }
 
 /// One setting of the job changed to make it fit.
@@ -95,8 +109,13 @@ pub fn machine_memory(state: &AppState, devices: &Devices) -> ApiResult<MachineM
 pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
     let shared = memory.shared();
     let command = crate::cli::train::command_line(job);
-    let planned = plan::plan(&job.plan_input(spec, memory));
+    let input = job.plan_input(spec, memory);
+    let planned = plan::plan(&input);
     let steps = job.settings.steps;
+    let chosen = match &planned {
+        Ok(plan::Verdict::Fits(p)) => Some(p.placement.gradients),
+        _ => None,
+    };
     let mut verdict = Verdict {
         fits: false,
         reason: String::new(),
@@ -109,6 +128,16 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
         suggestion: None,
         placement: None,
         command,
+        gradient_options: plan::gradient_options(&input)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|option| GradientChoice {
+                policy: GradientPolicy::asking_for(option.gradients)
+                    .map_or("no_clip".into(), |p| p.to_string()),
+                chosen: chosen == Some(option.gradients),
+                option,
+            })
+            .collect(),
     };
     match &planned {
         Ok(plan::Verdict::Fits(p)) => {

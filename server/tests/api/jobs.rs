@@ -326,6 +326,7 @@ async fn the_api_refuses_what_the_engine_refuses_with_its_message() -> anyhow::R
         json!({"lr": 5.0}),
         json!({"weight_decay": -0.5}),
         json!({"max_grad_norm": -1.0}),
+        json!({"max_grad_norm": 0.0, "gradients": "host_bf16"}),
         json!({"held_out": 0.0}),
         json!({"held_out": 0.75}),
     ];

@@ -67,6 +67,28 @@ async fn models_gpus_and_plan() -> anyhow::Result<()> {
         .map_or(0, |p| p.iter().filter_map(|p| p["bytes"].as_u64()).sum());
     assert_eq!(used, parts, "{fits}");
     assert!(fits["step_time_s"].as_f64().is_some_and(|t| t > 0.0), "{fits}");
+    // Every gradient policy, with its memory and effect; the job runs with the first (the GPU
+    // store, which on the CPU is host memory too) and says so.
+    let options = fits["gradient_options"].as_array().cloned().unwrap_or_default();
+    let policies: Vec<_> = options.iter().map(|o| o["policy"].as_str().unwrap_or("")).collect();
+    assert_eq!(policies, ["device", "host", "host_bf16", "no_clip"], "{fits}");
+    let chosen: Vec<_> = options.iter().map(|o| o["chosen"] == true).collect();
+    assert_eq!(chosen, [true, false, false, false], "{fits}");
+    assert!(options.iter().all(|o| o["fits"] == true && o["effect"].is_string()), "{fits}");
+    // Asking for bf16 gradients moves the job there.
+    let bf16 = admin
+        .post("/api/plan", json!({"model": "preset:tiny", "gpu": "cpu", "seq_len": 64, "micro_batch": 1, "grad_accum": 1, "gradients": "host_bf16"}))
+        .await?
+        .json()?;
+    let chosen: Vec<_> = bf16["gradient_options"]
+        .as_array()
+        .map(|o| o.iter().filter(|o| o["chosen"] == true).map(|o| o["policy"].clone()).collect())
+        .unwrap_or_default();
+    assert_eq!(chosen, [json!("host_bf16")], "{bf16}");
+    assert!(
+        bf16["command"].as_str().is_some_and(|c| c.contains("--gradients host_bf16")),
+        "{bf16}"
+    );
 
     let huge = admin
         .post("/api/plan", json!({"model": "preset:qwen2.5-72b", "gpu": "cpu", "seq_len": 4096}))

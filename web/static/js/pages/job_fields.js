@@ -64,6 +64,7 @@ const SETTINGS = [
   { key: 'warmup', label: 'Warmup', format: 'int', unit: STEPS },
   { key: 'weight_decay', label: 'Weight decay' },
   { key: 'max_grad_norm', label: 'Clip grad norm', zero: 'off' },
+  { key: 'gradients', label: 'Gradients wait', none: 'auto' },
   { key: 'seed', label: 'Seed', format: 'plain' },
   { key: 'train_on_prompt', label: 'Train on prompts' },
   { key: 'save_every', label: 'Save every', none: 'only at the end', format: 'int', unit: STEPS },

@@ -14,12 +14,12 @@ await requireUser();
 const PRESETS = {
   demo: {
     hint: 'A short run to see training work: about a minute for the tiny preset, even on the processor.',
-    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
+    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
   finetune: {
     hint: 'A real fine-tune: longer sequences, 8 micro-batches per step, a checkpoint and an evaluation every 100 steps.',
-    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
+    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
 };
@@ -28,7 +28,7 @@ const PRESETS = {
 const PRESET_FIELDS = new Set([...Object.keys(PRESETS.demo.values), 'lr']);
 // Sent as numbers, and left out when empty so that the engine's default applies.
 const NUMBER_FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'eval_every', 'held_out', 'save_every', 'warmup', 'max_grad_norm', 'weight_decay', 'seed'];
-const CHOICE_FIELDS = ['schedule', 'save_dtype'];
+const CHOICE_FIELDS = ['schedule', 'save_dtype', 'gradients'];
 const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', 'train_on_prompt'];
 // What an empty field means, for the figures the page works out itself.
 const DEFAULTS = { seq_len: 256, micro_batch: 4, grad_accum: 1 };
@@ -90,6 +90,14 @@ function describeModel() {
 }
 
 /** The held-out share applies only when no evaluation dataset is chosen. */
+/** With clipping off (0) gradients wait nowhere: there is no choice of where. */
+function syncGradientField() {
+  const raw = $('#max_grad_norm').value.trim();
+  const off = raw !== '' && Number(raw) === 0;
+  $('#gradients').disabled = off;
+  if (off) $('#gradients').value = 'auto';
+}
+
 function syncEvalFields() {
   const training = $('#dataset').value;
   const evalSelect = $('#eval_dataset');
@@ -138,8 +146,12 @@ async function prefillFrom(from) {
   for (const id of [...NUMBER_FIELDS, ...CHOICE_FIELDS]) {
     const value = config[id];
     // f32 settings arrive widened (1e-3 as 0.0010000000474974513): six digits say it all.
-    $(`#${id}`).value = typeof value === 'number' ? String(Number(value.toPrecision(6))) : value ?? '';
+    const input = $(`#${id}`);
+    input.value = typeof value === 'number' ? String(Number(value.toPrecision(6))) : value ?? '';
+    // A job from before a choice existed ran with its first option (the default).
+    if (input.tagName === 'SELECT' && input.selectedIndex < 0) input.selectedIndex = 0;
   }
+  syncGradientField();
   $('#train_on_prompt').checked = Boolean(config.train_on_prompt);
   const name = job.name || `Job #${job.id}`;
   $('#name').value = `${name} (again)`.slice(0, 100);
@@ -216,6 +228,44 @@ function renderTier(tier) {
       el('i', { style: { background: PART_COLORS[i % PART_COLORS.length] } }), `${p.name} ${planBytes(p.bytes)}`))) : null);
 }
 
+// How the plan card names each gradient policy (the job's `gradients` value, or clipping off).
+const GRADIENT_LABELS = {
+  device: 'On the GPU (fp32)',
+  host: 'In host memory (fp32)',
+  host_bf16: 'In host memory (bf16)',
+  no_clip: 'No clipping',
+};
+
+/**
+ * Each gradient policy with what it needs and does; a button switches the form to another one
+ * that fits (clipping off for "No clipping").
+ */
+function renderGradientOptions(options) {
+  if (!Array.isArray(options) || !options.length) return null;
+  const use = (option) => {
+    if (option.policy === 'no_clip') {
+      $('#max_grad_norm').value = '0';
+    } else {
+      if (Number($('#max_grad_norm').value.trim() || '1') === 0) $('#max_grad_norm').value = '1';
+      $('#gradients').value = option.policy;
+    }
+    syncGradientField();
+    setPreset('custom');
+    planChanged();
+  };
+  const rows = options.map((o) => el('tr', { dataset: { policy: o.policy, fits: String(o.fits), chosen: String(o.chosen) } },
+    el('td', {}, el('strong', {}, GRADIENT_LABELS[o.policy] || o.policy), o.chosen ? el('span', { class: 'badge fits', style: { marginLeft: '.4rem' } }, 'this job') : null),
+    el('td', { class: 'num' }, o.fits ? `${planBytes(o.host_bytes)} (${o.host_bytes_per_param.toFixed(1)} B/param)` : '—'),
+    el('td', { class: 'num' }, o.fits ? about(o.step_s) : 'does not fit'),
+    el('td', { class: 'muted' }, o.fits ? o.effect : `${o.effect}. ${o.refused || ''}`),
+    el('td', {}, o.fits && !o.chosen ? el('button', { type: 'button', class: 'small', onclick: () => use(o) }, 'Use') : null)));
+  return el('div', { id: 'plan-gradients' },
+    el('h3', { style: { marginTop: '1rem' } }, 'Where gradients wait'),
+    el('div', { class: 'table-scroll' }, el('table', { class: 'list' },
+      el('thead', {}, el('tr', {}, ['Policy', 'Host memory', 'Step', 'Effect on training', ''].map((h) => el('th', {}, h)))),
+      el('tbody', {}, rows))));
+}
+
 function renderCommand() {
   const command = plan && typeof plan.command === 'string' ? plan.command : '';
   const button = $('#show-command');
@@ -270,7 +320,8 @@ function renderPlan() {
       fact('Bottleneck', BOTTLENECKS[plan.bottleneck] || plan.bottleneck || '—', 'bottleneck'),
       fact('Tokens / step', fmtInt(tokensPerStep), 'tokens')),
     el('h3', { style: { marginTop: '1rem' } }, 'Memory'),
-    (plan.tiers || []).map(renderTier));
+    (plan.tiers || []).map(renderTier),
+    renderGradientOptions(plan.gradient_options));
   submit.disabled = !plan.fits;
   note.textContent = plan.fits ? '' : `Cannot start. ${plan.reason || 'The job does not fit this device.'}`;
 }
@@ -438,6 +489,7 @@ async function main() {
     const changed = () => {
       if (PRESET_FIELDS.has(id) && preset !== 'custom') setPreset('custom');
       if (id === 'eval_dataset') syncEvalFields();
+      if (id === 'max_grad_norm') syncGradientField();
       planChanged();
     };
     // Number fields report every keystroke; selects and the checkbox only `change`.
