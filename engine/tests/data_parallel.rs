@@ -13,7 +13,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::schedule::{
-    CpuGroup, DataParallel, GradientTier, ScheduleOptions, Streamer, Tier, WeightSource,
+    CpuGroup, DataParallel, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
 };
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::TrainConfig;
@@ -38,6 +38,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
         resident: Vec::new(),
         gradients,
         weights: WeightSource::Master,
+        ring_slots: RING_SLOTS,
     }
 }
 

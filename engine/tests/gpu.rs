@@ -24,7 +24,9 @@ use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{AttentionShape, Backend, FloatKind, IGNORE};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerScratch};
-use sluice_engine::schedule::{GradientTier, ScheduleOptions, Streamer, Tier, WeightSource};
+use sluice_engine::schedule::{
+    GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+};
 use sluice_engine::spec::{ModelSpec, preset};
 use sluice_engine::store::HostSlab;
 use sluice_engine::train::{TrainConfig, Trainer};
@@ -912,19 +914,23 @@ fn training_step_every_family() {
 #[test]
 fn streaming_schedule_matches_the_reference_loop() {
     use GradientTier::{DeviceStore, HostRing, HostStore, HostStoreBf16};
-    // (checkpoint tier, checkpoint interval K, gradient tier, clipping); the fixtures have 2
-    // layers, so K = 2 recomputes layer 1's input from layer 0's checkpoint.
+    // (checkpoint tier, checkpoint interval K, gradient tier, clipping, weight source, ring
+    // slots); the fixtures have 2 layers, so K = 2 recomputes layer 1's input from layer 0's
+    // checkpoint.
     use WeightSource::{Master, StreamingCopy};
     let tiers = [
-        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy),
-        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy),
-        (Tier::Device, 1, HostRing, None, StreamingCopy),
-        (Tier::Device, 2, DeviceStore, None, StreamingCopy),
+        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS),
+        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy, RING_SLOTS),
+        (Tier::Device, 1, HostRing, None, StreamingCopy, RING_SLOTS),
+        (Tier::Device, 2, DeviceStore, None, StreamingCopy, RING_SLOTS),
         // The fp32 master cast on the device rounds as the host's copy does: the same bits.
-        (Tier::Host, 1, HostStore, Some(1.0), Master),
-        (Tier::Device, 1, HostRing, None, Master),
+        (Tier::Host, 1, HostStore, Some(1.0), Master, RING_SLOTS),
+        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS),
         // bf16 gradients for AdamW (the norm from fp32): close, not equal.
-        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master),
+        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master, RING_SLOTS),
+        // Two ring slots (host memory short): every landing waits for the update two back.
+        (Tier::Device, 1, HostRing, None, Master, 2),
+        (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
     ];
     for case in ["llama", "qwen2", "mistral"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -932,9 +938,10 @@ fn streaming_schedule_matches_the_reference_loop() {
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
             .collect();
         let tied = spec.tie_embeddings;
-        for &(checkpoints, interval, gradients, clip, weights) in &tiers {
+        for &(checkpoints, interval, gradients, clip, weights, ring_slots) in &tiers {
             let what = format!(
-                "{case} {checkpoints:?} checkpoints every {interval}, {gradients:?}, {weights:?}"
+                "{case} {checkpoints:?} checkpoints every {interval}, {gradients:?} \
+                 ({ring_slots} ring slots), {weights:?}"
             );
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
             let mut reference =
@@ -948,6 +955,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                 resident: Vec::new(),
                 gradients,
                 weights,
+                ring_slots,
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");
@@ -1337,6 +1345,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
         resident: Vec::new(),
         gradients,
         weights: WeightSource::Master,
+        ring_slots: RING_SLOTS,
     };
     let second = match sluice_engine::backend::cuda::probe().expect("GPUs") {
         n if n >= 2 => Some(Cuda::new(1).expect("GPU 1")),

@@ -38,8 +38,20 @@ fn config(clip: Option<f32>) -> TrainConfig {
 
 fn check(
     case: &str,
-    (checkpoints, checkpoint_interval): (Tier, usize),
+    checkpointing: (Tier, usize),
     gradients: GradientTier,
+    clip: Option<f32>,
+    resident: Vec<usize>,
+    weights: WeightSource,
+) {
+    check_ring(case, checkpointing, (gradients, RING_SLOTS), clip, resident, weights);
+}
+
+/// [`check`] with the gradient ring's slot count given.
+fn check_ring(
+    case: &str,
+    (checkpoints, checkpoint_interval): (Tier, usize),
+    (gradients, ring_slots): (GradientTier, usize),
     clip: Option<f32>,
     resident: Vec<usize>,
     weights: WeightSource,
@@ -68,6 +80,7 @@ fn check(
         resident,
         gradients,
         weights,
+        ring_slots,
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     for (k, micro) in steps.iter().enumerate() {
@@ -96,7 +109,7 @@ fn check(
         let layers: usize = spec.layers;
         assert!(traffic.h2d_bytes > 0 && traffic.d2h_bytes > 0, "{layers} layers moved nothing");
         // The timeline has every unit's compute, forward and backward, and one gradient
-        // landing. Gradients kept on the device land after the norm, the first RING_SLOTS units
+        // landing. Gradients kept on the device land after the norm, the first ring-slots units
         // at the end of their step and the others during the next forward.
         for unit in 0..layers + 2 {
             let on = |stream: &str| {
@@ -106,7 +119,7 @@ fn check(
             let interval = checkpoint_interval;
             let recomputed = (1..=layers).contains(&unit) && unit % interval != 0 && unit != layers;
             let compute = if unit == layers + 1 { 1 } else { 2 + usize::from(recomputed) };
-            let deferred = gradients == GradientTier::DeviceStore && k == 0 && unit >= RING_SLOTS;
+            let deferred = gradients == GradientTier::DeviceStore && k == 0 && unit >= ring_slots;
             let landings = if deferred { 0 } else { 1 };
             assert_eq!(
                 (on("compute"), on("d2h")),
@@ -170,6 +183,18 @@ fn a_checkpoint_interval_recomputes_to_the_same_results() {
             // The tiny preset's 6 units outnumber the ring's slots: landings rotate through it.
             check(case, (Tier::Device, k), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
         }
+    }
+}
+
+#[test]
+fn a_two_slot_ring_equals_the_reference() {
+    // Where host memory is short the planner keeps two ring slots: every landing then waits for
+    // the update two units back, in the device store (clipping) and the ring (no clipping).
+    for case in ["tiny", "llama"] {
+        let ring = (GradientTier::HostRing, 2);
+        check_ring(case, (Tier::Device, 1), ring, None, Vec::new(), MASTER);
+        let store = (GradientTier::DeviceStore, 2);
+        check_ring(case, (Tier::Host, 2), store, Some(1.0), Vec::new(), MASTER);
     }
 }
 

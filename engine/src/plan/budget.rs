@@ -1,6 +1,6 @@
 //! Bytes per memory tier for one placement, part by part.
 
-use crate::schedule::{CAST_CHUNK, RING_SLOTS};
+use crate::schedule::CAST_CHUNK;
 use serde::Serialize;
 
 use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};
@@ -112,6 +112,8 @@ pub struct Layout {
     pub checkpoints: CheckpointTier,
     pub interval: usize,
     pub gradients: GradientTier,
+    /// Slots of the host gradient ring, where the tier uses one.
+    pub ring_slots: usize,
     pub weights: WeightSource,
     /// Per unit: whether its bf16 weights stay on the device.
     pub resident: Vec<bool>,
@@ -259,8 +261,8 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
             p * BF16,
         )),
         GradientTier::DeviceStore | GradientTier::HostRing => pinned.push((
-            format!("gradient landing ring ({RING_SLOTS} x largest unit, fp32)"),
-            RING_SLOTS as u64 * largest * F32,
+            format!("gradient landing ring ({} x largest unit, fp32)", l.ring_slots),
+            l.ring_slots as u64 * largest * F32,
         )),
     }
     if l.checkpoints == CheckpointTier::Host {

@@ -43,6 +43,7 @@ pub use rates::{GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySou
 pub use sizes::BatchShape;
 
 use crate::error::{Error, Result};
+use crate::schedule::RING_SLOTS;
 use crate::spec::ModelSpec;
 use budget::Layout;
 use sizes::Sizes;
@@ -241,6 +242,9 @@ pub struct Placement {
     /// K: one checkpoint every K layers (K - 1 layers recomputed from it in a separate pass).
     pub checkpoint_interval: usize,
     pub gradients: GradientTier,
+    /// Slots of the host gradient ring (device store and host ring), each the largest unit's
+    /// fp32 gradients: [`RING_SLOTS`], or 2 where host memory is short.
+    pub ring_slots: usize,
     /// What the weights stream from: the fp32 master (less host memory) unless PCIe bounds
     /// the step, where a half-size copy is faster.
     pub weights: WeightSource,
@@ -476,19 +480,27 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
         ckpts.push((CheckpointTier::Host, 1, 1));
     }
     ckpts.extend((2..=max_k).map(|k| (CheckpointTier::Device, k, k)));
-    let grads: Vec<(GradientTier, usize)> = match (input.clipping, caps) {
-        (_, Capabilities { only_gradients: Some(tier), .. }) => vec![(tier, 0)],
+    // (tier, ring slots, rank): the ring keeps RING_SLOTS slots of the largest unit, or two
+    // where host memory is short (updates then queue less far behind the landings).
+    let grads: Vec<(GradientTier, usize, usize)> = match (input.clipping, caps) {
+        (_, Capabilities { only_gradients: Some(GradientTier::HostRing), .. })
+        | (false, Capabilities { only_gradients: None, gradient_ring: true, .. }) => {
+            vec![(GradientTier::HostRing, RING_SLOTS, 0), (GradientTier::HostRing, 2, 1)]
+        }
+        (_, Capabilities { only_gradients: Some(tier), .. }) => vec![(tier, RING_SLOTS, 0)],
         (true, c) if c.device_gradient_store => {
-            let mut tiers = vec![(GradientTier::DeviceStore, 0), (GradientTier::HostStore, 1)];
+            let mut tiers = vec![
+                (GradientTier::DeviceStore, RING_SLOTS, 0),
+                (GradientTier::HostStore, RING_SLOTS, 1),
+            ];
             if c.bf16_gradient_store {
-                tiers.push((GradientTier::HostStoreBf16, 2));
+                tiers.push((GradientTier::HostStoreBf16, RING_SLOTS, 2));
             }
             tiers
         }
-        (false, c) if c.gradient_ring => vec![(GradientTier::HostRing, 0)],
         // Without a ring, unclipped gradients land in the host store too. The event model then
         // times updates after the backward, not as gradients land: an upper bound on the step.
-        _ => vec![(GradientTier::HostStore, 0)],
+        _ => vec![(GradientTier::HostStore, RING_SLOTS, 0)],
     };
     // Streaming from the master saves host memory at the price of PCIe bytes: preferred
     // whenever it is as fast (PCIe has room), and the only source some jobs fit with.
@@ -499,12 +511,13 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
     };
     let mut out = Vec::new();
     for &(checkpoints, interval, ck_rank) in &ckpts {
-        for &(gradients, g_rank) in &grads {
+        for &(gradients, ring_slots, g_rank) in &grads {
             for &(weights, w_rank) in sources {
                 let layout = Layout {
                     checkpoints,
                     interval,
                     gradients,
+                    ring_slots,
                     weights,
                     resident: vec![false; s.units.len()],
                 };
@@ -643,6 +656,7 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
         checkpoints: l.checkpoints,
         checkpoint_interval: l.interval,
         gradients: l.gradients,
+        ring_slots: l.ring_slots,
         weights: l.weights,
         weights_reason: String::new(),
         optimizer: if clipping { OptimizerMode::AfterNorm } else { OptimizerMode::AsGradientsLand },

@@ -163,6 +163,10 @@ fn seven_b_on_a_24_gib_gpu_with_exact_clipping_keeps_its_gradients_in_bf16() {
     assert_eq!(2 * grads(&plan), grads(&roomy));
 }
 
+fn plan_with_clip(clipping: bool, input: &PlanInput<'_>) -> Verdict {
+    plan(&PlanInput { clipping, ..input.clone() }).expect("valid")
+}
+
 #[test]
 fn every_gradient_policy_is_planned_with_its_memory_and_its_effect() {
     // 7B on a 24 GiB GPU with 110 GiB of host memory: neither fp32 store fits, bf16 gradients
@@ -197,6 +201,14 @@ fn every_gradient_policy_is_planned_with_its_memory_and_its_effect() {
     assert_eq!(fit, [false, false, false, true], "{options:#?}");
     assert!((13.0..13.3).contains(&options[3].host_bytes_per_param), "{:?}", options[3]);
     assert!(options[2].host_bytes > 96 * GIB, "{:?}", options[2]);
+    // With less, the ring keeps two slots instead of four: 2 x 2 GiB less.
+    let tighter = PlanInput { memory: MachineMemory::given(24 * GIB, 90 * GIB), ..input.clone() };
+    let plan = fits(plan(&PlanInput { clipping: false, ..tighter }).expect("valid"));
+    assert_eq!((plan.placement.gradients, plan.placement.ring_slots), (GradientTier::HostRing, 2));
+    let per_param = plan.budget.host_used() as f64 / QWEN7.params() as f64;
+    assert!((12.5..12.7).contains(&per_param), "{per_param:.2}\n{plan}");
+    let roomy = fits(plan_with_clip(false, &input));
+    assert_eq!(roomy.placement.ring_slots, RING_SLOTS, "{roomy}");
     assert!(!ring.clipping && bf16.clipping);
     assert!(ring.effect.starts_with("no clipping") && bf16.effect.contains("bf16"));
     // A schedule without a ring is not offered one.

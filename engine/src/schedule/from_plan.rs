@@ -46,6 +46,7 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
         resident: p.resident_units.clone(),
         gradients: p.gradients,
         weights: p.weights,
+        ring_slots: p.ring_slots,
     })
 }
 

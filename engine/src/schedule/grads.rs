@@ -14,7 +14,7 @@
 //!
 //! A *lane* is a landing path with its own event and at most one copy in flight: with two
 //! accumulators lane `i` copies accumulator `i`; the device store has one lane per ring slot,
-//! so up to [`RING_SLOTS`] - 1 units land ahead of the one the forward needs and the optimizer
+//! so up to ring slots - 1 units land ahead of the one the forward needs and the optimizer
 //! never waits for a copy. Finishing a lane waits for its copy and hands the unit's update to
 //! the optimizer. Ring slots rotate independently of lanes, so an update may lag its landing by
 //! a few units before the schedule waits for a free slot.
@@ -28,8 +28,8 @@ use crate::error::{Error, Result};
 use crate::plan::GradientTier;
 use crate::store::HostStore;
 
-/// Slots of the host gradient ring: the updates that may be queued or running while the next
-/// unit's gradients land.
+/// Slots of the host gradient ring unless host memory is short: the updates that may be queued
+/// or running while the next unit's gradients land.
 pub const RING_SLOTS: usize = 4;
 
 /// A copy in flight on a lane: the unit, and the update to submit once it has landed (none when
@@ -64,6 +64,8 @@ pub(super) struct Grads<B: Backend> {
     in_flight: Vec<Option<Landing>>,
     /// The ring slot the next landing uses.
     next_slot: usize,
+    /// Slots of the host ring (device store: one lane each).
+    ring_slots: usize,
     /// Compute has finished a unit's gradients: the copy may start.
     ready: B::Event,
     /// A lane's copy has finished: its destination may be read, its source reused.
@@ -82,6 +84,7 @@ impl<B: Backend> Grads<B> {
     pub fn new(
         b: &B,
         tier: GradientTier,
+        ring_slots: usize,
         lens: Vec<usize>,
         lands: bool,
     ) -> Result<(Grads<B>, usize)> {
@@ -101,7 +104,7 @@ impl<B: Backend> Grads<B> {
             Vec::new()
         };
         let units = lens.len();
-        let lanes = if tier == GradientTier::DeviceStore { RING_SLOTS } else { 2 };
+        let lanes = if tier == GradientTier::DeviceStore { ring_slots } else { 2 };
         let grads = Grads {
             tier,
             lands,
@@ -112,6 +115,7 @@ impl<B: Backend> Grads<B> {
             next_lane: 0,
             in_flight: vec![None; lanes],
             next_slot: 0,
+            ring_slots,
             ready: b.new_event()?,
             landed: (0..lanes).map(|_| b.new_event()).collect::<Result<_>>()?,
             sumsq: vec![0.0; units],
@@ -152,7 +156,7 @@ impl<B: Backend> Grads<B> {
 
     fn take_slot(&mut self) -> usize {
         let slot = self.next_slot;
-        self.next_slot = (slot + 1) % RING_SLOTS;
+        self.next_slot = (slot + 1) % self.ring_slots.max(1);
         slot
     }
 
@@ -271,7 +275,7 @@ impl<B: Backend> Grads<B> {
     }
 
     /// Device store: lands waiting gradients in the ring, in forward order, until units `upto`
-    /// to `upto + RING_SLOTS - 1` are landed or in flight (all of them with `None`), and submits
+    /// to `upto + ring slots - 1` are landed or in flight (all of them with `None`), and submits
     /// the update of every landed unit but the newest (and of unit `upto` in any case). Unit
     /// `upto`'s update is then queued, so the caller may wait for it, while the updates of the
     /// next units queue behind it and their copies run.

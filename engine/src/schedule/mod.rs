@@ -92,6 +92,9 @@ pub struct ScheduleOptions {
     /// What weights stream from: a streaming copy in the device's dtype, or the fp32 master
     /// (cast on the device through [`CAST_CHUNK`] elements of staging).
     pub weights: WeightSource,
+    /// Slots of the host gradient ring (device store and host ring; at least 2): more let
+    /// updates queue further behind the landings, each costs the largest unit's fp32 bytes.
+    pub ring_slots: usize,
 }
 
 impl ScheduleOptions {
@@ -246,7 +249,16 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let landing = match options.gradients {
             GradientTier::HostStore => GradLanding::PerUnit,
             GradientTier::HostStoreBf16 => GradLanding::PerUnitHalf,
-            GradientTier::DeviceStore | GradientTier::HostRing => GradLanding::Ring(RING_SLOTS),
+            GradientTier::DeviceStore | GradientTier::HostRing => {
+                if options.ring_slots < 2 {
+                    return Err(Error::invalid(format!(
+                        "the gradient ring needs at least 2 slots (one landing while the other \
+                         is updated), got {}",
+                        options.ring_slots
+                    )));
+                }
+                GradLanding::Ring(options.ring_slots)
+            }
         };
         let copy = options.weights == WeightSource::StreamingCopy;
         let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing, copy)?);
@@ -357,7 +369,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let lens = layout.units.iter().map(|u| u.len).collect();
         let lands = peers.as_ref().is_none_or(|p| p.rank() == 0);
-        let (grads, grad_bytes) = Grads::new(b, options.gradients, lens, lands)?;
+        let (grads, grad_bytes) =
+            Grads::new(b, options.gradients, options.ring_slots, lens, lands)?;
         counted.set(counted.get() + grad_bytes);
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;

@@ -17,7 +17,8 @@ use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{
-    DataParallel, GradientTier, Interrupt, Moments, ScheduleOptions, Streamer, Tier, WeightSource,
+    DataParallel, GradientTier, Interrupt, Moments, RING_SLOTS, ScheduleOptions, Streamer, Tier,
+    WeightSource,
 };
 use crate::spec::{self, ModelSpec};
 use crate::store::StoreBytes;
@@ -77,6 +78,10 @@ pub struct RunPlacement {
     /// streaming copy.
     #[serde(default)]
     pub weights: Option<WeightSource>,
+    /// Slots of the host gradient ring; `None` (a run recorded before the choice existed):
+    /// [`RING_SLOTS`].
+    #[serde(default)]
+    pub ring_slots: Option<usize>,
 }
 
 impl Default for RunPlacement {
@@ -89,6 +94,7 @@ impl Default for RunPlacement {
             resident: Vec::new(),
             gradients: None,
             weights: None,
+            ring_slots: None,
         }
     }
 }
@@ -103,6 +109,7 @@ impl RunPlacement {
             resident: schedule.resident,
             gradients: Some(schedule.gradients),
             weights: Some(schedule.weights),
+            ring_slots: Some(schedule.ring_slots),
         })
     }
 
@@ -447,6 +454,7 @@ fn run_with<S: Stepper>(
             .gradients
             .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
         weights: placement.weights.unwrap_or(WeightSource::StreamingCopy),
+        ring_slots: placement.ring_slots.unwrap_or(RING_SLOTS),
     };
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).
