@@ -165,13 +165,38 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
             return Err(err(format!("rope scaling {other:?} is not supported (only linear)")));
         }
     }
+    // Every size below must be justified by the tensor table (whose extents the reader already
+    // bounded by the file's length), so a damaged header is refused before anything is sized
+    // by it: no count exceeds the tensors' elements, and there are no more layers than tensors.
+    let elements: u64 =
+        file.tensors.iter().map(|t| t.shape().iter().product::<usize>() as u64).sum();
+    let intermediate = need("llama.feed_forward_length")?;
+    let layers = need("llama.block_count")?;
+    let key_length = int("llama.attention.key_length")?;
+    let bounded = |key: &str, value: u64, limit: u64, what: &str| -> Result<()> {
+        if value > limit {
+            return Err(err(format!(
+                "metadata {key} = {value} is more than the file holds ({what}: {limit})"
+            )));
+        }
+        Ok(())
+    };
+    bounded("llama.block_count", layers, file.tensors.len() as u64, "tensors")?;
+    bounded("llama.attention.head_count", heads, hidden, "llama.embedding_length")?;
+    bounded("llama.attention.head_count_kv", kv_heads, heads, "llama.attention.head_count")?;
+    // hidden, heads >= 1 here: `need` refuses zeros only later, in ModelSpec, so guard the divisions.
+    let per_row = elements / hidden.max(1);
+    bounded("llama.feed_forward_length", intermediate, per_row, "elements per hidden row")?;
+    if let Some(k) = key_length {
+        bounded("llama.attention.key_length", k, per_row / heads.max(1), "elements per head")?;
+    }
     let mut config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": need("llama.feed_forward_length")?,
-        "num_hidden_layers": need("llama.block_count")?,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": int("llama.context_length")?.unwrap_or(2048),
@@ -185,7 +210,7 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
         "use_cache": true,
         "tie_word_embeddings": file.tensor("output.weight").is_none(),
     });
-    if let (Some(k), Value::Object(m)) = (int("llama.attention.key_length")?, &mut config) {
+    if let (Some(k), Value::Object(m)) = (key_length, &mut config) {
         m.insert("head_dim".into(), json!(k));
     }
     Ok(config)
@@ -254,8 +279,10 @@ pub fn unpermute_rows(data: &[f32], heads: usize, cols: usize) -> Result<Vec<f32
 
 fn load_params(file: &GgufFile, spec: &ModelSpec) -> Result<HostParams> {
     let err = |m: String| Error::weights(file.path(), m);
-    let mut params = HostParams::zeros(std::sync::Arc::new(crate::model::ModelLayout::new(spec)));
-    let layout = params.layout.clone();
+    let layout = std::sync::Arc::new(crate::model::ModelLayout::new(spec));
+    // Every tensor is matched and its shape checked before the slabs are allocated, so their
+    // size is one the file's own tensors justify.
+    let mut placed = Vec::with_capacity(file.tensors.len());
     let mut filled = HashSet::new();
     for info in &file.tensors {
         let mapped = map_name(&info.name, spec).ok_or_else(|| {
@@ -274,14 +301,18 @@ fn load_params(file: &GgufFile, spec: &ModelSpec) -> Result<HostParams> {
                 info.name, shape, slot.shape, slot.name
             )));
         }
-        let data = dequantized(file, info, &mapped, shape.last().copied().unwrap_or(1))?;
-        params.units[unit][slot.range.clone()].copy_from_slice(&data);
         if !filled.insert(mapped.hf.clone()) {
             return Err(err(format!("two tensors map to {}", mapped.hf)));
         }
+        placed.push((info, mapped, unit, slot.range.clone(), shape.last().copied().unwrap_or(1)));
     }
     if let Some((_, missing)) = layout.tensors().find(|(_, t)| !filled.contains(&t.name)) {
         return Err(err(format!("no tensor for {} in the file", missing.name)));
+    }
+    let mut params = HostParams::zeros(layout);
+    for (info, mapped, unit, range, cols) in placed {
+        let data = dequantized(file, info, &mapped, cols)?;
+        params.units[unit][range].copy_from_slice(&data);
     }
     Ok(params)
 }

@@ -425,6 +425,20 @@ fn malformed_and_unsupported_files_are_clear_errors() {
     let err = import_error(&w.bytes());
     assert!(err.contains("tokenizer.ggml.merges is missing"), "{err}");
 
+    // Sizes the tensor table cannot justify are refused before anything is sized by them (a
+    // damaged size once asked for a slab larger than memory and aborted the test process).
+    for (at, key, value) in [
+        (4, "llama.block_count", u32::MAX),
+        (5, "llama.feed_forward_length", 1 << 31),
+        (6, "llama.attention.head_count", 1 << 20),
+    ] {
+        let (mut w, _) = tiny_llama();
+        assert_eq!(w.kv[at].0, key);
+        w.kv[at].1 = MetaValue::U32(value);
+        let err = import_error(&w.bytes());
+        assert!(err.contains(key) && err.contains("more than the file holds"), "{err}");
+    }
+
     let (mut w, _) = tiny_llama();
     w.kv[11].1 = s("falcon");
     let err = import_error(&w.bytes());
