@@ -15,7 +15,7 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 5] = ["llama", "llama-linear", "qwen2", "qwen3", "mistral"];
+const CASES: [&str; 6] = ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"];
 
 fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case)
@@ -62,8 +62,16 @@ impl Fixture {
     /// The batch as one micro-batch of packed rows. transformers shifts labels inside the loss
     /// (`logits[t]` predicts `labels[t + 1]`); the engine's targets are already shifted.
     fn batch(&self) -> MicroBatch {
-        let (shape, ids) = self.i32s("input_ids");
-        let (_, labels) = self.i32s("labels");
+        self.batch_of("input_ids", Some("labels"))
+    }
+
+    /// `ids` (and, if given, `labels`, else nothing trained) as one micro-batch of packed rows.
+    fn batch_of(&self, ids: &str, labels: Option<&str>) -> MicroBatch {
+        let (shape, ids) = self.i32s(ids);
+        let labels = match labels {
+            Some(name) => self.i32s(name).1,
+            None => vec![IGNORE; ids.len()],
+        };
         let (rows, seq) = (shape[0], shape[1]);
         let mut targets = vec![IGNORE; rows * seq];
         for r in 0..rows {
@@ -141,6 +149,14 @@ fn check(case: &str) {
     // largest logit.
     let logits = trainer.logits(&mb).expect("logits");
     let logits_err = assert_close(&format!("{case} logits"), &logits, &fx.f32s("logits"), 1e-5);
+
+    // Phi-3's longrope uses its short factors when a forward's positions stay within the
+    // pretrained context: the fixture's short batch (8 positions of 8) checks that table, the
+    // full one (13) the long table. Same tolerance as the logits above.
+    if fx.has("short.logits") {
+        let short = trainer.logits(&fx.batch_of("short.input_ids", None)).expect("short logits");
+        assert_close(&format!("{case} short logits"), &short, &fx.f32s("short.logits"), 1e-5);
+    }
 
     // Loss and gradients of every parameter. Gradients pass through more reductions (attention
     // backward, weight-gradient sums over tokens), so 1e-4 of each tensor's largest entry.
@@ -227,4 +243,9 @@ fn golden_qwen3() {
 #[test]
 fn golden_mistral_sliding_window() {
     check(CASES[4]);
+}
+
+#[test]
+fn golden_phi3_fused_longrope_partial_rotary() {
+    check(CASES[5]);
 }

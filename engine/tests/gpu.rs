@@ -23,7 +23,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{AttentionShape, Backend, FloatKind, IGNORE};
 use sluice_engine::data::MicroBatch;
-use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerScratch};
+use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
 use sluice_engine::schedule::{
     GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
 };
@@ -418,7 +418,8 @@ fn rmsnorm() {
 fn rope_and_swiglu() {
     let (g, c) = (gpu(), Cpu::new());
     let mut r = rng(5);
-    for hd in [64, 128] {
+    // Full rotary, then Phi-3's partial rotary (3/4 of the head) with longrope's cos/sin scale.
+    for (hd, rotary, scale) in [(64, 64, 1.0), (128, 128, 1.0), (128, 96, 1.19)] {
         let shape = AttentionShape {
             tokens: T,
             q_heads: 6,
@@ -429,21 +430,22 @@ fn rope_and_swiglu() {
         };
         let width = shape.qkv_width();
         let inv: Vec<f32> =
-            (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect();
+            (0..rotary / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / rotary as f32)).collect();
         // Positions up to a few thousand, as in long documents: the angle is formed in f32.
         let pos: Vec<i32> = positions().iter().map(|p| p * 97).collect();
         let x = round_bf16(&uniform(&mut r, T * width, 1.0));
+        let what = format!("hd={hd} rotary={rotary} scale={scale}");
         let mut want = x.clone();
-        c.rope_forward(&mut want, &pos, &inv, &shape).expect("cpu");
+        c.rope_forward(&mut want, &pos, &inv, scale, &shape).expect("cpu");
         let (dinv, dpos) = (put(g, &inv, Accum), ints(g, &pos));
         let mut q = put(g, &x, Activation);
-        g.rope_forward(all_mut(g, &mut q), &dpos, all(g, &dinv), &shape).expect("gpu");
-        check(&format!("rope_forward hd={hd}"), &get(g, &q), &want, 5e-3);
+        g.rope_forward(all_mut(g, &mut q), &dpos, all(g, &dinv), scale, &shape).expect("gpu");
+        check(&format!("rope_forward {what}"), &get(g, &q), &want, 5e-3);
         let mut want_b = x.clone();
-        c.rope_backward(&mut want_b, &pos, &inv, &shape).expect("cpu");
+        c.rope_backward(&mut want_b, &pos, &inv, scale, &shape).expect("cpu");
         let mut dq = put(g, &x, Activation);
-        g.rope_backward(all_mut(g, &mut dq), &dpos, all(g, &dinv), &shape).expect("gpu");
-        check(&format!("rope_backward hd={hd}"), &get(g, &dq), &want_b, 5e-3);
+        g.rope_backward(all_mut(g, &mut dq), &dpos, all(g, &dinv), scale, &shape).expect("gpu");
+        check(&format!("rope_backward {what}"), &get(g, &dq), &want_b, 5e-3);
     }
     let gu = round_bf16(&uniform(&mut r, T * 2 * I, 4.0));
     let mut want = vec![0.0; T * I];
@@ -689,8 +691,10 @@ fn spec_from(json: serde_json::Value) -> ModelSpec {
     ModelSpec::from_hf(json, &PathBuf::from("gpu-test")).expect("spec")
 }
 
-/// Odd-sized one-layer models of three families: biases on q/k/v and o (llama with
-/// attention_bias), q/k norm with head_dim 128 (qwen3), a sliding window (mistral).
+/// Odd-sized one-layer models of four families: biases on q/k/v and o (llama with
+/// attention_bias), q/k norm with head_dim 128 (qwen3), a sliding window (mistral), partial
+/// rotary with longrope's scaled cos and sin (phi3; documents of up to 15 positions against an
+/// original 8, so the long factors).
 fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     let base = |mt: &str| {
         serde_json::json!({
@@ -706,10 +710,18 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     qwen3["head_dim"] = 128.into();
     let mut mistral = base("mistral");
     mistral["sliding_window"] = 7.into();
+    let mut phi3 = base("phi3");
+    let factors = |f: f64| (0..24).map(|i| 1.0 + f * i as f64).collect::<Vec<_>>();
+    phi3["rope_parameters"] = serde_json::json!({
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 8, "short_factor": factors(0.05),
+        "long_factor": factors(0.5),
+    });
     vec![
         ("llama+bias", spec_from(llama)),
         ("qwen3 hd=128", spec_from(qwen3)),
         ("mistral window=7", spec_from(mistral)),
+        ("phi3 longrope rotary=48", spec_from(phi3)),
     ]
 }
 
@@ -756,8 +768,9 @@ fn run_layer<B: Backend>(
     let ids: Vec<i32> = (0..T as i32).collect();
     batch.upload(b, &ids, &positions(), &ids, &CU).expect("batch upload");
     let mut s = LayerScratch::new(b, spec, T).expect("scratch");
-    dec.layer_forward(b, &mut out, &x_in, &w, &mut s, &batch, 0).expect("layer forward");
-    dec.layer_backward(b, &mut dx_in, &mut grad, &dxo, &x_in, &w, &mut s, &batch, 0)
+    let at = || LayerAt::packed(&batch, 0);
+    dec.layer_forward(b, &mut out, &x_in, &w, &mut s, at()).expect("layer forward");
+    dec.layer_backward(b, &mut dx_in, &mut grad, &dxo, &x_in, &w, &mut s, at())
         .expect("layer backward");
     LayerResult { out: get(b, &out), dx_in: get(b, &dx_in), grad: get(b, &grad) }
 }
@@ -895,7 +908,7 @@ fn golden_dir(case: &str) -> PathBuf {
 
 #[test]
 fn training_step_every_family() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
@@ -932,7 +945,7 @@ fn streaming_schedule_matches_the_reference_loop() {
         (Tier::Device, 1, HostRing, None, Master, 2),
         (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
     ];
-    for case in ["llama", "qwen2", "mistral"] {
+    for case in ["llama", "qwen2", "mistral", "phi3"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         let steps: Vec<Vec<MicroBatch>> = (0..3)
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
@@ -1218,7 +1231,7 @@ fn argmax(row: &[f32]) -> u32 {
 /// the whole sequence.
 #[test]
 fn decode_generation_matches_the_cpu_and_the_training_forward() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());

@@ -395,22 +395,28 @@ pub trait Backend: Send + Sync {
     // ---- rotary position embedding --------------------------------------------------------
 
     /// Rotates the query and key heads of `qkv` `[T, Dqkv]` in place by `pos[t] * inv_freq[i]`,
-    /// pairing element `i` with `i + hd/2` (Hugging Face's `rotate_half`). The angle is formed in
-    /// f32 as `(pos as f32) * inv_freq[i]`, as transformers does. inv_freq `[hd/2]` (Accum).
-    /// Reference: `apply_rotary_pos_emb` in modeling_llama.py.
+    /// pairing element `i` with `i + r/2` (Hugging Face's `rotate_half`) where `r = 2 ·
+    /// inv_freq.len() <= hd` is the rotary width (dims `r..hd` of a head pass through: partial
+    /// rotary). The angle is formed in f32 as `(pos as f32) * inv_freq[i]`, as transformers
+    /// does; cos and sin are multiplied by `scale` (transformers' `attention_scaling`) in f32.
+    /// inv_freq `[r/2]` (Accum). Reference: `apply_rotary_pos_emb` in modeling_llama.py and
+    /// modeling_phi3.py.
     fn rope_forward(
         &self,
         qkv: Self::ViewMut<'_>,
         pos: &Self::Ints,
         inv_freq: Self::View<'_>,
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()>;
-    /// The transpose of [`Backend::rope_forward`]: rotates the gradient in place by `-angle`.
+    /// The transpose of [`Backend::rope_forward`]: rotates the gradient in place by `-angle`,
+    /// scaled alike.
     fn rope_backward(
         &self,
         dqkv: Self::ViewMut<'_>,
         pos: &Self::Ints,
         inv_freq: Self::View<'_>,
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()>;
 

@@ -27,6 +27,14 @@ fn specs() -> Vec<ModelSpec> {
         spec("qwen2", json!({})),
         spec("qwen3", json!({"head_dim": 16})),
         spec("mistral", json!({"sliding_window": 5})),
+        // Partial rotary and longrope past the original 2 positions from the first call on, so
+        // every split of the sequence uses the long factors, as one pass does.
+        spec(
+            "phi3",
+            json!({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5, "original_max_position_embeddings": 2,
+            "short_factor": [1.0, 1.5], "long_factor": [1.0, 4.0]}}),
+        ),
     ]
 }
 

@@ -5,6 +5,10 @@
 //! [`LayerScratch`] that is overwritten by every call; the backward recomputes them from the
 //! layer's input (activation checkpointing, one checkpoint per layer).
 //!
+//! This is the one definition of a layer. Training and evaluation attend over the micro-batch's
+//! own packed rows ([`Keys::Packed`]); generation runs the same forward with its keys and values
+//! in a cache ([`Keys::Cached`]), so a family's differences are written once.
+//!
 //! Mirrors `LlamaDecoderLayer` / `Qwen2DecoderLayer` / `Qwen3DecoderLayer` /
 //! `MistralDecoderLayer` in transformers:
 //! ```text
@@ -18,7 +22,7 @@
 //! ```
 
 use super::layout::{HeadRanges, LayerRanges};
-use crate::backend::{AttentionShape, Backend, FloatKind};
+use crate::backend::{AttentionShape, Backend, DecodeShape, FloatKind};
 use crate::error::Result;
 use crate::spec::ModelSpec;
 
@@ -30,6 +34,8 @@ pub struct DeviceBatch<B: Backend> {
     pub cu_seqlens: B::Ints,
     pub tokens: usize,
     pub docs: usize,
+    /// The largest position id (RoPE tables that depend on length read it).
+    pub max_position: usize,
 }
 
 impl<B: Backend> DeviceBatch<B> {
@@ -42,6 +48,7 @@ impl<B: Backend> DeviceBatch<B> {
             cu_seqlens: b.alloc_ints(tokens + 1)?,
             tokens: 0,
             docs: 0,
+            max_position: 0,
         })
     }
 
@@ -60,6 +67,7 @@ impl<B: Backend> DeviceBatch<B> {
         b.upload_ints(&mut self.cu_seqlens, cu_seqlens)?;
         self.tokens = ids.len();
         self.docs = cu_seqlens.len().saturating_sub(1);
+        self.max_position = positions.iter().copied().max().unwrap_or(0).max(0) as usize;
         Ok(())
     }
 }
@@ -86,12 +94,33 @@ pub struct LayerScratch<B: Backend> {
     d_att: B::Floats,     // [T, nq hd]
     d_qkv: B::Floats,     // [T, Dqkv]
     d_qkv_pre: B::Floats, // [T, Dqkv]
+    /// The new tokens' queries gathered contiguously for [`Keys::Cached`] (generation only).
+    q: B::Floats, // [T, nq hd]
     /// Device bytes these buffers take.
     pub bytes: usize,
 }
 
+/// What a [`LayerScratch`] is for, which decides the buffers it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScratchUse {
+    /// Forward and backward over packed rows: gradients and the attention's log-sum-exp.
+    Training,
+    /// Forward only against a key/value cache: gathered queries, no gradients.
+    Generation,
+}
+
 impl<B: Backend> LayerScratch<B> {
+    /// Buffers for the forward and backward of `tokens` packed tokens.
     pub fn new(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
+        Self::alloc(b, spec, tokens, ScratchUse::Training)
+    }
+
+    /// Buffers for the forward of up to `tokens` new tokens against a key/value cache.
+    pub fn for_generation(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
+        Self::alloc(b, spec, tokens, ScratchUse::Generation)
+    }
+
+    fn alloc(b: &B, spec: &ModelSpec, tokens: usize, purpose: ScratchUse) -> Result<Self> {
         let (t, h, i) = (tokens, spec.hidden, spec.intermediate);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
         let bytes = std::cell::Cell::new(0);
@@ -104,6 +133,11 @@ impl<B: Backend> LayerScratch<B> {
             b.alloc(n, FloatKind::Accum)
         };
         let qkv_pre_len = if spec.qk_norm { t * dqkv } else { 0 };
+        // Buffers only one use needs are empty in the other.
+        let (train, generate) = match purpose {
+            ScratchUse::Training => (1, 0),
+            ScratchUse::Generation => (0, 1),
+        };
         let mut scratch = LayerScratch {
             ln1: act(t * h)?,
             ln1_rstd: acc(t)?,
@@ -111,19 +145,20 @@ impl<B: Backend> LayerScratch<B> {
             qk_rstd: acc(if spec.qk_norm { t * (spec.q_heads + spec.kv_heads) } else { 0 })?,
             qkv: act(t * dqkv)?,
             att: act(t * datt)?,
-            lse: acc(t * spec.q_heads)?,
+            lse: acc(train * t * spec.q_heads)?,
             x1: act(t * h)?,
             ln2: act(t * h)?,
             ln2_rstd: acc(t)?,
             gate_up: act(t * 2 * i)?,
             act: act(t * i)?,
             tmp_h: act(t * h)?,
-            d_act: act(t * i)?,
-            d_gate_up: act(t * 2 * i)?,
-            d_x1: act(t * h)?,
-            d_att: act(t * datt)?,
-            d_qkv: act(t * dqkv)?,
-            d_qkv_pre: act(qkv_pre_len)?,
+            d_act: act(train * t * i)?,
+            d_gate_up: act(train * t * 2 * i)?,
+            d_x1: act(train * t * h)?,
+            d_att: act(train * t * datt)?,
+            d_qkv: act(train * t * dqkv)?,
+            d_qkv_pre: act(train * qkv_pre_len)?,
+            q: act(generate * t * datt)?,
             bytes: 0,
         };
         scratch.bytes = bytes.get();
@@ -156,12 +191,55 @@ impl<B: Backend> HeadScratch<B> {
     }
 }
 
-/// The decoder bound to a spec and its RoPE table on the device.
+/// Where a layer's attention finds its keys and values.
+pub enum Keys<'a, B: Backend> {
+    /// The micro-batch's own rows, documents by its `cu_seqlens` (training and evaluation); the
+    /// log-sum-exp of every query is kept for the backward.
+    Packed,
+    /// One sequence's key/value cache for this layer, `[capacity, nkv hd]` each (generation):
+    /// the new tokens sit at positions `past..past + T`, append their keys (after RoPE) and
+    /// values at row `past`, and attend to every cached row up to their own.
+    Cached { k: &'a mut B::Floats, v: &'a mut B::Floats, past: usize },
+}
+
+/// Which layer a call runs, on which tokens, and how its attention sees keys and values.
+pub struct LayerAt<'a, B: Backend> {
+    pub layer: usize,
+    pub batch: &'a DeviceBatch<B>,
+    pub keys: Keys<'a, B>,
+}
+
+impl<'a, B: Backend> LayerAt<'a, B> {
+    /// `layer` over the packed rows of `batch`.
+    pub fn packed(batch: &'a DeviceBatch<B>, layer: usize) -> Self {
+        LayerAt { layer, batch, keys: Keys::Packed }
+    }
+}
+
+/// The weights the head reads: its own slab (final norm, untied LM head) and the embedding's,
+/// whose table is the LM head when tied.
+pub struct HeadWeights<'a, B: Backend> {
+    pub head: &'a B::Floats,
+    pub embed: &'a B::Floats,
+}
+
+impl<B: Backend> Clone for HeadWeights<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for HeadWeights<'_, B> {}
+
+/// The decoder bound to a spec and its RoPE tables on the device.
 pub struct Decoder<B: Backend> {
     pub spec: ModelSpec,
     pub layer: LayerRanges,
     pub head: HeadRanges,
-    inv_freq: B::Floats, // [hd / 2]
+    inv_freq: B::Floats, // [r / 2]
+    /// Longrope: above this many positions a forward uses the second table.
+    long_inv_freq: Option<(usize, B::Floats)>, // [r / 2]
+    rope_scale: f32,
 }
 
 fn all<B: Backend>(b: &B, buf: &B::Floats, n: usize) -> std::ops::Range<usize> {
@@ -171,10 +249,30 @@ fn all<B: Backend>(b: &B, buf: &B::Floats, n: usize) -> std::ops::Range<usize> {
 
 impl<B: Backend> Decoder<B> {
     pub fn new(b: &B, spec: &ModelSpec, layer: LayerRanges, head: HeadRanges) -> Result<Self> {
-        let freqs = spec.inv_freq();
-        let mut inv_freq = b.alloc(freqs.len(), FloatKind::Accum)?;
-        b.upload(b.view_mut(&mut inv_freq, 0..freqs.len()), &freqs)?;
-        Ok(Decoder { spec: spec.clone(), layer, head, inv_freq })
+        let table = |freqs: Vec<f32>| -> Result<B::Floats> {
+            let mut buf = b.alloc(freqs.len(), FloatKind::Accum)?;
+            b.upload(b.view_mut(&mut buf, 0..freqs.len()), &freqs)?;
+            Ok(buf)
+        };
+        let inv_freq = table(spec.inv_freq())?;
+        let long_inv_freq = match spec.long_inv_freq() {
+            Some((above, freqs)) => Some((above, table(freqs)?)),
+            None => None,
+        };
+        let rope_scale = spec.rope_scale();
+        Ok(Decoder { spec: spec.clone(), layer, head, inv_freq, long_inv_freq, rope_scale })
+    }
+
+    /// The RoPE frequencies `[r / 2]` a forward over `batch` uses: longrope's long table when
+    /// its largest position is beyond the pretrained context (transformers'
+    /// `longrope_frequency_update`: `max(position_ids) + 1 > original_max_position_embeddings`),
+    /// else the one table.
+    fn inv_freq(&self, b: &B, batch: &DeviceBatch<B>) -> B::View<'_> {
+        let half = self.spec.rotary_dim / 2;
+        match &self.long_inv_freq {
+            Some((above, long)) if batch.max_position + 1 > *above => b.view(long, 0..half),
+            _ => b.view(&self.inv_freq, 0..half),
+        }
     }
 
     fn attention_shape(&self, batch: &DeviceBatch<B>, layer: usize) -> AttentionShape {
@@ -214,8 +312,8 @@ impl<B: Backend> Decoder<B> {
         b.embedding_backward(dtable, b.view(dx, 0..t * h), &batch.ids, t, h)
     }
 
-    /// One decoder layer: `x_out = layer(x_in)`, leaving its internals in `s`.
-    #[allow(clippy::too_many_arguments)]
+    /// One decoder layer: `x_out = layer(x_in)`, leaving its internals in `s`. x `[T, H]`; `w`
+    /// is the layer's slab.
     pub fn layer_forward(
         &self,
         b: &B,
@@ -223,11 +321,11 @@ impl<B: Backend> Decoder<B> {
         x_in: &B::Floats,
         w: &B::Floats,
         s: &mut LayerScratch<B>,
-        batch: &DeviceBatch<B>,
-        layer: usize,
+        at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
         let r = &self.layer;
+        let LayerAt { layer, batch, keys } = at;
         let shape = self.attention_shape(batch, layer);
         let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
@@ -270,16 +368,20 @@ impl<B: Backend> Decoder<B> {
         b.rope_forward(
             b.view_mut(&mut s.qkv, 0..t * dqkv),
             &batch.positions,
-            b.view(&self.inv_freq, 0..spec.head_dim / 2),
+            self.inv_freq(b, batch),
+            self.rope_scale,
             &shape,
         )?;
-        b.attention_forward(
-            b.view_mut(&mut s.att, 0..t * datt),
-            b.view_mut(&mut s.lse, 0..t * spec.q_heads),
-            b.view(&s.qkv, 0..t * dqkv),
-            &batch.cu_seqlens,
-            &shape,
-        )?;
+        match keys {
+            Keys::Packed => b.attention_forward(
+                b.view_mut(&mut s.att, 0..t * datt),
+                b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                b.view(&s.qkv, 0..t * dqkv),
+                &batch.cu_seqlens,
+                &shape,
+            )?,
+            Keys::Cached { k, v, past } => self.attend_cached(b, s, k, v, past, &shape)?,
+        }
         b.matmul_forward(
             b.view_mut(&mut s.tmp_h, th.clone()),
             b.view(&s.att, 0..t * datt),
@@ -326,6 +428,61 @@ impl<B: Backend> Decoder<B> {
         b.add(b.view_mut(x_out, th.clone()), b.view(&s.x1, th.clone()), b.view(&s.tmp_h, th))
     }
 
+    /// Attention of `shape.tokens` new rows of `s.qkv` against a key/value cache: their keys
+    /// and values go to the cache's rows `past..`, their queries are gathered contiguously, and
+    /// `s.att` gets the attention over every cached row up to each query's own.
+    fn attend_cached(
+        &self,
+        b: &B,
+        s: &mut LayerScratch<B>,
+        k_cache: &mut B::Floats, // [capacity, nkv hd]
+        v_cache: &mut B::Floats, // [capacity, nkv hd]
+        past: usize,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let (n, dqkv, datt) = (shape.tokens, shape.qkv_width(), self.spec.attn_width());
+        let kv_width = shape.kv_heads * shape.head_dim;
+        let end = (past + n) * kv_width;
+        if end > b.len(k_cache).min(b.len(v_cache)) {
+            return Err(crate::error::Error::invalid(format!(
+                "the key/value cache holds {} positions, {} are needed",
+                b.len(k_cache) / kv_width.max(1),
+                past + n
+            )));
+        }
+        // Each new row is `[q | k | v]`: its keys and values go to the next free cache rows.
+        for t in 0..n {
+            let (row, at) = (t * dqkv + datt, (past + t) * kv_width);
+            let (k, v) = (row..row + kv_width, row + kv_width..row + 2 * kv_width);
+            b.copy(b.view_mut(k_cache, at..at + kv_width), b.view(&s.qkv, k))?;
+            b.copy(b.view_mut(v_cache, at..at + kv_width), b.view(&s.qkv, v))?;
+        }
+        // One token's queries are already contiguous; several tokens' are gathered.
+        let q = if n == 1 {
+            b.view(&s.qkv, 0..datt)
+        } else {
+            for t in 0..n {
+                let src = b.view(&s.qkv, t * dqkv..t * dqkv + datt);
+                b.copy(b.view_mut(&mut s.q, t * datt..(t + 1) * datt), src)?;
+            }
+            b.view(&s.q, 0..n * datt)
+        };
+        b.attention_decode(
+            b.view_mut(&mut s.att, 0..n * datt),
+            q,
+            b.view(k_cache, 0..end),
+            b.view(v_cache, 0..end),
+            &DecodeShape {
+                past,
+                tokens: n,
+                q_heads: shape.q_heads,
+                kv_heads: shape.kv_heads,
+                head_dim: shape.head_dim,
+                window: shape.window,
+            },
+        )
+    }
+
     /// Backward of one layer whose internals `s` hold the forward of `x_in` (run
     /// [`Decoder::layer_forward`] first to recompute them). `dx_in = ∂L/∂x_in` (overwritten);
     /// the layer's weight gradients accumulate into `grad` (a slab laid out like `w`).
@@ -339,11 +496,16 @@ impl<B: Backend> Decoder<B> {
         x_in: &B::Floats,
         w: &B::Floats,
         s: &mut LayerScratch<B>,
-        batch: &DeviceBatch<B>,
-        layer: usize,
+        at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
         let r = &self.layer;
+        let LayerAt { layer, batch, keys } = at;
+        if !matches!(keys, Keys::Packed) {
+            return Err(crate::error::Error::invalid(
+                "a layer's backward runs over packed rows, not a key/value cache",
+            ));
+        }
         let shape = self.attention_shape(batch, layer);
         let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
@@ -418,7 +580,8 @@ impl<B: Backend> Decoder<B> {
         b.rope_backward(
             b.view_mut(&mut s.d_qkv, 0..t * dqkv),
             &batch.positions,
-            b.view(&self.inv_freq, 0..spec.head_dim / 2),
+            self.inv_freq(b, batch),
+            self.rope_scale,
             &shape,
         )?;
         // Gradient with respect to the projection's output.
@@ -465,15 +628,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// The LM head's weight `[V, H]`: its own, or the embedding table when tied.
-    fn lm_weight<'a>(
-        &self,
-        head_w: &'a B::Floats,
-        embed_w: &'a B::Floats,
-    ) -> (&'a B::Floats, std::ops::Range<usize>) {
+    fn lm_weight<'a>(&self, w: HeadWeights<'a, B>) -> (&'a B::Floats, std::ops::Range<usize>) {
         let n = self.spec.vocab * self.spec.hidden;
         match &self.head.lm_head {
-            Some(range) => (head_w, range.clone()),
-            None => (embed_w, 0..n),
+            Some(range) => (w.head, range.clone()),
+            None => (w.embed, 0..n),
         }
     }
 
@@ -483,8 +642,7 @@ impl<B: Backend> Decoder<B> {
         b: &B,
         s: &mut HeadScratch<B>,
         x: &B::Floats,
-        head_w: &B::Floats,
-        embed_w: &B::Floats,
+        w: HeadWeights<'_, B>,
         batch: &DeviceBatch<B>,
     ) -> Result<f64> {
         let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
@@ -492,12 +650,12 @@ impl<B: Backend> Decoder<B> {
             b.view_mut(&mut s.normed, 0..t * h),
             b.view_mut(&mut s.rstd, 0..t),
             b.view(x, 0..t * h),
-            b.view(head_w, self.head.norm.clone()),
+            b.view(w.head, self.head.norm.clone()),
             t,
             h,
             self.spec.rms_eps,
         )?;
-        let (lm, lm_range) = self.lm_weight(head_w, embed_w);
+        let (lm, lm_range) = self.lm_weight(w);
         b.cross_entropy_forward(
             b.view_mut(&mut s.losses, 0..t),
             b.view_mut(&mut s.lse, 0..t),
@@ -523,13 +681,12 @@ impl<B: Backend> Decoder<B> {
         embed_grad: Option<&mut B::Floats>,
         s: &mut HeadScratch<B>,
         x: &B::Floats,
-        head_w: &B::Floats,
-        embed_w: &B::Floats,
+        w: HeadWeights<'_, B>,
         batch: &DeviceBatch<B>,
         scale: f32,
     ) -> Result<()> {
         let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
-        let (lm, lm_range) = self.lm_weight(head_w, embed_w);
+        let (lm, lm_range) = self.lm_weight(w);
         let d_lm = match (&self.head.lm_head, embed_grad) {
             (Some(range), _) => b.view_mut(head_grad, range.clone()),
             (None, Some(embed_grad)) => b.view_mut(embed_grad, 0..v * h),
@@ -556,36 +713,36 @@ impl<B: Backend> Decoder<B> {
             b.view_mut(head_grad, self.head.norm.clone()),
             b.view(&s.d_normed, 0..t * h),
             b.view(x, 0..t * h),
-            b.view(head_w, self.head.norm.clone()),
+            b.view(w.head, self.head.norm.clone()),
             b.view(&s.rstd, 0..t),
             t,
             h,
         )
     }
 
-    /// Logits `[T, V]` of the head for inspection and generation (materialised; small batches).
-    #[allow(clippy::too_many_arguments)]
+    /// Logits `[rows, V]` of the head for inspection and generation (materialised; small
+    /// batches) from the rows `rows` of x `[T, H]`.
     pub fn logits(
         &self,
         b: &B,
         out: &mut B::Floats,
         s: &mut HeadScratch<B>,
         x: &B::Floats,
-        head_w: &B::Floats,
-        embed_w: &B::Floats,
-        tokens: usize,
+        rows: std::ops::Range<usize>,
+        w: HeadWeights<'_, B>,
     ) -> Result<()> {
         let (h, v) = (self.spec.hidden, self.spec.vocab);
+        let tokens = rows.len();
         b.rmsnorm_forward(
             b.view_mut(&mut s.normed, 0..tokens * h),
             b.view_mut(&mut s.rstd, 0..tokens),
-            b.view(x, 0..tokens * h),
-            b.view(head_w, self.head.norm.clone()),
+            b.view(x, rows.start * h..rows.end * h),
+            b.view(w.head, self.head.norm.clone()),
             tokens,
             h,
             self.spec.rms_eps,
         )?;
-        let (lm, lm_range) = self.lm_weight(head_w, embed_w);
+        let (lm, lm_range) = self.lm_weight(w);
         b.matmul_forward(
             b.view_mut(out, 0..tokens * v),
             b.view(&s.normed, 0..tokens * h),

@@ -140,11 +140,17 @@ impl ModelLayout {
             let mut s = SlabBuilder::new(&format!("model.layers.{l}."));
             let ranges = LayerRanges {
                 ln1: s.fused(&[("input_layernorm.weight", vec![h])]),
-                qkv_w: s.fused(&[
-                    ("self_attn.q_proj.weight", vec![q, h]),
-                    ("self_attn.k_proj.weight", vec![kv, h]),
-                    ("self_attn.v_proj.weight", vec![kv, h]),
-                ]),
+                // Phi-3's checkpoint stores the fused matrices themselves; either way the slab
+                // holds q | k | v rows and then gate | up rows.
+                qkv_w: if spec.fused_checkpoint {
+                    s.fused(&[("self_attn.qkv_proj.weight", vec![q + 2 * kv, h])])
+                } else {
+                    s.fused(&[
+                        ("self_attn.q_proj.weight", vec![q, h]),
+                        ("self_attn.k_proj.weight", vec![kv, h]),
+                        ("self_attn.v_proj.weight", vec![kv, h]),
+                    ])
+                },
                 qkv_b: spec.qkv_bias.then(|| {
                     s.fused(&[
                         ("self_attn.q_proj.bias", vec![q]),
@@ -161,10 +167,14 @@ impl ModelLayout {
                 o_w: s.fused(&[("self_attn.o_proj.weight", vec![h, q])]),
                 o_b: spec.o_bias.then(|| s.fused(&[("self_attn.o_proj.bias", vec![h])])),
                 ln2: s.fused(&[("post_attention_layernorm.weight", vec![h])]),
-                gate_up_w: s.fused(&[
-                    ("mlp.gate_proj.weight", vec![i, h]),
-                    ("mlp.up_proj.weight", vec![i, h]),
-                ]),
+                gate_up_w: if spec.fused_checkpoint {
+                    s.fused(&[("mlp.gate_up_proj.weight", vec![2 * i, h])])
+                } else {
+                    s.fused(&[
+                        ("mlp.gate_proj.weight", vec![i, h]),
+                        ("mlp.up_proj.weight", vec![i, h]),
+                    ])
+                },
                 down_w: s.fused(&[("mlp.down_proj.weight", vec![h, i])]),
             };
             units.push(s.finish(UnitKind::Layer(l)));

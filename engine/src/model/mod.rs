@@ -5,6 +5,6 @@ pub mod decoder;
 pub mod layout;
 pub mod params;
 
-pub use decoder::{Decoder, DeviceBatch, HeadScratch, LayerScratch};
+pub use decoder::{Decoder, DeviceBatch, HeadScratch, HeadWeights, Keys, LayerAt, LayerScratch};
 pub use layout::{ModelLayout, TensorSlot, UnitKind, UnitLayout};
 pub use params::HostParams;

@@ -40,7 +40,9 @@ pub use parallel::{CpuGroup, CpuPeer, DataParallel, split_micro};
 use crate::backend::{AllReduce, Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
-use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
+use crate::model::{
+    Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
+};
 use crate::optim::{AdamW, clip_coef};
 pub use crate::plan::{GradientTier, WeightSource};
 use crate::spec::ModelSpec;
@@ -854,8 +856,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     x_in,
                     &self.slots[slot],
                     &mut self.scratch,
-                    batch,
-                    l,
+                    LayerAt::packed(batch, l),
                 )?;
                 if copy_out {
                     let n = batch.tokens * h;
@@ -934,7 +935,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             // Untied heads never read the table argument.
             let table = self.tied_table.as_ref().unwrap_or(head_w);
             let batch = &self.batches[mb];
-            loss += self.decoder.head_forward(b, &mut self.head, x, head_w, table, batch)?;
+            let w = HeadWeights { head: head_w, embed: table };
+            loss += self.decoder.head_forward(b, &mut self.head, x, w, batch)?;
             let Some((scale, _)) = train else { continue };
             self.decoder.head_backward(
                 b,
@@ -943,8 +945,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 self.tied_grad.as_mut(),
                 &mut self.head,
                 x,
-                head_w,
-                table,
+                w,
                 batch,
                 scale,
             )?;
@@ -1001,7 +1002,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         mb,
                     )?;
                     let (w, batch) = (&self.slots[slot], &self.batches[mb]);
-                    self.decoder.layer_forward(b, x_out, x_in, w, &mut self.scratch, batch, l)?;
+                    let at = LayerAt::packed(batch, l);
+                    self.decoder.layer_forward(b, x_out, x_in, w, &mut self.scratch, at)?;
                 }
             } else {
                 self.grads.begin(b, &self.worker, l + 1)?;
@@ -1018,8 +1020,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         x_in,
                         w,
                         &mut self.scratch,
-                        batch,
-                        l,
+                        LayerAt::packed(batch, l),
                     )?;
                     let [d0, d1] = &mut self.dx;
                     let (dx_out, dx_in) =
@@ -1032,8 +1033,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         x_in,
                         w,
                         &mut self.scratch,
-                        batch,
-                        l,
+                        LayerAt::packed(batch, l),
                     )?;
                 }
                 cur = 1 - cur;

@@ -25,6 +25,11 @@ pub struct HfConfig {
     pub rope_scaling: Option<Value>,
     /// transformers 5 form: `{"rope_type": ..., "rope_theta": ..., "factor": ...}`.
     pub rope_parameters: Option<Value>,
+    /// Phi-3 (older configs): the share of each head RoPE rotates; transformers 5 moves it into
+    /// `rope_parameters`.
+    pub partial_rotary_factor: Option<f64>,
+    /// Phi-3: the pretrained context, where longrope switches from short to long factors.
+    pub original_max_position_embeddings: Option<usize>,
     pub tie_word_embeddings: Option<bool>,
     /// Llama: bias on q, k, v and o projections.
     pub attention_bias: Option<bool>,

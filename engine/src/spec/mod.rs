@@ -2,7 +2,8 @@
 //!
 //! One decoder serves every supported family; what differs between families is data here:
 //! q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), a sliding window (mistral), RoPE scaling
-//! (llama3 and linear), tied embeddings. Every default is decided in [`ModelSpec::from_hf`] and
+//! (llama3, linear and Phi-3's longrope), partial rotary embedding, projections stored fused in
+//! the checkpoint (phi3), tied embeddings. Every default is decided in [`ModelSpec::from_hf`] and
 //! nowhere else.
 
 mod config;
@@ -24,10 +25,13 @@ pub enum Family {
     Qwen2,
     Qwen3,
     Mistral,
+    /// Phi-3, Phi-3.5 and Phi-4.
+    Phi3,
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+    pub const ALL: [Family; 5] =
+        [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral, Family::Phi3];
 
     /// The `model_type` transformers writes.
     pub fn model_type(self) -> &'static str {
@@ -36,6 +40,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -46,6 +51,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -55,7 +61,7 @@ impl Family {
 }
 
 /// How RoPE frequencies are rescaled for long context.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
     /// Position interpolation: every frequency divided by `factor`.
@@ -68,6 +74,15 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         high_freq_factor: f64,
         original_max_positions: f64,
+    },
+    /// Phi-3's LongRoPE: frequency `i` divided by `short[i]` while a forward's positions stay
+    /// within `original_max_positions`, by `long[i]` beyond (transformers chooses per forward,
+    /// from the largest position id), and cos and sin multiplied by `attention_factor`.
+    LongRope {
+        short: Vec<f64>,
+        long: Vec<f64>,
+        original_max_positions: usize,
+        attention_factor: f64,
     },
 }
 
@@ -85,6 +100,9 @@ pub struct ModelSpec {
     pub rms_eps: f32,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
+    /// Leading dimensions of each head that RoPE rotates (`partial_rotary_factor · head_dim`;
+    /// the rest pass through unrotated).
+    pub rotary_dim: usize,
     pub max_positions: usize,
     pub tie_embeddings: bool,
     /// Bias on the q, k and v projections (qwen2; llama with `attention_bias`).
@@ -93,6 +111,9 @@ pub struct ModelSpec {
     pub o_bias: bool,
     /// Per-head RMSNorm on queries and keys before RoPE (qwen3).
     pub qk_norm: bool,
+    /// The checkpoint stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj`
+    /// (phi3); the slab layout is the same either way.
+    pub fused_checkpoint: bool,
     /// Per layer: the sliding window in tokens, or `None` for full causal attention.
     pub windows: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
@@ -164,13 +185,35 @@ impl ModelSpec {
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
             return Err(err(format!("rms_norm_eps must be in (0, 1), got {rms_eps}")));
         }
-        let (rope_theta, rope_scaling) = resolve_rope(&cfg).map_err(err)?;
         let max_positions = cfg.max_position_embeddings.unwrap_or(4096);
+        let rope = resolve_rope(&cfg, max_positions).map_err(err)?;
+        let (rope_theta, rope_scaling) = (rope.theta, rope.scaling);
+        // transformers: `dim = int(head_dim * partial_rotary_factor)`, truncated.
+        let rotary_dim = (head_dim as f64 * rope.partial_rotary_factor) as usize;
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
+            return Err(err(format!(
+                "partial_rotary_factor {} gives {rotary_dim} rotary dimensions of head_dim \
+                 {head_dim}; they must be even, non-zero and at most head_dim",
+                rope.partial_rotary_factor
+            )));
+        }
+        if let RopeScaling::LongRope { short, long, .. } = &rope_scaling
+            && (short.len() != rotary_dim / 2 || long.len() != rotary_dim / 2)
+        {
+            return Err(err(format!(
+                "longrope needs {} short and long factors (rotary dimensions / 2), got {} and {}",
+                rotary_dim / 2,
+                short.len(),
+                long.len()
+            )));
+        }
         let attention_bias = cfg.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias, qk_norm) = match family {
             Family::Llama | Family::Mistral => (attention_bias, attention_bias, false),
             Family::Qwen2 => (true, false, false),
             Family::Qwen3 => (attention_bias, attention_bias, true),
+            // modeling_phi3: qkv_proj and o_proj without bias.
+            Family::Phi3 => (false, false, false),
         };
         let windows = resolve_windows(&cfg, family, layers).map_err(err)?;
         // Every supported family's config class defaults to untied embeddings.
@@ -196,11 +239,13 @@ impl ModelSpec {
             rms_eps: rms_eps as f32,
             rope_theta,
             rope_scaling,
+            rotary_dim,
             max_positions,
             tie_embeddings,
             qkv_bias,
             o_bias,
             qk_norm,
+            fused_checkpoint: family == Family::Phi3,
             windows,
             bos_token_id: ids(&cfg.bos_token_id).first().copied(),
             eos_token_ids: ids(&cfg.eos_token_id),
@@ -244,26 +289,24 @@ impl ModelSpec {
         embed + self.layers * self.layer_params() + self.hidden + head
     }
 
-    /// RoPE inverse frequencies `[head_dim / 2]`, computed in f32 as transformers'
-    /// `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters` and
-    /// `_compute_llama3_parameters` do (modeling_rope_utils.py).
+    /// RoPE inverse frequencies `[rotary_dim / 2]`, computed in f32 as transformers'
+    /// `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters`,
+    /// `_compute_llama3_parameters` and `_compute_longrope_parameters` (its short factors) do
+    /// (modeling_rope_utils.py).
     pub fn inv_freq(&self) -> Vec<f32> {
-        let dim = self.head_dim;
-        let base = self.rope_theta as f32;
-        let plain: Vec<f32> =
-            (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
-        match self.rope_scaling {
+        let plain = self.plain_inv_freq();
+        match &self.rope_scaling {
             RopeScaling::None => plain,
-            RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
+            RopeScaling::Linear { factor } => plain.iter().map(|f| f / *factor as f32).collect(),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_positions,
             } => {
-                let factor = factor as f32;
-                let (low, high) = (low_freq_factor as f32, high_freq_factor as f32);
-                let old_len = original_max_positions as f32;
+                let factor = *factor as f32;
+                let (low, high) = (*low_freq_factor as f32, *high_freq_factor as f32);
+                let old_len = *original_max_positions as f32;
                 let low_freq_wavelen = old_len / low;
                 let high_freq_wavelen = old_len / high;
                 plain
@@ -281,7 +324,46 @@ impl ModelSpec {
                     })
                     .collect()
             }
+            RopeScaling::LongRope { short, .. } => self.longrope_inv_freq(short),
         }
+    }
+
+    /// Where RoPE switches to other frequencies, and those frequencies `[rotary_dim / 2]`
+    /// (longrope's long factors): a forward whose largest position id `p` has `p + 1` above the
+    /// returned count uses them. `None` when one table serves every length.
+    pub fn long_inv_freq(&self) -> Option<(usize, Vec<f32>)> {
+        match &self.rope_scaling {
+            RopeScaling::LongRope { long, original_max_positions, .. } => {
+                Some((*original_max_positions, self.longrope_inv_freq(long)))
+            }
+            _ => None,
+        }
+    }
+
+    /// The factor cos and sin are multiplied by (transformers' `attention_scaling`).
+    pub fn rope_scale(&self) -> f32 {
+        match &self.rope_scaling {
+            RopeScaling::LongRope { attention_factor, .. } => *attention_factor as f32,
+            _ => 1.0,
+        }
+    }
+
+    /// `1 / theta^(2i / dim)` over the rotary dimensions, in f32.
+    fn plain_inv_freq(&self) -> Vec<f32> {
+        let dim = self.rotary_dim;
+        let base = self.rope_theta as f32;
+        (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect()
+    }
+
+    /// `1 / (factor_i · theta^(2i / dim))`, in f32 as `_compute_longrope_parameters`.
+    fn longrope_inv_freq(&self, factors: &[f64]) -> Vec<f32> {
+        let dim = self.rotary_dim;
+        let base = self.rope_theta as f32;
+        factors
+            .iter()
+            .enumerate()
+            .map(|(i, &ext)| 1.0 / (ext as f32 * base.powf((2 * i) as f32 / dim as f32)))
+            .collect()
     }
 
     /// The `config.json` to write beside exported weights: the original fields, with the
@@ -302,7 +384,14 @@ impl ModelSpec {
     }
 }
 
-fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
+/// RoPE as a config describes it.
+struct ResolvedRope {
+    theta: f64,
+    scaling: RopeScaling,
+    partial_rotary_factor: f64,
+}
+
+fn resolve_rope(cfg: &HfConfig, max_positions: usize) -> std::result::Result<ResolvedRope, String> {
     // transformers 5 folds theta and scaling into `rope_parameters`; older configs use
     // `rope_theta` + `rope_scaling`. Accept both, preferring the newer one.
     let params =
@@ -315,7 +404,18 @@ fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), Strin
     if theta.is_nan() || theta <= 0.0 {
         return Err(format!("rope_theta must be positive, got {theta}"));
     }
-    let Some(p) = params else { return Ok((theta, RopeScaling::None)) };
+    let partial_rotary_factor = params
+        .and_then(|p| p.get("partial_rotary_factor"))
+        .and_then(Value::as_f64)
+        .or(cfg.partial_rotary_factor)
+        .unwrap_or(1.0);
+    if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+        return Err(format!(
+            "partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}"
+        ));
+    }
+    let resolved = |scaling| ResolvedRope { theta, scaling, partial_rotary_factor };
+    let Some(p) = params else { return Ok(resolved(RopeScaling::None)) };
     let kind =
         p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
     let num = |key: &str| -> std::result::Result<f64, String> {
@@ -323,6 +423,16 @@ fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), Strin
             .and_then(Value::as_f64)
             .filter(|x| *x > 0.0)
             .ok_or_else(|| format!("rope scaling {kind:?} needs a positive {key}"))
+    };
+    let factors = |key: &str| -> std::result::Result<Vec<f64>, String> {
+        let list = p
+            .get(key)
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("rope scaling {kind:?} needs {key}, a list of numbers"))?;
+        list.iter()
+            .map(|x| x.as_f64().filter(|f| *f > 0.0))
+            .collect::<Option<Vec<f64>>>()
+            .ok_or_else(|| format!("{key} must hold positive numbers only"))
     };
     let scaling = match kind {
         "default" => RopeScaling::None,
@@ -341,13 +451,42 @@ fn resolve_rope(cfg: &HfConfig) -> std::result::Result<(f64, RopeScaling), Strin
             }
             s
         }
+        // Phi-3 writes "su" in older configs, "longrope" in newer ones.
+        "longrope" | "su" => {
+            let original = p
+                .get("original_max_position_embeddings")
+                .and_then(Value::as_u64)
+                .map(|n| n as usize)
+                .or(cfg.original_max_position_embeddings)
+                .filter(|&n| n > 1)
+                .ok_or("longrope needs original_max_position_embeddings (more than 1)")?;
+            // `_compute_longrope_parameters`: without an explicit factor, the ratio of the
+            // context to the pretrained one; without an explicit attention factor,
+            // sqrt(1 + ln(factor) / ln(original)), or 1 when the context is not extended.
+            let factor = match p.get("factor").and_then(Value::as_f64) {
+                Some(f) => f,
+                None => max_positions as f64 / original as f64,
+            };
+            let attention_factor = match p.get("attention_factor").and_then(Value::as_f64) {
+                Some(a) => a,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            };
+            RopeScaling::LongRope {
+                short: factors("short_factor")?,
+                long: factors("long_factor")?,
+                original_max_positions: original,
+                attention_factor,
+            }
+        }
         other => {
             return Err(format!(
-                "rope scaling {other:?} is not supported (supported: default, linear, llama3)"
+                "rope scaling {other:?} is not supported (supported: default, linear, llama3, \
+                 longrope)"
             ));
         }
     };
-    Ok((theta, scaling))
+    Ok(resolved(scaling))
 }
 
 fn resolve_windows(
@@ -384,7 +523,8 @@ fn resolve_windows(
     }
     Ok(match family {
         Family::Llama => vec![None; layers],
-        Family::Mistral => vec![window; layers],
+        // modeling_phi3 passes the config's sliding window (if any) to every layer.
+        Family::Mistral | Family::Phi3 => vec![window; layers],
         Family::Qwen2 | Family::Qwen3 => {
             // modeling_qwen2: sliding only when enabled, and only from max_window_layers up.
             let from = cfg.max_window_layers.unwrap_or(layers);

@@ -23,6 +23,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("llama3-70b", "Llama-3.1-70B shape (llama3 RoPE scaling)"),
     ("qwen3-8b", "Qwen3-8B shape (q/k RMSNorm)"),
     ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
+    ("phi-4", "Phi-4 (14B) shape (fused qkv_proj and gate_up_proj)"),
 ];
 
 #[allow(clippy::too_many_arguments)]
@@ -93,6 +94,14 @@ fn preset_config(name: &str) -> Option<Value> {
             "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "sliding_window": 4096, "tie_word_embeddings": false,
             "bos_token_id": 1, "eos_token_id": 2,
+        }),
+        "phi-4" => json!({
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_act": "silu",
+            "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 17920,
+            "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
+            "max_position_embeddings": 16384, "original_max_position_embeddings": 16384,
+            "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "tie_word_embeddings": false,
+            "bos_token_id": 100257, "eos_token_id": 100265,
         }),
         _ => return None,
     })

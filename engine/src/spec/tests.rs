@@ -134,3 +134,46 @@ fn files_missing_or_garbled() {
     let e = ModelSpec::from_path(dir.path()).unwrap_err().to_string();
     assert!(e.contains("not valid JSON"), "{e}");
 }
+
+#[test]
+fn phi3_longrope_partial_rotary_in_both_config_generations() {
+    // transformers 4 (Phi-3.5, Phi-4-mini): "su"/"longrope" in rope_scaling, the rotary share
+    // and pretrained context at the top level; transformers 5: all inside rope_parameters.
+    let mut old = base("phi3");
+    old["max_position_embeddings"] = json!(64);
+    old["original_max_position_embeddings"] = json!(8);
+    old["partial_rotary_factor"] = json!(0.75);
+    old["rope_scaling"] = json!({"type": "su", "short_factor": [1.0, 1.25, 1.5],
+        "long_factor": [1.0, 3.0, 9.0]});
+    let mut new = base("phi3");
+    new["max_position_embeddings"] = json!(64);
+    new["rope_parameters"] = json!({"rope_type": "longrope", "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 8,
+        "short_factor": [1.0, 1.25, 1.5], "long_factor": [1.0, 3.0, 9.0]});
+    let (a, b) = (check(old).unwrap(), check(new).unwrap());
+    assert_eq!(a.rope_scaling, b.rope_scaling);
+    assert!(a.fused_checkpoint && !a.qkv_bias && !a.o_bias);
+    assert_eq!((a.head_dim, a.rotary_dim), (8, 6));
+    // 1 / (factor_i 10000^(2i/6)), and sqrt(1 + ln 8 / ln 8) for a context 8x the original.
+    let short = a.inv_freq();
+    assert_eq!(short.len(), 3);
+    assert_eq!(short[0], 1.0);
+    assert!((short[2] - 1.0 / (1.5 * 10000f32.powf(4.0 / 6.0))).abs() <= 1e-9);
+    let (above, long) = a.long_inv_freq().unwrap();
+    assert_eq!(above, 8);
+    assert!((long[2] - 1.0 / (9.0 * 10000f32.powf(4.0 / 6.0))).abs() <= 1e-9);
+    assert!((a.rope_scale() - 2f32.sqrt()).abs() <= 1e-6);
+    // Names follow the checkpoint: fused projections.
+    let layout = crate::model::ModelLayout::new(&a);
+    let names: Vec<&str> = layout.units[1].tensors.iter().map(|t| t.name.as_str()).collect();
+    assert!(names.contains(&"model.layers.0.self_attn.qkv_proj.weight"), "{names:?}");
+    assert!(names.contains(&"model.layers.0.mlp.gate_up_proj.weight"), "{names:?}");
+
+    let mut few = base("phi3");
+    few["rope_parameters"] = json!({"rope_type": "longrope", "original_max_position_embeddings": 8,
+        "short_factor": [1.0], "long_factor": [1.0, 3.0, 9.0, 27.0]});
+    assert!(message(check(few)).contains("needs 4 short and long factors"));
+    let mut partial = base("llama");
+    partial["partial_rotary_factor"] = json!(0.1);
+    assert!(message(check(partial)).contains("rotary dimensions"));
+}

@@ -14,7 +14,9 @@ use super::{StepMetrics, TrainConfig};
 use crate::backend::{Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
-use crate::model::{Decoder, DeviceBatch, HeadScratch, HostParams, LayerScratch, ModelLayout};
+use crate::model::{
+    Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
+};
 use crate::optim::{AdamW, adamw_step, clip_grad_norm, sum_of_squares};
 use crate::spec::ModelSpec;
 
@@ -128,8 +130,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &done[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                &self.batch,
-                l,
+                LayerAt::packed(&self.batch, l),
             )?;
         }
         Ok(())
@@ -148,9 +149,8 @@ impl<'b, B: Backend> Trainer<'b, B> {
             &mut out,
             &mut self.head,
             &self.checkpoints[d.spec.layers],
-            &self.weights[head],
-            &self.weights[0],
-            t,
+            0..t,
+            HeadWeights { head: &self.weights[head], embed: &self.weights[0] },
         )?;
         let mut host = vec![0.0; t * v];
         b.download(&mut host, b.view(&out, 0..t * v))?;
@@ -168,8 +168,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
             b,
             &mut self.head,
             &self.checkpoints[layers],
-            &rest_w[head - 1],
-            &embed_w[0],
+            HeadWeights { head: &rest_w[head - 1], embed: &embed_w[0] },
             &self.batch,
         )?;
         {
@@ -181,8 +180,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 Some(&mut embed_g[0]),
                 &mut self.head,
                 &self.checkpoints[layers],
-                &rest_w[head - 1],
-                &embed_w[0],
+                HeadWeights { head: &rest_w[head - 1], embed: &embed_w[0] },
                 &self.batch,
                 scale,
             )?;
@@ -195,8 +193,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &self.checkpoints[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                &self.batch,
-                l,
+                LayerAt::packed(&self.batch, l),
             )?;
             let [dx_out, dx_in] = &mut self.dx;
             d.layer_backward(
@@ -207,8 +204,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &self.checkpoints[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                &self.batch,
-                l,
+                LayerAt::packed(&self.batch, l),
             )?;
             self.dx.swap(0, 1);
         }
@@ -331,8 +327,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 b,
                 &mut self.head,
                 x,
-                &self.weights[head],
-                &self.weights[0],
+                HeadWeights { head: &self.weights[head], embed: &self.weights[0] },
                 &self.batch,
             )?;
         }

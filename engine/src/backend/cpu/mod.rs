@@ -330,9 +330,10 @@ impl Backend for Cpu {
         qkv: &mut [f32],
         pos: &Vec<i32>,
         inv_freq: &[f32],
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
-        rope_forward(qkv, pos, inv_freq, shape)
+        rope_forward(qkv, pos, inv_freq, scale, shape)
     }
 
     fn rope_backward(
@@ -340,9 +341,10 @@ impl Backend for Cpu {
         dqkv: &mut [f32],
         pos: &Vec<i32>,
         inv_freq: &[f32],
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
-        rope_backward(dqkv, pos, inv_freq, shape)
+        rope_backward(dqkv, pos, inv_freq, scale, shape)
     }
 
     fn attention_forward(

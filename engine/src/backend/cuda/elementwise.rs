@@ -231,28 +231,36 @@ impl Cuda {
         )
     }
 
+    /// RoPE by `+θ` (`sign` 1, `rope_forward`) or its transpose (`sign` -1, `rope_backward`).
     pub(super) fn rope_op(
         &self,
-        op: &str,
         qkv: ViewMut<'_>,
         pos: &Ints,
         inv_freq: View<'_>,
+        scale: f32,
         shape: &AttentionShape,
         sign: f32,
     ) -> Result<()> {
+        let op = if sign > 0.0 { "rope_forward" } else { "rope_backward" };
         let width = check::attention_shape(op, shape)?;
         let hd = shape.head_dim;
         if !hd.is_multiple_of(2) {
             return Err(check::err(op, format!("head_dim {hd} must be even for rotary embedding")));
         }
+        let half = inv_freq.len;
+        if half == 0 || 2 * half > hd {
+            return Err(check::err(
+                op,
+                format!("`inv_freq` has {half} frequencies; a head of {hd} takes 1 to {}", hd / 2),
+            ));
+        }
         check::len(op, "qkv", qkv.len, &[shape.tokens, width])?;
-        check::len(op, "inv_freq", inv_freq.len, &[hd / 2])?;
         check::ints(op, "pos", &pos.host, shape.tokens)?;
         let heads = shape.q_heads + shape.kv_heads;
         let q = qkv.as_view();
         self.launch(
             "rope",
-            grid_1d(shape.tokens * heads * (hd / 2)),
+            grid_1d(shape.tokens * heads * half),
             &[
                 Arg::Ptr(self.ptr(&q)),
                 Arg::I32(q.is_f32()),
@@ -263,6 +271,8 @@ impl Cuda {
                 Arg::I64(width as i64),
                 Arg::I32(check::int(op, "heads", heads)?),
                 Arg::I32(check::int(op, "head_dim", hd)?),
+                Arg::I32(check::int(op, "half", half)?),
+                Arg::F32(scale),
                 Arg::F32(sign),
             ],
         )

@@ -524,9 +524,10 @@ impl Backend for Cuda {
         qkv: ViewMut<'_>,
         pos: &Ints,
         inv_freq: View<'_>,
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
-        self.rope_op("rope_forward", qkv, pos, inv_freq, shape, 1.0)
+        self.rope_op(qkv, pos, inv_freq, scale, shape, 1.0)
     }
 
     fn rope_backward(
@@ -534,9 +535,10 @@ impl Backend for Cuda {
         dqkv: ViewMut<'_>,
         pos: &Ints,
         inv_freq: View<'_>,
+        scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
-        self.rope_op("rope_backward", dqkv, pos, inv_freq, shape, -1.0)
+        self.rope_op(dqkv, pos, inv_freq, scale, shape, -1.0)
     }
 
     fn attention_forward(

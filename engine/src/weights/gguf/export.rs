@@ -174,10 +174,11 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
     let arch = match spec.family {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
-        Family::Qwen3 => {
-            return Err(err(
-                "GGUF export supports llama, mistral and qwen2 checkpoints, not qwen3".into(),
-            ));
+        Family::Qwen3 | Family::Phi3 => {
+            return Err(err(format!(
+                "GGUF export supports llama, mistral and qwen2 checkpoints, not {}",
+                spec.family.model_type()
+            )));
         }
     };
     if spec.qk_norm || spec.o_bias {
@@ -205,15 +206,19 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
     put(&a("attention.value_length"), u32_of("head size", spec.head_dim)?);
     put(&a("rope.freq_base"), MetaValue::F32(spec.rope_theta as f32));
     put(&a("attention.layer_norm_rms_epsilon"), MetaValue::F32(spec.rms_eps));
-    match spec.rope_scaling {
+    if spec.rotary_dim != spec.head_dim {
+        return Err(err("GGUF export does not write partial rotary embeddings".into()));
+    }
+    match &spec.rope_scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {
             put(&a("rope.scaling.type"), MetaValue::String("linear".into()));
-            put(&a("rope.scaling.factor"), MetaValue::F32(factor as f32));
+            put(&a("rope.scaling.factor"), MetaValue::F32(*factor as f32));
         }
-        RopeScaling::Llama3 { .. } => {
+        RopeScaling::Llama3 { .. } | RopeScaling::LongRope { .. } => {
             return Err(err(
-                "GGUF export does not write Llama 3.1 rope frequency factors yet".into()
+                "GGUF export does not write rope frequency factors (Llama 3.1, longrope) yet"
+                    .into(),
             ));
         }
     }

@@ -104,12 +104,13 @@ extern "C" __global__ void swiglu_backward(void* dgu, int dgu_f32, const void* d
   }
 }
 
-// Rotates element i with i + hd/2 of every query and key head by sign · pos[t] · inv_freq[i].
-// qkv [T, width] in place, pos [T], inv_freq [hd / 2].
+// Rotates the first 2 * half dims of every q and k head of qkv [T, width] in place: element e <
+// half pairs with e + half and turns by theta = pos[t] * inv_freq[e] (sign -1: the transpose),
+// cos and sin multiplied by scale (rounded in f32, as the CPU reference does); dims 2 * half..hd
+// pass through (partial rotary).
 extern "C" __global__ void rope(void* qkv, int qkv_f32, const int* pos, const void* inv_freq,
                                 int freq_f32, long long tokens, long long width, int heads,
-                                int hd, float sign) {
-  const int half = hd / 2;
+                                int hd, int half, float scale, float sign) {
   GRID_STRIDE(i, tokens * heads * half) {
     const long long t = i / (heads * half);
     const int rest = (int)(i % (heads * half));
@@ -117,7 +118,8 @@ extern "C" __global__ void rope(void* qkv, int qkv_f32, const int* pos, const vo
     const float theta = (float)pos[t] * ld(inv_freq, freq_f32, e);
     float s, c;
     sincosf(theta, &s, &c);
-    s *= sign;
+    c *= scale;
+    s = sign * (s * scale);
     const long long lo = t * width + (long long)h * hd + e, hi = lo + half;
     const float x = ld(qkv, qkv_f32, lo), y = ld(qkv, qkv_f32, hi);
     st(qkv, qkv_f32, lo, x * c - y * s);
