@@ -15,7 +15,7 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 6] = ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"];
+const CASES: [&str; 7] = ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"];
 
 fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case)
@@ -248,4 +248,9 @@ fn golden_mistral_sliding_window() {
 #[test]
 fn golden_phi3_fused_longrope_partial_rotary() {
     check(CASES[5]);
+}
+
+#[test]
+fn golden_gemma3_local_global_layers() {
+    check(CASES[6]);
 }

@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
-use sluice_engine::backend::{AttentionShape, Backend, FloatKind, IGNORE};
+use sluice_engine::backend::{AttentionShape, Backend, FloatKind, GluAct, IGNORE};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
 use sluice_engine::schedule::{
@@ -202,11 +202,19 @@ fn bad_arguments_are_errors_not_panics() {
     let table = nan(g, 4 * 3, Activation);
     let mut out = nan(g, 2 * 3, Activation);
     let ids = ints(g, &[1, 4]);
-    let e =
-        g.embedding_forward(all_mut(g, &mut out), &ids, all(g, &table), 2, 3).expect_err("id 4");
+    let e = g
+        .embedding_forward(all_mut(g, &mut out), &ids, all(g, &table), 2, 3, 1.0)
+        .expect_err("id 4");
     assert!(e.to_string().contains("`ids`[1] = 4"), "{e}");
-    let shape =
-        AttentionShape { tokens: 3, q_heads: 2, kv_heads: 1, head_dim: 64, docs: 1, window: None };
+    let shape = AttentionShape {
+        tokens: 3,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 64,
+        docs: 1,
+        window: None,
+        scale_dim: None,
+    };
     let qkv = nan(g, 3 * 4 * 64, Activation);
     let (mut o, mut l) = (nan(g, 3 * 2 * 64, Activation), nan(g, 6, Accum));
     let e = g
@@ -243,18 +251,18 @@ fn embedding() {
     let ids: Vec<i32> =
         (0..T).map(|t| if t % 5 == 0 { 7 } else { r.random_range(0..V as i32) }).collect();
     let mut want = vec![0.0; T * H];
-    c.embedding_forward(&mut want, &ids, &table, T, H).expect("cpu");
+    c.embedding_forward(&mut want, &ids, &table, T, H, 8.0).expect("cpu");
     let (dt, di) = (put(g, &table, Activation), ints(g, &ids));
     let mut out = nan(g, T * H, Activation);
-    g.embedding_forward(all_mut(g, &mut out), &di, all(g, &dt), T, H).expect("gpu");
+    g.embedding_forward(all_mut(g, &mut out), &di, all(g, &dt), T, H, 8.0).expect("gpu");
     check("embedding_forward (a copy: exact)", &get(g, &out), &want, 0.0);
 
     let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
     let d0 = uniform(&mut r, V * H, 0.1);
     let mut want = d0.clone();
-    c.embedding_backward(&mut want, &dout, &ids, T, H).expect("cpu");
+    c.embedding_backward(&mut want, &dout, &ids, T, H, 8.0).expect("cpu");
     let mut dtab = put(g, &d0, Accum);
-    g.embedding_backward(all_mut(g, &mut dtab), all(g, &put(g, &dout, Activation)), &di, T, H)
+    g.embedding_backward(all_mut(g, &mut dtab), all(g, &put(g, &dout, Activation)), &di, T, H, 8.0)
         .expect("gpu");
     // Same f32 additions in the same order as the CPU: exact.
     check("embedding_backward (f32, accumulates)", &get(g, &dtab), &want, 0.0);
@@ -319,7 +327,7 @@ fn matmul_and_bias() {
     check("bias_backward (f32, accumulates)", &get(g, &db), &want, 1e-6);
 }
 
-// ---- norms, rope, swiglu ------------------------------------------------------------------
+// ---- norms, rope, glu ---------------------------------------------------------------------
 
 #[test]
 fn rmsnorm() {
@@ -374,6 +382,7 @@ fn rmsnorm() {
             head_dim: hd,
             docs: 4,
             window: None,
+            scale_dim: None,
         };
         let width = shape.qkv_width();
         let x = round_bf16(&uniform(&mut r, T * width, 2.0));
@@ -415,7 +424,7 @@ fn rmsnorm() {
 }
 
 #[test]
-fn rope_and_swiglu() {
+fn rope_and_glu() {
     let (g, c) = (gpu(), Cpu::new());
     let mut r = rng(5);
     // Full rotary, then Phi-3's partial rotary (3/4 of the head) with longrope's cos/sin scale.
@@ -427,6 +436,7 @@ fn rope_and_swiglu() {
             head_dim: hd,
             docs: 4,
             window: None,
+            scale_dim: None,
         };
         let width = shape.qkv_width();
         let inv: Vec<f32> =
@@ -447,26 +457,29 @@ fn rope_and_swiglu() {
         g.rope_backward(all_mut(g, &mut dq), &dpos, all(g, &dinv), scale, &shape).expect("gpu");
         check(&format!("rope_backward {what}"), &get(g, &dq), &want_b, 5e-3);
     }
-    let gu = round_bf16(&uniform(&mut r, T * 2 * I, 4.0));
-    let mut want = vec![0.0; T * I];
-    c.swiglu_forward(&mut want, &gu, T, I).expect("cpu");
-    let dgu_in = put(g, &gu, Activation);
-    let mut out = nan(g, T * I, Activation);
-    g.swiglu_forward(all_mut(g, &mut out), all(g, &dgu_in), T, I).expect("gpu");
-    check("swiglu_forward", &get(g, &out), &want, 5e-3);
-    let dout = round_bf16(&uniform(&mut r, T * I, 1.0));
-    let mut want = vec![0.0; T * 2 * I];
-    c.swiglu_backward(&mut want, &dout, &gu, T, I).expect("cpu");
-    let mut d = nan(g, T * 2 * I, Activation);
-    g.swiglu_backward(
-        all_mut(g, &mut d),
-        all(g, &put(g, &dout, Activation)),
-        all(g, &dgu_in),
-        T,
-        I,
-    )
-    .expect("gpu");
-    check("swiglu_backward", &get(g, &d), &want, 5e-3);
+    for act in [GluAct::Silu, GluAct::GeluTanh] {
+        let gu = round_bf16(&uniform(&mut r, T * 2 * I, 4.0));
+        let mut want = vec![0.0; T * I];
+        c.glu_forward(&mut want, &gu, T, I, act).expect("cpu");
+        let dgu_in = put(g, &gu, Activation);
+        let mut out = nan(g, T * I, Activation);
+        g.glu_forward(all_mut(g, &mut out), all(g, &dgu_in), T, I, act).expect("gpu");
+        check(&format!("glu_forward {act:?}"), &get(g, &out), &want, 5e-3);
+        let dout = round_bf16(&uniform(&mut r, T * I, 1.0));
+        let mut want = vec![0.0; T * 2 * I];
+        c.glu_backward(&mut want, &dout, &gu, T, I, act).expect("cpu");
+        let mut d = nan(g, T * 2 * I, Activation);
+        g.glu_backward(
+            all_mut(g, &mut d),
+            all(g, &put(g, &dout, Activation)),
+            all(g, &dgu_in),
+            T,
+            I,
+            act,
+        )
+        .expect("gpu");
+        check(&format!("glu_backward {act:?}"), &get(g, &d), &want, 5e-3);
+    }
 }
 
 // ---- attention ----------------------------------------------------------------------------
@@ -501,6 +514,7 @@ fn attention_case(case: &AttentionCase, seed: u64) {
         head_dim: hd,
         docs: cu.len() - 1,
         window,
+        scale_dim: None,
     };
     let width = shape.qkv_width();
     let name = format!("T={t} hd={hd} nq={nq} nkv={nkv} window={window:?} offset={offset}");
@@ -694,7 +708,8 @@ fn spec_from(json: serde_json::Value) -> ModelSpec {
 /// Odd-sized one-layer models of four families: biases on q/k/v and o (llama with
 /// attention_bias), q/k norm with head_dim 128 (qwen3), a sliding window (mistral), partial
 /// rotary with longrope's scaled cos and sin (phi3; documents of up to 15 positions against an
-/// original 8, so the long factors).
+/// original 8, so the long factors), and Gemma 3's layer (offset and post norms, q/k norms,
+/// GeGLU, its own score scale, a sliding layer with its local RoPE base).
 fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     let base = |mt: &str| {
         serde_json::json!({
@@ -710,6 +725,14 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     qwen3["head_dim"] = 128.into();
     let mut mistral = base("mistral");
     mistral["sliding_window"] = 7.into();
+    let mut gemma3 = base("gemma3_text");
+    gemma3["query_pre_attn_scalar"] = 48.into();
+    gemma3["sliding_window"] = 7.into();
+    gemma3["layer_types"] = serde_json::json!(["sliding_attention"]);
+    gemma3["rope_parameters"] = serde_json::json!({
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+    });
     let mut phi3 = base("phi3");
     let factors = |f: f64| (0..24).map(|i| 1.0 + f * i as f64).collect::<Vec<_>>();
     phi3["rope_parameters"] = serde_json::json!({
@@ -722,6 +745,7 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
         ("qwen3 hd=128", spec_from(qwen3)),
         ("mistral window=7", spec_from(mistral)),
         ("phi3 longrope rotary=48", spec_from(phi3)),
+        ("gemma3 sliding local rope", spec_from(gemma3)),
     ]
 }
 
@@ -832,6 +856,17 @@ fn config() -> TrainConfig {
 /// Loss, every gradient and a 3-step trajectory of the GPU trainer against the CPU trainer on
 /// the same bf16-rounded model and batches.
 fn training_step_case(name: &str, spec: &ModelSpec, p: HostParams, batches: &[MicroBatch]) {
+    training_step_case_within(name, spec, p, batches, 5e-2)
+}
+
+/// [`training_step_case`] with its own gradient tolerance (relative to each tensor's scale).
+fn training_step_case_within(
+    name: &str,
+    spec: &ModelSpec,
+    p: HostParams,
+    batches: &[MicroBatch],
+    tol: f64,
+) {
     let max_tokens = batches.iter().map(|b| b.ids.len()).max().unwrap_or(1);
     let cpu = Cpu::new();
     let mut tc = Trainer::new(&cpu, spec, p.clone(), config(), max_tokens).expect("cpu trainer");
@@ -842,9 +877,8 @@ fn training_step_case(name: &str, spec: &ModelSpec, p: HostParams, batches: &[Mi
     let gg = gg.to_vec();
     // The loss is a mean over tokens of log-sum-exps: bf16 activations move it by ~1e-3.
     check(&format!("train step {name}: loss"), &[lg as f32], &[lc as f32], 5e-3);
-    // Gradients pass through every layer's bf16 activations backwards: 5e-2 of each tensor's
+    // Gradients pass through every layer's bf16 activations backwards: `tol` of each tensor's
     // scale (a wrong op gives errors of order 1).
-    let tol = 5e-2;
     let (mut worst, mut worst_name) = (0f64, String::new());
     let max_abs = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
     for (u, t) in p.layout.tensors() {
@@ -908,13 +942,22 @@ fn golden_dir(case: &str) -> PathBuf {
 
 #[test]
 fn training_step_every_family() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
         }
         let batches = [random_batch(spec.vocab, 2, 13, 40), random_batch(spec.vocab, 1, 29, 41)];
-        training_step_case(case, &spec, p, &batches);
+        // Gemma 3's case rounds four norm outputs a layer to bf16, and its q/k norms and
+        // scores scaled by 1/2 (query_pre_attn_scalar 4 at head_dim 8) make the softmax sharp,
+        // so the query and key gradients of its first layer, three layers of bf16 activation
+        // gradients down, carry more rounding noise: 5.7e-2 of the scale of layer 0's q_proj
+        // gradient on the H200 (2026-12-03), where every op of its layer matches the CPU alone
+        // (`decoder_layer_forward_and_backward`) and a Gemma-3-1B step matches transformers'
+        // bf16 step within 1.2e-3 in every unit's gradient norm (scripts/gpu/compare_step.py).
+        // 1e-1 still fails a wrong op.
+        let tol = if case == "gemma3" { 1e-1 } else { 5e-2 };
+        training_step_case_within(case, &spec, p, &batches, tol);
     }
 }
 
@@ -945,7 +988,7 @@ fn streaming_schedule_matches_the_reference_loop() {
         (Tier::Device, 1, HostRing, None, Master, 2),
         (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
     ];
-    for case in ["llama", "qwen2", "mistral", "phi3"] {
+    for case in ["llama", "qwen2", "mistral", "phi3", "gemma3"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         let steps: Vec<Vec<MicroBatch>> = (0..3)
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
@@ -1113,8 +1156,15 @@ fn attention_speed(docs: usize, seq: usize) {
     let g = gpu();
     let (nq, nkv, hd) = (28, 4, 128);
     let t = docs * seq;
-    let shape =
-        AttentionShape { tokens: t, q_heads: nq, kv_heads: nkv, head_dim: hd, docs, window: None };
+    let shape = AttentionShape {
+        tokens: t,
+        q_heads: nq,
+        kv_heads: nkv,
+        head_dim: hd,
+        docs,
+        window: None,
+        scale_dim: None,
+    };
     let cu: Vec<i32> = (0..=docs).map(|d| (d * seq) as i32).collect();
     let cu = ints(g, &cu);
     let mut r = rng(60);
@@ -1179,7 +1229,15 @@ fn decode_case(hd: usize, nkv: usize, window: Option<usize>, past: usize, tokens
     let (g, c) = (gpu(), Cpu::new());
     let mut r = rng((hd * 1000 + past + tokens) as u64);
     let nq = 6;
-    let shape = DecodeShape { past, tokens, q_heads: nq, kv_heads: nkv, head_dim: hd, window };
+    let shape = DecodeShape {
+        past,
+        tokens,
+        q_heads: nq,
+        kv_heads: nkv,
+        head_dim: hd,
+        window,
+        scale_dim: None,
+    };
     let n = (past + tokens) * nkv * hd;
     // Scaled up so some softmax rows are far from uniform.
     let q = round_bf16(&uniform(&mut r, tokens * nq * hd, 2.5));
@@ -1231,7 +1289,7 @@ fn argmax(row: &[f32]) -> u32 {
 /// the whole sequence.
 #[test]
 fn decode_generation_matches_the_cpu_and_the_training_forward() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());

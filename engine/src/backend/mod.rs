@@ -59,6 +59,15 @@ impl WeightDtype {
     }
 }
 
+/// The activation of the gated MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GluAct {
+    /// `silu(g) = g · sigmoid(g)` (SwiGLU: llama, qwen, mistral, phi3).
+    Silu,
+    /// `gelu(g)` with the tanh approximation (GeGLU: gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
 /// The shapes an attention call works on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -74,6 +83,9 @@ pub struct AttentionShape {
     pub docs: usize,
     /// Sliding window in tokens, itself included; `None` for full causal attention.
     pub window: Option<usize>,
+    /// Scores are scaled by `1 / sqrt(d)` for this `d`; `None` for the head dimension (Gemma's
+    /// `query_pre_attn_scalar` sets another).
+    pub scale_dim: Option<usize>,
 }
 
 impl AttentionShape {
@@ -81,6 +93,16 @@ impl AttentionShape {
     pub fn qkv_width(&self) -> usize {
         (self.q_heads + 2 * self.kv_heads) * self.head_dim
     }
+
+    /// The factor the scores `q · k` are multiplied by before the softmax.
+    pub fn softmax_scale(&self) -> f32 {
+        softmax_scale(self.scale_dim.unwrap_or(self.head_dim))
+    }
+}
+
+/// `1 / sqrt(d)` in f32 (transformers' `scaling = d ** -0.5`).
+fn softmax_scale(d: usize) -> f32 {
+    1.0 / (d as f32).sqrt()
 }
 
 /// The shapes of an attention call of a few new queries against a key/value cache
@@ -99,9 +121,16 @@ pub struct DecodeShape {
     pub head_dim: usize,
     /// Sliding window in tokens, itself included; `None` for full causal attention.
     pub window: Option<usize>,
+    /// As [`AttentionShape::scale_dim`].
+    pub scale_dim: Option<usize>,
 }
 
 impl DecodeShape {
+    /// The factor the scores `q · k` are multiplied by before the softmax.
+    pub fn softmax_scale(&self) -> f32 {
+        softmax_scale(self.scale_dim.unwrap_or(self.head_dim))
+    }
+
     /// Positions the cache holds for this call: `past + tokens`.
     pub fn positions(&self) -> usize {
         self.past + self.tokens
@@ -274,7 +303,8 @@ pub trait Backend: Send + Sync {
 
     // ---- embedding ------------------------------------------------------------------------
 
-    /// `out[t] = table[ids[t]]`. out `[T, H]`, ids `[T]`, table `[V, H]`.
+    /// `out[t] = scale · table[ids[t]]` (Gemma scales its embeddings by `sqrt(H)`; 1 elsewhere).
+    /// out `[T, H]`, ids `[T]`, table `[V, H]`.
     fn embedding_forward(
         &self,
         out: Self::ViewMut<'_>,
@@ -282,8 +312,9 @@ pub trait Backend: Send + Sync {
         table: Self::View<'_>,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()>;
-    /// `dtable[ids[t]] += dout[t]` (accumulates). dtable `[V, H]`, dout `[T, H]`.
+    /// `dtable[ids[t]] += scale · dout[t]` (accumulates). dtable `[V, H]`, dout `[T, H]`.
     fn embedding_backward(
         &self,
         dtable: Self::ViewMut<'_>,
@@ -291,6 +322,7 @@ pub trait Backend: Send + Sync {
         ids: &Self::Ints,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()>;
 
     // ---- matmul and bias ------------------------------------------------------------------
@@ -462,22 +494,25 @@ pub trait Backend: Send + Sync {
 
     // ---- MLP ------------------------------------------------------------------------------
 
-    /// `out = silu(gate) * up`. out `[T, I]`, gate_up `[T, 2I]`.
-    fn swiglu_forward(
+    /// The gated MLP's activation: `out = act(gate) * up`. out `[T, I]`, gate_up `[T, 2I]`.
+    /// Reference: `LlamaMLP` (SiLU) and `Gemma3MLP` (GELU, tanh approximation).
+    fn glu_forward(
         &self,
         out: Self::ViewMut<'_>,
         gate_up: Self::View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()>;
     /// dgate_up `[T, 2I]` (overwrites), dout `[T, I]`, gate_up `[T, 2I]`.
-    fn swiglu_backward(
+    fn glu_backward(
         &self,
         dgate_up: Self::ViewMut<'_>,
         dout: Self::View<'_>,
         gate_up: Self::View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()>;
 
     // ---- LM head and loss -----------------------------------------------------------------

@@ -35,6 +35,16 @@ fn specs() -> Vec<ModelSpec> {
             "partial_rotary_factor": 0.5, "original_max_position_embeddings": 2,
             "short_factor": [1.0, 1.5], "long_factor": [1.0, 4.0]}}),
         ),
+        // Gemma 3: a sliding layer with its local RoPE, then a global one.
+        spec(
+            "gemma3_text",
+            json!({"sliding_window": 5, "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            }}),
+        ),
     ]
 }
 

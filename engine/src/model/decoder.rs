@@ -14,12 +14,15 @@
 //! ```text
 //! h   = rmsnorm(x, ln1)                         [T, H]
 //! qkv = h · Wqkvᵀ (+ b)                         [T, Dqkv]
-//! qkv = head_rmsnorm(qkv) (qwen3); rope(qkv)
+//! qkv = head_rmsnorm(qkv) (qwen3, gemma3); rope(qkv)
 //! a   = attention(qkv)                          [T, nq hd]
-//! x1  = x + a · Woᵀ (+ bo)                      [T, H]
+//! x1  = x + post_attn(a · Woᵀ (+ bo))           [T, H]
 //! g   = rmsnorm(x1, ln2) · Wgate_upᵀ            [T, 2I]
-//! out = x1 + swiglu(g) · Wdownᵀ                 [T, H]
+//! out = x1 + post_mlp(act(g) · Wdownᵀ)          [T, H]
 //! ```
+//! `post_attn` and `post_mlp` are Gemma's extra RMSNorms (`sandwich_norms`; the identity
+//! elsewhere), `act` is SwiGLU or GeGLU, and Gemma's norms scale by `1 + w`, formed in f32 in a
+//! scratch buffer before each norm (its gradient is the gradient of `w`).
 
 use super::layout::{HeadRanges, LayerRanges};
 use crate::backend::{AttentionShape, Backend, DecodeShape, FloatKind};
@@ -96,6 +99,15 @@ pub struct LayerScratch<B: Backend> {
     d_qkv_pre: B::Floats, // [T, Dqkv]
     /// The new tokens' queries gathered contiguously for [`Keys::Cached`] (generation only).
     q: B::Floats, // [T, nq hd]
+    // Gemma's post-attention and post-MLP norms: their inputs and rstd, and the gradient of
+    // either input (one at a time).
+    o_pre: B::Floats,  // [T, H]
+    o_rstd: B::Floats, // [T]
+    m_pre: B::Floats,  // [T, H]
+    m_rstd: B::Floats, // [T]
+    d_pre: B::Floats,  // [T, H]
+    /// A norm's `offset + w` (Gemma), f32.
+    norm_w: B::Floats, // [max(H, 2 hd)]
     /// Device bytes these buffers take.
     pub bytes: usize,
 }
@@ -133,6 +145,8 @@ impl<B: Backend> LayerScratch<B> {
             b.alloc(n, FloatKind::Accum)
         };
         let qkv_pre_len = if spec.qk_norm { t * dqkv } else { 0 };
+        let sandwich = usize::from(spec.sandwich_norms);
+        let offset = usize::from(spec.norm_offset != 0.0);
         // Buffers only one use needs are empty in the other.
         let (train, generate) = match purpose {
             ScratchUse::Training => (1, 0),
@@ -159,6 +173,12 @@ impl<B: Backend> LayerScratch<B> {
             d_qkv: act(train * t * dqkv)?,
             d_qkv_pre: act(train * qkv_pre_len)?,
             q: act(generate * t * datt)?,
+            o_pre: act(sandwich * t * h)?,
+            o_rstd: acc(sandwich * t)?,
+            m_pre: act(sandwich * t * h)?,
+            m_rstd: acc(sandwich * t)?,
+            d_pre: act(train * sandwich * t * h)?,
+            norm_w: acc(offset * h.max(2 * spec.head_dim))?,
             bytes: 0,
         };
         scratch.bytes = bytes.get();
@@ -173,20 +193,24 @@ pub struct HeadScratch<B: Backend> {
     losses: B::Floats, // [T]
     lse: B::Floats,    // [T]
     d_normed: B::Floats,
+    /// The final norm's `offset + w` (Gemma), f32.
+    norm_w: B::Floats, // [H]
     /// Device bytes these buffers take.
     pub bytes: usize,
 }
 
 impl<B: Backend> HeadScratch<B> {
     pub fn new(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
+        let norm_w = if spec.norm_offset != 0.0 { spec.hidden } else { 0 };
         Ok(HeadScratch {
             normed: b.alloc(tokens * spec.hidden, FloatKind::Activation)?,
             rstd: b.alloc(tokens, FloatKind::Accum)?,
             losses: b.alloc(tokens, FloatKind::Accum)?,
             lse: b.alloc(tokens, FloatKind::Accum)?,
             d_normed: b.alloc(tokens * spec.hidden, FloatKind::Activation)?,
+            norm_w: b.alloc(norm_w, FloatKind::Accum)?,
             bytes: 2 * tokens * spec.hidden * b.elem_bytes(FloatKind::Activation)
-                + 3 * tokens * b.elem_bytes(FloatKind::Accum),
+                + (3 * tokens + norm_w) * b.elem_bytes(FloatKind::Accum),
         })
     }
 }
@@ -239,7 +263,11 @@ pub struct Decoder<B: Backend> {
     inv_freq: B::Floats, // [r / 2]
     /// Longrope: above this many positions a forward uses the second table.
     long_inv_freq: Option<(usize, B::Floats)>, // [r / 2]
+    /// The sliding-window layers' own table (gemma3).
+    local_inv_freq: Option<B::Floats>, // [r / 2]
     rope_scale: f32,
+    /// `norm_offset` repeated, where norms scale by `offset + w` (f32).
+    norm_offset: Option<B::Floats>, // [max(H, 2 hd)]
 }
 
 fn all<B: Backend>(b: &B, buf: &B::Floats, n: usize) -> std::ops::Range<usize> {
@@ -259,16 +287,54 @@ impl<B: Backend> Decoder<B> {
             Some((above, freqs)) => Some((above, table(freqs)?)),
             None => None,
         };
+        let local_inv_freq = spec.local_inv_freq().map(table).transpose()?;
         let rope_scale = spec.rope_scale();
-        Ok(Decoder { spec: spec.clone(), layer, head, inv_freq, long_inv_freq, rope_scale })
+        let norm_offset = (spec.norm_offset != 0.0)
+            .then(|| table(vec![spec.norm_offset; spec.hidden.max(2 * spec.head_dim)]))
+            .transpose()?;
+        Ok(Decoder {
+            spec: spec.clone(),
+            layer,
+            head,
+            inv_freq,
+            long_inv_freq,
+            local_inv_freq,
+            rope_scale,
+            norm_offset,
+        })
+    }
+
+    /// The weight an RMSNorm multiplies by: the slab's own `w[range]`, or `offset + w` formed
+    /// in `tmp` (f32) where norms are offset (Gemma's `1 + weight`, computed in f32 as
+    /// `Gemma3RMSNorm` does).
+    fn norm_weight<'a>(
+        &self,
+        b: &B,
+        w: &'a B::Floats,
+        range: &std::ops::Range<usize>,
+        tmp: &'a mut B::Floats,
+    ) -> Result<B::View<'a>> {
+        match &self.norm_offset {
+            None => Ok(b.view(w, range.clone())),
+            Some(offset) => {
+                let n = range.len();
+                b.add(b.view_mut(tmp, 0..n), b.view(w, range.clone()), b.view(offset, 0..n))?;
+                Ok(b.view(tmp, 0..n))
+            }
+        }
     }
 
     /// The RoPE frequencies `[r / 2]` a forward over `batch` uses: longrope's long table when
     /// its largest position is beyond the pretrained context (transformers'
     /// `longrope_frequency_update`: `max(position_ids) + 1 > original_max_position_embeddings`),
     /// else the one table.
-    fn inv_freq(&self, b: &B, batch: &DeviceBatch<B>) -> B::View<'_> {
+    /// A sliding layer with a table of its own (gemma3) uses that one.
+    fn inv_freq(&self, b: &B, batch: &DeviceBatch<B>, layer: usize) -> B::View<'_> {
         let half = self.spec.rotary_dim / 2;
+        let sliding = self.spec.windows.get(layer).copied().flatten().is_some();
+        if let (Some(local), true) = (&self.local_inv_freq, sliding) {
+            return b.view(local, 0..half);
+        }
         match &self.long_inv_freq {
             Some((above, long)) if batch.max_position + 1 > *above => b.view(long, 0..half),
             _ => b.view(&self.inv_freq, 0..half),
@@ -283,6 +349,7 @@ impl<B: Backend> Decoder<B> {
             head_dim: self.spec.head_dim,
             docs: batch.docs,
             window: self.spec.windows.get(layer).copied().flatten(),
+            scale_dim: self.spec.scale_dim,
         }
     }
 
@@ -296,7 +363,8 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let (t, h) = (batch.tokens, self.spec.hidden);
         let table = b.view(w, 0..self.spec.vocab * h);
-        b.embedding_forward(b.view_mut(x, 0..t * h), &batch.ids, table, t, h)
+        let scale = self.spec.embed_scale;
+        b.embedding_forward(b.view_mut(x, 0..t * h), &batch.ids, table, t, h, scale)
     }
 
     /// `dw_embed += scatter(dx)`.
@@ -309,7 +377,8 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let (t, h) = (batch.tokens, self.spec.hidden);
         let dtable = b.view_mut(grad, 0..self.spec.vocab * h);
-        b.embedding_backward(dtable, b.view(dx, 0..t * h), &batch.ids, t, h)
+        let scale = self.spec.embed_scale;
+        b.embedding_backward(dtable, b.view(dx, 0..t * h), &batch.ids, t, h, scale)
     }
 
     /// One decoder layer: `x_out = layer(x_in)`, leaving its internals in `s`. x `[T, H]`; `w`
@@ -331,17 +400,19 @@ impl<B: Backend> Decoder<B> {
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
         let th = all(b, x_in, t * h);
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
+        let eps = spec.rms_eps;
 
+        let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln1, th.clone()),
             b.view_mut(&mut s.ln1_rstd, 0..t),
             b.view(x_in, th.clone()),
-            wv(&r.ln1),
+            ln1_w,
             t,
             h,
-            spec.rms_eps,
+            eps,
         )?;
-        // The projection lands in `qkv` directly unless qwen3's q/k norm needs its input kept.
+        // The projection lands in `qkv` directly unless a q/k norm needs its input kept.
         let proj = if spec.qk_norm { &mut s.qkv_pre } else { &mut s.qkv };
         b.matmul_forward(
             b.view_mut(proj, 0..t * dqkv),
@@ -356,19 +427,20 @@ impl<B: Backend> Decoder<B> {
         }
         if let Some(norm) = &r.qk_norm {
             let heads = spec.q_heads + spec.kv_heads;
+            let qk_w = self.norm_weight(b, w, norm, &mut s.norm_w)?;
             b.head_rmsnorm_forward(
                 b.view_mut(&mut s.qkv, 0..t * dqkv),
                 b.view_mut(&mut s.qk_rstd, 0..t * heads),
                 b.view(&s.qkv_pre, 0..t * dqkv),
-                wv(norm),
+                qk_w,
                 &shape,
-                spec.rms_eps,
+                eps,
             )?;
         }
         b.rope_forward(
             b.view_mut(&mut s.qkv, 0..t * dqkv),
             &batch.positions,
-            self.inv_freq(b, batch),
+            self.inv_freq(b, batch, layer),
             self.rope_scale,
             &shape,
         )?;
@@ -382,8 +454,10 @@ impl<B: Backend> Decoder<B> {
             )?,
             Keys::Cached { k, v, past } => self.attend_cached(b, s, k, v, past, &shape)?,
         }
+        // The o projection lands in `tmp_h`, or in `o_pre` when a post-attention norm follows.
+        let o_out = if r.post_attn_norm.is_some() { &mut s.o_pre } else { &mut s.tmp_h };
         b.matmul_forward(
-            b.view_mut(&mut s.tmp_h, th.clone()),
+            b.view_mut(o_out, th.clone()),
             b.view(&s.att, 0..t * datt),
             wv(&r.o_w),
             t,
@@ -391,7 +465,19 @@ impl<B: Backend> Decoder<B> {
             h,
         )?;
         if let Some(bias) = &r.o_b {
-            b.bias_forward(b.view_mut(&mut s.tmp_h, th.clone()), wv(bias), t, h)?;
+            b.bias_forward(b.view_mut(o_out, th.clone()), wv(bias), t, h)?;
+        }
+        if let Some(post) = &r.post_attn_norm {
+            let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
+            b.rmsnorm_forward(
+                b.view_mut(&mut s.tmp_h, th.clone()),
+                b.view_mut(&mut s.o_rstd, 0..t),
+                b.view(&s.o_pre, th.clone()),
+                post_w,
+                t,
+                h,
+                eps,
+            )?;
         }
         b.add(
             b.view_mut(&mut s.x1, th.clone()),
@@ -399,14 +485,15 @@ impl<B: Backend> Decoder<B> {
             b.view(&s.tmp_h, th.clone()),
         )?;
 
+        let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln2, th.clone()),
             b.view_mut(&mut s.ln2_rstd, 0..t),
             b.view(&s.x1, th.clone()),
-            wv(&r.ln2),
+            ln2_w,
             t,
             h,
-            spec.rms_eps,
+            eps,
         )?;
         b.matmul_forward(
             b.view_mut(&mut s.gate_up, 0..t * 2 * i),
@@ -416,15 +503,34 @@ impl<B: Backend> Decoder<B> {
             h,
             2 * i,
         )?;
-        b.swiglu_forward(b.view_mut(&mut s.act, 0..t * i), b.view(&s.gate_up, 0..t * 2 * i), t, i)?;
+        b.glu_forward(
+            b.view_mut(&mut s.act, 0..t * i),
+            b.view(&s.gate_up, 0..t * 2 * i),
+            t,
+            i,
+            spec.glu_act,
+        )?;
+        let down_out = if r.post_mlp_norm.is_some() { &mut s.m_pre } else { &mut s.tmp_h };
         b.matmul_forward(
-            b.view_mut(&mut s.tmp_h, th.clone()),
+            b.view_mut(down_out, th.clone()),
             b.view(&s.act, 0..t * i),
             wv(&r.down_w),
             t,
             i,
             h,
         )?;
+        if let Some(post) = &r.post_mlp_norm {
+            let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
+            b.rmsnorm_forward(
+                b.view_mut(&mut s.tmp_h, th.clone()),
+                b.view_mut(&mut s.m_rstd, 0..t),
+                b.view(&s.m_pre, th.clone()),
+                post_w,
+                t,
+                h,
+                eps,
+            )?;
+        }
         b.add(b.view_mut(x_out, th.clone()), b.view(&s.x1, th.clone()), b.view(&s.tmp_h, th))
     }
 
@@ -479,6 +585,7 @@ impl<B: Backend> Decoder<B> {
                 kv_heads: shape.kv_heads,
                 head_dim: shape.head_dim,
                 window: shape.window,
+                scale_dim: shape.scale_dim,
             },
         )
     }
@@ -512,23 +619,41 @@ impl<B: Backend> Decoder<B> {
         let th = all(b, x_in, t * h);
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
 
-        // MLP branch: out = x1 + down(swiglu(gate_up(ln2(x1)))).
+        // MLP branch: out = x1 + post_mlp(down(act(gate_up(ln2(x1))))).
+        let d_down = match &r.post_mlp_norm {
+            Some(post) => {
+                let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
+                b.rmsnorm_backward(
+                    b.view_mut(&mut s.d_pre, th.clone()),
+                    b.view_mut(grad, post.clone()),
+                    b.view(dx_out, th.clone()),
+                    b.view(&s.m_pre, th.clone()),
+                    post_w,
+                    b.view(&s.m_rstd, 0..t),
+                    t,
+                    h,
+                )?;
+                b.view(&s.d_pre, th.clone())
+            }
+            None => b.view(dx_out, th.clone()),
+        };
         b.matmul_backward(
             b.view_mut(&mut s.d_act, 0..t * i),
             b.view_mut(grad, r.down_w.clone()),
-            b.view(dx_out, th.clone()),
+            d_down,
             b.view(&s.act, 0..t * i),
             wv(&r.down_w),
             t,
             i,
             h,
         )?;
-        b.swiglu_backward(
+        b.glu_backward(
             b.view_mut(&mut s.d_gate_up, 0..t * 2 * i),
             b.view(&s.d_act, 0..t * i),
             b.view(&s.gate_up, 0..t * 2 * i),
             t,
             i,
+            spec.glu_act,
         )?;
         // d(ln2 output) reuses tmp_h.
         b.matmul_backward(
@@ -541,12 +666,13 @@ impl<B: Backend> Decoder<B> {
             h,
             2 * i,
         )?;
+        let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_backward(
             b.view_mut(&mut s.d_x1, th.clone()),
             b.view_mut(grad, r.ln2.clone()),
             b.view(&s.tmp_h, th.clone()),
             b.view(&s.x1, th.clone()),
-            wv(&r.ln2),
+            ln2_w,
             b.view(&s.ln2_rstd, 0..t),
             t,
             h,
@@ -554,14 +680,31 @@ impl<B: Backend> Decoder<B> {
         // The residual carries dx_out straight to x1.
         b.add_assign(b.view_mut(&mut s.d_x1, th.clone()), b.view(dx_out, th.clone()))?;
 
-        // Attention branch: x1 = x + o(attention(rope(norm(qkv(ln1(x)))))).
+        // Attention branch: x1 = x + post_attn(o(attention(rope(norm(qkv(ln1(x))))))).
+        let d_o = match &r.post_attn_norm {
+            Some(post) => {
+                let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
+                b.rmsnorm_backward(
+                    b.view_mut(&mut s.d_pre, th.clone()),
+                    b.view_mut(grad, post.clone()),
+                    b.view(&s.d_x1, th.clone()),
+                    b.view(&s.o_pre, th.clone()),
+                    post_w,
+                    b.view(&s.o_rstd, 0..t),
+                    t,
+                    h,
+                )?;
+                b.view(&s.d_pre, th.clone())
+            }
+            None => b.view(&s.d_x1, th.clone()),
+        };
         if let Some(bias) = &r.o_b {
-            b.bias_backward(b.view_mut(grad, bias.clone()), b.view(&s.d_x1, th.clone()), t, h)?;
+            b.bias_backward(b.view_mut(grad, bias.clone()), d_o, t, h)?;
         }
         b.matmul_backward(
             b.view_mut(&mut s.d_att, 0..t * datt),
             b.view_mut(grad, r.o_w.clone()),
-            b.view(&s.d_x1, th.clone()),
+            d_o,
             b.view(&s.att, 0..t * datt),
             wv(&r.o_w),
             t,
@@ -580,19 +723,20 @@ impl<B: Backend> Decoder<B> {
         b.rope_backward(
             b.view_mut(&mut s.d_qkv, 0..t * dqkv),
             &batch.positions,
-            self.inv_freq(b, batch),
+            self.inv_freq(b, batch, layer),
             self.rope_scale,
             &shape,
         )?;
         // Gradient with respect to the projection's output.
         let d_proj = if let Some(norm) = &r.qk_norm {
             let heads = spec.q_heads + spec.kv_heads;
+            let qk_w = self.norm_weight(b, w, norm, &mut s.norm_w)?;
             b.head_rmsnorm_backward(
                 b.view_mut(&mut s.d_qkv_pre, 0..t * dqkv),
                 b.view_mut(grad, norm.clone()),
                 b.view(&s.d_qkv, 0..t * dqkv),
                 b.view(&s.qkv_pre, 0..t * dqkv),
-                wv(norm),
+                qk_w,
                 b.view(&s.qk_rstd, 0..t * heads),
                 &shape,
             )?;
@@ -614,12 +758,13 @@ impl<B: Backend> Decoder<B> {
             h,
             dqkv,
         )?;
+        let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
         b.rmsnorm_backward(
             b.view_mut(dx_in, th.clone()),
             b.view_mut(grad, r.ln1.clone()),
             b.view(&s.tmp_h, th.clone()),
             b.view(x_in, th.clone()),
-            wv(&r.ln1),
+            ln1_w,
             b.view(&s.ln1_rstd, 0..t),
             t,
             h,
@@ -646,11 +791,12 @@ impl<B: Backend> Decoder<B> {
         batch: &DeviceBatch<B>,
     ) -> Result<f64> {
         let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
+        let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.normed, 0..t * h),
             b.view_mut(&mut s.rstd, 0..t),
             b.view(x, 0..t * h),
-            b.view(w.head, self.head.norm.clone()),
+            norm_w,
             t,
             h,
             self.spec.rms_eps,
@@ -713,7 +859,7 @@ impl<B: Backend> Decoder<B> {
             b.view_mut(head_grad, self.head.norm.clone()),
             b.view(&s.d_normed, 0..t * h),
             b.view(x, 0..t * h),
-            b.view(w.head, self.head.norm.clone()),
+            self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?,
             b.view(&s.rstd, 0..t),
             t,
             h,
@@ -737,7 +883,7 @@ impl<B: Backend> Decoder<B> {
             b.view_mut(&mut s.normed, 0..tokens * h),
             b.view_mut(&mut s.rstd, 0..tokens),
             b.view(x, rows.start * h..rows.end * h),
-            b.view(w.head, self.head.norm.clone()),
+            self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?,
             tokens,
             h,
             self.spec.rms_eps,

@@ -57,7 +57,12 @@ pub struct LayerRanges {
     /// `[H, nq hd]`.
     pub o_w: Range<usize>,
     pub o_b: Option<Range<usize>>,
+    /// The MLP's input norm: `post_attention_layernorm`, or Gemma's `pre_feedforward_layernorm`.
     pub ln2: Range<usize>,
+    /// Gemma's norms of the attention output and of the MLP output, before their residual adds
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    pub post_attn_norm: Option<Range<usize>>,
+    pub post_mlp_norm: Option<Range<usize>>,
     /// `[2I, H]`: gate_proj then up_proj weights.
     pub gate_up_w: Range<usize>,
     /// `[H, I]`.
@@ -166,7 +171,14 @@ impl ModelLayout {
                 }),
                 o_w: s.fused(&[("self_attn.o_proj.weight", vec![h, q])]),
                 o_b: spec.o_bias.then(|| s.fused(&[("self_attn.o_proj.bias", vec![h])])),
-                ln2: s.fused(&[("post_attention_layernorm.weight", vec![h])]),
+                post_attn_norm: spec
+                    .sandwich_norms
+                    .then(|| s.fused(&[("post_attention_layernorm.weight", vec![h])])),
+                ln2: if spec.sandwich_norms {
+                    s.fused(&[("pre_feedforward_layernorm.weight", vec![h])])
+                } else {
+                    s.fused(&[("post_attention_layernorm.weight", vec![h])])
+                },
                 gate_up_w: if spec.fused_checkpoint {
                     s.fused(&[("mlp.gate_up_proj.weight", vec![2 * i, h])])
                 } else {
@@ -176,6 +188,9 @@ impl ModelLayout {
                     ])
                 },
                 down_w: s.fused(&[("mlp.down_proj.weight", vec![h, i])]),
+                post_mlp_norm: spec
+                    .sandwich_norms
+                    .then(|| s.fused(&[("post_feedforward_layernorm.weight", vec![h])])),
             };
             units.push(s.finish(UnitKind::Layer(l)));
             layer = Some(ranges);
@@ -199,6 +214,8 @@ impl ModelLayout {
             o_w: 0..0,
             o_b: None,
             ln2: 0..0,
+            post_attn_norm: None,
+            post_mlp_norm: None,
             gate_up_w: 0..0,
             down_w: 0..0,
         });

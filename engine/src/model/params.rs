@@ -46,7 +46,8 @@ impl HostParams {
             if t.shape.len() >= 2 {
                 matrices[u].push((t.range.clone(), stream as u64));
             } else if t.name.ends_with("norm.weight") || t.name.ends_with("layernorm.weight") {
-                p.units[u][t.range.clone()].fill(1.0);
+                // A norm scales by `offset + w`: Gemma's weights start at 0, the others' at 1.
+                p.units[u][t.range.clone()].fill(1.0 - spec.norm_offset);
             }
         }
         p.units.par_iter_mut().zip(matrices).for_each(|(unit, tensors)| {

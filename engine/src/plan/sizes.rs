@@ -183,12 +183,16 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
     let (dqkv, datt) = (spec.qkv_width() as u64, spec.attn_width() as u64);
     let qk = u64::from(spec.qk_norm);
     let nq = spec.q_heads as u64;
+    let sandwich = u64::from(spec.sandwich_norms);
     // ln1, x1, ln2, tmp_h, d_x1 | qkv, d_qkv (+ qkv_pre, d_qkv_pre) | att, d_att |
-    // gate_up, d_gate_up (2I each), act, d_act
-    let bf16_elems = t * (5 * h + (2 + 2 * qk) * dqkv + 2 * datt + 6 * i);
-    // ln1_rstd, ln2_rstd | qk_rstd | lse | D
-    let f32_elems = t * (2 + qk * (nq + spec.kv_heads as u64) + 2 * nq);
-    bf16_elems * BF16 + f32_elems * F32
+    // gate_up, d_gate_up (2I each), act, d_act | Gemma's o_pre, m_pre, d_pre
+    let bf16_elems = t * (5 * h + (2 + 2 * qk) * dqkv + 2 * datt + 6 * i + 3 * sandwich * h);
+    // ln1_rstd, ln2_rstd | qk_rstd | lse | D | Gemma's o_rstd, m_rstd
+    let f32_elems = t * (2 + qk * (nq + spec.kv_heads as u64) + 2 * nq + 2 * sandwich);
+    // Gemma's `1 + w` of one norm at a time.
+    let norm_w =
+        if spec.norm_offset != 0.0 { spec.hidden.max(2 * spec.head_dim) as u64 } else { 0 };
+    bf16_elems * BF16 + (f32_elems + norm_w) * F32
 }
 
 /// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in

@@ -30,6 +30,19 @@ pub struct HfConfig {
     pub partial_rotary_factor: Option<f64>,
     /// Phi-3: the pretrained context, where longrope switches from short to long factors.
     pub original_max_position_embeddings: Option<usize>,
+    /// Gemma: the MLP's activation (`hidden_act` is ignored by its modeling code).
+    pub hidden_activation: Option<String>,
+    /// Gemma: attention scores are scaled by `query_pre_attn_scalar ** -0.5`.
+    pub query_pre_attn_scalar: Option<Value>,
+    /// Gemma 2 soft-caps (refused until supported).
+    pub attn_logit_softcapping: Option<Value>,
+    pub final_logit_softcapping: Option<Value>,
+    /// Gemma 3: bidirectional attention (its vision towers; refused).
+    pub use_bidirectional_attention: Option<bool>,
+    /// Gemma 3 (transformers 4): the sliding layers' RoPE base.
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3 (transformers 4): every `sliding_window_pattern`-th layer is a full-attention one.
+    pub sliding_window_pattern: Option<usize>,
     pub tie_word_embeddings: Option<bool>,
     /// Llama: bias on q, k, v and o projections.
     pub attention_bias: Option<bool>,

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 pub use config::HfConfig;
 pub use preset::{PRESETS, preset};
 
+use crate::backend::GluAct;
 use crate::error::{Error, Result};
 
 /// The decoder families Sluice trains.
@@ -27,11 +28,19 @@ pub enum Family {
     Mistral,
     /// Phi-3, Phi-3.5 and Phi-4.
     Phi3,
+    /// Gemma 3's text model (`Gemma3ForCausalLM`).
+    Gemma3,
 }
 
 impl Family {
-    pub const ALL: [Family; 5] =
-        [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral, Family::Phi3];
+    pub const ALL: [Family; 6] = [
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Phi3,
+        Family::Gemma3,
+    ];
 
     /// The `model_type` transformers writes.
     pub fn model_type(self) -> &'static str {
@@ -41,6 +50,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
             Family::Phi3 => "phi3",
+            Family::Gemma3 => "gemma3_text",
         }
     }
 
@@ -52,6 +62,7 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -86,6 +97,14 @@ pub enum RopeScaling {
     },
 }
 
+/// RoPE of the sliding-window layers where it differs from the full-attention layers' (Gemma 3's
+/// local layers: their own base, no scaling).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalRope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
 /// A validated, fully resolved model description.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
@@ -103,6 +122,8 @@ pub struct ModelSpec {
     /// Leading dimensions of each head that RoPE rotates (`partial_rotary_factor · head_dim`;
     /// the rest pass through unrotated).
     pub rotary_dim: usize,
+    /// RoPE of the layers with a sliding window, when it is not the one above (gemma3).
+    pub local_rope: Option<LocalRope>,
     pub max_positions: usize,
     pub tie_embeddings: bool,
     /// Bias on the q, k and v projections (qwen2; llama with `attention_bias`).
@@ -114,6 +135,20 @@ pub struct ModelSpec {
     /// The checkpoint stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj`
     /// (phi3); the slab layout is the same either way.
     pub fused_checkpoint: bool,
+    /// RMSNorms scale by `norm_offset + weight`: 1 for Gemma (`Gemma3RMSNorm`, whose weights
+    /// start at 0), 0 elsewhere.
+    pub norm_offset: f32,
+    /// The embedding lookup is multiplied by this: `sqrt(hidden)` for Gemma, 1 elsewhere.
+    pub embed_scale: f32,
+    /// The gated MLP's activation (SiLU; GELU-tanh for Gemma).
+    pub glu_act: GluAct,
+    /// RMSNorms after attention and after the MLP too, before each residual add (Gemma's
+    /// `post_attention_layernorm`, `post_feedforward_layernorm`); the MLP's input norm is then
+    /// `pre_feedforward_layernorm`.
+    pub sandwich_norms: bool,
+    /// Attention scores scaled by `1 / sqrt(scale_dim)` instead of `1 / sqrt(head_dim)`
+    /// (Gemma's `query_pre_attn_scalar`).
+    pub scale_dim: Option<usize>,
     /// Per layer: the sliding window in tokens, or `None` for full causal attention.
     pub windows: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
@@ -172,12 +207,42 @@ impl ModelSpec {
                 "head_dim must be even and non-zero for RoPE, got {head_dim}"
             )));
         }
-        match cfg.hidden_act.as_deref() {
-            None | Some("silu") | Some("swish") => {}
+        let gemma = family == Family::Gemma3;
+        // Gemma reads `hidden_activation` (its `hidden_act` is a leftover of older configs).
+        let act = if gemma {
+            cfg.hidden_activation.as_deref().or(cfg.hidden_act.as_deref())
+        } else {
+            cfg.hidden_act.as_deref()
+        };
+        let glu_act = match act {
+            None if gemma => GluAct::GeluTanh,
+            None | Some("silu") | Some("swish") => GluAct::Silu,
+            Some("gelu_pytorch_tanh") | Some("gelu_tanh") => GluAct::GeluTanh,
             Some(other) => {
-                return Err(err(format!("hidden_act {other:?} is not supported (only silu)")));
+                return Err(err(format!(
+                    "hidden activation {other:?} is not supported (silu, gelu_pytorch_tanh)"
+                )));
+            }
+        };
+        for (key, cap) in [
+            ("attn_logit_softcapping", &cfg.attn_logit_softcapping),
+            ("final_logit_softcapping", &cfg.final_logit_softcapping),
+        ] {
+            if cap.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(err(format!("{key} is not supported yet")));
             }
         }
+        if cfg.use_bidirectional_attention == Some(true) {
+            return Err(err("use_bidirectional_attention = true is not supported".into()));
+        }
+        let scale_dim = match (&cfg.query_pre_attn_scalar, gemma) {
+            (Some(v), true) => Some(v.as_u64().filter(|&d| d > 0).ok_or_else(|| {
+                err(format!("query_pre_attn_scalar must be a positive integer, got {v}"))
+            })? as usize),
+            // Gemma3TextConfig's default.
+            (None, true) => Some(256),
+            (_, false) => None,
+        };
         if cfg.mlp_bias == Some(true) {
             return Err(err("mlp_bias = true is not supported".into()));
         }
@@ -214,10 +279,12 @@ impl ModelSpec {
             Family::Qwen3 => (attention_bias, attention_bias, true),
             // modeling_phi3: qkv_proj and o_proj without bias.
             Family::Phi3 => (false, false, false),
+            Family::Gemma3 => (attention_bias, attention_bias, true),
         };
+        let local_rope = if gemma { resolve_local_rope(&cfg).map_err(err)? } else { None };
         let windows = resolve_windows(&cfg, family, layers).map_err(err)?;
-        // Every supported family's config class defaults to untied embeddings.
-        let tie_embeddings = cfg.tie_word_embeddings.unwrap_or(false);
+        // Every supported family's config class defaults to untied embeddings but Gemma's.
+        let tie_embeddings = cfg.tie_word_embeddings.unwrap_or(gemma);
         let ids = |v: &Option<Value>| -> Vec<u32> {
             match v {
                 Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
@@ -240,12 +307,19 @@ impl ModelSpec {
             rope_theta,
             rope_scaling,
             rotary_dim,
+            local_rope,
             max_positions,
             tie_embeddings,
             qkv_bias,
             o_bias,
             qk_norm,
             fused_checkpoint: family == Family::Phi3,
+            norm_offset: if gemma { 1.0 } else { 0.0 },
+            // Gemma3TextScaledWordEmbedding: `hidden_size ** 0.5`, held as an f32 tensor.
+            embed_scale: if gemma { (hidden as f64).sqrt() as f32 } else { 1.0 },
+            glu_act,
+            sandwich_norms: gemma,
+            scale_dim,
             windows,
             bos_token_id: ids(&cfg.bos_token_id).first().copied(),
             eos_token_ids: ids(&cfg.eos_token_id),
@@ -279,6 +353,9 @@ impl ModelSpec {
         if self.qk_norm {
             n += 2 * self.head_dim;
         }
+        if self.sandwich_norms {
+            n += 2 * h;
+        }
         n
     }
 
@@ -294,8 +371,18 @@ impl ModelSpec {
     /// `_compute_llama3_parameters` and `_compute_longrope_parameters` (its short factors) do
     /// (modeling_rope_utils.py).
     pub fn inv_freq(&self) -> Vec<f32> {
-        let plain = self.plain_inv_freq();
-        match &self.rope_scaling {
+        self.inv_freq_of(self.rope_theta, &self.rope_scaling)
+    }
+
+    /// The sliding-window layers' own RoPE frequencies `[rotary_dim / 2]`, where they have
+    /// their own (gemma3's local layers).
+    pub fn local_inv_freq(&self) -> Option<Vec<f32>> {
+        self.local_rope.as_ref().map(|r| self.inv_freq_of(r.theta, &r.scaling))
+    }
+
+    fn inv_freq_of(&self, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
+        let plain = self.plain_inv_freq(theta);
+        match scaling {
             RopeScaling::None => plain,
             RopeScaling::Linear { factor } => plain.iter().map(|f| f / *factor as f32).collect(),
             RopeScaling::Llama3 {
@@ -324,7 +411,7 @@ impl ModelSpec {
                     })
                     .collect()
             }
-            RopeScaling::LongRope { short, .. } => self.longrope_inv_freq(short),
+            RopeScaling::LongRope { short, .. } => self.longrope_inv_freq(theta, short),
         }
     }
 
@@ -334,7 +421,7 @@ impl ModelSpec {
     pub fn long_inv_freq(&self) -> Option<(usize, Vec<f32>)> {
         match &self.rope_scaling {
             RopeScaling::LongRope { long, original_max_positions, .. } => {
-                Some((*original_max_positions, self.longrope_inv_freq(long)))
+                Some((*original_max_positions, self.longrope_inv_freq(self.rope_theta, long)))
             }
             _ => None,
         }
@@ -349,16 +436,16 @@ impl ModelSpec {
     }
 
     /// `1 / theta^(2i / dim)` over the rotary dimensions, in f32.
-    fn plain_inv_freq(&self) -> Vec<f32> {
+    fn plain_inv_freq(&self, theta: f64) -> Vec<f32> {
         let dim = self.rotary_dim;
-        let base = self.rope_theta as f32;
+        let base = theta as f32;
         (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect()
     }
 
     /// `1 / (factor_i · theta^(2i / dim))`, in f32 as `_compute_longrope_parameters`.
-    fn longrope_inv_freq(&self, factors: &[f64]) -> Vec<f32> {
+    fn longrope_inv_freq(&self, theta: f64, factors: &[f64]) -> Vec<f32> {
         let dim = self.rotary_dim;
-        let base = self.rope_theta as f32;
+        let base = theta as f32;
         factors
             .iter()
             .enumerate()
@@ -393,9 +480,39 @@ struct ResolvedRope {
 
 fn resolve_rope(cfg: &HfConfig, max_positions: usize) -> std::result::Result<ResolvedRope, String> {
     // transformers 5 folds theta and scaling into `rope_parameters`; older configs use
-    // `rope_theta` + `rope_scaling`. Accept both, preferring the newer one.
+    // `rope_theta` + `rope_scaling`. Accept both, preferring the newer one. Gemma 3 nests one
+    // set per layer type: the full-attention layers' is the model's RoPE, the sliding layers'
+    // its `local_rope`.
     let params =
         cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref()).filter(|v| !v.is_null());
+    let params = params.map(|p| p.get("full_attention").filter(|v| v.is_object()).unwrap_or(p));
+    resolve_rope_params(cfg, params, max_positions)
+}
+
+/// The sliding layers' RoPE of a Gemma 3 config: `rope_parameters.sliding_attention`
+/// (transformers 5), else `rope_local_base_freq` without scaling (transformers 4).
+fn resolve_local_rope(cfg: &HfConfig) -> std::result::Result<Option<LocalRope>, String> {
+    let nested = cfg.rope_parameters.as_ref().and_then(|p| p.get("sliding_attention"));
+    let (theta, scaling) = match nested.filter(|v| v.is_object()) {
+        Some(p) => {
+            let r = resolve_rope_params(cfg, Some(p), usize::MAX)?;
+            (r.theta, r.scaling)
+        }
+        None => (cfg.rope_local_base_freq.unwrap_or(10_000.0), RopeScaling::None),
+    };
+    if theta.is_nan() || theta <= 0.0 {
+        return Err(format!("the sliding layers' rope_theta must be positive, got {theta}"));
+    }
+    Ok(Some(LocalRope { theta, scaling }))
+}
+
+/// RoPE from one parameter object (`rope_parameters`, or the legacy `rope_scaling`), with the
+/// config's top-level fields as fallbacks.
+fn resolve_rope_params(
+    cfg: &HfConfig,
+    params: Option<&Value>,
+    max_positions: usize,
+) -> std::result::Result<ResolvedRope, String> {
     let theta = params
         .and_then(|p| p.get("rope_theta"))
         .and_then(Value::as_f64)
@@ -539,6 +656,13 @@ fn resolve_windows(
                     },
                 )
                 .collect()
+        }
+        // Gemma3TextConfig (transformers 4): layer i slides unless (i + 1) is a multiple of
+        // sliding_window_pattern (6 by default).
+        Family::Gemma3 => {
+            let pattern = cfg.sliding_window_pattern.unwrap_or(6).max(1);
+            let window = window.ok_or("gemma3 needs sliding_window")?;
+            (0..layers).map(|i| ((i + 1) % pattern != 0).then_some(window)).collect()
         }
     })
 }

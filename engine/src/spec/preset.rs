@@ -24,7 +24,41 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qwen3-8b", "Qwen3-8B shape (q/k RMSNorm)"),
     ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
     ("phi-4", "Phi-4 (14B) shape (fused qkv_proj and gate_up_proj)"),
+    ("gemma-3-1b", "Gemma 3 1B shape (5 local layers to 1 global, GeGLU, sandwich norms)"),
+    ("gemma-3-12b", "Gemma 3 12B text shape (local and global RoPE, linear scaling 8)"),
 ];
+
+/// Gemma 3's text `config.json` for a size, as transformers 5 writes it: every sixth layer
+/// global (full attention, RoPE base 1e6 with `scaling`), the rest local (a sliding window, base
+/// 1e4).
+#[allow(clippy::too_many_arguments)]
+fn gemma3(
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    vocab: usize,
+    window: usize,
+    global_rope: Value,
+) -> Value {
+    let types: Vec<&str> = (0..layers)
+        .map(|i| if (i + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" })
+        .collect();
+    json!({
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+        "hidden_activation": "gelu_pytorch_tanh", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": window,
+        "layer_types": types, "tie_word_embeddings": true,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": global_rope,
+        },
+        "bos_token_id": 2, "eos_token_id": [1, 106],
+    })
+}
 
 #[allow(clippy::too_many_arguments)]
 fn qwen2(
@@ -103,6 +137,26 @@ fn preset_config(name: &str) -> Option<Value> {
             "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "tie_word_embeddings": false,
             "bos_token_id": 100257, "eos_token_id": 100265,
         }),
+        "gemma-3-1b" => gemma3(
+            1152,
+            6912,
+            26,
+            4,
+            1,
+            262144,
+            512,
+            json!({"rope_type": "default", "rope_theta": 1000000.0}),
+        ),
+        "gemma-3-12b" => gemma3(
+            3840,
+            15360,
+            48,
+            16,
+            8,
+            262208,
+            1024,
+            json!({"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}),
+        ),
         _ => return None,
     })
 }

@@ -177,3 +177,61 @@ fn phi3_longrope_partial_rotary_in_both_config_generations() {
     partial["partial_rotary_factor"] = json!(0.1);
     assert!(message(check(partial)).contains("rotary dimensions"));
 }
+
+#[test]
+fn gemma3_as_data_in_both_config_generations() {
+    // transformers 5: layer types and a RoPE per layer type.
+    let mut new = base("gemma3_text");
+    new["num_hidden_layers"] = json!(3);
+    new["sliding_window"] = json!(5);
+    new["query_pre_attn_scalar"] = json!(4);
+    new["layer_types"] = json!(["sliding_attention", "sliding_attention", "full_attention"]);
+    new["rope_parameters"] = json!({
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}});
+    // transformers 4: a sliding pattern, the local base apart, the global scaling.
+    let mut old = base("gemma3_text");
+    old["num_hidden_layers"] = json!(3);
+    old["sliding_window"] = json!(5);
+    old["query_pre_attn_scalar"] = json!(4);
+    old["sliding_window_pattern"] = json!(3);
+    old["rope_theta"] = json!(1000000.0);
+    old["rope_local_base_freq"] = json!(10000.0);
+    old["rope_scaling"] = json!({"rope_type": "linear", "factor": 8.0});
+    let (a, b) = (check(new).unwrap(), check(old).unwrap());
+    for s in [&a, &b] {
+        assert_eq!(s.windows, vec![Some(5), Some(5), None]);
+        assert_eq!(s.rope_theta, 1e6);
+        assert_eq!(s.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(s.local_rope, Some(LocalRope { theta: 1e4, scaling: RopeScaling::None }));
+        assert!(s.tie_embeddings && s.qk_norm && s.sandwich_norms);
+        assert_eq!((s.norm_offset, s.scale_dim, s.glu_act), (1.0, Some(4), GluAct::GeluTanh));
+        assert_eq!(s.embed_scale, 48f32.sqrt());
+    }
+    // The local table is the plain 1e4 one, the global one 1e6 divided by 8.
+    let (local, global) = (a.local_inv_freq().unwrap(), a.inv_freq());
+    assert_eq!(local[1], 1.0 / 10000f32.powf(2.0 / 8.0));
+    assert_eq!(global[1], 1.0 / 1000000f32.powf(2.0 / 8.0) / 8.0);
+    // Names follow the checkpoint: four norms per layer, Gemma's roles.
+    let layout = crate::model::ModelLayout::new(&a);
+    let names: Vec<&str> = layout.units[1].tensors.iter().map(|t| t.name.as_str()).collect();
+    for norm in ["input", "post_attention", "pre_feedforward", "post_feedforward"] {
+        let name = format!("model.layers.0.{norm}_layernorm.weight");
+        assert!(names.contains(&name.as_str()), "{name} in {names:?}");
+    }
+    // Random init draws Gemma's norm weights at 0 (a scale of 1 + 0).
+    let p = crate::model::HostParams::random(&a, 1);
+    let (u, t) = layout
+        .tensors()
+        .find(|(_, t)| t.name.ends_with("post_attention_layernorm.weight"))
+        .unwrap();
+    assert!(p.units[u][t.range.clone()].iter().all(|&x| x == 0.0));
+
+    let mut capped = base("gemma3_text");
+    capped["sliding_window"] = json!(5);
+    capped["final_logit_softcapping"] = json!(30.0);
+    assert!(message(check(capped)).contains("final_logit_softcapping is not supported"));
+    let mut act = base("llama");
+    act["hidden_act"] = json!("relu");
+    assert!(message(check(act)).contains("\"relu\" is not supported"));
+}

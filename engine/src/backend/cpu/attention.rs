@@ -99,10 +99,6 @@ pub(super) fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, &x)| *a += alpha * x);
 }
 
-pub(super) fn scale(hd: usize) -> f32 {
-    1.0 / (hd as f32).sqrt()
-}
-
 /// out `[T, nq hd]`, lse `[T, nq]`, qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
 pub fn attention_forward(
     out: &mut [f32],
@@ -119,7 +115,7 @@ pub fn attention_forward(
     if nq == 0 {
         return Ok(());
     }
-    let scale = scale(hd);
+    let scale = shape.softmax_scale();
     out.par_chunks_mut(nq * hd).zip(lse.par_chunks_mut(nq)).enumerate().for_each_init(
         Vec::new,
         |scores: &mut Vec<f32>, (i, (out, lse))| {
@@ -164,7 +160,7 @@ pub fn attention_backward(
     check::len(OP, "dout", dout.len(), &[t, nq, hd])?;
     check::len(OP, "out", out.len(), &[t, nq, hd])?;
     check::len(OP, "lse", lse.len(), &[t, nq])?;
-    let scale = scale(hd);
+    let scale = shape.softmax_scale();
     let row = |i: usize, h: usize| (i * nq + h) * hd..(i * nq + h + 1) * hd;
     // D_i = dout_i · out_i for every query and head.
     let d: Vec<f32> = (0..t * nq)
@@ -219,6 +215,7 @@ mod tests {
         head_dim: 6,
         docs: 2,
         window: Some(3),
+        scale_dim: None,
     };
     const CU: [i32; 3] = [0, 3, 7];
 

@@ -132,6 +132,7 @@ pub(crate) fn decode_shape(op: &str, shape: &DecodeShape) -> Result<()> {
         head_dim: shape.head_dim,
         docs: 1,
         window: shape.window,
+        scale_dim: shape.scale_dim,
     };
     attention_shape(op, &as_attention)?;
     shape

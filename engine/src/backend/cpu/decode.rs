@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use super::attention::{axpy, dot, scale};
+use super::attention::{axpy, dot};
 use super::check;
 use crate::backend::DecodeShape;
 use crate::error::Result;
@@ -36,7 +36,7 @@ pub fn attention_decode(
     if nq == 0 {
         return Ok(());
     }
-    let (group, scale) = (nq / nkv, scale(hd));
+    let (group, scale) = (nq / nkv, shape.softmax_scale());
     let window = shape.window.unwrap_or(usize::MAX);
     // Key or value head `g` of position `j`.
     let row = |j: usize, g: usize| (j * nkv + g) * hd..(j * nkv + g + 1) * hd;
@@ -98,6 +98,7 @@ mod tests {
             head_dim: 6,
             docs: 1,
             window: None,
+            scale_dim: None,
         };
         vec![
             AttentionShape { window: Some(3), ..base },
@@ -137,6 +138,7 @@ mod tests {
                         kv_heads: shape.kv_heads,
                         head_dim: shape.head_dim,
                         window: shape.window,
+                        scale_dim: None,
                     };
                     let end = past + tokens;
                     attention_decode(
@@ -156,8 +158,15 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_lengths_are_rejected() {
-        let shape =
-            DecodeShape { past: 3, tokens: 2, q_heads: 4, kv_heads: 2, head_dim: 6, window: None };
+        let shape = DecodeShape {
+            past: 3,
+            tokens: 2,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 6,
+            window: None,
+            scale_dim: None,
+        };
         let (mut out, q) = (vec![0.0; 2 * 24], vec![0.0; 2 * 24]);
         let kv = vec![0.0; 5 * 12];
         let run = |out: &mut [f32], k: &[f32], shape: &DecodeShape| {

@@ -5,7 +5,8 @@ use rayon::prelude::*;
 use super::check;
 use crate::error::Result;
 
-/// `out[t] = table[ids[t]]`.
+/// `out[t] = scale · table[ids[t]]` (Gemma's `Gemma3TextScaledWordEmbedding`: the lookup times
+/// `sqrt(hidden)`; `scale` 1 is the plain lookup).
 /// out `[tokens, hidden]`, ids `[tokens]` (a longer buffer's prefix), table `[V, hidden]`.
 pub fn embedding_forward(
     out: &mut [f32],
@@ -13,6 +14,7 @@ pub fn embedding_forward(
     table: &[f32],
     tokens: usize,
     hidden: usize,
+    scale: f32,
 ) -> Result<()> {
     const OP: &str = "embedding_forward";
     let vocab = table_rows(OP, table, hidden)?;
@@ -22,12 +24,16 @@ pub fn embedding_forward(
     out.par_chunks_mut(hidden).zip(ids).for_each(|(row, &id)| {
         let start = id as usize * hidden;
         row.copy_from_slice(&table[start..start + hidden]);
+        if scale != 1.0 {
+            row.iter_mut().for_each(|x| *x *= scale);
+        }
     });
     Ok(())
 }
 
 /// `dtable[ids[t]] += dout[t]` (accumulates). Tokens are visited in order, one thread, so a
 /// repeated id sums its rows deterministically; this is `tokens x hidden` additions, negligible.
+/// Each row is `scale · dout[t]` first, as autograd multiplies before the lookup's backward sums.
 /// dtable `[V, hidden]`, dout `[tokens, hidden]`, ids `[tokens]`.
 pub fn embedding_backward(
     dtable: &mut [f32],
@@ -35,6 +41,7 @@ pub fn embedding_backward(
     ids: &[i32],
     tokens: usize,
     hidden: usize,
+    scale: f32,
 ) -> Result<()> {
     const OP: &str = "embedding_backward";
     let vocab = table_rows(OP, dtable, hidden)?;
@@ -43,7 +50,7 @@ pub fn embedding_backward(
     check::ids(OP, "ids", ids, vocab)?;
     for (grad, &id) in dout.chunks(hidden).zip(ids) {
         let start = id as usize * hidden;
-        dtable[start..start + hidden].iter_mut().zip(grad).for_each(|(d, &g)| *d += g);
+        dtable[start..start + hidden].iter_mut().zip(grad).for_each(|(d, &g)| *d += g * scale);
     }
     Ok(())
 }
@@ -75,7 +82,7 @@ mod tests {
     fn forward_gathers_rows() -> Result<()> {
         let table = uniform(&mut rng(40), VOCAB * HIDDEN);
         let mut out = vec![f32::NAN; IDS.len() * HIDDEN];
-        embedding_forward(&mut out, &IDS, &table, IDS.len(), HIDDEN)?;
+        embedding_forward(&mut out, &IDS, &table, IDS.len(), HIDDEN, 1.0)?;
         for (row, &id) in out.chunks(HIDDEN).zip(&IDS) {
             let id = id as usize;
             assert_eq!(row, &table[id * HIDDEN..(id + 1) * HIDDEN]);
@@ -93,7 +100,7 @@ mod tests {
         );
         let r64 = to_f64(&r);
         let mut dtable = d0.clone();
-        embedding_backward(&mut dtable, &r, &IDS, IDS.len(), HIDDEN)?;
+        embedding_backward(&mut dtable, &r, &IDS, IDS.len(), HIDDEN, 1.0)?;
         let loss = |table: &[f64]| -> f64 {
             IDS.iter()
                 .enumerate()
@@ -114,20 +121,21 @@ mod tests {
     fn ids_outside_the_table_are_rejected() -> Result<()> {
         let table = vec![0.0; VOCAB * HIDDEN];
         let mut out = vec![0.0; 2 * HIDDEN];
-        let e = embedding_forward(&mut out, &[1, VOCAB as i32], &table, 2, HIDDEN)
+        let e = embedding_forward(&mut out, &[1, VOCAB as i32], &table, 2, HIDDEN, 1.0)
             .expect_err("must be rejected");
         assert!(
             e.to_string().contains("embedding_forward")
                 && e.to_string().contains("= 11 is outside 0..11"),
             "{e}"
         );
-        let e = embedding_backward(&mut vec![0.0; VOCAB * HIDDEN], &out, &[-1, 0], 2, HIDDEN)
+        let e = embedding_backward(&mut vec![0.0; VOCAB * HIDDEN], &out, &[-1, 0], 2, HIDDEN, 1.0)
             .expect_err("must be rejected");
         assert!(
             e.to_string().contains("embedding_backward") && e.to_string().contains("-1"),
             "{e}"
         );
-        let e = embedding_forward(&mut out, &[1], &table, 2, HIDDEN).expect_err("must be rejected");
+        let e = embedding_forward(&mut out, &[1], &table, 2, HIDDEN, 1.0)
+            .expect_err("must be rejected");
         assert!(e.to_string().contains("`ids`"), "{e}");
         Ok(())
     }
@@ -136,7 +144,7 @@ mod tests {
     fn a_longer_id_buffer_is_read_only_up_to_tokens() -> Result<()> {
         let table = uniform(&mut rng(42), VOCAB * HIDDEN);
         let mut out = vec![0.0; HIDDEN];
-        embedding_forward(&mut out, &[2, 0, 0], &table, 1, HIDDEN)?;
+        embedding_forward(&mut out, &[2, 0, 0], &table, 1, HIDDEN, 1.0)?;
         assert_eq!(out, &table[2 * HIDDEN..3 * HIDDEN]);
         Ok(())
     }

@@ -1,15 +1,18 @@
-//! The gated MLP's activation, SwiGLU: `silu(gate) * up`.
-//! Reference: `LlamaMLP.forward` in transformers' modeling_llama.py,
-//! `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with `act_fn = silu`; here `gate_proj` and
+//! The gated MLP's activation: `act(gate) * up`, with SiLU (SwiGLU; `LlamaMLP.forward` in
+//! transformers' modeling_llama.py, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`) or GELU
+//! with the tanh approximation (GeGLU; `Gemma3MLP`, `gelu_pytorch_tanh`); here `gate_proj` and
 //! `up_proj` are one fused projection whose rows are `[gate (I) | up (I)]`.
 //!
-//! Backward, with `σ = sigmoid(g)` and `silu(g) = g σ`:
-//! `d silu / dg = σ + g σ (1 − σ) = σ (1 + g (1 − σ))`, so
-//! `dgate = dout · up · σ (1 + g (1 − σ))` and `dup = dout · silu(g)`.
+//! Backward: `dgate = dout · up · act'(g)` and `dup = dout · act(g)`, with
+//! - SiLU, `σ = sigmoid(g)`, `silu(g) = g σ`: `silu'(g) = σ + g σ (1 − σ) = σ (1 + g (1 − σ))`;
+//! - GELU (tanh), `u = β (g + κ g³)`, `t = tanh(u)`, `gelu(g) = ½ g (1 + t)`:
+//!   `gelu'(g) = ½ (1 + t) + ½ g (1 − t²) β (1 + 3 κ g²)`, with `β = sqrt(2/π)`, `κ = 0.044715`
+//!   (PyTorch's `GeluType::Tanh` in f32).
 
 use rayon::prelude::*;
 
 use super::check;
+use crate::backend::GluAct;
 use crate::error::Result;
 
 fn sigmoid(x: f32) -> f32 {
@@ -17,10 +20,35 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `out = silu(gate) * up`.
+const GELU_BETA: f32 = 0.797_884_6; // sqrt(2 / pi)
+const GELU_KAPPA: f32 = 0.044715;
+
+/// `act(g)` and `act'(g)`.
+fn activation(g: f32, act: GluAct) -> (f32, f32) {
+    match act {
+        GluAct::Silu => {
+            let s = sigmoid(g);
+            (g * s, s * (1.0 + g * (1.0 - s)))
+        }
+        GluAct::GeluTanh => {
+            let t = (GELU_BETA * (g + GELU_KAPPA * g * g * g)).tanh();
+            let d = 0.5 * (1.0 + t)
+                + 0.5 * g * (1.0 - t * t) * GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * g * g);
+            (0.5 * g * (1.0 + t), d)
+        }
+    }
+}
+
+/// `out = act(gate) * up`.
 /// out `[rows, inter]`, gate_up `[rows, 2 inter]`.
-pub fn swiglu_forward(out: &mut [f32], gate_up: &[f32], rows: usize, inter: usize) -> Result<()> {
-    const OP: &str = "swiglu_forward";
+pub fn glu_forward(
+    out: &mut [f32],
+    gate_up: &[f32],
+    rows: usize,
+    inter: usize,
+    act: GluAct,
+) -> Result<()> {
+    const OP: &str = "glu_forward";
     check::len(OP, "out", out.len(), &[rows, inter])?;
     check::len(OP, "gate_up", gate_up.len(), &[rows, 2, inter])?;
     if inter == 0 {
@@ -29,21 +57,22 @@ pub fn swiglu_forward(out: &mut [f32], gate_up: &[f32], rows: usize, inter: usiz
     out.par_chunks_mut(inter).zip(gate_up.par_chunks(2 * inter)).for_each(|(out, gate_up)| {
         let (gate, up) = gate_up.split_at(inter);
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g * sigmoid(g) * u;
+            *o = activation(g, act).0 * u;
         }
     });
     Ok(())
 }
 
 /// dgate_up `[rows, 2 inter]` (overwrites), dout `[rows, inter]`, gate_up `[rows, 2 inter]`.
-pub fn swiglu_backward(
+pub fn glu_backward(
     dgate_up: &mut [f32],
     dout: &[f32],
     gate_up: &[f32],
     rows: usize,
     inter: usize,
+    act: GluAct,
 ) -> Result<()> {
-    const OP: &str = "swiglu_backward";
+    const OP: &str = "glu_backward";
     check::len(OP, "dgate_up", dgate_up.len(), &[rows, 2, inter])?;
     check::len(OP, "dout", dout.len(), &[rows, inter])?;
     check::len(OP, "gate_up", gate_up.len(), &[rows, 2, inter])?;
@@ -59,9 +88,9 @@ pub fn swiglu_backward(
             let (gate, up) = gate_up.split_at(inter);
             for i in 0..inter {
                 let (g, u, d) = (gate[i], up[i], dout[i]);
-                let s = sigmoid(g);
-                dgate[i] = d * u * s * (1.0 + g * (1.0 - s));
-                dup[i] = d * g * s;
+                let (a, da) = activation(g, act);
+                dgate[i] = d * u * da;
+                dup[i] = d * a;
             }
         });
     Ok(())
@@ -78,53 +107,65 @@ mod tests {
     const ROWS: usize = 7;
     const INTER: usize = 10;
 
-    /// Double-precision twin of `swiglu_forward`.
-    fn swiglu64(gate_up: &[f64]) -> Vec<f64> {
+    /// Double-precision twin of `glu_forward`: SiLU, and GELU as its tanh formula.
+    fn glu64(gate_up: &[f64], act: GluAct) -> Vec<f64> {
+        let f = |g: f64| match act {
+            GluAct::Silu => g / (1.0 + (-g).exp()),
+            GluAct::GeluTanh => {
+                let beta = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * g * (1.0 + (beta * (g + 0.044715 * g * g * g)).tanh())
+            }
+        };
         gate_up
             .chunks(2 * INTER)
             .flat_map(|row| {
                 let (gate, up) = row.split_at(INTER);
-                gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect::<Vec<_>>()
+                gate.iter().zip(up).map(|(&g, &u)| f(g) * u).collect::<Vec<_>>()
             })
             .collect()
     }
 
     #[test]
     fn forward_and_backward_match_twin() -> Result<()> {
-        let mut rng = rng(20);
-        // Gates over [-4, 4) reach both tails of the sigmoid.
-        let gate_up: Vec<f32> =
-            uniform(&mut rng, ROWS * 2 * INTER).iter().map(|v| 4.0 * v).collect();
-        let r = uniform(&mut rng, ROWS * INTER);
-        let (gu64, r64) = (to_f64(&gate_up), to_f64(&r));
-        let mut out = vec![f32::NAN; ROWS * INTER];
-        swiglu_forward(&mut out, &gate_up, ROWS, INTER)?;
-        assert_close("swiglu forward", &out, &swiglu64(&gu64), TOL);
+        for act in [GluAct::Silu, GluAct::GeluTanh] {
+            let mut rng = rng(20);
+            // Gates over [-4, 4) reach both tails of the sigmoid and of tanh.
+            let gate_up: Vec<f32> =
+                uniform(&mut rng, ROWS * 2 * INTER).iter().map(|v| 4.0 * v).collect();
+            let r = uniform(&mut rng, ROWS * INTER);
+            let (gu64, r64) = (to_f64(&gate_up), to_f64(&r));
+            let mut out = vec![f32::NAN; ROWS * INTER];
+            glu_forward(&mut out, &gate_up, ROWS, INTER, act)?;
+            assert_close(&format!("{act:?} forward"), &out, &glu64(&gu64, act), TOL);
 
-        let mut d = vec![f32::NAN; ROWS * 2 * INTER];
-        swiglu_backward(&mut d, &r, &gate_up, ROWS, INTER)?;
-        assert_close("swiglu dgate_up", &d, &numeric_grad(&gu64, |x| dot(&swiglu64(x), &r64)), TOL);
+            let mut d = vec![f32::NAN; ROWS * 2 * INTER];
+            glu_backward(&mut d, &r, &gate_up, ROWS, INTER, act)?;
+            let want = numeric_grad(&gu64, |x| dot(&glu64(x, act), &r64));
+            assert_close(&format!("{act:?} dgate_up"), &d, &want, TOL);
+        }
         Ok(())
     }
 
     #[test]
     fn extreme_gates_stay_finite() -> Result<()> {
         let gate_up = [-200.0, 200.0, 1.0, 1.0];
-        let mut out = [0.0; 2];
-        swiglu_forward(&mut out, &gate_up, 1, 2)?;
-        assert_eq!(out, [0.0, 200.0]);
-        let mut d = [f32::NAN; 4];
-        swiglu_backward(&mut d, &[1.0, 1.0], &gate_up, 1, 2)?;
-        assert!(d.iter().all(|v| v.is_finite()), "{d:?}");
+        for act in [GluAct::Silu, GluAct::GeluTanh] {
+            let mut out = [0.0; 2];
+            glu_forward(&mut out, &gate_up, 1, 2, act)?;
+            assert_eq!(out, [0.0, 200.0], "{act:?}");
+            let mut d = [f32::NAN; 4];
+            glu_backward(&mut d, &[1.0, 1.0], &gate_up, 1, 2, act)?;
+            assert!(d.iter().all(|v| v.is_finite()), "{act:?}: {d:?}");
+        }
         Ok(())
     }
 
     #[test]
     fn wrong_length_is_rejected() -> Result<()> {
-        let e = swiglu_backward(&mut [0.0; 20], &[0.0; 10], &[0.0; 19], 1, 10)
+        let e = glu_backward(&mut [0.0; 20], &[0.0; 10], &[0.0; 19], 1, 10, GluAct::Silu)
             .expect_err("must be rejected");
         assert!(
-            e.to_string().contains("swiglu_backward") && e.to_string().contains("`gate_up`"),
+            e.to_string().contains("glu_backward") && e.to_string().contains("`gate_up`"),
             "{e}"
         );
         Ok(())

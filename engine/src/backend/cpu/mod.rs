@@ -31,11 +31,11 @@ pub use elementwise::{add, add_assign, sum, sum_squares};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use loss::{cross_entropy_backward, cross_entropy_forward};
 pub use matmul::{bias_backward, bias_forward, matmul_backward, matmul_forward};
-pub use mlp::{swiglu_backward, swiglu_forward};
+pub use mlp::{glu_backward, glu_forward};
 pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 
-use super::{AttentionShape, Backend, DecodeShape, FloatKind, WeightDtype};
+use super::{AttentionShape, Backend, DecodeShape, FloatKind, GluAct, WeightDtype};
 use crate::error::Result;
 use crate::store::HostSlab;
 
@@ -224,8 +224,9 @@ impl Backend for Cpu {
         table: &[f32],
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
-        embedding_forward(out, ids, table, tokens, hidden)
+        embedding_forward(out, ids, table, tokens, hidden, scale)
     }
 
     fn embedding_backward(
@@ -235,8 +236,9 @@ impl Backend for Cpu {
         ids: &Vec<i32>,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
-        embedding_backward(dtable, dout, ids, tokens, hidden)
+        embedding_backward(dtable, dout, ids, tokens, hidden, scale)
     }
 
     fn matmul_forward(
@@ -382,25 +384,27 @@ impl Backend for Cpu {
         attention_decode(out, q, k_cache, v_cache, shape)
     }
 
-    fn swiglu_forward(
+    fn glu_forward(
         &self,
         out: &mut [f32],
         gate_up: &[f32],
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        swiglu_forward(out, gate_up, rows, inter)
+        glu_forward(out, gate_up, rows, inter, act)
     }
 
-    fn swiglu_backward(
+    fn glu_backward(
         &self,
         dgate_up: &mut [f32],
         dout: &[f32],
         gate_up: &[f32],
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        swiglu_backward(dgate_up, dout, gate_up, rows, inter)
+        glu_backward(dgate_up, dout, gate_up, rows, inter, act)
     }
 
     fn cross_entropy_forward(

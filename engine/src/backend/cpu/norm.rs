@@ -220,8 +220,15 @@ mod tests {
         x.chunks(dim).flat_map(|row| row64(row, w)).collect()
     }
 
-    const SHAPE: AttentionShape =
-        AttentionShape { tokens: 7, q_heads: 4, kv_heads: 2, head_dim: 6, docs: 1, window: None };
+    const SHAPE: AttentionShape = AttentionShape {
+        tokens: 7,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 6,
+        docs: 1,
+        window: None,
+        scale_dim: None,
+    };
 
     /// Double-precision twin of `head_rmsnorm_forward`.
     fn head64(x: &[f64], w: &[f64]) -> Vec<f64> {

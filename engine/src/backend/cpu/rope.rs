@@ -95,8 +95,15 @@ mod tests {
     };
     use crate::error::Result;
 
-    const SHAPE: AttentionShape =
-        AttentionShape { tokens: 7, q_heads: 4, kv_heads: 2, head_dim: 8, docs: 2, window: None };
+    const SHAPE: AttentionShape = AttentionShape {
+        tokens: 7,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        docs: 2,
+        window: None,
+        scale_dim: None,
+    };
     /// Positions restart with the second document, as packing writes them.
     const POS: [i32; 7] = [0, 1, 2, 0, 1, 2, 3];
 

@@ -155,7 +155,7 @@ impl Sizes {
                 Some(w) if w < shape.tokens => w as i32,
                 _ => 0,
             },
-            scale: 1.0 / (shape.head_dim as f32).sqrt(),
+            scale: shape.softmax_scale(),
         })
     }
 

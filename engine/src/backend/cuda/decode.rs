@@ -70,7 +70,7 @@ impl Cuda {
                 Arg::I32(nkv as i32),
                 Arg::I32(hd as i32),
                 Arg::I32(window),
-                Arg::F32(1.0 / (hd as f32).sqrt()),
+                Arg::F32(shape.softmax_scale()),
             ],
         )
     }

@@ -1,11 +1,11 @@
-//! Residual additions, reductions, bias, SwiGLU, RoPE and the embedding: the CPU twins are in
-//! `backend/cpu/{elementwise,matmul,mlp,rope,embedding}.rs`.
+//! Residual additions, reductions, bias, the gated MLP's activations, RoPE and the embedding:
+//! the CPU twins are in `backend/cpu/{elementwise,matmul,mlp,rope,embedding}.rs`.
 
 use cudarc::driver::LaunchConfig;
 
 use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, GluAct};
 use crate::error::Result;
 
 /// Elements per partial sum of `sum`/`sum_squares`: fixed, so the result does not depend on the
@@ -177,14 +177,15 @@ impl Cuda {
         self.column_sum(&dbias, &dout, rows, n)
     }
 
-    pub(super) fn swiglu_forward_op(
+    pub(super) fn glu_forward_op(
         &self,
         out: ViewMut<'_>,
         gu: View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        const OP: &str = "swiglu_forward";
+        const OP: &str = "glu_forward";
         check::len(OP, "out", out.len, &[rows, inter])?;
         check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
         let o = out.as_view();
@@ -198,19 +199,21 @@ impl Cuda {
                 Arg::I32(gu.is_f32()),
                 Arg::I64(rows as i64),
                 Arg::I64(inter as i64),
+                Arg::I32(glu_act_id(act)),
             ],
         )
     }
 
-    pub(super) fn swiglu_backward_op(
+    pub(super) fn glu_backward_op(
         &self,
         dgu: ViewMut<'_>,
         dout: View<'_>,
         gu: View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        const OP: &str = "swiglu_backward";
+        const OP: &str = "glu_backward";
         check::len(OP, "dgate_up", dgu.len, &[rows, 2, inter])?;
         check::len(OP, "dout", dout.len, &[rows, inter])?;
         check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
@@ -227,6 +230,7 @@ impl Cuda {
                 Arg::I32(gu.is_f32()),
                 Arg::I64(rows as i64),
                 Arg::I64(inter as i64),
+                Arg::I32(glu_act_id(act)),
             ],
         )
     }
@@ -285,6 +289,7 @@ impl Cuda {
         table: View<'_>,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
         const OP: &str = "embedding_forward";
         let vocab = table_rows(OP, table.len, hidden)?;
@@ -303,6 +308,7 @@ impl Cuda {
                 Arg::I32(table.is_f32()),
                 Arg::I64(tokens as i64),
                 Arg::I64(hidden as i64),
+                Arg::F32(scale),
             ],
         )
     }
@@ -317,6 +323,7 @@ impl Cuda {
         ids: &Ints,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
         const OP: &str = "embedding_backward";
         let vocab = table_rows(OP, dtable.len, hidden)?;
@@ -360,6 +367,7 @@ impl Cuda {
                 Arg::Ptr(base_ptr(&starts, &self.compute)),
                 Arg::Ptr(base_ptr(&rows, &self.compute)),
                 Arg::I64(hidden as i64),
+                Arg::F32(scale),
             ],
         )?;
         // The host vectors were copied from pageable memory; the device copies live until the
@@ -378,4 +386,12 @@ fn table_rows(op: &str, len: usize, hidden: usize) -> Result<usize> {
         ));
     }
     Ok(len / hidden)
+}
+
+/// The kernels' code for an activation (`glu_act` in elementwise.cu).
+fn glu_act_id(act: GluAct) -> i32 {
+    match act {
+        GluAct::Silu => 0,
+        GluAct::GeluTanh => 1,
+    }
 }

@@ -39,7 +39,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 pub use device::{PinnedBuffer, device_memory, probe};
 
-use super::{AttentionShape, Backend, DecodeShape, FloatKind, WeightDtype};
+use super::{AttentionShape, Backend, DecodeShape, FloatKind, GluAct, WeightDtype};
 use crate::error::Result;
 use crate::store::HostSlab;
 use device::{Kernels, drv, err};
@@ -412,8 +412,9 @@ impl Backend for Cuda {
         table: View<'_>,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
-        self.embedding_forward_op(out, ids, table, tokens, hidden)
+        self.embedding_forward_op(out, ids, table, tokens, hidden, scale)
     }
 
     fn embedding_backward(
@@ -423,8 +424,9 @@ impl Backend for Cuda {
         ids: &Ints,
         tokens: usize,
         hidden: usize,
+        scale: f32,
     ) -> Result<()> {
-        self.embedding_backward_op(dtable, dout, ids, tokens, hidden)
+        self.embedding_backward_op(dtable, dout, ids, tokens, hidden, scale)
     }
 
     fn matmul_forward(
@@ -576,25 +578,27 @@ impl Backend for Cuda {
         self.attention_decode_op(out, q, k_cache, v_cache, shape)
     }
 
-    fn swiglu_forward(
+    fn glu_forward(
         &self,
         out: ViewMut<'_>,
         gate_up: View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        self.swiglu_forward_op(out, gate_up, rows, inter)
+        self.glu_forward_op(out, gate_up, rows, inter, act)
     }
 
-    fn swiglu_backward(
+    fn glu_backward(
         &self,
         dgate_up: ViewMut<'_>,
         dout: View<'_>,
         gate_up: View<'_>,
         rows: usize,
         inter: usize,
+        act: GluAct,
     ) -> Result<()> {
-        self.swiglu_backward_op(dgate_up, dout, gate_up, rows, inter)
+        self.glu_backward_op(dgate_up, dout, gate_up, rows, inter, act)
     }
 
     fn cross_entropy_forward(

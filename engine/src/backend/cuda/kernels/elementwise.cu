@@ -76,31 +76,46 @@ extern "C" __global__ void colsum_finish(void* dst, int dst_f32, const float* pa
   }
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+// The gated MLP's activations (act 0: SiLU, 1: GELU with the tanh approximation, as
+// torch.nn.functional.gelu(approximate="tanh") computes it in f32) and their derivatives.
+__device__ __forceinline__ float glu_act(float g, int act, float* dact) {
+  if (act == 0) {
+    const float s = 1.0f / (1.0f + expf(-g));
+    *dact = s * (1.0f + g * (1.0f - s));
+    return g * s;
+  }
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+  const float inner = beta * (g + kappa * g * g * g);
+  const float t = tanhf(inner);
+  *dact = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * beta * (1.0f + 3.0f * kappa * g * g);
+  return 0.5f * g * (1.0f + t);
+}
 
-// out = silu(gate) * up. out [rows, inter], gate_up [rows, 2 inter].
-extern "C" __global__ void swiglu_forward(void* out, int out_f32, const void* gu, int gu_f32,
-                                          long long rows, long long inter) {
+// out = act(gate) * up. out [rows, inter], gate_up [rows, 2 inter].
+extern "C" __global__ void glu_forward(void* out, int out_f32, const void* gu, int gu_f32,
+                                       long long rows, long long inter, int act) {
   GRID_STRIDE(i, rows * inter) {
     const long long r = i / inter, c = i % inter;
     const float g = ld(gu, gu_f32, r * 2 * inter + c);
     const float u = ld(gu, gu_f32, r * 2 * inter + inter + c);
-    st(out, out_f32, i, silu(g) * u);
+    float dact;
+    st(out, out_f32, i, glu_act(g, act, &dact) * u);
   }
 }
 
-// d gate = dout · up · σ(g)(1 + g(1 − σ(g))), d up = dout · silu(g).
+// d gate = dout · up · act'(g), d up = dout · act(g).
 // dgu [rows, 2 inter] (overwrites), dout [rows, inter], gu [rows, 2 inter].
-extern "C" __global__ void swiglu_backward(void* dgu, int dgu_f32, const void* dout,
-                                           int dout_f32, const void* gu, int gu_f32,
-                                           long long rows, long long inter) {
+extern "C" __global__ void glu_backward(void* dgu, int dgu_f32, const void* dout, int dout_f32,
+                                        const void* gu, int gu_f32, long long rows,
+                                        long long inter, int act) {
   GRID_STRIDE(i, rows * inter) {
     const long long r = i / inter, c = i % inter;
     const long long gi = r * 2 * inter + c, ui = gi + inter;
     const float g = ld(gu, gu_f32, gi), u = ld(gu, gu_f32, ui), d = ld(dout, dout_f32, i);
-    const float s = 1.0f / (1.0f + expf(-g));
-    st(dgu, dgu_f32, gi, d * u * s * (1.0f + g * (1.0f - s)));
-    st(dgu, dgu_f32, ui, d * g * s);
+    float dact;
+    const float a = glu_act(g, act, &dact);
+    st(dgu, dgu_f32, gi, d * u * dact);
+    st(dgu, dgu_f32, ui, d * a);
   }
 }
 
@@ -127,29 +142,29 @@ extern "C" __global__ void rope(void* qkv, int qkv_f32, const int* pos, const vo
   }
 }
 
-// out[t] = table[ids[t]]. out [T, hidden], ids [T], table [V, hidden].
+// out[t] = scale * table[ids[t]]. out [T, hidden], ids [T], table [V, hidden].
 extern "C" __global__ void embedding_forward(void* out, int out_f32, const int* ids,
                                              const void* table, int table_f32, long long tokens,
-                                             long long hidden) {
+                                             long long hidden, float scale) {
   GRID_STRIDE(i, tokens * hidden) {
     const long long t = i / hidden, c = i % hidden;
-    st(out, out_f32, i, ld(table, table_f32, (long long)ids[t] * hidden + c));
+    st(out, out_f32, i, scale * ld(table, table_f32, (long long)ids[t] * hidden + c));
   }
 }
 
-// dtable[id] += dout[t] for the tokens t of each distinct id, in token order: `order` lists the
+// dtable[id] += scale * dout[t] for the tokens t of each distinct id, in token order: `order` lists the
 // tokens grouped by id (stably), `starts[s]..starts[s + 1]` are the tokens of group s, whose id
 // is `rows[s]`. One block per group, so no two blocks touch the same row (deterministic, no
 // atomics). dtable [V, hidden], dout [T, hidden].
 extern "C" __global__ void embedding_backward(void* dtable, int dtable_f32, const void* dout,
                                               int dout_f32, const int* order, const int* starts,
-                                              const int* rows, long long hidden) {
+                                              const int* rows, long long hidden, float scale) {
   const int s = blockIdx.x;
   const long long row = rows[s];
   const int t0 = starts[s], t1 = starts[s + 1];
   for (long long c = threadIdx.x; c < hidden; c += blockDim.x) {
     float acc = ld(dtable, dtable_f32, row * hidden + c);
-    for (int k = t0; k < t1; ++k) acc += ld(dout, dout_f32, (long long)order[k] * hidden + c);
+    for (int k = t0; k < t1; ++k) acc += scale * ld(dout, dout_f32, (long long)order[k] * hidden + c);
     st(dtable, dtable_f32, row * hidden + c, acc);
   }
 }
