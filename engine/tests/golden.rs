@@ -15,7 +15,8 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 7] = ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"];
+const CASES: [&str; 8] =
+    ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"];
 
 fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case)
@@ -253,4 +254,9 @@ fn golden_phi3_fused_longrope_partial_rotary() {
 #[test]
 fn golden_gemma3_local_global_layers() {
     check(CASES[6]);
+}
+
+#[test]
+fn golden_gemma2_softcaps_and_alternating_windows() {
+    check(CASES[7]);
 }

@@ -214,6 +214,7 @@ fn bad_arguments_are_errors_not_panics() {
         docs: 1,
         window: None,
         scale_dim: None,
+        softcap: None,
     };
     let qkv = nan(g, 3 * 4 * 64, Activation);
     let (mut o, mut l) = (nan(g, 3 * 2 * 64, Activation), nan(g, 6, Accum));
@@ -383,6 +384,7 @@ fn rmsnorm() {
             docs: 4,
             window: None,
             scale_dim: None,
+            softcap: None,
         };
         let width = shape.qkv_width();
         let x = round_bf16(&uniform(&mut r, T * width, 2.0));
@@ -437,6 +439,7 @@ fn rope_and_glu() {
             docs: 4,
             window: None,
             scale_dim: None,
+            softcap: None,
         };
         let width = shape.qkv_width();
         let inv: Vec<f32> =
@@ -495,6 +498,9 @@ struct AttentionCase {
     hd: usize,
     window: Option<usize>,
     offset: usize,
+    /// Gemma's score scale (`1 / sqrt(scale_dim)`) and soft-cap.
+    scale_dim: Option<usize>,
+    softcap: Option<f32>,
 }
 
 /// 301 tokens: documents of 70, 0, 129 and 102 tokens, so document boundaries fall inside the
@@ -505,7 +511,7 @@ const LONG_CU: [i32; 5] = [0, 70, 70, 199, 301];
 fn attention_case(case: &AttentionCase, seed: u64) {
     let (g, c) = (gpu(), Cpu::new());
     let mut r = rng(seed);
-    let AttentionCase { cu, nq, nkv, hd, window, offset } = *case;
+    let AttentionCase { cu, nq, nkv, hd, window, offset, scale_dim, softcap } = *case;
     let t = *cu.last().expect("cu") as usize;
     let shape = AttentionShape {
         tokens: t,
@@ -514,10 +520,14 @@ fn attention_case(case: &AttentionCase, seed: u64) {
         head_dim: hd,
         docs: cu.len() - 1,
         window,
-        scale_dim: None,
+        scale_dim,
+        softcap,
     };
     let width = shape.qkv_width();
-    let name = format!("T={t} hd={hd} nq={nq} nkv={nkv} window={window:?} offset={offset}");
+    let mut name = format!("T={t} hd={hd} nq={nq} nkv={nkv} window={window:?} offset={offset}");
+    if softcap.is_some() {
+        name += &format!(" scale_dim={scale_dim:?} softcap={softcap:?}");
+    }
     // Scaled up so some softmax rows are far from uniform.
     let qkv = round_bf16(&uniform(&mut r, t * width, 2.5));
     let (mut want, mut want_lse) = (vec![0.0; t * nq * hd], vec![0.0; t * nq]);
@@ -590,7 +600,19 @@ fn from_mut<'a, B: Backend>(b: &B, buf: &'a mut B::Floats, offset: usize) -> B::
 
 #[test]
 fn attention_head_dims_and_masks() {
-    let base = AttentionCase { cu: &CU, nq: 6, nkv: 2, hd: 64, window: None, offset: 0 };
+    let base = AttentionCase {
+        cu: &CU,
+        nq: 6,
+        nkv: 2,
+        hd: 64,
+        window: None,
+        offset: 0,
+        scale_dim: None,
+        softcap: None,
+    };
+    // Gemma 2: scores scaled by 1/sqrt(32) at head_dim 64 and soft-capped at 2, low enough to
+    // bend these scores.
+    let gemma = AttentionCase { scale_dim: Some(32), softcap: Some(2.0), ..base };
     let cases = [
         // The tensor-core head sizes: short documents (one tile), GQA groups of 1 to 6 heads.
         AttentionCase { ..base },
@@ -617,6 +639,10 @@ fn attention_head_dims_and_masks() {
         AttentionCase { hd: 112, nkv: 1, ..base },
         AttentionCase { hd: 200, window: Some(6), ..base },
         AttentionCase { cu: &LONG_CU, hd: 128, offset: 3, ..base },
+        // Gemma's scale and soft-cap, on the tensor-core and the scalar kernels.
+        AttentionCase { cu: &LONG_CU, window: Some(50), ..gemma },
+        AttentionCase { cu: &LONG_CU, hd: 256, nq: 4, nkv: 1, window: Some(70), ..gemma },
+        AttentionCase { hd: 40, ..gemma },
     ];
     for (n, case) in cases.iter().enumerate() {
         attention_case(case, 10 + n as u64);
@@ -642,59 +668,68 @@ fn cross_entropy() {
                 }
             })
             .collect();
-    let (mut want_l, mut want_lse) = (vec![0.0; T], vec![0.0; T]);
-    c.cross_entropy_forward(&mut want_l, &mut want_lse, &x, &w, &targets, T, H, V).expect("cpu");
-    let dw0 = uniform(&mut r, V * H, 0.1);
-    let scale = 1.0 / targets.iter().filter(|&&y| y != IGNORE).count() as f32;
-    let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
-    c.cross_entropy_backward(
-        &mut want_dx,
-        &mut want_dw,
-        &x,
-        &w,
-        &want_lse,
-        &targets,
-        scale,
-        T,
-        H,
-        V,
-    )
-    .expect("cpu");
-    let (dx_in, dw_in, dt) = (put(g, &x, Activation), put(g, &w, Activation), ints(g, &targets));
-    for (chunk, label) in [(1 << 26, "one chunk"), (8 * V, "8-token chunks")] {
-        g.set_loss_chunk_logits(chunk);
-        let (mut l, mut lse) = (nan(g, T, Accum), nan(g, T, Accum));
-        g.cross_entropy_forward(
-            all_mut(g, &mut l),
-            all_mut(g, &mut lse),
-            all(g, &dx_in),
-            all(g, &dw_in),
-            &dt,
-            T,
-            H,
-            V,
-        )
-        .expect("gpu");
-        // f32 logits from a bf16 GEMM, f32 softmax: 1e-5 of the scale.
-        check(&format!("cross_entropy_forward losses ({label})"), &get(g, &l), &want_l, 1e-5);
-        check(&format!("cross_entropy_forward lse ({label})"), &get(g, &lse), &want_lse, 1e-5);
-        let (mut dx, mut dw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
-        g.cross_entropy_backward(
-            all_mut(g, &mut dx),
-            all_mut(g, &mut dw),
-            all(g, &dx_in),
-            all(g, &dw_in),
-            all(g, &lse),
-            &dt,
+    // Plain, and with Gemma 2's final soft-cap low enough (2.0) to bend these logits.
+    for cap in [None, Some(2.0)] {
+        let (mut want_l, mut want_lse) = (vec![0.0; T], vec![0.0; T]);
+        c.cross_entropy_forward(&mut want_l, &mut want_lse, &x, &w, &targets, T, H, V, cap)
+            .expect("cpu");
+        let dw0 = uniform(&mut r, V * H, 0.1);
+        let scale = 1.0 / targets.iter().filter(|&&y| y != IGNORE).count() as f32;
+        let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
+        c.cross_entropy_backward(
+            &mut want_dx,
+            &mut want_dw,
+            &x,
+            &w,
+            &want_lse,
+            &targets,
             scale,
             T,
             H,
             V,
+            cap,
         )
-        .expect("gpu");
-        // The logits' gradient is rounded to bf16 (2^-9 relative) before both GEMMs.
-        check(&format!("cross_entropy_backward dx ({label})"), &get(g, &dx), &want_dx, 8e-3);
-        check(&format!("cross_entropy_backward dw ({label})"), &get(g, &dw), &want_dw, 4e-3);
+        .expect("cpu");
+        let (dx_in, dw_in, dt) =
+            (put(g, &x, Activation), put(g, &w, Activation), ints(g, &targets));
+        for (chunk, chunks) in [(1 << 26, "one chunk"), (8 * V, "8-token chunks")] {
+            let label = format!("{chunks}, cap {cap:?}");
+            g.set_loss_chunk_logits(chunk);
+            let (mut l, mut lse) = (nan(g, T, Accum), nan(g, T, Accum));
+            g.cross_entropy_forward(
+                all_mut(g, &mut l),
+                all_mut(g, &mut lse),
+                all(g, &dx_in),
+                all(g, &dw_in),
+                &dt,
+                T,
+                H,
+                V,
+                cap,
+            )
+            .expect("gpu");
+            // f32 logits from a bf16 GEMM, f32 softmax: 1e-5 of the scale.
+            check(&format!("cross_entropy_forward losses ({label})"), &get(g, &l), &want_l, 1e-5);
+            check(&format!("cross_entropy_forward lse ({label})"), &get(g, &lse), &want_lse, 1e-5);
+            let (mut dx, mut dw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
+            g.cross_entropy_backward(
+                all_mut(g, &mut dx),
+                all_mut(g, &mut dw),
+                all(g, &dx_in),
+                all(g, &dw_in),
+                all(g, &lse),
+                &dt,
+                scale,
+                T,
+                H,
+                V,
+                cap,
+            )
+            .expect("gpu");
+            // The logits' gradient is rounded to bf16 (2^-9 relative) before both GEMMs.
+            check(&format!("cross_entropy_backward dx ({label})"), &get(g, &dx), &want_dx, 8e-3);
+            check(&format!("cross_entropy_backward dw ({label})"), &get(g, &dw), &want_dw, 4e-3);
+        }
     }
     g.set_loss_chunk_logits(1 << 26);
 }
@@ -709,7 +744,8 @@ fn spec_from(json: serde_json::Value) -> ModelSpec {
 /// attention_bias), q/k norm with head_dim 128 (qwen3), a sliding window (mistral), partial
 /// rotary with longrope's scaled cos and sin (phi3; documents of up to 15 positions against an
 /// original 8, so the long factors), and Gemma 3's layer (offset and post norms, q/k norms,
-/// GeGLU, its own score scale, a sliding layer with its local RoPE base).
+/// GeGLU, its own score scale, a sliding layer with its local RoPE base), and Gemma 2's
+/// (soft-capped scores).
 fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     let base = |mt: &str| {
         serde_json::json!({
@@ -733,6 +769,10 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
     });
+    let mut gemma2 = base("gemma2");
+    gemma2["query_pre_attn_scalar"] = 32.into();
+    gemma2["sliding_window"] = 7.into();
+    gemma2["attn_logit_softcapping"] = 2.0.into();
     let mut phi3 = base("phi3");
     let factors = |f: f64| (0..24).map(|i| 1.0 + f * i as f64).collect::<Vec<_>>();
     phi3["rope_parameters"] = serde_json::json!({
@@ -746,6 +786,7 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
         ("mistral window=7", spec_from(mistral)),
         ("phi3 longrope rotary=48", spec_from(phi3)),
         ("gemma3 sliding local rope", spec_from(gemma3)),
+        ("gemma2 soft-capped", spec_from(gemma2)),
     ]
 }
 
@@ -942,7 +983,7 @@ fn golden_dir(case: &str) -> PathBuf {
 
 #[test]
 fn training_step_every_family() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
@@ -988,7 +1029,7 @@ fn streaming_schedule_matches_the_reference_loop() {
         (Tier::Device, 1, HostRing, None, Master, 2),
         (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
     ];
-    for case in ["llama", "qwen2", "mistral", "phi3", "gemma3"] {
+    for case in ["llama", "qwen2", "mistral", "phi3", "gemma3", "gemma2"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         let steps: Vec<Vec<MicroBatch>> = (0..3)
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
@@ -1164,6 +1205,7 @@ fn attention_speed(docs: usize, seq: usize) {
         docs,
         window: None,
         scale_dim: None,
+        softcap: None,
     };
     let cu: Vec<i32> = (0..=docs).map(|d| (d * seq) as i32).collect();
     let cu = ints(g, &cu);
@@ -1237,6 +1279,7 @@ fn decode_case(hd: usize, nkv: usize, window: Option<usize>, past: usize, tokens
         head_dim: hd,
         window,
         scale_dim: None,
+        softcap: None,
     };
     let n = (past + tokens) * nkv * hd;
     // Scaled up so some softmax rows are far from uniform.
@@ -1289,7 +1332,7 @@ fn argmax(row: &[f32]) -> u32 {
 /// the whole sequence.
 #[test]
 fn decode_generation_matches_the_cpu_and_the_training_forward() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());

@@ -149,7 +149,7 @@ fn check_ring(
 
 #[test]
 fn streaming_equals_reference_host_checkpoints_clipped() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
+    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
         check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), COPY);
         check(case, (Tier::Host, 1), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
     }
@@ -157,7 +157,7 @@ fn streaming_equals_reference_host_checkpoints_clipped() {
 
 #[test]
 fn streaming_equals_reference_device_checkpoints_unclipped() {
-    for case in ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"] {
+    for case in ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
         check(case, (Tier::Device, 1), GradientTier::HostRing, None, Vec::new(), COPY);
         check(case, (Tier::Device, 1), GradientTier::DeviceStore, None, Vec::new(), COPY);
     }

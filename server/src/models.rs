@@ -18,7 +18,7 @@ use crate::error::{ApiError, ApiResult};
 pub struct ModelView {
     pub id: String,
     pub name: String,
-    /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral, phi3, gemma3_text.
+    /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text.
     pub family: &'static str,
     pub params: usize,
     /// "preset" (random weights) or "local" (real weights on this machine).

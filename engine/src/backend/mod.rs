@@ -69,7 +69,7 @@ pub enum GluAct {
 }
 
 /// The shapes an attention call works on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     /// Tokens in the micro-batch.
     pub tokens: usize,
@@ -86,6 +86,9 @@ pub struct AttentionShape {
     /// Scores are scaled by `1 / sqrt(d)` for this `d`; `None` for the head dimension (Gemma's
     /// `query_pre_attn_scalar` sets another).
     pub scale_dim: Option<usize>,
+    /// Scaled scores `s` become `cap · tanh(s / cap)` before the softmax (Gemma 2's
+    /// `attn_logit_softcapping`); `None` leaves them alone.
+    pub softcap: Option<f32>,
 }
 
 impl AttentionShape {
@@ -107,7 +110,7 @@ fn softmax_scale(d: usize) -> f32 {
 
 /// The shapes of an attention call of a few new queries against a key/value cache
 /// ([`Backend::attention_decode`]): one sequence, no documents.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeShape {
     /// Positions already in the cache before the new tokens.
     pub past: usize,
@@ -123,6 +126,8 @@ pub struct DecodeShape {
     pub window: Option<usize>,
     /// As [`AttentionShape::scale_dim`].
     pub scale_dim: Option<usize>,
+    /// As [`AttentionShape::softcap`].
+    pub softcap: Option<f32>,
 }
 
 impl DecodeShape {
@@ -521,6 +526,8 @@ pub trait Backend: Send + Sync {
     /// vocabulary or of the tokens at a time so `[T, V]` logits never exist at once.
     /// losses `[T]` (Accum; 0 where the target is [`IGNORE`]), lse `[T]` (Accum: log-sum-exp of
     /// each token's logits, kept for the backward), x `[T, H]`, w `[V, H]`, targets `[T]`.
+    /// With `softcap`, the logits `z` become `cap · tanh(z / cap)` first (Gemma 2's
+    /// `final_logit_softcapping`).
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy_forward(
         &self,
@@ -532,6 +539,7 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()>;
     /// Gradient of `scale · Σ_t losses[t]`: dx `[T, H]` (overwrites), dw `[V, H]`
     /// (accumulates). `scale` is 1 / (trained tokens in the whole optimizer step).
@@ -548,5 +556,6 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()>;
 }

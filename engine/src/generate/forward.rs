@@ -214,6 +214,7 @@ pub(super) fn forward<B: Backend>(
     let logits = 0..rows * spec.vocab;
     let mut out = vec![0.0f32; rows * spec.vocab];
     b.download(&mut out, b.view(&w.logits, logits))?;
+    d.finish_logits(&mut out);
     cache.len += n;
     Ok(out)
 }

@@ -35,6 +35,13 @@ fn specs() -> Vec<ModelSpec> {
             "partial_rotary_factor": 0.5, "original_max_position_embeddings": 2,
             "short_factor": [1.0, 1.5], "long_factor": [1.0, 4.0]}}),
         ),
+        // Gemma 2: soft-capped scores and logits (caps low enough to bend them), a sliding
+        // layer then a global one.
+        spec(
+            "gemma2",
+            json!({"sliding_window": 5, "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 1.0, "final_logit_softcapping": 0.5}),
+        ),
         // Gemma 3: a sliding layer with its local RoPE, then a global one.
         spec(
             "gemma3_text",

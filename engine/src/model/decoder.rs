@@ -350,6 +350,7 @@ impl<B: Backend> Decoder<B> {
             docs: batch.docs,
             window: self.spec.windows.get(layer).copied().flatten(),
             scale_dim: self.spec.scale_dim,
+            softcap: self.spec.attn_softcap,
         }
     }
 
@@ -586,6 +587,7 @@ impl<B: Backend> Decoder<B> {
                 head_dim: shape.head_dim,
                 window: shape.window,
                 scale_dim: shape.scale_dim,
+                softcap: shape.softcap,
             },
         )
     }
@@ -811,6 +813,7 @@ impl<B: Backend> Decoder<B> {
             t,
             h,
             v,
+            self.spec.final_softcap,
         )?;
         b.sum(b.view(&s.losses, 0..t))
     }
@@ -853,6 +856,7 @@ impl<B: Backend> Decoder<B> {
             t,
             h,
             v,
+            self.spec.final_softcap,
         )?;
         b.rmsnorm_backward(
             b.view_mut(dx, 0..t * h),
@@ -867,7 +871,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Logits `[rows, V]` of the head for inspection and generation (materialised; small
-    /// batches) from the rows `rows` of x `[T, H]`.
+    /// batches) from the rows `rows` of x `[T, H]`, before a final soft-cap: pass them through
+    /// [`Decoder::finish_logits`] once on the host.
     pub fn logits(
         &self,
         b: &B,
@@ -897,5 +902,13 @@ impl<B: Backend> Decoder<B> {
             h,
             v,
         )
+    }
+
+    /// Applies the final soft-cap (Gemma 2: `cap · tanh(z / cap)`) to logits read back from
+    /// [`Decoder::logits`]; nothing for the other families.
+    pub fn finish_logits(&self, logits: &mut [f32]) {
+        if let Some(cap) = self.spec.final_softcap {
+            logits.iter_mut().for_each(|z| *z = (*z / cap).tanh() * cap);
+        }
     }
 }

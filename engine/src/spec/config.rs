@@ -34,9 +34,6 @@ pub struct HfConfig {
     pub hidden_activation: Option<String>,
     /// Gemma: attention scores are scaled by `query_pre_attn_scalar ** -0.5`.
     pub query_pre_attn_scalar: Option<Value>,
-    /// Gemma 2 soft-caps (refused until supported).
-    pub attn_logit_softcapping: Option<Value>,
-    pub final_logit_softcapping: Option<Value>,
     /// Gemma 3: bidirectional attention (its vision towers; refused).
     pub use_bidirectional_attention: Option<bool>,
     /// Gemma 3 (transformers 4): the sliding layers' RoPE base.

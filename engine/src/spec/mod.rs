@@ -28,17 +28,20 @@ pub enum Family {
     Mistral,
     /// Phi-3, Phi-3.5 and Phi-4.
     Phi3,
+    /// Gemma 2 (`Gemma2ForCausalLM`).
+    Gemma2,
     /// Gemma 3's text model (`Gemma3ForCausalLM`).
     Gemma3,
 }
 
 impl Family {
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 7] = [
         Family::Llama,
         Family::Qwen2,
         Family::Qwen3,
         Family::Mistral,
         Family::Phi3,
+        Family::Gemma2,
         Family::Gemma3,
     ];
 
@@ -50,6 +53,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
             Family::Phi3 => "phi3",
+            Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
         }
     }
@@ -62,6 +66,7 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -149,6 +154,10 @@ pub struct ModelSpec {
     /// Attention scores scaled by `1 / sqrt(scale_dim)` instead of `1 / sqrt(head_dim)`
     /// (Gemma's `query_pre_attn_scalar`).
     pub scale_dim: Option<usize>,
+    /// Scaled attention scores become `cap · tanh(s / cap)` (Gemma 2's `attn_logit_softcapping`).
+    pub attn_softcap: Option<f32>,
+    /// The logits become `cap · tanh(z / cap)` (Gemma 2's `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
     /// Per layer: the sliding window in tokens, or `None` for full causal attention.
     pub windows: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
@@ -207,7 +216,7 @@ impl ModelSpec {
                 "head_dim must be even and non-zero for RoPE, got {head_dim}"
             )));
         }
-        let gemma = family == Family::Gemma3;
+        let gemma = matches!(family, Family::Gemma2 | Family::Gemma3);
         // Gemma reads `hidden_activation` (its `hidden_act` is a leftover of older configs).
         let act = if gemma {
             cfg.hidden_activation.as_deref().or(cfg.hidden_act.as_deref())
@@ -224,14 +233,21 @@ impl ModelSpec {
                 )));
             }
         };
-        for (key, cap) in [
-            ("attn_logit_softcapping", &cfg.attn_logit_softcapping),
-            ("final_logit_softcapping", &cfg.final_logit_softcapping),
-        ] {
-            if cap.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(err(format!("{key} is not supported yet")));
-            }
-        }
+        // Gemma2Config caps scores at 50 and logits at 30 unless told otherwise (null: no cap);
+        // Gemma3TextConfig caps nothing by default; other families have no caps.
+        // Read from the raw config: serde makes an explicit null and an absent key both `None`.
+        let softcap = |key: &str, gemma2_default: f32| match raw.get(key) {
+            None if family == Family::Gemma2 => Ok(Some(gemma2_default)),
+            None | Some(Value::Null) => Ok(None),
+            Some(_) if !gemma => Err(err(format!("{key} is not supported for {model_type}"))),
+            Some(v) => v
+                .as_f64()
+                .filter(|c| *c > 0.0 && c.is_finite())
+                .map(|c| Some(c as f32))
+                .ok_or_else(|| err(format!("{key} must be a positive number or null, got {v}"))),
+        };
+        let attn_softcap = softcap("attn_logit_softcapping", 50.0)?;
+        let final_softcap = softcap("final_logit_softcapping", 30.0)?;
         if cfg.use_bidirectional_attention == Some(true) {
             return Err(err("use_bidirectional_attention = true is not supported".into()));
         }
@@ -239,7 +255,7 @@ impl ModelSpec {
             (Some(v), true) => Some(v.as_u64().filter(|&d| d > 0).ok_or_else(|| {
                 err(format!("query_pre_attn_scalar must be a positive integer, got {v}"))
             })? as usize),
-            // Gemma3TextConfig's default.
+            // Gemma2Config's and Gemma3TextConfig's default.
             (None, true) => Some(256),
             (_, false) => None,
         };
@@ -279,9 +295,11 @@ impl ModelSpec {
             Family::Qwen3 => (attention_bias, attention_bias, true),
             // modeling_phi3: qkv_proj and o_proj without bias.
             Family::Phi3 => (false, false, false),
+            Family::Gemma2 => (attention_bias, attention_bias, false),
             Family::Gemma3 => (attention_bias, attention_bias, true),
         };
-        let local_rope = if gemma { resolve_local_rope(&cfg).map_err(err)? } else { None };
+        let local_rope =
+            if family == Family::Gemma3 { resolve_local_rope(&cfg).map_err(err)? } else { None };
         let windows = resolve_windows(&cfg, family, layers).map_err(err)?;
         // Every supported family's config class defaults to untied embeddings but Gemma's.
         let tie_embeddings = cfg.tie_word_embeddings.unwrap_or(gemma);
@@ -320,6 +338,8 @@ impl ModelSpec {
             glu_act,
             sandwich_norms: gemma,
             scale_dim,
+            attn_softcap,
+            final_softcap,
             windows,
             bos_token_id: ids(&cfg.bos_token_id).first().copied(),
             eos_token_ids: ids(&cfg.eos_token_id),
@@ -656,6 +676,11 @@ fn resolve_windows(
                     },
                 )
                 .collect()
+        }
+        // Gemma2Config (transformers 4): even layers slide, odd ones attend to everything.
+        Family::Gemma2 => {
+            let window = window.ok_or("gemma2 needs sliding_window")?;
+            (0..layers).map(|i| (i % 2 == 0).then_some(window)).collect()
         }
         // Gemma3TextConfig (transformers 4): layer i slides unless (i + 1) is a multiple of
         // sliding_window_pattern (6 by default).

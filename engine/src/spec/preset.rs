@@ -24,6 +24,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qwen3-8b", "Qwen3-8B shape (q/k RMSNorm)"),
     ("mistral-7b", "Mistral-7B-v0.1 shape (4096-token sliding window)"),
     ("phi-4", "Phi-4 (14B) shape (fused qkv_proj and gate_up_proj)"),
+    ("gemma-2-9b", "Gemma 2 9B shape (soft-capped scores and logits, alternating windows)"),
     ("gemma-3-1b", "Gemma 3 1B shape (5 local layers to 1 global, GeGLU, sandwich norms)"),
     ("gemma-3-12b", "Gemma 3 12B text shape (local and global RoPE, linear scaling 8)"),
 ];
@@ -136,6 +137,16 @@ fn preset_config(name: &str) -> Option<Value> {
             "max_position_embeddings": 16384, "original_max_position_embeddings": 16384,
             "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "tie_word_embeddings": false,
             "bos_token_id": 100257, "eos_token_id": 100265,
+        }),
+        "gemma-2-9b" => json!({
+            "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+            "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 256000, "hidden_size": 3584,
+            "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0, "tie_word_embeddings": true,
+            "bos_token_id": 2, "eos_token_id": [1, 107],
         }),
         "gemma-3-1b" => gemma3(
             1152,

@@ -230,8 +230,29 @@ fn gemma3_as_data_in_both_config_generations() {
     let mut capped = base("gemma3_text");
     capped["sliding_window"] = json!(5);
     capped["final_logit_softcapping"] = json!(30.0);
-    assert!(message(check(capped)).contains("final_logit_softcapping is not supported"));
+    assert_eq!(check(capped).unwrap().final_softcap, Some(30.0));
     let mut act = base("llama");
     act["hidden_act"] = json!("relu");
     assert!(message(check(act)).contains("\"relu\" is not supported"));
+}
+
+#[test]
+fn gemma2_caps_and_alternation_by_default() {
+    let mut g = base("gemma2");
+    g["num_hidden_layers"] = json!(3);
+    g["sliding_window"] = json!(5);
+    let s = check(g.clone()).unwrap();
+    // Gemma2Config's defaults: caps 50 and 30, scores over sqrt(256), even layers slide.
+    assert_eq!((s.attn_softcap, s.final_softcap, s.scale_dim), (Some(50.0), Some(30.0), Some(256)));
+    assert_eq!(s.windows, vec![Some(5), None, Some(5)]);
+    assert!(s.sandwich_norms && !s.qk_norm && s.tie_embeddings && s.local_rope.is_none());
+    // null turns a cap off; a cap on another family, or a bad one, is refused.
+    g["final_logit_softcapping"] = Value::Null;
+    assert_eq!(check(g.clone()).unwrap().final_softcap, None);
+    g["attn_logit_softcapping"] = json!(-1.0);
+    assert!(message(check(g)).contains("attn_logit_softcapping must be a positive number"));
+    let mut llama = base("llama");
+    llama["final_logit_softcapping"] = json!(30.0);
+    assert!(message(check(llama)).contains("final_logit_softcapping is not supported for llama"));
+    assert_eq!(preset("gemma-2-9b").unwrap().windows[..2], [Some(4096), None]);
 }

@@ -154,6 +154,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
         )?;
         let mut host = vec![0.0; t * v];
         b.download(&mut host, b.view(&out, 0..t * v))?;
+        d.finish_logits(&mut host);
         Ok(host)
     }
 

@@ -99,6 +99,15 @@ pub(super) fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, &x)| *a += alpha * x);
 }
 
+/// A scaled score after the optional soft-cap (`cap · tanh(s / cap)`, Gemma 2's
+/// `attn_logit_softcapping` as its eager attention computes it), and the cap's slope.
+pub(super) fn capped(s: f32, cap: Option<f32>) -> (f32, f32) {
+    match cap {
+        None => (s, 1.0),
+        Some(c) => super::loss::capped(s, c),
+    }
+}
+
 /// out `[T, nq hd]`, lse `[T, nq]`, qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
 pub fn attention_forward(
     out: &mut [f32],
@@ -116,6 +125,7 @@ pub fn attention_forward(
         return Ok(());
     }
     let scale = shape.softmax_scale();
+    let cap = shape.softcap;
     out.par_chunks_mut(nq * hd).zip(lse.par_chunks_mut(nq)).enumerate().for_each_init(
         Vec::new,
         |scores: &mut Vec<f32>, (i, (out, lse))| {
@@ -123,7 +133,7 @@ pub fn attention_forward(
             for (h, (o, lse)) in out.chunks_mut(hd).zip(lse.iter_mut()).enumerate() {
                 let (q, g) = (at.q(i, h), h / at.group);
                 scores.clear();
-                scores.extend(keys.clone().map(|j| dot(q, at.k(j, g)) * scale));
+                scores.extend(keys.clone().map(|j| capped(dot(q, at.k(j, g)) * scale, cap).0));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
                 for s in scores.iter_mut() {
@@ -167,12 +177,15 @@ pub fn attention_backward(
         .into_par_iter()
         .map(|ih| dot(&dout[ih * hd..][..hd], &out[ih * hd..][..hd]))
         .collect();
-    // P_ij and dS_ij of query i, head h against key j (kv head g = h / group).
+    // P_ij and dS_ij of query i, head h against key j (kv head g = h / group); with a soft-cap,
+    // dS carries the cap's slope 1 − tanh² back to the scaled score.
+    let cap = shape.softcap;
     let p_ds = |i: usize, h: usize, j: usize| {
         let g = h / at.group;
-        let p = (dot(at.q(i, h), at.k(j, g)) * scale - lse[i * nq + h]).exp();
+        let (s, slope) = capped(dot(at.q(i, h), at.k(j, g)) * scale, cap);
+        let p = (s - lse[i * nq + h]).exp();
         let dp = dot(&dout[row(i, h)], at.v(j, g));
-        (p, p * (dp - d[i * nq + h]))
+        (p, p * (dp - d[i * nq + h]) * slope)
     };
     dqkv.par_chunks_mut(at.width).enumerate().for_each(|(n, grads)| {
         let (dq, rest) = grads.split_at_mut(nq * hd);
@@ -216,6 +229,7 @@ mod tests {
         docs: 2,
         window: Some(3),
         scale_dim: None,
+        softcap: None,
     };
     const CU: [i32; 3] = [0, 3, 7];
 
@@ -235,8 +249,12 @@ mod tests {
             for (i, row) in scores.iter_mut().enumerate() {
                 for (j, s) in row.iter_mut().enumerate() {
                     if visible(i, j) {
-                        *s = (0..hd).map(|e| at(i, h, e) * at(j, nq + g, e)).sum::<f64>()
+                        let raw = (0..hd).map(|e| at(i, h, e) * at(j, nq + g, e)).sum::<f64>()
                             / (hd as f64).sqrt();
+                        *s = shape.softcap.map_or(raw, |c| {
+                            let c = f64::from(c);
+                            c * (raw / c).tanh()
+                        });
                     }
                 }
             }
@@ -275,6 +293,8 @@ mod tests {
             (AttentionShape { docs: 1, window: None, ..SHAPE }, vec![0, 7]),
             (AttentionShape { docs: 3, window: Some(2), ..SHAPE }, vec![0, 4, 4, 7]),
             (AttentionShape { kv_heads: 1, head_dim: 8, ..SHAPE }, CU.to_vec()),
+            // Gemma 2's soft-cap, low enough (1.0) to bend these scores.
+            (AttentionShape { softcap: Some(1.0), ..SHAPE }, CU.to_vec()),
         ]
     }
 

@@ -133,6 +133,7 @@ pub(crate) fn decode_shape(op: &str, shape: &DecodeShape) -> Result<()> {
         docs: 1,
         window: shape.window,
         scale_dim: shape.scale_dim,
+        softcap: shape.softcap,
     };
     attention_shape(op, &as_attention)?;
     shape

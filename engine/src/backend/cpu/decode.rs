@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use super::attention::{axpy, dot};
+use super::attention::{axpy, capped, dot};
 use super::check;
 use crate::backend::DecodeShape;
 use crate::error::Result;
@@ -36,7 +36,7 @@ pub fn attention_decode(
     if nq == 0 {
         return Ok(());
     }
-    let (group, scale) = (nq / nkv, shape.softmax_scale());
+    let (group, scale, cap) = (nq / nkv, shape.softmax_scale(), shape.softcap);
     let window = shape.window.unwrap_or(usize::MAX);
     // Key or value head `g` of position `j`.
     let row = |j: usize, g: usize| (j * nkv + g) * hd..(j * nkv + g + 1) * hd;
@@ -48,7 +48,9 @@ pub fn attention_decode(
             for (h, o) in out.chunks_mut(hd).enumerate() {
                 let (qh, g) = (&q[h * hd..(h + 1) * hd], h / group);
                 scores.clear();
-                scores.extend(keys.clone().map(|j| dot(qh, &k_cache[row(j, g)]) * scale));
+                scores.extend(
+                    keys.clone().map(|j| capped(dot(qh, &k_cache[row(j, g)]) * scale, cap).0),
+                );
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
                 for s in scores.iter_mut() {
@@ -99,12 +101,15 @@ mod tests {
             docs: 1,
             window: None,
             scale_dim: None,
+            softcap: None,
         };
         vec![
             AttentionShape { window: Some(3), ..base },
             base,
             AttentionShape { kv_heads: 1, head_dim: 8, window: Some(5), ..base },
             AttentionShape { q_heads: 3, kv_heads: 3, head_dim: 5, ..base },
+            // Gemma's score scale and soft-cap.
+            AttentionShape { scale_dim: Some(4), softcap: Some(1.0), window: Some(4), ..base },
         ]
     }
 
@@ -138,7 +143,8 @@ mod tests {
                         kv_heads: shape.kv_heads,
                         head_dim: shape.head_dim,
                         window: shape.window,
-                        scale_dim: None,
+                        scale_dim: shape.scale_dim,
+                        softcap: shape.softcap,
                     };
                     let end = past + tokens;
                     attention_decode(
@@ -166,6 +172,7 @@ mod tests {
             head_dim: 6,
             window: None,
             scale_dim: None,
+            softcap: None,
         };
         let (mut out, q) = (vec![0.0; 2 * 24], vec![0.0; 2 * 24]);
         let kv = vec![0.0; 5 * 12];

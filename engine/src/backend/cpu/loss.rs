@@ -21,6 +21,13 @@ use crate::error::Result;
 /// on every thread, few enough to keep the scratch small.
 const CHUNK_TOKENS: usize = 128;
 
+/// `cap · tanh(z / cap)` as transformers writes it (`z / cap`, `tanh`, `* cap`), and its
+/// derivative `1 − tanh²`.
+pub(super) fn capped(z: f32, cap: f32) -> (f32, f32) {
+    let t = (z / cap).tanh();
+    (t * cap, 1.0 - t * t)
+}
+
 /// `log Σ_v exp(z_v)`, with the max subtracted and the sum in f64.
 fn log_sum_exp(z: &[f32]) -> f32 {
     let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -59,6 +66,7 @@ pub fn cross_entropy_forward(
     tokens: usize,
     hidden: usize,
     vocab: usize,
+    softcap: Option<f32>,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward";
     let targets = check_args(OP, x, w, targets, tokens, hidden, vocab)?;
@@ -74,6 +82,9 @@ pub fn cross_entropy_forward(
         let m = losses.len();
         let logits = &mut logits[..m * vocab];
         linear(logits, x, w, m, hidden, vocab)?;
+        if let Some(cap) = softcap {
+            logits.par_iter_mut().for_each(|z| *z = capped(*z, cap).0);
+        }
         logits.par_chunks(vocab).zip(losses).zip(lse).zip(targets).for_each(
             |(((z, loss), lse), &y)| {
                 *lse = log_sum_exp(z);
@@ -99,6 +110,7 @@ pub fn cross_entropy_backward(
     tokens: usize,
     hidden: usize,
     vocab: usize,
+    softcap: Option<f32>,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     let targets = check_args(OP, x, w, targets, tokens, hidden, vocab)?;
@@ -125,9 +137,21 @@ pub fn cross_entropy_backward(
                 g.fill(0.0);
                 return;
             }
-            g.iter_mut().for_each(|z| *z = (*z - lse).exp() * scale);
-            // `y` was checked to be IGNORE or in 0..vocab.
-            g[y as usize] -= scale;
+            match softcap {
+                None => {
+                    g.iter_mut().for_each(|z| *z = (*z - lse).exp() * scale);
+                    // `y` was checked to be IGNORE or in 0..vocab.
+                    g[y as usize] -= scale;
+                }
+                // d/dz of cap · tanh(z / cap) is 1 − tanh².
+                Some(cap) => {
+                    for (v, z) in g.iter_mut().enumerate() {
+                        let (c, slope) = capped(*z, cap);
+                        let onehot = if v == y as usize { scale } else { 0.0 };
+                        *z = ((c - lse).exp() * scale - onehot) * slope;
+                    }
+                }
+            }
         });
         linear_dinp(dx, grads, w, m, hidden, vocab)?;
         linear_dw(dw, grads, x, m, hidden, vocab)?;
@@ -160,10 +184,19 @@ mod tests {
 
     /// Direct twin on the materialised `[T, V]` logits: log-softmax in f64.
     /// Returns (losses `[T]`, lse `[T]`).
-    fn cross_entropy64(x: &[f64], w: &[f64], targets: &[i32]) -> (Vec<f64>, Vec<f64>) {
+    /// With a soft-cap, the logits are `cap · tanh(z / cap)` first.
+    fn cross_entropy64(
+        x: &[f64],
+        w: &[f64],
+        targets: &[i32],
+        softcap: Option<f32>,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let cap = |z: f64| softcap.map_or(z, |c| f64::from(c) * (z / f64::from(c)).tanh());
         let logits: Vec<Vec<f64>> = x
             .chunks(HIDDEN)
-            .map(|x| w.chunks(HIDDEN).map(|w| x.iter().zip(w).map(|(a, b)| a * b).sum()).collect())
+            .map(|x| {
+                w.chunks(HIDDEN).map(|w| cap(x.iter().zip(w).map(|(a, b)| a * b).sum())).collect()
+            })
             .collect();
         logits
             .iter()
@@ -182,34 +215,51 @@ mod tests {
         (x, uniform(&mut rng, VOCAB * HIDDEN))
     }
 
+    /// Without a cap, and with one (2.0) that the logits of `inputs` exceed, so it bends them.
+    const CAPS: [Option<f32>; 2] = [None, Some(2.0)];
+
     #[test]
     fn forward_matches_log_softmax_of_materialised_logits() -> Result<()> {
+        for cap in CAPS {
+            forward_case(cap)?;
+        }
+        Ok(())
+    }
+
+    fn forward_case(cap: Option<f32>) -> Result<()> {
         let ((x, w), targets) = (inputs(), targets());
         let (mut losses, mut lse) = (vec![f32::NAN; TOKENS], vec![f32::NAN; TOKENS]);
-        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB)?;
-        let (want_losses, want_lse) = cross_entropy64(&to_f64(&x), &to_f64(&w), &targets);
-        assert_close("cross-entropy losses", &losses, &want_losses, TOL);
-        assert_close("cross-entropy lse", &lse, &want_lse, TOL);
+        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB, cap)?;
+        let (want_losses, want_lse) = cross_entropy64(&to_f64(&x), &to_f64(&w), &targets, cap);
+        assert_close(&format!("cross-entropy losses, cap {cap:?}"), &losses, &want_losses, TOL);
+        assert_close(&format!("cross-entropy lse, cap {cap:?}"), &lse, &want_lse, TOL);
         assert!(losses.iter().zip(&targets).all(|(&l, &y)| y != IGNORE || l == 0.0));
         Ok(())
     }
 
     #[test]
     fn backward_matches_finite_differences() -> Result<()> {
+        for cap in CAPS {
+            backward_case(cap)?;
+        }
+        Ok(())
+    }
+
+    fn backward_case(cap: Option<f32>) -> Result<()> {
         let ((x, w), targets) = (inputs(), targets());
         let trained = targets.iter().filter(|&&y| y != IGNORE).count();
         let scale = 1.0 / trained as f32;
         let (mut losses, mut lse) = (vec![0.0; TOKENS], vec![0.0; TOKENS]);
-        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB)?;
+        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB, cap)?;
         let dw0 = uniform(&mut rng(92), VOCAB * HIDDEN);
         let (mut dx, mut dw) = (vec![f32::NAN; TOKENS * HIDDEN], dw0.clone());
         cross_entropy_backward(
-            &mut dx, &mut dw, &x, &w, &lse, &targets, scale, TOKENS, HIDDEN, VOCAB,
+            &mut dx, &mut dw, &x, &w, &lse, &targets, scale, TOKENS, HIDDEN, VOCAB, cap,
         )?;
 
         let (x64, w64) = (to_f64(&x), to_f64(&w));
         let loss = |x: &[f64], w: &[f64]| {
-            f64::from(scale) * cross_entropy64(x, w, &targets).0.iter().sum::<f64>()
+            f64::from(scale) * cross_entropy64(x, w, &targets, cap).0.iter().sum::<f64>()
         };
         let want_dx = numeric_grad(&x64, |x| loss(x, &w64));
         let grad_w = numeric_grad(&w64, |w| loss(&x64, w));
@@ -229,9 +279,18 @@ mod tests {
         let (x, w) = (vec![0.0; 2 * HIDDEN], vec![0.0; VOCAB * HIDDEN]);
         let (mut losses, mut lse) = (vec![0.0; 2], vec![0.0; 2]);
         for bad in [VOCAB as i32, -1] {
-            let e =
-                cross_entropy_forward(&mut losses, &mut lse, &x, &w, &[0, bad], 2, HIDDEN, VOCAB)
-                    .expect_err("must be rejected");
+            let e = cross_entropy_forward(
+                &mut losses,
+                &mut lse,
+                &x,
+                &w,
+                &[0, bad],
+                2,
+                HIDDEN,
+                VOCAB,
+                None,
+            )
+            .expect_err("must be rejected");
             assert!(
                 e.to_string().contains("cross_entropy_forward")
                     && e.to_string().contains("`targets`[1]"),
@@ -240,9 +299,20 @@ mod tests {
         }
         let mut dx = vec![0.0; 2 * HIDDEN];
         let mut dw = vec![0.0; VOCAB * HIDDEN - 1];
-        let e =
-            cross_entropy_backward(&mut dx, &mut dw, &x, &w, &lse, &[0, 1], 1.0, 2, HIDDEN, VOCAB)
-                .expect_err("must be rejected");
+        let e = cross_entropy_backward(
+            &mut dx,
+            &mut dw,
+            &x,
+            &w,
+            &lse,
+            &[0, 1],
+            1.0,
+            2,
+            HIDDEN,
+            VOCAB,
+            None,
+        )
+        .expect_err("must be rejected");
         assert!(
             e.to_string().contains("cross_entropy_backward") && e.to_string().contains("`dw`"),
             "{e}"

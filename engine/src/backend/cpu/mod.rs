@@ -417,8 +417,9 @@ impl Backend for Cpu {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
-        cross_entropy_forward(losses, lse, x, w, targets, tokens, hidden, vocab)
+        cross_entropy_forward(losses, lse, x, w, targets, tokens, hidden, vocab, softcap)
     }
 
     fn cross_entropy_backward(
@@ -433,8 +434,9 @@ impl Backend for Cpu {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
-        cross_entropy_backward(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab)
+        cross_entropy_backward(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab, softcap)
     }
 }
 

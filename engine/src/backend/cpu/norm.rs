@@ -228,6 +228,7 @@ mod tests {
         docs: 1,
         window: None,
         scale_dim: None,
+        softcap: None,
     };
 
     /// Double-precision twin of `head_rmsnorm_forward`.

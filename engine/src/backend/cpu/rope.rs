@@ -103,6 +103,7 @@ mod tests {
         docs: 2,
         window: None,
         scale_dim: None,
+        softcap: None,
     };
     /// Positions restart with the second document, as packing writes them.
     const POS: [i32; 7] = [0, 1, 2, 0, 1, 2, 3];

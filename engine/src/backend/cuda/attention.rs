@@ -141,6 +141,8 @@ struct Sizes {
     /// 0 for no window; a window covering every document is no window.
     window: i32,
     scale: f32,
+    /// 0 for no soft-cap.
+    cap: f32,
 }
 
 impl Sizes {
@@ -156,11 +158,12 @@ impl Sizes {
                 _ => 0,
             },
             scale: shape.softmax_scale(),
+            cap: shape.softcap.unwrap_or(0.0),
         })
     }
 
     /// The sizes after `docs`, as the scalar kernels take them.
-    fn scalar_args(&self) -> [Arg; 6] {
+    fn scalar_args(&self) -> [Arg; 7] {
         [
             Arg::I32(self.tokens),
             Arg::I32(self.nq),
@@ -168,6 +171,7 @@ impl Sizes {
             Arg::I32(self.hd),
             Arg::I32(self.window),
             Arg::F32(self.scale),
+            Arg::F32(self.cap),
         ]
     }
 
@@ -180,6 +184,11 @@ impl Sizes {
             Arg::I32(self.window),
             Arg::F32(self.scale),
         ]
+    }
+
+    /// The scalar kernels' size bucket, as named: `_capped_` ones soft-cap the scores.
+    fn scalar_name(&self, hd: usize) -> String {
+        if self.cap > 0.0 { format!("capped_{hd}") } else { hd.to_string() }
     }
 }
 
@@ -234,7 +243,13 @@ impl Cuda {
             Arg::I32(s.docs),
         ];
         let (t, nq) = (shape.tokens, shape.q_heads);
-        if let Some(f) = flash(shape.head_dim, &[self.ptr(&o), self.ptr(&qkv)]) {
+        // The tensor-core kernels have no soft-cap: a capped attention takes the scalar ones.
+        let flash = if shape.softcap.is_some() {
+            None
+        } else {
+            flash(shape.head_dim, &[self.ptr(&o), self.ptr(&qkv)])
+        };
+        if let Some(f) = flash {
             args.extend(s.flash_args());
             let k = &f.forward;
             return self.launch(
@@ -244,7 +259,7 @@ impl Cuda {
             );
         }
         args.extend(s.scalar_args());
-        let name = format!("attention_forward_{hd}");
+        let name = format!("attention_forward_{}", s.scalar_name(hd));
         self.launch(&name, scalar_config(t.div_ceil(4 * qw), nq), &args)
     }
 
@@ -306,7 +321,8 @@ impl Cuda {
             Arg::I32(s.docs),
         ];
         let pointers = [self.ptr(&d), self.ptr(&dout), self.ptr(&qkv)];
-        if let Some(f) = flash(shape.head_dim, &pointers) {
+        let flash = if shape.softcap.is_some() { None } else { flash(shape.head_dim, &pointers) };
+        if let Some(f) = flash {
             args.extend(s.flash_args());
             let k = &f.dq;
             self.launch(k.name, k.config(t.div_ceil(k.rows()), nq, f.dq_shared()), &args)?;
@@ -318,9 +334,10 @@ impl Cuda {
         }
         args.extend(s.scalar_args());
         let blocks = t.div_ceil(4 * qw);
-        self.launch(&format!("attention_backward_dq_{hd}"), scalar_config(blocks, nq), &args)?;
+        let name = s.scalar_name(hd);
+        self.launch(&format!("attention_backward_dq_{name}"), scalar_config(blocks, nq), &args)?;
         self.launch(
-            &format!("attention_backward_dkv_{hd}"),
+            &format!("attention_backward_dkv_{name}"),
             scalar_config(blocks, shape.kv_heads),
             &args,
         )

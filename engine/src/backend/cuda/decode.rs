@@ -71,6 +71,7 @@ impl Cuda {
                 Arg::I32(hd as i32),
                 Arg::I32(window),
                 Arg::F32(shape.softmax_scale()),
+                Arg::F32(shape.softcap.unwrap_or(0.0)),
             ],
         )
     }

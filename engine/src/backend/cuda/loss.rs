@@ -54,6 +54,7 @@ impl Cuda {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_forward";
         Self::check_head(OP, &x, &w, targets, tokens, hidden, vocab)?;
@@ -90,6 +91,7 @@ impl Cuda {
                     Arg::Ptr(self.ptr(&z)),
                     Arg::Ptr(tp + 4 * c0 as u64),
                     Arg::I64(vocab as i64),
+                    Arg::F32(softcap.unwrap_or(0.0)),
                 ],
             )?;
         }
@@ -109,6 +111,7 @@ impl Cuda {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_backward";
         let host = Self::check_head(OP, &x, &w, targets, tokens, hidden, vocab)?;
@@ -153,6 +156,7 @@ impl Cuda {
                     Arg::Ptr(tp + 4 * c0 as u64),
                     Arg::F32(scale),
                     Arg::I64(vocab as i64),
+                    Arg::F32(softcap.unwrap_or(0.0)),
                 ],
             )?;
             // dx = G · w: dxᵀ[H, m] = wᵀ · Gᵀ.

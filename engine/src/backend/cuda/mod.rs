@@ -611,8 +611,9 @@ impl Backend for Cuda {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
-        self.cross_entropy_forward_op(losses, lse, x, w, targets, tokens, hidden, vocab)
+        self.cross_entropy_forward_op(losses, lse, x, w, targets, tokens, hidden, vocab, softcap)
     }
 
     fn cross_entropy_backward(
@@ -627,8 +628,11 @@ impl Backend for Cuda {
         tokens: usize,
         hidden: usize,
         vocab: usize,
+        softcap: Option<f32>,
     ) -> Result<()> {
-        self.cross_entropy_backward_op(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab)
+        self.cross_entropy_backward_op(
+            dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab, softcap,
+        )
     }
 }
 

@@ -174,7 +174,7 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
     let arch = match spec.family {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
-        Family::Qwen3 | Family::Phi3 | Family::Gemma3 => {
+        Family::Qwen3 | Family::Phi3 | Family::Gemma2 | Family::Gemma3 => {
             return Err(err(format!(
                 "GGUF export supports llama, mistral and qwen2 checkpoints, not {}",
                 spec.family.model_type()

@@ -71,6 +71,18 @@ __device__ __forceinline__ int query_end(const int* cu, int docs, int j, int win
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
+// Gemma 2's soft-cap (cap > 0) in the scalar kernels' `_capped` instantiations: a raw score
+// s = q · k, whose scaled value s · scale becomes cap · tanh(s · scale / cap), is replaced by that
+// capped value divided by scale, so the code around it scales and exponentiates as without a
+// cap; returns the cap's slope 1 − tanh², by which dS is multiplied in the backward. tanh goes
+// through one exponential (1 − 2 / (1 + e^2x)): fewer registers than tanhf, and an error (about
+// 1e-7 absolute) far below the bf16 operands' rounding.
+__device__ __forceinline__ float cap_score(float& s, float scale, float cap) {
+  const float t = 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * (s * scale / cap)));
+  s = t * cap / scale;
+  return 1.0f - t * t;
+}
+
 // ---- PTX wrappers
 struct alignas(16) Chunk {
   unsigned x, y, z, w;
@@ -697,10 +709,11 @@ __device__ __forceinline__ void load_rows(bf16* tile, int rows, const bf16* src,
 
 // Forward. Grid (ceil(T / (4 QW)), nq), 128 threads; each warp owns QW queries.
 // out [T, nq hd] (bf16), lse [T, nq] (f32), qkv [T, (nq + 2 nkv) hd] (bf16).
-template <int HD, int QW>
+template <int HD, int QW, bool CAP>
 __device__ __forceinline__ void attention_forward(bf16* out, float* lse, const bf16* qkv,
                                                   const int* cu, int docs, int T, int nq,
-                                                  int nkv, int hd, int window, float scale) {
+                                                  int nkv, int hd, int window, float scale,
+                                                  float cap) {
   constexpr int BQ = 4 * QW, C = HD / 32;
   __shared__ bf16 Ks[HD * KP];
   __shared__ bf16 Vs[HD * KP];
@@ -739,6 +752,7 @@ __device__ __forceinline__ void attention_forward(bf16* out, float* lse, const b
       const bf16* q = Qs + qi * HD;
       float s = 0.0f;
       for (int d = 0; d < hd; ++d) s += bf2f(q[d]) * bf2f(Ks[d * KP + lane]);
+      if constexpr (CAP) cap_score(s, scale, cap);
       s = vis ? s * scale : NEG_INF;
       const float mn = fmaxf(m[r], warp_max(s));
       const float p = vis ? expf(s - mn) : 0.0f;
@@ -782,12 +796,12 @@ extern "C" __global__ void attention_backward_dot(float* dsum, const bf16* dout,
 
 // dq of every query. Grid (ceil(T / (4 QW)), nq), 128 threads; each warp owns QW queries.
 // dqkv [T, width] (writes the query heads), dout [T, nq hd], lse and dsum [T, nq].
-template <int HD, int QW>
+template <int HD, int QW, bool CAP>
 __device__ __forceinline__ void attention_backward_dq(bf16* dqkv, const bf16* dout,
                                                       const bf16* qkv, const float* lse,
                                                       const float* dsum, const int* cu, int docs,
                                                       int T, int nq, int nkv, int hd, int window,
-                                                      float scale) {
+                                                      float scale, float cap) {
   constexpr int BQ = 4 * QW, C = HD / 32;
   __shared__ bf16 Ks[HD * KP];
   __shared__ bf16 Vs[HD * KP];
@@ -831,8 +845,10 @@ __device__ __forceinline__ void attention_backward_dq(bf16* dqkv, const bf16* do
         s += bf2f(q[d]) * bf2f(Ks[d * KP + lane]);
         dp += bf2f(go[d]) * bf2f(Vs[d * KP + lane]);
       }
+      float slope = 1.0f;
+      if constexpr (CAP) slope = cap_score(s, scale, cap);
       const float p = vis ? expf(s * scale - L[r]) : 0.0f;
-      const float ds = p * (dp - D[r]);
+      const float ds = p * (dp - D[r]) * slope;
       for (int j = 0; j < KT; ++j) {
         const float dsj = __shfl_sync(FULL, ds, j);
 #pragma unroll
@@ -855,12 +871,12 @@ __device__ __forceinline__ void attention_backward_dq(bf16* dqkv, const bf16* do
 // dk and dv of every key. Grid (ceil(T / (4 KW)), nkv), 128 threads; each warp owns KW keys and
 // visits, for every query head of its kv head's group in order, the query tiles that see them.
 // dqkv [T, width] (writes the key and value heads).
-template <int HD, int KW>
+template <int HD, int KW, bool CAP>
 __device__ __forceinline__ void attention_backward_dkv(bf16* dqkv, const bf16* dout,
                                                        const bf16* qkv, const float* lse,
                                                        const float* dsum, const int* cu,
                                                        int docs, int T, int nq, int nkv, int hd,
-                                                       int window, float scale) {
+                                                       int window, float scale, float cap) {
   constexpr int KB = 4 * KW, C = HD / 32;
   __shared__ bf16 Qt[HD * KP];
   __shared__ bf16 Gt[HD * KP];
@@ -915,8 +931,10 @@ __device__ __forceinline__ void attention_backward_dkv(bf16* dqkv, const bf16* d
           s += bf2f(Qt[d * KP + lane]) * bf2f(k[d]);
           dp += bf2f(Gt[d * KP + lane]) * bf2f(v[d]);
         }
+        float slope = 1.0f;
+        if constexpr (CAP) slope = cap_score(s, scale, cap);
         const float p = vis ? expf(s * scale - Ls[lane]) : 0.0f;
-        const float ds = p * (dp - Ds[lane]);
+        const float ds = p * (dp - Ds[lane]) * slope;
         for (int q = 0; q < KT; ++q) {
           const float dsq = __shfl_sync(FULL, ds, q), pq = __shfl_sync(FULL, p, q);
 #pragma unroll
@@ -943,24 +961,34 @@ __device__ __forceinline__ void attention_backward_dkv(bf16* dqkv, const bf16* d
   }
 }
 
-#define ATTENTION_ENTRY_POINTS(HD, W)                                                          \
+// Each size twice: plain, and `_capped` with Gemma 2's soft-cap (the tensor-core kernels have
+// no soft-cap: it would make them spill registers).
+#define ATTENTION_ENTRY_POINTS_AS(NAME, HD, W, CAP)                                            \
   extern "C" __global__ void __launch_bounds__(128)                                            \
-      attention_forward_##HD(bf16* out, float* lse, const bf16* qkv, const int* cu, int docs,  \
-                             int T, int nq, int nkv, int hd, int window, float scale) {         \
-    attention_forward<HD, W>(out, lse, qkv, cu, docs, T, nq, nkv, hd, window, scale);          \
+      attention_forward_##NAME(bf16* out, float* lse, const bf16* qkv, const int* cu, int docs, \
+                               int T, int nq, int nkv, int hd, int window, float scale,        \
+                               float cap) {                                                    \
+    attention_forward<HD, W, CAP>(out, lse, qkv, cu, docs, T, nq, nkv, hd, window, scale,      \
+                                  cap);                                                        \
   }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_##HD(                \
+  extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_##NAME(              \
       bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,      \
-      const int* cu, int docs, int T, int nq, int nkv, int hd, int window, float scale) {      \
-    attention_backward_dq<HD, W>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, nkv, hd, window, \
-                                 scale);                                                       \
+      const int* cu, int docs, int T, int nq, int nkv, int hd, int window, float scale,        \
+      float cap) {                                                                             \
+    attention_backward_dq<HD, W, CAP>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, nkv, hd,    \
+                                      window, scale, cap);                                     \
   }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_##HD(               \
+  extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_##NAME(             \
       bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,      \
-      const int* cu, int docs, int T, int nq, int nkv, int hd, int window, float scale) {      \
-    attention_backward_dkv<HD, W>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, nkv, hd,        \
-                                  window, scale);                                              \
+      const int* cu, int docs, int T, int nq, int nkv, int hd, int window, float scale,        \
+      float cap) {                                                                             \
+    attention_backward_dkv<HD, W, CAP>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, nkv, hd,   \
+                                       window, scale, cap);                                    \
   }
+
+#define ATTENTION_ENTRY_POINTS(HD, W)            \
+  ATTENTION_ENTRY_POINTS_AS(HD, HD, W, false)    \
+  ATTENTION_ENTRY_POINTS_AS(capped_##HD, HD, W, true)
 
 // Rows per warp: 4, or 2 at head_dim 256 to stay within 48 KiB of static shared memory.
 ATTENTION_ENTRY_POINTS(32, 4)

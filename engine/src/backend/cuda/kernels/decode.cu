@@ -20,7 +20,7 @@
 template <int HD>
 __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const bf16* kc,
                                                  const bf16* vc, int past, int nq, int nkv,
-                                                 int hd, int window, float scale) {
+                                                 int hd, int window, float scale, float cap) {
   constexpr int C = HD / 32;
   __shared__ float Ms[DW];
   __shared__ float Ls[DW];
@@ -57,7 +57,11 @@ __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const
       }
     }
 #pragma unroll
-    for (int u = 0; u < KB; ++u) s[u] = warp_sum(s[u]) * scale;
+    for (int u = 0; u < KB; ++u) {
+      s[u] = warp_sum(s[u]) * scale;
+      // Gemma 2's soft-cap, as the training kernels apply it: cap · tanh(s / cap).
+      if (cap > 0.0f) s[u] = tanhf(s[u] / cap) * cap;
+    }
 #pragma unroll
     for (int u = 0; u < KB; ++u) {
       // Warp-uniform: keys past the query's own position are not visible.
@@ -99,8 +103,9 @@ __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const
 #define DECODE_ENTRY_POINT(HD)                                                                 \
   extern "C" __global__ void __launch_bounds__(DW * 32)                                        \
       attention_decode_##HD(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,         \
-                            int past, int nq, int nkv, int hd, int window, float scale) {      \
-    attention_decode<HD>(out, q, kc, vc, past, nq, nkv, hd, window, scale);                    \
+                            int past, int nq, int nkv, int hd, int window, float scale,       \
+                            float cap) {                                                       \
+    attention_decode<HD>(out, q, kc, vc, past, nq, nkv, hd, window, scale, cap);               \
   }
 
 DECODE_ENTRY_POINT(32)

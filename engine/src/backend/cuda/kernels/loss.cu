@@ -5,32 +5,47 @@
 
 #define IGNORE_INDEX (-100)
 
+// Gemma 2's final soft-cap: cap · tanh(z / cap) when cap > 0 (0: the logit as is); *slope gets
+// the derivative 1 − tanh².
+__device__ __forceinline__ float softcapped(float z, float cap, float* slope) {
+  if (cap <= 0.0f) {
+    *slope = 1.0f;
+    return z;
+  }
+  const float t = tanhf(z / cap);
+  *slope = 1.0f - t * t;
+  return t * cap;
+}
+
 // lse[c] = log Σ_v exp(z_cv); losses[c] = lse[c] − z_{c, y_c}, or 0 where y_c is IGNORE.
 // losses, lse [C] (f32), logits [C, V] (f32), targets [C]. One block per row.
 extern "C" __global__ void cross_entropy_rows(float* losses, float* lse, const float* logits,
-                                              const int* targets, long long vocab) {
+                                              const int* targets, long long vocab, float cap) {
   __shared__ float red[32];
   const long long row = blockIdx.x;
   const float* z = logits + row * vocab;
-  float mx = NEG_INF;
-  for (long long v = threadIdx.x; v < vocab; v += blockDim.x) mx = fmaxf(mx, z[v]);
+  float slope, mx = NEG_INF;
+  for (long long v = threadIdx.x; v < vocab; v += blockDim.x)
+    mx = fmaxf(mx, softcapped(z[v], cap, &slope));
   mx = block_max(mx, red);
   float sum = 0.0f;
-  for (long long v = threadIdx.x; v < vocab; v += blockDim.x) sum += expf(z[v] - mx);
+  for (long long v = threadIdx.x; v < vocab; v += blockDim.x)
+    sum += expf(softcapped(z[v], cap, &slope) - mx);
   sum = block_sum(sum, red);
   if (threadIdx.x == 0) {
     const float L = mx + logf(sum);
     const int y = targets[row];
     lse[row] = L;
-    losses[row] = y == IGNORE_INDEX ? 0.0f : L - z[y];
+    losses[row] = y == IGNORE_INDEX ? 0.0f : L - softcapped(z[y], cap, &slope);
   }
 }
 
-// G_cv = scale (softmax(z_c)_v − [v = y_c]), 0 on ignored rows; written as the bf16 operand of
-// the two backward GEMMs. grad [C, V] (bf16), logits [C, V] (f32), lse [C], targets [C].
+// G_cv = scale (softmax(z_c)_v − [v = y_c]) (times the soft-cap's slope), 0 on ignored rows;
+// written as the bf16 operand of the two backward GEMMs. grad [C, V] (bf16), logits [C, V]
+// (f32), lse [C], targets [C].
 extern "C" __global__ void cross_entropy_grad_rows(bf16* grad, const float* logits,
                                                    const float* lse, const int* targets,
-                                                   float scale, long long vocab) {
+                                                   float scale, long long vocab, float cap) {
   const long long row = blockIdx.x;
   const int y = targets[row];
   const float L = lse[row];
@@ -38,7 +53,11 @@ extern "C" __global__ void cross_entropy_grad_rows(bf16* grad, const float* logi
   bf16* gr = grad + row * vocab;
   for (long long v = threadIdx.x; v < vocab; v += blockDim.x) {
     float gv = 0.0f;
-    if (y != IGNORE_INDEX) gv = expf(z[v] - L) * scale - (v == y ? scale : 0.0f);
+    if (y != IGNORE_INDEX) {
+      float slope;
+      const float c = softcapped(z[v], cap, &slope);
+      gv = (expf(c - L) * scale - (v == y ? scale : 0.0f)) * slope;
+    }
     gr[v] = f2bf(gv);
   }
 }
