@@ -183,8 +183,9 @@ fn check(case: &str) {
     // Five AdamW steps with clipping and a cosine schedule. Adam divides by sqrt(v), which
     // amplifies the tiny gradient differences above for entries whose gradient is near zero
     // (an entry's update is ±lr whatever its gradient's size), and torch's f32 sqrt is not
-    // correctly rounded; the worst entry seen is 1.8e-4 of its tensor's scale, so 1e-3 leaves
-    // room for another CPU's GEMM kernel while a wrong op (errors of order 1) still fails.
+    // correctly rounded; the worst entry seen is 5.1e-4 of its tensor's scale (gemma2, whose
+    // soft-caps flatten some gradients further; the other cases stay under 2e-4), so 1e-3
+    // leaves room for another CPU's GEMM kernel while a wrong op (errors of order 1) still fails.
     let traj_loss = fx.f32s("traj.loss");
     let traj_norm = fx.f32s("traj.grad_norm");
     let traj_lr = fx.f32s("traj.lr");
