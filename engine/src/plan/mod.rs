@@ -682,7 +682,7 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
         compute_s: compute,
         gemm_s: c.gemm,
         attention_s: c.attention,
-        flops: c.gemm * input.rates.gemm_flops + c.attention * input.rates.attention_flops,
+        flops: c.gemm * input.rates.gemm_flops + c.attention * s.attention_rate(&input.rates),
         h2d_bytes: c.h2d_bytes,
         d2h_bytes: c.d2h_bytes,
         h2d_s: c.h2d,

@@ -21,6 +21,10 @@ pub struct MachineRates {
     /// SDPA: ~490 TFLOPS at seq 4096 to ~580 at 16384; 450 for shorter sequences and our own
     /// kernel.
     pub attention_flops: f64,
+    /// Attention FLOP/s of the scalar kernels, which soft-capped attention (Gemma 2) runs on.
+    /// Measured: Gemma-2-9B at 64 x 1024 tokens took 36.9 s a step on the H200 (2026-12-03),
+    /// about 29.6 s of it attention's 1.0e14 FLOPs (forward, recompute and backward): 3.5 TFLOPS.
+    pub scalar_attention_flops: f64,
     /// Parameters/s of the CPU AdamW on all cores. Measured: torch's fused CPU AdamW 4.67
     /// Gparam/s on the 16 cores; 5e9 is the target of Sluice's fused update.
     pub adam_params: f64,
@@ -38,6 +42,7 @@ impl Default for MachineRates {
             pcie_d2h: 50e9,
             gemm_flops: 700e12,
             attention_flops: 450e12,
+            scalar_attention_flops: 3.5e12,
             adam_params: 5e9,
             host_memcpy: 60e9,
         }
@@ -54,6 +59,7 @@ impl MachineRates {
             pcie_d2h: 10e9,
             gemm_flops: 2e10,
             attention_flops: 1e10,
+            scalar_attention_flops: 1e10,
             adam_params: 5e8,
             host_memcpy: 10e9,
         }
@@ -66,6 +72,7 @@ impl MachineRates {
             ("pcie_d2h", self.pcie_d2h),
             ("gemm_flops", self.gemm_flops),
             ("attention_flops", self.attention_flops),
+            ("scalar_attention_flops", self.scalar_attention_flops),
             ("adam_params", self.adam_params),
             ("host_memcpy", self.host_memcpy),
         ];

@@ -7,6 +7,7 @@
 
 use serde::Serialize;
 
+use super::MachineRates;
 use crate::error::{Error, Result};
 use crate::spec::ModelSpec;
 
@@ -118,9 +119,16 @@ pub struct Sizes {
     pub head_workspace: u64,
     /// Attention FLOPs of one layer's forward over the whole step (all micro-batches).
     pub attention_fwd_flops: f64,
+    /// Whether attention is soft-capped (Gemma 2), which the GPU runs on its scalar kernels.
+    pub capped_attention: bool,
 }
 
 impl Sizes {
+    /// The attention FLOP/s of this model on a machine: the scalar kernels' when soft-capped.
+    pub fn attention_rate(&self, r: &MachineRates) -> f64 {
+        if self.capped_attention { r.scalar_attention_flops } else { r.attention_flops }
+    }
+
     pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
         let (h, v, i) = (spec.hidden as u64, spec.vocab as u64, spec.intermediate as u64);
         let layer_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64 + 3 * i) * h;
@@ -146,6 +154,7 @@ impl Sizes {
             layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
             head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
+            capped_attention: spec.attn_softcap.is_some(),
         }
     }
 

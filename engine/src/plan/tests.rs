@@ -675,3 +675,29 @@ fn shapes_beyond_the_engines_ceilings_are_refused_before_any_arithmetic() {
         }
     }
 }
+
+#[test]
+fn soft_capped_attention_is_priced_at_the_scalar_kernels_rate() {
+    // Gemma 2's soft-capped attention runs on the scalar kernels: the same FLOPs at
+    // `scalar_attention_flops`; its GEMMs cost what any model's do.
+    let capped = preset("gemma-2-9b").expect("preset");
+    let mut uncapped = capped.clone();
+    uncapped.attn_softcap = None;
+    let time = |spec: &ModelSpec| {
+        let input = PlanInput {
+            spec,
+            batch: BatchShape { seq_len: 1024, micro_batch: 8, grad_accum: 8 },
+            clipping: true,
+            memory: MachineMemory::given(139 * GIB, 251 * GIB),
+            rates: MachineRates::default(),
+            supports: Capabilities::ALL,
+            gpus: 1,
+        };
+        fits(plan(&input).expect("valid")).time
+    };
+    let (c, u) = (time(&capped), time(&uncapped));
+    let ratio =
+        MachineRates::default().attention_flops / MachineRates::default().scalar_attention_flops;
+    assert!((c.attention_s / u.attention_s - ratio).abs() < 1e-9 * ratio, "{c:?} vs {u:?}");
+    assert!((c.gemm_s - u.gemm_s).abs() < 1e-12);
+}

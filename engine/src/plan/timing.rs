@@ -71,7 +71,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
     let n = s.batch.step_tokens() as f64;
     let units = s.units.len();
     let head = s.head();
-    let attn = s.attention_fwd_flops / r.attention_flops;
+    let attn = s.attention_fwd_flops / s.attention_rate(r);
     let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
     let fwd_secs = |u: usize| match u {
         0 => 0.0,
