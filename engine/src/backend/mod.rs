@@ -30,6 +30,14 @@ use std::ops::Range;
 use crate::error::Result;
 use crate::store::HostSlab;
 
+/// Gemma 2's soft-cap `cap · tanh(z / cap)` as transformers writes it (`z / cap`, `tanh`,
+/// `* cap`), and its derivative `1 − tanh²`: the CPU reference's capped ops and the decoder's
+/// host-side logits share it.
+pub fn softcap(z: f32, cap: f32) -> (f32, f32) {
+    let t = (z / cap).tanh();
+    (t * cap, 1.0 - t * t)
+}
+
 /// Target value of a token that carries no loss (prompt tokens, padding, document ends).
 pub const IGNORE: i32 = -100;
 

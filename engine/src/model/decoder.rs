@@ -908,7 +908,7 @@ impl<B: Backend> Decoder<B> {
     /// [`Decoder::logits`]; nothing for the other families.
     pub fn finish_logits(&self, logits: &mut [f32]) {
         if let Some(cap) = self.spec.final_softcap {
-            logits.iter_mut().for_each(|z| *z = (*z / cap).tanh() * cap);
+            logits.iter_mut().for_each(|z| *z = crate::backend::softcap(*z, cap).0);
         }
     }
 }

@@ -104,7 +104,7 @@ pub(super) fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
 pub(super) fn capped(s: f32, cap: Option<f32>) -> (f32, f32) {
     match cap {
         None => (s, 1.0),
-        Some(c) => super::loss::capped(s, c),
+        Some(c) => crate::backend::softcap(s, c),
     }
 }
 

@@ -14,19 +14,12 @@ use rayon::prelude::*;
 
 use super::check;
 use super::matmul::{linear, linear_dinp, linear_dw};
-use crate::backend::IGNORE;
+use crate::backend::{IGNORE, softcap as capped};
 use crate::error::Result;
 
 /// Tokens whose logits are materialised together: enough rows for the GEMMs to run at full speed
 /// on every thread, few enough to keep the scratch small.
 const CHUNK_TOKENS: usize = 128;
-
-/// `cap · tanh(z / cap)` as transformers writes it (`z / cap`, `tanh`, `* cap`), and its
-/// derivative `1 − tanh²`.
-pub(super) fn capped(z: f32, cap: f32) -> (f32, f32) {
-    let t = (z / cap).tanh();
-    (t * cap, 1.0 - t * t)
-}
 
 /// `log Σ_v exp(z_v)`, with the max subtracted and the sum in f64.
 fn log_sum_exp(z: &[f32]) -> f32 {
