@@ -15,8 +15,19 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 8] =
-    ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"];
+const CASES: [&str; 11] = [
+    "llama",
+    "llama-linear",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma3",
+    "gemma2",
+    "mixtral",
+    "qwen3_moe",
+    "gpt_oss",
+];
 
 fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case)
@@ -60,6 +71,13 @@ impl Fixture {
         self.tensors().tensor(name).is_ok()
     }
 
+    /// A metadata entry (`moe.num_experts`, ...).
+    fn meta(&self, key: &str) -> String {
+        let (_, st) = SafeTensors::read_metadata(&self.bytes).expect("fixture metadata");
+        let meta = st.metadata().clone().unwrap_or_default();
+        meta.get(key).unwrap_or_else(|| panic!("fixture metadata has no {key}")).clone()
+    }
+
     /// The batch as one micro-batch of packed rows. transformers shifts labels inside the loss
     /// (`logits[t]` predicts `labels[t + 1]`); the engine's targets are already shifted.
     fn batch(&self) -> MicroBatch {
@@ -92,6 +110,41 @@ impl Fixture {
 }
 
 /// Largest |a - b| relative to the largest |b|, with the worst index.
+/// The fixture's values for one of Sluice's tensors, `<kind>.<name>`. transformers 5 holds a
+/// Mixtral or Qwen MoE layer's experts fused (`mlp.experts.gate_up_proj` `[E, 2I, H]`, each
+/// expert's gate rows then its up rows; `mlp.experts.down_proj` `[E, H, I]`; the router as
+/// `mlp.gate`) and names its gradients so, while checkpoints keep one tensor per expert (`w1`,
+/// `w3`, `w2` or `gate_proj`, `up_proj`, `down_proj`): a per-expert tensor is its slice of the
+/// fused one.
+fn expected(fx: &Fixture, kind: &str, name: &str) -> Vec<f32> {
+    let direct = format!("{kind}.{name}");
+    if fx.has(&direct) {
+        return fx.f32s(&direct);
+    }
+    let parts: Vec<&str> = name.split('.').collect();
+    let layer = parts.get(2).expect("a layer tensor");
+    let fused = |t: &str| format!("{kind}.model.layers.{layer}.mlp.{t}");
+    if name.ends_with("block_sparse_moe.gate.weight") {
+        return fx.f32s(&fused("gate.weight"));
+    }
+    let at = parts.iter().position(|p| *p == "experts").expect("an expert tensor");
+    let expert: usize = parts[at + 1].parse().expect("expert index");
+    let (tensor, half) = match parts[at + 2] {
+        "w1" | "gate_proj" => ("experts.gate_up_proj", Some(0)),
+        "w3" | "up_proj" => ("experts.gate_up_proj", Some(1)),
+        "w2" | "down_proj" => ("experts.down_proj", None),
+        other => panic!("no fused tensor holds {other}"),
+    };
+    let all = fx.f32s(&fused(tensor));
+    let experts: usize = fx.meta("moe.num_experts").parse().expect("moe.num_experts");
+    let per = all.len() / experts;
+    let mine = &all[expert * per..(expert + 1) * per];
+    match half {
+        Some(h) => mine[h * per / 2..(h + 1) * per / 2].to_vec(),
+        None => mine.to_vec(),
+    }
+}
+
 fn max_rel_err(actual: &[f32], expected: &[f32]) -> (f32, usize) {
     assert_eq!(actual.len(), expected.len());
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
@@ -168,14 +221,24 @@ fn check(case: &str) {
         "{case} loss {loss} vs {expected_loss}"
     );
     let grads = grads.to_vec();
+    // A mixture of experts: the load-balancing loss itself (its coefficient times it is in
+    // `loss` above), from the same routing, summed in another order: same tolerance.
+    let aux_err = if fx.has("aux_loss") {
+        let want = fx.f32s("aux_loss")[0] as f64;
+        let got = trainer.aux_loss().expect("a MoE model reports its load-balancing loss");
+        let err = (got - want).abs() / want.abs();
+        assert!(err <= 1e-5, "{case} aux loss {got} vs {want}");
+        format!(", aux loss {err:.1e}")
+    } else {
+        String::new()
+    };
     let mut grad_err = 0f32;
     for (u, t) in params.layout.tensors() {
         let name = format!("grad.{}", t.name);
-        assert!(fx.has(&name), "{case}: fixture lacks {name}");
         grad_err = grad_err.max(assert_close(
             &format!("{case} {name}"),
             &grads[u][t.range.clone()],
-            &fx.f32s(&name),
+            &expected(&fx, "grad", &t.name),
             1e-4,
         ));
     }
@@ -189,8 +252,13 @@ fn check(case: &str) {
     let traj_loss = fx.f32s("traj.loss");
     let traj_norm = fx.f32s("traj.grad_norm");
     let traj_lr = fx.f32s("traj.lr");
+    let traj_aux = fx.has("traj.aux_loss").then(|| fx.f32s("traj.aux_loss"));
     for k in 0..traj_loss.len() {
         let m = trainer.step(std::slice::from_ref(&mb)).expect("step");
+        if let Some(traj_aux) = &traj_aux {
+            let (got, want) = (m.aux_loss.expect("aux loss"), traj_aux[k] as f64);
+            assert!((got - want).abs() <= 1e-4 * want.abs(), "{case} step {k} aux {got} vs {want}");
+        }
         let (l, n) = (traj_loss[k] as f64, traj_norm[k] as f64);
         assert!((m.loss - l).abs() <= 1e-4 * l.abs(), "{case} step {k} loss {} vs {l}", m.loss);
         assert!(
@@ -211,13 +279,13 @@ fn check(case: &str) {
         final_err = final_err.max(assert_close(
             &format!("{case} {name}"),
             &trainer.params.units[u][t.range.clone()],
-            &fx.f32s(&name),
+            &expected(&fx, "final", &t.name),
             1e-3,
         ));
     }
     // Shown with --nocapture: the figures quoted for the CPU reference's agreement.
     eprintln!(
-        "{case}: logits {logits_err:.1e}, loss {:.1e}, gradients {grad_err:.1e}, params after 5 steps {final_err:.1e} (max relative errors)",
+        "{case}: logits {logits_err:.1e}, loss {:.1e}{aux_err}, gradients {grad_err:.1e}, params after 5 steps {final_err:.1e} (max relative errors)",
         (loss - expected_loss).abs() / expected_loss.abs()
     );
 }
@@ -260,4 +328,19 @@ fn golden_gemma3_local_global_layers() {
 #[test]
 fn golden_gemma2_softcaps_and_alternating_windows() {
     check(CASES[7]);
+}
+
+#[test]
+fn golden_mixtral_top2_of_4_experts_with_load_balancing_loss() {
+    check(CASES[8]);
+}
+
+#[test]
+fn golden_qwen3_moe_dense_then_sparse_layer() {
+    check(CASES[9]);
+}
+
+#[test]
+fn golden_gpt_oss_sinks_yarn_biased_router_clamped_swiglu() {
+    check(CASES[10]);
 }

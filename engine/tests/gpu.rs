@@ -21,7 +21,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
-use sluice_engine::backend::{AttentionShape, Backend, FloatKind, GluAct, IGNORE};
+use sluice_engine::backend::{
+    AttentionShape, Backend, ExpertLayout, FloatKind, GluAct, GroupedShape, IGNORE, MoeShape,
+    RouterKind,
+};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
 use sluice_engine::schedule::{
@@ -485,6 +488,50 @@ fn rope_and_glu() {
     }
 }
 
+/// GPT-OSS's clamped SwiGLU on interleaved gate/up columns, with values past the clamps at ±7
+/// and some exactly on them (bf16 holds 7 exactly), where torch's clamp still passes the
+/// gradient.
+#[test]
+fn clamped_swiglu() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(7);
+    let act = GluAct::ClampedSwiglu;
+    let mut gu = round_bf16(&uniform(&mut r, T * 2 * I, 10.0));
+    // Every 13th value onto a bound: 13 ≡ 1 (mod 4), so gates (even) and ups (odd) each get both.
+    for (i, v) in gu.iter_mut().enumerate().step_by(13) {
+        *v = if i % 4 < 2 { 7.0 } else { -7.0 };
+    }
+    assert!(gu.iter().any(|&v| v > 7.0) && gu.iter().any(|&v| v < -7.0));
+    let mut want = vec![0.0; T * I];
+    c.glu_forward(&mut want, &gu, T, I, act).expect("cpu");
+    let dgu_in = put(g, &gu, Activation);
+    let mut out = nan(g, T * I, Activation);
+    g.glu_forward(all_mut(g, &mut out), all(g, &dgu_in), T, I, act).expect("gpu");
+    // f32 math with exp an f32 ulp apart between the GPU and the host, one bf16 rounding.
+    check("glu_forward ClampedSwiglu", &get(g, &out), &want, 5e-3);
+    let dout = round_bf16(&uniform(&mut r, T * I, 1.0));
+    let mut want = vec![0.0; T * 2 * I];
+    c.glu_backward(&mut want, &dout, &gu, T, I, act).expect("cpu");
+    let mut d = nan(g, T * 2 * I, Activation);
+    g.glu_backward(
+        all_mut(g, &mut d),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &dgu_in),
+        T,
+        I,
+        act,
+    )
+    .expect("gpu");
+    let got = get(g, &d);
+    check("glu_backward ClampedSwiglu", &got, &want, 5e-3);
+    // Where a clamp stops the gradient, both sides write an exact zero.
+    let stopped = want.iter().filter(|&&w| w == 0.0).count();
+    assert!(stopped > T, "the inputs should reach past the clamps ({stopped} zero gradients)");
+    for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+        assert!(b != 0.0 || a == 0.0, "glu_backward ClampedSwiglu element {i}: gpu {a}, cpu 0");
+    }
+}
+
 // ---- attention ----------------------------------------------------------------------------
 
 /// One attention check: the documents (`cu`, ending at the token count), the head layout, the
@@ -649,6 +696,429 @@ fn attention_head_dims_and_masks() {
     }
 }
 
+/// GPT-OSS's attention sinks after the attention on both backends: the op alone on the GPU's
+/// own attention results, the chain attention → sinks against the CPU's, and the backward (the
+/// sinks' gradient, and attention_backward given the sinked out and lse).
+fn sinks_case(cu: &[i32], hd: usize, seed: u64) {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(seed);
+    let t = *cu.last().expect("cu") as usize;
+    let (nq, nkv) = (8, 2);
+    let shape = AttentionShape {
+        tokens: t,
+        q_heads: nq,
+        kv_heads: nkv,
+        head_dim: hd,
+        docs: cu.len() - 1,
+        window: None,
+        scale_dim: None,
+        softcap: None,
+    };
+    let name = format!("T={t} hd={hd}");
+    let qkv = round_bf16(&uniform(&mut r, t * shape.qkv_width(), 2.5));
+    // Around the rows' own log-sum-exps (a few units), so the sinks take a real share.
+    let sinks = round_bf16(&uniform(&mut r, nq, 3.0).iter().map(|s| s + 2.0).collect::<Vec<_>>());
+    let (mut want, mut want_lse) = (vec![0.0; t * nq * hd], vec![0.0; t * nq]);
+    c.attention_forward(&mut want, &mut want_lse, &qkv, &cu.to_vec(), &shape).expect("cpu");
+    c.attention_sinks_forward(&mut want, &mut want_lse, &sinks, &shape).expect("cpu");
+
+    let (qkv_d, cu_d, sinks_d) =
+        (put(g, &qkv, Activation), ints(g, cu), put(g, &sinks, Activation));
+    let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
+    g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv_d), &cu_d, &shape)
+        .expect("gpu");
+    let (mut alone, mut alone_lse) = (get(g, &out), get(g, &lse));
+    c.attention_sinks_forward(&mut alone, &mut alone_lse, &sinks, &shape).expect("cpu");
+    g.attention_sinks_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &sinks_d), &shape)
+        .expect("gpu");
+    let (out_h, lse_h) = (get(g, &out), get(g, &lse));
+    // The op alone: one factor per row from exp and log (f32 ulps apart), one bf16 rounding.
+    check(&format!("attention_sinks_forward out {name}"), &out_h, &alone, 5e-3);
+    check(&format!("attention_sinks_forward lse {name}"), &lse_h, &alone_lse, 1e-5);
+    // The chain: attention_forward's tolerance (6e-3) and the rescaled output's second rounding.
+    check(&format!("attention + sinks out {name}"), &out_h, &want, 8e-3);
+    check(&format!("attention + sinks lse {name}"), &lse_h, &want_lse, 1e-5);
+
+    let dout = round_bf16(&uniform(&mut r, t * nq * hd, 1.0));
+    let ds0 = uniform(&mut r, nq, 1.0);
+    let mut want = ds0.clone();
+    c.attention_sinks_backward(&mut want, &dout, &out_h, &lse_h, &sinks, &shape).expect("cpu");
+    let dout_d = put(g, &dout, Activation);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut ds = put(g, &ds0, Accum);
+        g.attention_sinks_backward(
+            all_mut(g, &mut ds),
+            all(g, &dout_d),
+            all(g, &out),
+            all(g, &lse),
+            all(g, &sinks_d),
+            &shape,
+        )
+        .expect("gpu");
+        runs.push(get(g, &ds));
+    }
+    // Dots of bf16 values in f32, summed over tokens in another order: f32 rounding.
+    check(&format!("attention_sinks_backward dsinks (accumulates) {name}"), &runs[0], &want, 1e-5);
+    assert!(
+        runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "attention_sinks_backward {name}: two runs differ"
+    );
+    let mut want_d = vec![0.0; t * shape.qkv_width()];
+    c.attention_backward(&mut want_d, &dout, &qkv, &out_h, &lse_h, &cu.to_vec(), &shape)
+        .expect("cpu");
+    let mut d = nan(g, t * shape.qkv_width(), Activation);
+    g.attention_backward(
+        all_mut(g, &mut d),
+        all(g, &dout_d),
+        all(g, &qkv_d),
+        all(g, &out),
+        all(g, &lse),
+        &cu_d,
+        &shape,
+    )
+    .expect("gpu");
+    // As attention_case's backward.
+    check(&format!("attention_backward after sinks dqkv {name}"), &get(g, &d), &want_d, 1e-2);
+}
+
+#[test]
+fn attention_sinks() {
+    sinks_case(&CU, 64, 70); // the tensor-core kernels, short documents
+    sinks_case(&LONG_CU, 64, 71); // 301 tokens: the backward's sum over many token chunks
+    sinks_case(&LONG_CU, 40, 72); // the scalar kernels
+}
+
+// ---- mixture of experts -------------------------------------------------------------------
+
+const ROUTERS: [RouterKind; 3] = [
+    RouterKind::SoftmaxTopK { renormalize: false },
+    RouterKind::SoftmaxTopK { renormalize: true },
+    RouterKind::TopKSoftmax,
+];
+
+/// Router logits `[t, e]` (e ≥ 4) in bf16, as a GEMM leaves them, so ties occur among many
+/// experts; row 0 is all ties and row 1 ties its two largest, where the lower index goes first.
+fn router_logits(r: &mut ChaCha8Rng, t: usize, e: usize) -> Vec<f32> {
+    let mut z = round_bf16(&uniform(r, t * e, 3.0));
+    z[..e].fill(0.5);
+    z[e + 3] = 4.0;
+    z[e + 1] = 4.0;
+    z
+}
+
+/// The CPU's routing: (weights, probs, experts).
+fn cpu_route(z: &[f32], shape: &MoeShape) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
+    let (t, e, k) = (shape.tokens, shape.experts, shape.top_k);
+    let (mut w, mut p, mut ids) = (vec![0.0; t * k], vec![0.0; t * e], vec![0; t * k]);
+    Cpu::new().moe_route(&mut w, &mut p, &mut ids, z, shape).expect("cpu moe_route");
+    (w, p, ids)
+}
+
+#[test]
+fn moe_routing_and_its_backward() {
+    let g = gpu();
+    let c = Cpu::new();
+    let mut r = rng(80);
+    // A warp's lanes hold 1, 2 and 4 experts each.
+    for (e, k) in [(8, 2), (64, 4), (128, 8)] {
+        for router in ROUTERS {
+            let shape = MoeShape { tokens: T, hidden: H, experts: e, top_k: k, router };
+            let name = format!("E={e} k={k} {router:?}");
+            let z = router_logits(&mut r, T, e);
+            let (w, p, ids) = cpu_route(&z, &shape);
+            assert_eq!(
+                &ids[..k],
+                &(0..k as i32).collect::<Vec<_>>()[..],
+                "ties to the lower index"
+            );
+            assert_eq!(&ids[k..k + 2], &[1, 3], "ties to the lower index");
+            let (mut wd, mut pd) = (nan(g, T * k, Accum), nan(g, T * e, Accum));
+            let mut ids_d = ints(g, &vec![-1; T * k]);
+            g.moe_route(
+                all_mut(g, &mut wd),
+                all_mut(g, &mut pd),
+                &mut ids_d,
+                all(g, &put(g, &z, Activation)),
+                &shape,
+            )
+            .expect("gpu");
+            // The same logits and the same order (Rust's total_cmp): the same experts exactly.
+            assert_eq!(
+                g.download_ints(&ids_d).expect("download_ints"),
+                ids,
+                "moe_route experts {name}"
+            );
+            // f32 softmaxes, sums in another order, exp an f32 ulp apart: f32 rounding.
+            check(&format!("moe_route probs {name}"), &get(g, &pd), &p, 1e-5);
+            check(&format!("moe_route weights {name}"), &get(g, &wd), &w, 1e-5);
+
+            // The backward from identical inputs: the CPU's routing, uploaded.
+            let dw = uniform(&mut r, T * k, 1.0);
+            let counts: Vec<f32> = (0..e).map(|_| r.random_range(0..40) as f32).collect();
+            let (wd, pd, ids_d) = (put(g, &w, Accum), put(g, &p, Accum), ints(g, &ids));
+            let (dw_d, counts_d) = (put(g, &dw, Accum), put(g, &counts, Accum));
+            for (aux, kind) in [(None, Accum), (Some(0.01f32), Accum), (Some(0.01), Activation)] {
+                let mut want = vec![0.0; T * e];
+                c.moe_route_backward(
+                    &mut want,
+                    &dw,
+                    &w,
+                    &p,
+                    &ids,
+                    aux.map(|s| (&counts[..], s)),
+                    &shape,
+                )
+                .expect("cpu");
+                let mut dz = nan(g, T * e, kind);
+                g.moe_route_backward(
+                    all_mut(g, &mut dz),
+                    all(g, &dw_d),
+                    all(g, &wd),
+                    all(g, &pd),
+                    &ids_d,
+                    aux.map(|s| (all(g, &counts_d), s)),
+                    &shape,
+                )
+                .expect("gpu");
+                // f32 sums in another order; into bf16 (the router GEMM's operand), one rounding.
+                let tol = if kind == Activation { 4e-3 } else { 1e-5 };
+                let what = format!("moe_route_backward {name} aux={aux:?} -> {kind:?}");
+                check(&what, &get(g, &dz), &want, tol);
+            }
+
+            let stats0: Vec<f32> = uniform(&mut r, 2 * e, 1.0);
+            let mut want = stats0.clone();
+            c.moe_router_stats(&mut want, &p, &ids, &shape).expect("cpu");
+            let mut stats = put(g, &stats0, Accum);
+            g.moe_router_stats(all_mut(g, &mut stats), all(g, &pd), &ids_d, &shape).expect("gpu");
+            // Counts added at once rather than one by one, sums in another order: f32 rounding.
+            check(&format!("moe_router_stats (accumulates) {name}"), &get(g, &stats), &want, 1e-6);
+        }
+    }
+    // Bad shapes are errors, not panics.
+    let bad = MoeShape { tokens: T, hidden: H, experts: 4, top_k: 5, router: ROUTERS[0] };
+    let (mut wd, mut pd) = (nan(g, T * 5, Accum), nan(g, T * 4, Accum));
+    let mut ids_d = ints(g, &vec![0; T * 5]);
+    let z = put(g, &vec![0.0; T * 4], Activation);
+    let e = g
+        .moe_route(all_mut(g, &mut wd), all_mut(g, &mut pd), &mut ids_d, all(g, &z), &bad)
+        .expect_err("top_k above the experts");
+    assert!(e.to_string().contains("top_k"), "{e}");
+}
+
+/// `t` tokens' distinct experts, drawn from the first `used` of `e` so the others get no pairs.
+fn random_experts(r: &mut ChaCha8Rng, t: usize, used: usize, k: usize) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let start = ids.len();
+        while ids.len() < start + k {
+            let x = r.random_range(0..used as i32);
+            if !ids[start..].contains(&x) {
+                ids.push(x);
+            }
+        }
+    }
+    ids
+}
+
+#[test]
+fn moe_sort_matches_the_cpu_exactly() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(81);
+    // (tokens, experts, experts used, k): one chunk of the sort; many chunks with a quarter of
+    // the experts empty; a large micro-batch's 64K pairs over 128 experts.
+    for (t, e, used, k) in [(37, 8, 8, 2), (1500, 64, 48, 4), (8192, 128, 128, 8)] {
+        let shape = MoeShape { tokens: t, hidden: H, experts: e, top_k: k, router: ROUTERS[2] };
+        let pairs = t * k;
+        let ids = random_experts(&mut r, t, used, k);
+        let (mut order, mut rows) = (vec![-1; pairs], vec![-1; pairs]);
+        let offsets = c.moe_sort(&mut order, &mut rows, &ids, &shape).expect("cpu");
+        let ids_d = ints(g, &ids);
+        let (mut order_d, mut rows_d) = (ints(g, &vec![-1; pairs]), ints(g, &vec![-1; pairs]));
+        let got = g.moe_sort(&mut order_d, &mut rows_d, &ids_d, &shape).expect("gpu");
+        let name = format!("moe_sort T={t} E={e} k={k}");
+        assert_eq!(got, offsets, "{name}: offsets");
+        assert_eq!(g.download_ints(&order_d).expect("download"), order, "{name}: order");
+        assert_eq!(g.download_ints(&rows_d).expect("download"), rows, "{name}: rows");
+        let secs = median_seconds(5, &mut || {
+            g.moe_sort(&mut order_d, &mut rows_d, &ids_d, &shape).expect("gpu");
+        });
+        println!("{name}: {:.1} us per call, offsets read back included", secs * 1e6);
+    }
+    // An id outside 0..E is refused once the counts come back.
+    let shape = MoeShape { tokens: 3, hidden: H, experts: 4, top_k: 2, router: ROUTERS[2] };
+    let ids_d = ints(g, &[0, 1, 2, 4, 3, 0]);
+    let (mut order_d, mut rows_d) = (ints(g, &[0; 6]), ints(g, &[0; 6]));
+    let e = g.moe_sort(&mut order_d, &mut rows_d, &ids_d, &shape).expect_err("id 4 of 4 experts");
+    assert!(e.to_string().contains("outside 0..4"), "{e}");
+}
+
+#[test]
+fn moe_gather_and_combine() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(82);
+    let (e, k) = (8, 2);
+    let router = RouterKind::SoftmaxTopK { renormalize: true };
+    let shape = MoeShape { tokens: T, hidden: H, experts: e, top_k: k, router };
+    let pairs = T * k;
+    let z = router_logits(&mut r, T, e);
+    let (w, _, ids) = cpu_route(&z, &shape);
+    let (mut order, mut rows) = (vec![0; pairs], vec![0; pairs]);
+    c.moe_sort(&mut order, &mut rows, &ids, &shape).expect("cpu");
+    let (order_d, rows_d, w_d) = (ints(g, &order), ints(g, &rows), put(g, &w, Accum));
+
+    let x = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let x_d = put(g, &x, Activation);
+    let mut want = vec![0.0; pairs * H];
+    c.moe_gather(&mut want, &x, &order, &shape).expect("cpu");
+    let mut xs = nan(g, pairs * H, Activation);
+    g.moe_gather(all_mut(g, &mut xs), all(g, &x_d), &order_d, &shape).expect("gpu");
+    // Row copies in the same precision: exact.
+    let gathered = get(g, &xs);
+    check("moe_gather", &gathered, &want, 0.0);
+
+    // The chain on the device alone: its own routing and sort (int buffers the host never
+    // saw) gather the same rows.
+    let mut ids_d = ints(g, &vec![-1; pairs]);
+    let (mut wd2, mut pd2) = (nan(g, pairs, Accum), nan(g, T * e, Accum));
+    g.moe_route(
+        all_mut(g, &mut wd2),
+        all_mut(g, &mut pd2),
+        &mut ids_d,
+        all(g, &put(g, &z, Activation)),
+        &shape,
+    )
+    .expect("gpu");
+    let (mut order2, mut rows2) = (ints(g, &vec![-1; pairs]), ints(g, &vec![-1; pairs]));
+    g.moe_sort(&mut order2, &mut rows2, &ids_d, &shape).expect("gpu");
+    let mut xs2 = nan(g, pairs * H, Activation);
+    g.moe_gather(all_mut(g, &mut xs2), all(g, &x_d), &order2, &shape).expect("gpu");
+    assert_eq!(get(g, &xs2), gathered, "gather after the device's own routing and sort");
+
+    let dxs = round_bf16(&uniform(&mut r, pairs * H, 1.0));
+    let mut want = vec![0.0; T * H];
+    c.moe_gather_backward(&mut want, &dxs, &rows, &shape).expect("cpu");
+    let mut dx = nan(g, T * H, Activation);
+    g.moe_gather_backward(all_mut(g, &mut dx), all(g, &put(g, &dxs, Activation)), &rows_d, &shape)
+        .expect("gpu");
+    // k sums in f32, one bf16 rounding.
+    check("moe_gather_backward", &get(g, &dx), &want, 4e-3);
+
+    let y = round_bf16(&uniform(&mut r, pairs * H, 1.0));
+    let y_d = put(g, &y, Activation);
+    let mut want = vec![0.0; T * H];
+    c.moe_combine(&mut want, &y, &w, &rows, &shape).expect("cpu");
+    let mut out = nan(g, T * H, Activation);
+    g.moe_combine(all_mut(g, &mut out), all(g, &y_d), all(g, &w_d), &rows_d, &shape).expect("gpu");
+    check("moe_combine", &get(g, &out), &want, 4e-3);
+
+    let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let (mut want_dy, mut want_dw) = (vec![0.0; pairs * H], vec![0.0; pairs]);
+    c.moe_combine_backward(&mut want_dy, &mut want_dw, &dout, &y, &w, &rows, &shape).expect("cpu");
+    let (mut dy, mut dw) = (nan(g, pairs * H, Activation), nan(g, pairs, Accum));
+    g.moe_combine_backward(
+        all_mut(g, &mut dy),
+        all_mut(g, &mut dw),
+        all(g, &put(g, &dout, Activation)),
+        all(g, &y_d),
+        all(g, &w_d),
+        &rows_d,
+        &shape,
+    )
+    .expect("gpu");
+    check("moe_combine_backward dy", &get(g, &dy), &want_dy, 4e-3);
+    // Dots of bf16 values (exact products) summed in f32 in another order.
+    check("moe_combine_backward dweights (f32)", &get(g, &dw), &want_dw, 1e-5);
+}
+
+#[test]
+fn grouped_matmul() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(83);
+    let (k, n) = (H, 3 * 67);
+    // Five experts over 37 rows: experts with no rows first, inside and last; one with one row.
+    for counts in [[0usize, 7, 0, 29, 1], [12, 0, 25, 0, 0]] {
+        let mut offsets = vec![0usize];
+        for x in counts {
+            offsets.push(offsets[offsets.len() - 1] + x);
+        }
+        let (rows, e) = (offsets[counts.len()], counts.len());
+        for layout in [ExpertLayout::Rows, ExpertLayout::Cols] {
+            let gs = GroupedShape { offsets: &offsets, k, n, layout };
+            let name = format!("{layout:?} rows per expert {counts:?}");
+            let inp = round_bf16(&uniform(&mut r, rows * k, 1.0));
+            let w = round_bf16(&uniform(&mut r, e * n * k, 0.2));
+            let bias = round_bf16(&uniform(&mut r, e * n, 1.0));
+            let (inp_d, w_d, bias_d) =
+                (put(g, &inp, Activation), put(g, &w, Activation), put(g, &bias, Activation));
+            for (with_bias, kind) in [(false, Activation), (false, Accum), (true, Activation)] {
+                let mut want = vec![0.0; rows * n];
+                let b = with_bias.then_some(&bias[..]);
+                c.grouped_matmul_forward(&mut want, &inp, &w, b, &gs).expect("cpu");
+                let mut out = nan(g, rows * n, kind);
+                let b = with_bias.then(|| all(g, &bias_d));
+                g.grouped_matmul_forward(
+                    all_mut(g, &mut out),
+                    all(g, &inp_d),
+                    all(g, &w_d),
+                    b,
+                    &gs,
+                )
+                .expect("gpu");
+                // As matmul_forward; with a bias, the sum's second bf16 rounding.
+                let tol = match (with_bias, kind) {
+                    (true, _) => 6e-3,
+                    (false, Activation) => 4e-3,
+                    (false, Accum) => 1e-5,
+                };
+                let what = format!("grouped_matmul_forward {name} bias={with_bias} -> {kind:?}");
+                check(&what, &get(g, &out), &want, tol);
+            }
+
+            let dout = round_bf16(&uniform(&mut r, rows * n, 1.0));
+            let dw0 = uniform(&mut r, e * n * k, 1.0);
+            let (mut want_di, mut want_dw) = (vec![0.0; rows * k], dw0.clone());
+            c.grouped_matmul_backward(&mut want_di, &mut want_dw, &dout, &inp, &w, &gs)
+                .expect("cpu");
+            let dout_d = put(g, &dout, Activation);
+            let (mut di, mut dw) = (nan(g, rows * k, Activation), put(g, &dw0, Accum));
+            g.grouped_matmul_backward(
+                all_mut(g, &mut di),
+                all_mut(g, &mut dw),
+                all(g, &dout_d),
+                all(g, &inp_d),
+                all(g, &w_d),
+                &gs,
+            )
+            .expect("gpu");
+            check(&format!("grouped_matmul_backward dinp {name}"), &get(g, &di), &want_di, 4e-3);
+            let got = get(g, &dw);
+            // f32 accumulators with beta = 1: summation order only.
+            check(&format!("grouped_matmul_backward dw {name}"), &got, &want_dw, 1e-5);
+            for (x, &m) in counts.iter().enumerate() {
+                let span = x * n * k..(x + 1) * n * k;
+                if m == 0 {
+                    assert_eq!(got[span.clone()], dw0[span], "{name}: expert {x} has no rows");
+                }
+            }
+
+            let db0 = uniform(&mut r, e * n, 1.0);
+            let mut want = db0.clone();
+            c.grouped_bias_backward(&mut want, &dout, &gs).expect("cpu");
+            let mut db = put(g, &db0, Accum);
+            g.grouped_bias_backward(all_mut(g, &mut db), all(g, &dout_d), &gs).expect("gpu");
+            // Column sums in a fixed order (f32 chunks, then f64), the CPU's in f64.
+            check(
+                &format!("grouped_bias_backward (accumulates) {name}"),
+                &get(g, &db),
+                &want,
+                1e-6,
+            );
+        }
+    }
+}
+
 // ---- LM head and loss ---------------------------------------------------------------------
 
 #[test]
@@ -780,7 +1250,30 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
         "original_max_position_embeddings": 8, "short_factor": factors(0.05),
         "long_factor": factors(0.5),
     });
+    let mut mixtral = base("mixtral");
+    mixtral["num_local_experts"] = 4.into();
+    mixtral["num_experts_per_tok"] = 2.into();
+    mixtral["output_router_logits"] = true.into();
+    let mut qwen3_moe = base("qwen3_moe");
+    qwen3_moe["num_experts"] = 8.into();
+    qwen3_moe["num_experts_per_tok"] = 3.into();
+    qwen3_moe["moe_intermediate_size"] = 40.into();
+    qwen3_moe["norm_topk_prob"] = true.into();
+    let mut gpt_oss = base("gpt_oss");
+    gpt_oss["num_local_experts"] = 4.into();
+    gpt_oss["num_experts_per_tok"] = 2.into();
+    gpt_oss["sliding_window"] = 7.into();
+    gpt_oss["layer_types"] = serde_json::json!(["sliding_attention"]);
+    gpt_oss["output_router_logits"] = true.into();
+    gpt_oss["rope_parameters"] = serde_json::json!({
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": false,
+    });
     vec![
+        ("mixtral 4 experts top 2", spec_from(mixtral)),
+        ("qwen3_moe 8 experts top 3", spec_from(qwen3_moe)),
+        ("gpt_oss sinks, biases, clamped", spec_from(gpt_oss)),
         ("llama+bias", spec_from(llama)),
         ("qwen3 hd=128", spec_from(qwen3)),
         ("mistral window=7", spec_from(mistral)),
@@ -822,7 +1315,7 @@ fn run_layer<B: Backend>(
     dx_out: &[f32],
 ) -> LayerResult {
     let layout = p.layout.clone();
-    let dec = Decoder::new(b, spec, layout.layer.clone(), layout.head.clone()).expect("decoder");
+    let dec = Decoder::new(b, spec, layout.layers.clone(), layout.head.clone()).expect("decoder");
     let w = put(b, &p.units[1], Activation);
     let mut grad = b.alloc(p.units[1].len(), Accum).expect("grad");
     let x_in = put(b, x, Activation);
@@ -983,7 +1476,19 @@ fn golden_dir(case: &str) -> PathBuf {
 
 #[test]
 fn training_step_every_family() {
-    for case in ["llama", "llama-linear", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
+    for case in [
+        "llama",
+        "llama-linear",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "phi3",
+        "gemma3",
+        "gemma2",
+        "mixtral",
+        "qwen3_moe",
+        "gpt_oss",
+    ] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
@@ -1029,7 +1534,7 @@ fn streaming_schedule_matches_the_reference_loop() {
         (Tier::Device, 1, HostRing, None, Master, 2),
         (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
     ];
-    for case in ["llama", "qwen2", "mistral", "phi3", "gemma3", "gemma2"] {
+    for case in ["llama", "qwen2", "mistral", "phi3", "gemma3", "gemma2", "mixtral", "gpt_oss"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         let steps: Vec<Vec<MicroBatch>> = (0..3)
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
@@ -1267,9 +1772,17 @@ fn speed_at_7b_layer_shapes() {
 use sluice_engine::backend::DecodeShape;
 use sluice_engine::generate::{GenerateOptions, Generator};
 
-fn decode_case(hd: usize, nkv: usize, window: Option<usize>, past: usize, tokens: usize) {
+/// `sinks`: GPT-OSS's per-head sink logits, in the softmax's denominator.
+fn decode_case(
+    hd: usize,
+    nkv: usize,
+    window: Option<usize>,
+    past: usize,
+    tokens: usize,
+    sinks: bool,
+) {
     let (g, c) = (gpu(), Cpu::new());
-    let mut r = rng((hd * 1000 + past + tokens) as u64);
+    let mut r = rng((hd * 1000 + past + tokens) as u64 + u64::from(sinks));
     let nq = 6;
     let shape = DecodeShape {
         past,
@@ -1286,8 +1799,12 @@ fn decode_case(hd: usize, nkv: usize, window: Option<usize>, past: usize, tokens
     let q = round_bf16(&uniform(&mut r, tokens * nq * hd, 2.5));
     let k = round_bf16(&uniform(&mut r, n, 2.5));
     let v = round_bf16(&uniform(&mut r, n, 1.0));
+    // Sinks around the scores' own size (up to ~6 here), so they take a real share.
+    let sink: Vec<f32> =
+        round_bf16(&uniform(&mut r, nq, 3.0).iter().map(|s| s + 2.0).collect::<Vec<_>>());
+    let sink = sinks.then_some(sink);
     let mut want = vec![0.0; tokens * nq * hd];
-    c.attention_decode(&mut want, &q, &k, &v, &shape).expect("cpu");
+    c.attention_decode(&mut want, &q, &k, &v, sink.as_deref(), &shape).expect("cpu");
     // The caches are the front of larger buffers, as in generation (room for more positions).
     let room = n + 9 * nkv * hd;
     let (mut kc, mut vc) = (nan(g, room, Activation), nan(g, room, Activation));
@@ -1295,31 +1812,41 @@ fn decode_case(hd: usize, nkv: usize, window: Option<usize>, past: usize, tokens
     g.upload(g.view_mut(&mut vc, 0..n), &v).expect("upload");
     let mut out = nan(g, tokens * nq * hd, Activation);
     let qd = put(g, &q, Activation);
+    let sink_d = sink.as_ref().map(|s| put(g, s, Activation));
     g.attention_decode(
         all_mut(g, &mut out),
         all(g, &qd),
         g.view(&kc, 0..n),
         g.view(&vc, 0..n),
+        sink_d.as_ref().map(|s| all(g, s)),
         &shape,
     )
     .expect("gpu");
     // f32 math and one bf16 rounding of the output; the GPU's online softmax rescales in another
-    // order than the CPU's two passes (f32 ulps).
-    let name =
-        format!("attention_decode hd={hd} nkv={nkv} window={window:?} past={past} n={tokens}");
+    // order than the CPU's two passes (f32 ulps), and adds the sink to its denominator where the
+    // CPU rescales its output after (the same quotient, formed in another order).
+    let name = format!(
+        "attention_decode hd={hd} nkv={nkv} window={window:?} past={past} n={tokens} \
+         sinks={sinks}"
+    );
     check(&name, &get(g, &out), &want, 5e-3);
 }
 
 #[test]
 fn decode_attention_against_the_cpu() {
-    decode_case(64, 2, None, 0, 37); // a whole prompt
-    decode_case(64, 2, None, 300, 1); // one token after 300
-    decode_case(128, 1, Some(40), 500, 1); // a window inside the cache
-    decode_case(8, 2, None, 20, 3); // the golden models' head sizes
-    decode_case(12, 3, Some(5), 30, 1);
-    decode_case(256, 2, Some(100), 1000, 2);
-    decode_case(96, 6, None, 2047, 1);
-    decode_case(80, 3, Some(3000), 33, 4); // a window wider than the sequence
+    decode_case(64, 2, None, 0, 37, false); // a whole prompt
+    decode_case(64, 2, None, 300, 1, false); // one token after 300
+    decode_case(128, 1, Some(40), 500, 1, false); // a window inside the cache
+    decode_case(8, 2, None, 20, 3, false); // the golden models' head sizes
+    decode_case(12, 3, Some(5), 30, 1, false);
+    decode_case(256, 2, Some(100), 1000, 2, false);
+    decode_case(96, 6, None, 2047, 1, false);
+    decode_case(80, 3, Some(3000), 33, 4, false); // a window wider than the sequence
+    // GPT-OSS's sinks (head_dim 64, sliding layers of 128): a prompt, then single tokens.
+    decode_case(64, 2, None, 0, 37, true);
+    decode_case(64, 1, Some(128), 300, 1, true);
+    decode_case(64, 2, None, 1000, 2, true);
+    decode_case(32, 3, Some(5), 30, 1, true);
 }
 
 fn argmax(row: &[f32]) -> u32 {

@@ -17,7 +17,11 @@ the comparison is not limited by bf16 accumulation across micro-batches.
 
 Units are Sluice's: the embedding (with a tied LM head's gradient, which is the same tensor in
 transformers), each decoder layer, and the head (final norm, plus lm_head when untied). The
-tensors of each unit come from step1.json, by their Hugging Face names.
+tensors of each unit come from step1.json, by their Hugging Face names. transformers 5 holds a
+Mixtral or Qwen MoE layer's experts as fused parameters (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`, the router as `mlp.gate`) where the checkpoint, and so step1.json,
+names one tensor per expert: such a parameter belongs to the unit of its layer, and a unit's
+norm sums whatever parameters belong to it, so the comparison is the same.
 
 Exit status 1 when the loss or any unit's norm differs by more than the tolerance (see
 LOSS_RTOL and NORM_RTOL), 2 for bad input.
@@ -26,6 +30,7 @@ LOSS_RTOL and NORM_RTOL), 2 for bad input.
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -162,12 +167,31 @@ def main() -> int:
     print(f"replayed in {time.time() - started:.1f} s")
 
     units = step["units"]
-    claimed = [t for u in units for t in u["tensors"]]
-    missing = sorted(set(grads) - set(claimed))
-    unknown = sorted(set(claimed) - set(grads))
+    unit_of = {t: u["name"] for u in units for t in u["tensors"]}
+    layer_unit = {}
+    for u in units:
+        for t in u["tensors"]:
+            m = re.match(r"model\.layers\.(\d+)\.", t)
+            if m:
+                layer_unit[m.group(1)] = u["name"]
+
+    def owner(name: str):
+        """The unit a transformers parameter belongs to: by name, or, for a layer's fused
+        experts, by its layer."""
+        if name in unit_of:
+            return unit_of[name]
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.(experts\.|gate\.)", name)
+        return layer_unit.get(m.group(1)) if m else None
+
+    missing = sorted(n for n in grads if owner(n) is None)
+    fused_layers = {re.match(r"model\.layers\.(\d+)\.", n).group(1)
+                    for n in grads if n not in unit_of and owner(n) is not None}
+    unknown = sorted(t for t in unit_of if t not in grads
+                     and not any(t.startswith(f"model.layers.{l}.") for l in fused_layers))
     if missing or unknown:
         bad_input(f"units do not match the model's parameters: "
                   f"unassigned {missing[:5]}, not in the model {unknown[:5]}")
+    members = {u["name"]: [n for n in grads if owner(n) == u["name"]] for u in units}
 
     failures = []
     torch_loss = loss_sum / trained
@@ -179,7 +203,7 @@ def main() -> int:
     total_sq = 0.0
     worst = (0.0, "")
     for u in units:
-        sq = sum(float(grads[t].double().pow(2).sum()) for t in u["tensors"])
+        sq = sum(float(grads[t].double().pow(2).sum()) for t in members[u["name"]])
         total_sq += sq
         ours, theirs = u["grad_norm"], math.sqrt(sq)
         r = rel(ours, theirs)

@@ -18,7 +18,8 @@ use crate::error::{ApiError, ApiResult};
 pub struct ModelView {
     pub id: String,
     pub name: String,
-    /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text.
+    /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral, phi3, gemma2,
+    /// gemma3_text, mixtral, qwen3_moe, gpt_oss.
     pub family: &'static str,
     pub params: usize,
     /// "preset" (random weights) or "local" (real weights on this machine).

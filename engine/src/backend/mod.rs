@@ -74,6 +74,79 @@ pub enum GluAct {
     Silu,
     /// `gelu(g)` with the tanh approximation (GeGLU: gemma's `gelu_pytorch_tanh`).
     GeluTanh,
+    /// GPT-OSS's experts (`GptOssExperts._apply_gate`): the row's gate and up columns are
+    /// interleaved (`[g0, u0, g1, u1, ...]`, not `[gate | up]`), `g = min(g, 7)`,
+    /// `u = clamp(u, -7, 7)`, `out = (u + 1) · g · sigmoid(1.702 g)`.
+    ClampedSwiglu,
+}
+
+/// GPT-OSS's clamped SwiGLU constants (`GptOssExperts.alpha`, `.limit`).
+pub const CLAMPED_SWIGLU_ALPHA: f32 = 1.702;
+pub const CLAMPED_SWIGLU_LIMIT: f32 = 7.0;
+
+/// How a mixture-of-experts router turns a token's logits `z [E]` into its `k` experts and
+/// their weights. Both pick the `k` largest logits in descending order (ties to the lower
+/// expert index); `softmax(z)` is monotone, so picking by probability picks the same ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterKind {
+    /// `p = softmax(z)` over all experts; the weights are the chosen `p`, divided by their
+    /// sum when `renormalize` (Mixtral always; Qwen MoE's `norm_topk_prob`).
+    SoftmaxTopK { renormalize: bool },
+    /// The weights are `softmax` over the chosen logits alone (GPT-OSS's router).
+    TopKSoftmax,
+}
+
+/// The shapes of a mixture-of-experts MLP call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Tokens in the micro-batch.
+    pub tokens: usize,
+    pub hidden: usize,
+    /// Experts of the layer (`E`).
+    pub experts: usize,
+    /// Experts per token (`k`).
+    pub top_k: usize,
+    pub router: RouterKind,
+}
+
+impl MoeShape {
+    /// Rows of the expert-sorted activations: one per (token, slot) pair, `T k`.
+    pub fn rows(&self) -> usize {
+        self.tokens * self.top_k
+    }
+}
+
+/// How the experts' matrices of one projection sit in the layer's slab: `E` matrices one after
+/// another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `[E, N, K]`, each expert's `nn.Linear` weight: `out = inp · W_eᵀ` (Mixtral, Qwen MoE).
+    Rows,
+    /// `[E, K, N]`: `out = inp · W_e` (GPT-OSS's `gate_up_proj`, `down_proj`).
+    Cols,
+}
+
+/// One grouped GEMM over expert-sorted rows: expert `e` multiplies rows
+/// `offsets[e]..offsets[e + 1]` by its own matrix.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupedShape<'a> {
+    /// `[E + 1]`, non-decreasing, from [`Backend::moe_sort`]; the last entry is the row count.
+    pub offsets: &'a [usize],
+    /// Input width.
+    pub k: usize,
+    /// Output width.
+    pub n: usize,
+    pub layout: ExpertLayout,
+}
+
+impl GroupedShape<'_> {
+    pub fn experts(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.offsets.last().copied().unwrap_or(0)
+    }
 }
 
 /// The shapes an attention call works on.
@@ -496,13 +569,44 @@ pub trait Backend: Send + Sync {
     /// grouped-query, within the sliding window, scale `1/sqrt(hd)`; no lse (nothing runs
     /// backward). out `[tokens, nq hd]`, q `[tokens, nq hd]` (after RoPE), k_cache and v_cache
     /// `[past + tokens, nkv hd]` (keys after RoPE; the new tokens' rows already appended).
+    /// With `sinks` `[nq]` (GPT-OSS), each head's softmax denominator also holds `exp(sink)`,
+    /// as [`Backend::attention_sinks_forward`] describes.
+    #[allow(clippy::too_many_arguments)]
     fn attention_decode(
         &self,
         out: Self::ViewMut<'_>,
         q: Self::View<'_>,
         k_cache: Self::View<'_>,
         v_cache: Self::View<'_>,
+        sinks: Option<Self::View<'_>>,
         shape: &DecodeShape,
+    ) -> Result<()>;
+
+    /// GPT-OSS's attention sinks, applied to [`Backend::attention_forward`]'s results: head `h`
+    /// has a learned logit `sinks[h]` in its softmax's denominator with no value behind it
+    /// (`eager_attention_forward` in modeling_gpt_oss.py), so `lse' = log(exp(lse) +
+    /// exp(sink))` and `out *= exp(lse - lse')`, both in place. [`Backend::attention_backward`]
+    /// given the new `out` and `lse` is then the backward of the sinked attention as it stands.
+    /// out `[T, nq hd]`, lse `[T, nq]` (Accum), sinks `[nq]`.
+    fn attention_sinks_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        lse: Self::ViewMut<'_>,
+        sinks: Self::View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+    /// `dsinks[h] += -Σ_t exp(sinks[h] - lse[t, h]) · (dout[t, h] · out[t, h])` (accumulates),
+    /// with `out` and `lse` as [`Backend::attention_sinks_forward`] left them. dsinks `[nq]`
+    /// (Accum), dout and out `[T, nq hd]`, lse `[T, nq]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks_backward(
+        &self,
+        dsinks: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        out: Self::View<'_>,
+        lse: Self::View<'_>,
+        sinks: Self::View<'_>,
+        shape: &AttentionShape,
     ) -> Result<()>;
 
     // ---- MLP ------------------------------------------------------------------------------
@@ -526,6 +630,133 @@ pub trait Backend: Send + Sync {
         rows: usize,
         inter: usize,
         act: GluAct,
+    ) -> Result<()>;
+
+    // ---- mixture of experts ---------------------------------------------------------------
+    //
+    // A layer's MoE MLP: `z = x · Wrᵀ (+ br)` (matmul_forward), `moe_route` picks each token's
+    // experts and weights, `moe_sort` orders the `T k` (token, slot) pairs by expert,
+    // `moe_gather` copies each pair's input row into that order, two `grouped_matmul_forward`
+    // around `glu_forward` run every expert on its rows, and `moe_combine` sums each token's
+    // expert outputs by their weights. Reference: `MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
+    // `GptOssMLP` in transformers.
+
+    /// Routing. probs `[T, E]` (Accum) = `softmax(logits)` in f32 (kept for the load-balancing
+    /// loss and the backward), experts `[T, k]` the chosen experts in descending order of
+    /// logit, weights `[T, k]` (Accum) as `shape.router` says. logits `[T, E]`.
+    fn moe_route(
+        &self,
+        weights: Self::ViewMut<'_>,
+        probs: Self::ViewMut<'_>,
+        experts: &mut Self::Ints,
+        logits: Self::View<'_>,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// dlogits `[T, E]` (overwrites): the gradient through the routing weights of `dweights`
+    /// `[T, k]`, plus, with `aux = Some((counts, scale))`, the load-balancing loss's
+    /// `scale · p_e (c_e − Σ_j p_j c_j)` where `c = counts [E]` (Accum) are the step's counts
+    /// of pairs per expert (transformers' `load_balancing_loss_func`: the loss is
+    /// `E Σ_e c_e P_e / N²`, `P_e` the summed probabilities, and the counts carry no gradient).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_route_backward(
+        &self,
+        dlogits: Self::ViewMut<'_>,
+        dweights: Self::View<'_>,
+        weights: Self::View<'_>,
+        probs: Self::View<'_>,
+        experts: &Self::Ints,
+        aux: Option<(Self::View<'_>, f32)>,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// The load-balancing loss's statistics, accumulated over layers: `stats[e] +=` the pairs
+    /// routed to expert `e`, `stats[E + e] += Σ_t probs[t, e]`. stats `[2E]` (Accum).
+    fn moe_router_stats(
+        &self,
+        stats: Self::ViewMut<'_>,
+        probs: Self::View<'_>,
+        experts: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// Orders the `T k` pairs (pair `p = t k + j` is token `t`'s `j`-th expert) by expert,
+    /// keeping pair order within an expert: `order[r]` is the pair at sorted row `r`,
+    /// `rows[p]` the sorted row of pair `p`. Returns the offsets `[E + 1]` on the host: expert
+    /// `e`'s rows are `offsets[e]..offsets[e + 1]` (a GPU waits here for the routing).
+    /// order and rows `[T k]`, experts `[T, k]`.
+    fn moe_sort(
+        &self,
+        order: &mut Self::Ints,
+        rows: &mut Self::Ints,
+        experts: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<Vec<usize>>;
+    /// `xs[r] = x[order[r] / k]`. xs `[T k, H]`, x `[T, H]`.
+    fn moe_gather(
+        &self,
+        xs: Self::ViewMut<'_>,
+        x: Self::View<'_>,
+        order: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// `dx[t] = Σ_j dxs[rows[t k + j]]`, j ascending (overwrites). dx `[T, H]`, dxs `[T k, H]`.
+    fn moe_gather_backward(
+        &self,
+        dx: Self::ViewMut<'_>,
+        dxs: Self::View<'_>,
+        rows: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// `out[t] = Σ_j weights[t, j] · y[rows[t k + j]]`, j ascending (overwrites).
+    /// out `[T, H]`, y `[T k, H]`, weights `[T, k]` (Accum).
+    fn moe_combine(
+        &self,
+        out: Self::ViewMut<'_>,
+        y: Self::View<'_>,
+        weights: Self::View<'_>,
+        rows: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// `dy[rows[t k + j]] = weights[t, j] · dout[t]` and `dweights[t, j] = dout[t] ·
+    /// y[rows[t k + j]]` (both overwrite; the dot in f32). dy `[T k, H]`, dweights `[T, k]`
+    /// (Accum), dout `[T, H]`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_combine_backward(
+        &self,
+        dy: Self::ViewMut<'_>,
+        dweights: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        y: Self::View<'_>,
+        weights: Self::View<'_>,
+        rows: &Self::Ints,
+        shape: &MoeShape,
+    ) -> Result<()>;
+    /// Every expert's GEMM over its rows, `out[r] = inp[r] · W_e(ᵀ) (+ bias[e])` for `r` in
+    /// expert `e`'s rows. out `[R, N]`, inp `[R, K]`, w `[E, N, K]` or `[E, K, N]` as
+    /// `g.layout` says, bias `[E, N]`.
+    fn grouped_matmul_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        bias: Option<Self::View<'_>>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()>;
+    /// dinp `[R, K]` (overwrites), dw like w (accumulates).
+    fn grouped_matmul_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dw: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        w: Self::View<'_>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()>;
+    /// `dbias[e] += Σ_{r in expert e's rows} dout[r]` (accumulates). dbias `[E, N]`,
+    /// dout `[R, N]`.
+    fn grouped_bias_backward(
+        &self,
+        dbias: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        g: &GroupedShape<'_>,
     ) -> Result<()>;
 
     // ---- LM head and loss -----------------------------------------------------------------

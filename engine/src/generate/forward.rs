@@ -14,6 +14,7 @@ use crate::backend::{Backend, FloatKind, IGNORE};
 use crate::error::{Error, Result};
 use crate::model::{
     Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, Keys, LayerAt, LayerScratch,
+    RouterStats,
 };
 use crate::spec::ModelSpec;
 
@@ -31,7 +32,7 @@ impl<B: Backend> Model<B> {
     /// Moves `params` onto the backend (the CPU keeps the slabs themselves).
     pub fn new(b: &B, spec: ModelSpec, params: HostParams) -> Result<Self> {
         let layout = params.layout.clone();
-        let decoder = Decoder::new(b, &spec, layout.layer.clone(), layout.head.clone())?;
+        let decoder = Decoder::new(b, &spec, layout.layers.clone(), layout.head.clone())?;
         let units = params
             .units
             .into_iter()
@@ -203,7 +204,7 @@ pub(super) fn forward<B: Backend>(
     d.embed_forward(b, x, embed, &w.batch)?;
     for (l, (k, v)) in k_cache.iter_mut().zip(v_cache.iter_mut()).enumerate() {
         let keys = Keys::Cached { k, v, past: start };
-        let at = LayerAt { layer: l, batch: &w.batch, keys };
+        let at = LayerAt { layer: l, batch: &w.batch, keys, router: RouterStats::Off };
         d.layer_forward(b, x_next, x, &model.units[l + 1], &mut w.layer, at)?;
         std::mem::swap(x, x_next);
     }

@@ -24,7 +24,8 @@
 //! elsewhere), `act` is SwiGLU or GeGLU, and Gemma's norms scale by `1 + w`, formed in f32 in a
 //! scratch buffer before each norm (its gradient is the gradient of `w`).
 
-use super::layout::{HeadRanges, LayerRanges};
+use super::layout::{HeadRanges, LayerRanges, MlpRanges};
+use super::moe::{MoeScratch, RouterStats};
 use crate::backend::{AttentionShape, Backend, DecodeShape, FloatKind};
 use crate::error::Result;
 use crate::spec::ModelSpec;
@@ -77,19 +78,19 @@ impl<B: Backend> DeviceBatch<B> {
 
 /// One layer's intermediates and gradients for `tokens` tokens, reused by every layer.
 pub struct LayerScratch<B: Backend> {
-    ln1: B::Floats,      // [T, H]
-    ln1_rstd: B::Floats, // [T]
-    qkv_pre: B::Floats,  // [T, Dqkv] before the q/k norm (qwen3 only)
-    qk_rstd: B::Floats,  // [T, nq + nkv]
-    qkv: B::Floats,      // [T, Dqkv] after the q/k norm and RoPE
-    att: B::Floats,      // [T, nq hd]
-    lse: B::Floats,      // [T, nq]
-    x1: B::Floats,       // [T, H]
-    ln2: B::Floats,      // [T, H]
-    ln2_rstd: B::Floats, // [T]
-    gate_up: B::Floats,  // [T, 2I]
-    act: B::Floats,      // [T, I]
-    tmp_h: B::Floats,    // [T, H]
+    ln1: B::Floats,              // [T, H]
+    ln1_rstd: B::Floats,         // [T]
+    qkv_pre: B::Floats,          // [T, Dqkv] before the q/k norm (qwen3 only)
+    qk_rstd: B::Floats,          // [T, nq + nkv]
+    qkv: B::Floats,              // [T, Dqkv] after the q/k norm and RoPE
+    att: B::Floats,              // [T, nq hd]
+    lse: B::Floats,              // [T, nq]
+    x1: B::Floats,               // [T, H]
+    pub(super) ln2: B::Floats,   // [T, H]
+    ln2_rstd: B::Floats,         // [T]
+    gate_up: B::Floats,          // [T, 2I]
+    act: B::Floats,              // [T, I]
+    pub(super) tmp_h: B::Floats, // [T, H]
     // gradients
     d_act: B::Floats,     // [T, I]
     d_gate_up: B::Floats, // [T, 2I]
@@ -101,13 +102,15 @@ pub struct LayerScratch<B: Backend> {
     q: B::Floats, // [T, nq hd]
     // Gemma's post-attention and post-MLP norms: their inputs and rstd, and the gradient of
     // either input (one at a time).
-    o_pre: B::Floats,  // [T, H]
-    o_rstd: B::Floats, // [T]
-    m_pre: B::Floats,  // [T, H]
-    m_rstd: B::Floats, // [T]
-    d_pre: B::Floats,  // [T, H]
+    o_pre: B::Floats,            // [T, H]
+    o_rstd: B::Floats,           // [T]
+    pub(super) m_pre: B::Floats, // [T, H]
+    m_rstd: B::Floats,           // [T]
+    pub(super) d_pre: B::Floats, // [T, H]
     /// A norm's `offset + w` (Gemma), f32.
     norm_w: B::Floats, // [max(H, 2 hd)]
+    /// A MoE model's routing and expert buffers.
+    pub(super) moe: Option<MoeScratch<B>>,
     /// Device bytes these buffers take.
     pub bytes: usize,
 }
@@ -133,7 +136,9 @@ impl<B: Backend> LayerScratch<B> {
     }
 
     fn alloc(b: &B, spec: &ModelSpec, tokens: usize, purpose: ScratchUse) -> Result<Self> {
-        let (t, h, i) = (tokens, spec.hidden, spec.intermediate);
+        // A model whose every layer is a mixture needs no dense MLP buffers.
+        let i = if spec.all_sparse() { 0 } else { spec.intermediate };
+        let (t, h) = (tokens, spec.hidden);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
         let bytes = std::cell::Cell::new(0);
         let act = |n: usize| {
@@ -179,9 +184,15 @@ impl<B: Backend> LayerScratch<B> {
             m_rstd: acc(sandwich * t)?,
             d_pre: act(train * sandwich * t * h)?,
             norm_w: acc(offset * h.max(2 * spec.head_dim))?,
+            moe: None,
             bytes: 0,
         };
         scratch.bytes = bytes.get();
+        if spec.moe.is_some() {
+            let (moe, moe_bytes) = MoeScratch::new(b, spec, t, purpose == ScratchUse::Training)?;
+            scratch.moe = Some(moe);
+            scratch.bytes += moe_bytes;
+        }
         Ok(scratch)
     }
 }
@@ -226,17 +237,25 @@ pub enum Keys<'a, B: Backend> {
     Cached { k: &'a mut B::Floats, v: &'a mut B::Floats, past: usize },
 }
 
-/// Which layer a call runs, on which tokens, and how its attention sees keys and values.
+/// Which layer a call runs, on which tokens, how its attention sees keys and values, and what
+/// a MoE layer's router keeps.
 pub struct LayerAt<'a, B: Backend> {
     pub layer: usize,
     pub batch: &'a DeviceBatch<B>,
     pub keys: Keys<'a, B>,
+    pub router: RouterStats<'a, B>,
 }
 
 impl<'a, B: Backend> LayerAt<'a, B> {
-    /// `layer` over the packed rows of `batch`.
+    /// `layer` over the packed rows of `batch`, keeping no router statistics.
     pub fn packed(batch: &'a DeviceBatch<B>, layer: usize) -> Self {
-        LayerAt { layer, batch, keys: Keys::Packed }
+        LayerAt { layer, batch, keys: Keys::Packed, router: RouterStats::Off }
+    }
+
+    /// The same with the micro-batch's router statistics (`None` for a dense model).
+    pub fn with_router(mut self, router: RouterStats<'a, B>) -> Self {
+        self.router = router;
+        self
     }
 }
 
@@ -258,7 +277,8 @@ impl<B: Backend> Copy for HeadWeights<'_, B> {}
 /// The decoder bound to a spec and its RoPE tables on the device.
 pub struct Decoder<B: Backend> {
     pub spec: ModelSpec,
-    pub layer: LayerRanges,
+    /// Per decoder layer.
+    pub layers: Vec<LayerRanges>,
     pub head: HeadRanges,
     inv_freq: B::Floats, // [r / 2]
     /// Longrope: above this many positions a forward uses the second table.
@@ -276,7 +296,19 @@ fn all<B: Backend>(b: &B, buf: &B::Floats, n: usize) -> std::ops::Range<usize> {
 }
 
 impl<B: Backend> Decoder<B> {
-    pub fn new(b: &B, spec: &ModelSpec, layer: LayerRanges, head: HeadRanges) -> Result<Self> {
+    pub fn new(
+        b: &B,
+        spec: &ModelSpec,
+        layers: Vec<LayerRanges>,
+        head: HeadRanges,
+    ) -> Result<Self> {
+        if layers.len() != spec.layers {
+            return Err(crate::error::Error::invalid(format!(
+                "{} layer layouts for a model of {} layers",
+                layers.len(),
+                spec.layers
+            )));
+        }
         let table = |freqs: Vec<f32>| -> Result<B::Floats> {
             let mut buf = b.alloc(freqs.len(), FloatKind::Accum)?;
             b.upload(b.view_mut(&mut buf, 0..freqs.len()), &freqs)?;
@@ -294,7 +326,7 @@ impl<B: Backend> Decoder<B> {
             .transpose()?;
         Ok(Decoder {
             spec: spec.clone(),
-            layer,
+            layers,
             head,
             inv_freq,
             long_inv_freq,
@@ -339,6 +371,22 @@ impl<B: Backend> Decoder<B> {
             Some((above, long)) if batch.max_position + 1 > *above => b.view(long, 0..half),
             _ => b.view(&self.inv_freq, 0..half),
         }
+    }
+
+    fn ranges(&self, layer: usize) -> Result<&LayerRanges> {
+        self.layers.get(layer).ok_or_else(|| {
+            crate::error::Error::invalid(format!(
+                "layer {layer} of a model of {} layers",
+                self.layers.len()
+            ))
+        })
+    }
+
+    /// The mixture of layer `layer`, whose ranges say it is one.
+    pub(super) fn moe_spec(&self, layer: usize) -> Result<&crate::spec::MoeSpec> {
+        self.spec.moe_at(layer).ok_or_else(|| {
+            crate::error::Error::invalid(format!("layer {layer} has MoE weights but no MoE spec"))
+        })
     }
 
     fn attention_shape(&self, batch: &DeviceBatch<B>, layer: usize) -> AttentionShape {
@@ -394,8 +442,8 @@ impl<B: Backend> Decoder<B> {
         at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
-        let r = &self.layer;
-        let LayerAt { layer, batch, keys } = at;
+        let LayerAt { layer, batch, keys, router } = at;
+        let r = self.ranges(layer)?;
         let shape = self.attention_shape(batch, layer);
         let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
@@ -445,15 +493,26 @@ impl<B: Backend> Decoder<B> {
             self.rope_scale,
             &shape,
         )?;
+        let sinks = r.sinks.as_ref().map(|range| b.view(w, range.clone()));
         match keys {
-            Keys::Packed => b.attention_forward(
-                b.view_mut(&mut s.att, 0..t * datt),
-                b.view_mut(&mut s.lse, 0..t * spec.q_heads),
-                b.view(&s.qkv, 0..t * dqkv),
-                &batch.cu_seqlens,
-                &shape,
-            )?,
-            Keys::Cached { k, v, past } => self.attend_cached(b, s, k, v, past, &shape)?,
+            Keys::Packed => {
+                b.attention_forward(
+                    b.view_mut(&mut s.att, 0..t * datt),
+                    b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                    b.view(&s.qkv, 0..t * dqkv),
+                    &batch.cu_seqlens,
+                    &shape,
+                )?;
+                if let Some(sinks) = sinks {
+                    b.attention_sinks_forward(
+                        b.view_mut(&mut s.att, 0..t * datt),
+                        b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                        sinks,
+                        &shape,
+                    )?;
+                }
+            }
+            Keys::Cached { k, v, past } => self.attend_cached(b, s, k, v, past, sinks, &shape)?,
         }
         // The o projection lands in `tmp_h`, or in `o_pre` when a post-attention norm follows.
         let o_out = if r.post_attn_norm.is_some() { &mut s.o_pre } else { &mut s.tmp_h };
@@ -496,30 +555,43 @@ impl<B: Backend> Decoder<B> {
             h,
             eps,
         )?;
-        b.matmul_forward(
-            b.view_mut(&mut s.gate_up, 0..t * 2 * i),
-            b.view(&s.ln2, th.clone()),
-            wv(&r.gate_up_w),
-            t,
-            h,
-            2 * i,
-        )?;
-        b.glu_forward(
-            b.view_mut(&mut s.act, 0..t * i),
-            b.view(&s.gate_up, 0..t * 2 * i),
-            t,
-            i,
-            spec.glu_act,
-        )?;
-        let down_out = if r.post_mlp_norm.is_some() { &mut s.m_pre } else { &mut s.tmp_h };
-        b.matmul_forward(
-            b.view_mut(down_out, th.clone()),
-            b.view(&s.act, 0..t * i),
-            wv(&r.down_w),
-            t,
-            i,
-            h,
-        )?;
+        // The MLP's output lands in `tmp_h`, or in `m_pre` when a post-MLP norm follows.
+        let into_pre = r.post_mlp_norm.is_some();
+        match &r.mlp {
+            MlpRanges::Dense { gate_up_w, down_w } => {
+                b.matmul_forward(
+                    b.view_mut(&mut s.gate_up, 0..t * 2 * i),
+                    b.view(&s.ln2, th.clone()),
+                    wv(gate_up_w),
+                    t,
+                    h,
+                    2 * i,
+                )?;
+                b.glu_forward(
+                    b.view_mut(&mut s.act, 0..t * i),
+                    b.view(&s.gate_up, 0..t * 2 * i),
+                    t,
+                    i,
+                    spec.glu_act,
+                )?;
+                let down_out = if into_pre { &mut s.m_pre } else { &mut s.tmp_h };
+                b.matmul_forward(
+                    b.view_mut(down_out, th.clone()),
+                    b.view(&s.act, 0..t * i),
+                    wv(down_w),
+                    t,
+                    i,
+                    h,
+                )?;
+            }
+            MlpRanges::Moe(m) => {
+                let stats = match router {
+                    RouterStats::Record(stats) => Some(stats),
+                    _ => None,
+                };
+                self.moe_forward(b, w, s, m, self.moe_spec(layer)?, stats, t, into_pre)?;
+            }
+        }
         if let Some(post) = &r.post_mlp_norm {
             let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
             b.rmsnorm_forward(
@@ -538,6 +610,7 @@ impl<B: Backend> Decoder<B> {
     /// Attention of `shape.tokens` new rows of `s.qkv` against a key/value cache: their keys
     /// and values go to the cache's rows `past..`, their queries are gathered contiguously, and
     /// `s.att` gets the attention over every cached row up to each query's own.
+    #[allow(clippy::too_many_arguments)]
     fn attend_cached(
         &self,
         b: &B,
@@ -545,6 +618,7 @@ impl<B: Backend> Decoder<B> {
         k_cache: &mut B::Floats, // [capacity, nkv hd]
         v_cache: &mut B::Floats, // [capacity, nkv hd]
         past: usize,
+        sinks: Option<B::View<'_>>,
         shape: &AttentionShape,
     ) -> Result<()> {
         let (n, dqkv, datt) = (shape.tokens, shape.qkv_width(), self.spec.attn_width());
@@ -579,6 +653,7 @@ impl<B: Backend> Decoder<B> {
             q,
             b.view(k_cache, 0..end),
             b.view(v_cache, 0..end),
+            sinks,
             &DecodeShape {
                 past,
                 tokens: n,
@@ -608,8 +683,8 @@ impl<B: Backend> Decoder<B> {
         at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
-        let r = &self.layer;
-        let LayerAt { layer, batch, keys } = at;
+        let LayerAt { layer, batch, keys, router } = at;
+        let r = self.ranges(layer)?;
         if !matches!(keys, Keys::Packed) {
             return Err(crate::error::Error::invalid(
                 "a layer's backward runs over packed rows, not a key/value cache",
@@ -639,35 +714,50 @@ impl<B: Backend> Decoder<B> {
             }
             None => b.view(dx_out, th.clone()),
         };
-        b.matmul_backward(
-            b.view_mut(&mut s.d_act, 0..t * i),
-            b.view_mut(grad, r.down_w.clone()),
-            d_down,
-            b.view(&s.act, 0..t * i),
-            wv(&r.down_w),
-            t,
-            i,
-            h,
-        )?;
-        b.glu_backward(
-            b.view_mut(&mut s.d_gate_up, 0..t * 2 * i),
-            b.view(&s.d_act, 0..t * i),
-            b.view(&s.gate_up, 0..t * 2 * i),
-            t,
-            i,
-            spec.glu_act,
-        )?;
-        // d(ln2 output) reuses tmp_h.
-        b.matmul_backward(
-            b.view_mut(&mut s.tmp_h, th.clone()),
-            b.view_mut(grad, r.gate_up_w.clone()),
-            b.view(&s.d_gate_up, 0..t * 2 * i),
-            b.view(&s.ln2, th.clone()),
-            wv(&r.gate_up_w),
-            t,
-            h,
-            2 * i,
-        )?;
+        match &r.mlp {
+            MlpRanges::Dense { gate_up_w, down_w } => {
+                b.matmul_backward(
+                    b.view_mut(&mut s.d_act, 0..t * i),
+                    b.view_mut(grad, down_w.clone()),
+                    d_down,
+                    b.view(&s.act, 0..t * i),
+                    wv(down_w),
+                    t,
+                    i,
+                    h,
+                )?;
+                b.glu_backward(
+                    b.view_mut(&mut s.d_gate_up, 0..t * 2 * i),
+                    b.view(&s.d_act, 0..t * i),
+                    b.view(&s.gate_up, 0..t * 2 * i),
+                    t,
+                    i,
+                    spec.glu_act,
+                )?;
+                // d(ln2 output) reuses tmp_h.
+                b.matmul_backward(
+                    b.view_mut(&mut s.tmp_h, th.clone()),
+                    b.view_mut(grad, gate_up_w.clone()),
+                    b.view(&s.d_gate_up, 0..t * 2 * i),
+                    b.view(&s.ln2, th.clone()),
+                    wv(gate_up_w),
+                    t,
+                    h,
+                    2 * i,
+                )?;
+            }
+            MlpRanges::Moe(m) => {
+                let moe = self.moe_spec(layer)?;
+                let aux = match router {
+                    RouterStats::Complete { stats, weight } if weight != 0.0 => {
+                        Some((stats, weight))
+                    }
+                    _ => None,
+                };
+                let from_pre = r.post_mlp_norm.is_some();
+                self.moe_backward(b, grad, dx_out, w, s, m, moe, aux, t, from_pre)?;
+            }
+        }
         let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_backward(
             b.view_mut(&mut s.d_x1, th.clone()),
@@ -713,6 +803,16 @@ impl<B: Backend> Decoder<B> {
             datt,
             h,
         )?;
+        if let Some(sinks) = &r.sinks {
+            b.attention_sinks_backward(
+                b.view_mut(grad, sinks.clone()),
+                b.view(&s.d_att, 0..t * datt),
+                b.view(&s.att, 0..t * datt),
+                b.view(&s.lse, 0..t * spec.q_heads),
+                wv(sinks),
+                &shape,
+            )?;
+        }
         b.attention_backward(
             b.view_mut(&mut s.d_qkv, 0..t * dqkv),
             b.view(&s.d_att, 0..t * datt),

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use crate::spec::ModelSpec;
+use crate::spec::{Family, ModelSpec, MoeSpec};
 
 /// Offsets of groups inside a slab are rounded up to this many elements (256 bytes in f32), so
 /// every group starts aligned for vector loads and DMA.
@@ -43,8 +43,9 @@ pub struct UnitLayout {
     pub len: usize,
 }
 
-/// Ranges of a decoder layer's (possibly fused) operands inside its slab; the same for every
-/// layer.
+/// Ranges of a decoder layer's (possibly fused) operands inside its slab. Layers of one model
+/// share their attention's layout; their MLPs may differ (Qwen MoE's dense layers among
+/// mixtures).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerRanges {
     pub ln1: Range<usize>,
@@ -63,10 +64,40 @@ pub struct LayerRanges {
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`).
     pub post_attn_norm: Option<Range<usize>>,
     pub post_mlp_norm: Option<Range<usize>>,
-    /// `[2I, H]`: gate_proj then up_proj weights.
+    /// `[nq]`: GPT-OSS's attention sinks.
+    pub sinks: Option<Range<usize>>,
+    pub mlp: MlpRanges,
+}
+
+/// A layer's MLP: dense, or a mixture of experts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MlpRanges {
+    Dense {
+        /// `[2I, H]`: gate_proj then up_proj weights.
+        gate_up_w: Range<usize>,
+        /// `[H, I]`.
+        down_w: Range<usize>,
+    },
+    Moe(MoeRanges),
+}
+
+/// A MoE layer's router and experts. Expert `e`'s matrices follow expert `e − 1`'s, so each
+/// projection of every expert is one range (`[E, ...]`), as grouped GEMMs want it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeRanges {
+    /// `[E, H]`.
+    pub router_w: Range<usize>,
+    /// `[E]` (GPT-OSS).
+    pub router_b: Option<Range<usize>>,
+    /// `[E, 2I, H]` (each expert's gate then up rows), or GPT-OSS's `[E, H, 2I]` with gate
+    /// and up columns interleaved.
     pub gate_up_w: Range<usize>,
-    /// `[H, I]`.
+    /// `[E, 2I]` (GPT-OSS).
+    pub gate_up_b: Option<Range<usize>>,
+    /// `[E, H, I]`, or GPT-OSS's `[E, I, H]`.
     pub down_w: Range<usize>,
+    /// `[E, H]` (GPT-OSS).
+    pub down_b: Option<Range<usize>>,
 }
 
 /// Ranges inside the head slab.
@@ -82,7 +113,8 @@ pub struct HeadRanges {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelLayout {
     pub units: Vec<UnitLayout>,
-    pub layer: LayerRanges,
+    /// Per decoder layer.
+    pub layers: Vec<LayerRanges>,
     pub head: HeadRanges,
 }
 
@@ -131,6 +163,52 @@ impl SlabBuilder {
     }
 }
 
+/// A MoE layer's tensors under their checkpoint names: Mixtral's `block_sparse_moe.gate` and
+/// `experts.{e}.w1` (gate), `w3` (up), `w2` (down); Qwen MoE's `mlp.gate` and
+/// `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`; GPT-OSS's `mlp.router` and the fused
+/// `mlp.experts.gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]` with their biases.
+fn moe_ranges(s: &mut SlabBuilder, spec: &ModelSpec, moe: &MoeSpec) -> MoeRanges {
+    let (h, i, e) = (spec.hidden, moe.inter, moe.experts);
+    let per_expert = |s: &mut SlabBuilder, prefix: &str, names: [&str; 3]| {
+        let gate_up: Vec<(String, Vec<usize>)> = (0..e)
+            .flat_map(|x| {
+                [
+                    (format!("{prefix}.{x}.{}.weight", names[0]), vec![i, h]),
+                    (format!("{prefix}.{x}.{}.weight", names[1]), vec![i, h]),
+                ]
+            })
+            .collect();
+        let down: Vec<(String, Vec<usize>)> =
+            (0..e).map(|x| (format!("{prefix}.{x}.{}.weight", names[2]), vec![h, i])).collect();
+        (s.fused(&as_parts(&gate_up)), s.fused(&as_parts(&down)))
+    };
+    match spec.family {
+        Family::Mixtral => {
+            let router_w = s.fused(&[("block_sparse_moe.gate.weight", vec![e, h])]);
+            let (gate_up_w, down_w) = per_expert(s, "block_sparse_moe.experts", ["w1", "w3", "w2"]);
+            MoeRanges { router_w, router_b: None, gate_up_w, gate_up_b: None, down_w, down_b: None }
+        }
+        Family::GptOss => MoeRanges {
+            router_w: s.fused(&[("mlp.router.weight", vec![e, h])]),
+            router_b: Some(s.fused(&[("mlp.router.bias", vec![e])])),
+            gate_up_w: s.fused(&[("mlp.experts.gate_up_proj", vec![e, h, 2 * i])]),
+            gate_up_b: Some(s.fused(&[("mlp.experts.gate_up_proj_bias", vec![e, 2 * i])])),
+            down_w: s.fused(&[("mlp.experts.down_proj", vec![e, i, h])]),
+            down_b: Some(s.fused(&[("mlp.experts.down_proj_bias", vec![e, h])])),
+        },
+        _ => {
+            let router_w = s.fused(&[("mlp.gate.weight", vec![e, h])]);
+            let (gate_up_w, down_w) =
+                per_expert(s, "mlp.experts", ["gate_proj", "up_proj", "down_proj"]);
+            MoeRanges { router_w, router_b: None, gate_up_w, gate_up_b: None, down_w, down_b: None }
+        }
+    }
+}
+
+fn as_parts(v: &[(String, Vec<usize>)]) -> Vec<(&str, Vec<usize>)> {
+    v.iter().map(|(n, shape)| (n.as_str(), shape.clone())).collect()
+}
+
 impl ModelLayout {
     pub fn new(spec: &ModelSpec) -> ModelLayout {
         let (h, i, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
@@ -140,7 +218,7 @@ impl ModelLayout {
         embed.fused(&[("embed_tokens.weight", vec![spec.vocab, h])]);
         let mut units = vec![embed.finish(UnitKind::Embedding)];
 
-        let mut layer = None;
+        let mut layers = Vec::with_capacity(spec.layers);
         for l in 0..spec.layers {
             let mut s = SlabBuilder::new(&format!("model.layers.{l}."));
             let ranges = LayerRanges {
@@ -171,6 +249,7 @@ impl ModelLayout {
                 }),
                 o_w: s.fused(&[("self_attn.o_proj.weight", vec![h, q])]),
                 o_b: spec.o_bias.then(|| s.fused(&[("self_attn.o_proj.bias", vec![h])])),
+                sinks: spec.attn_sinks.then(|| s.fused(&[("self_attn.sinks", vec![spec.q_heads])])),
                 post_attn_norm: spec
                     .sandwich_norms
                     .then(|| s.fused(&[("post_attention_layernorm.weight", vec![h])])),
@@ -179,21 +258,26 @@ impl ModelLayout {
                 } else {
                     s.fused(&[("post_attention_layernorm.weight", vec![h])])
                 },
-                gate_up_w: if spec.fused_checkpoint {
-                    s.fused(&[("mlp.gate_up_proj.weight", vec![2 * i, h])])
-                } else {
-                    s.fused(&[
-                        ("mlp.gate_proj.weight", vec![i, h]),
-                        ("mlp.up_proj.weight", vec![i, h]),
-                    ])
+                mlp: match spec.moe_at(l) {
+                    Some(moe) => MlpRanges::Moe(moe_ranges(&mut s, spec, moe)),
+                    None if spec.fused_checkpoint => MlpRanges::Dense {
+                        gate_up_w: s.fused(&[("mlp.gate_up_proj.weight", vec![2 * i, h])]),
+                        down_w: s.fused(&[("mlp.down_proj.weight", vec![h, i])]),
+                    },
+                    None => MlpRanges::Dense {
+                        gate_up_w: s.fused(&[
+                            ("mlp.gate_proj.weight", vec![i, h]),
+                            ("mlp.up_proj.weight", vec![i, h]),
+                        ]),
+                        down_w: s.fused(&[("mlp.down_proj.weight", vec![h, i])]),
+                    },
                 },
-                down_w: s.fused(&[("mlp.down_proj.weight", vec![h, i])]),
                 post_mlp_norm: spec
                     .sandwich_norms
                     .then(|| s.fused(&[("post_feedforward_layernorm.weight", vec![h])])),
             };
             units.push(s.finish(UnitKind::Layer(l)));
-            layer = Some(ranges);
+            layers.push(ranges);
         }
 
         let mut s = SlabBuilder::new("");
@@ -204,22 +288,7 @@ impl ModelLayout {
         };
         units.push(s.finish(UnitKind::Head));
 
-        // A model always has at least one layer (the spec rejects zero), so `layer` is set; the
-        // fallback only keeps this function total.
-        let layer = layer.unwrap_or(LayerRanges {
-            ln1: 0..0,
-            qkv_w: 0..0,
-            qkv_b: None,
-            qk_norm: None,
-            o_w: 0..0,
-            o_b: None,
-            ln2: 0..0,
-            post_attn_norm: None,
-            post_mlp_norm: None,
-            gate_up_w: 0..0,
-            down_w: 0..0,
-        });
-        ModelLayout { units, layer, head }
+        ModelLayout { units, layers, head }
     }
 
     /// Index of the head unit.

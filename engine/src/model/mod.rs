@@ -1,10 +1,15 @@
 //! The model: how parameters are laid out by unit ([`layout`]), their host-side slabs
-//! ([`params`]), and the decoder's forward and backward on any backend ([`decoder`]).
+//! ([`params`]), and the decoder's forward and backward on any backend ([`decoder`], its
+//! mixture-of-experts MLP in [`moe`]).
 
 pub mod decoder;
 pub mod layout;
+pub mod moe;
 pub mod params;
 
 pub use decoder::{Decoder, DeviceBatch, HeadScratch, HeadWeights, Keys, LayerAt, LayerScratch};
-pub use layout::{ModelLayout, TensorSlot, UnitKind, UnitLayout};
+pub use layout::{
+    LayerRanges, MlpRanges, ModelLayout, MoeRanges, TensorSlot, UnitKind, UnitLayout,
+};
+pub use moe::RouterStats;
 pub use params::HostParams;

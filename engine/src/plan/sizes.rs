@@ -130,14 +130,15 @@ impl Sizes {
     }
 
     pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
-        let (h, v, i) = (spec.hidden as u64, spec.vocab as u64, spec.intermediate as u64);
-        let layer_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64 + 3 * i) * h;
+        let (h, v) = (spec.hidden as u64, spec.vocab as u64);
+        let attn_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64) * h;
         let mut units = vec![UnitInfo { name: "embedding".into(), params: v * h, gemm_params: 0 }];
         for l in 0..spec.layers {
+            // A MoE layer holds every expert but each token multiplies by its k experts'.
             units.push(UnitInfo {
                 name: format!("layer {l}"),
-                params: spec.layer_params() as u64,
-                gemm_params: layer_gemm,
+                params: spec.layer_params(l) as u64,
+                gemm_params: attn_gemm + spec.active_mlp_params(l) as u64,
             });
         }
         let head_params = h + if spec.tie_embeddings { 0 } else { v * h };
@@ -188,7 +189,8 @@ impl Sizes {
 /// norms' reciprocal RMS and attention's log-sum-exp in f32, plus the attention backward's
 /// row sums `D = rowsum(dO * O)` (`[T, nq]`, f32) that a fused kernel keeps.
 pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
-    let (h, i) = (spec.hidden as u64, spec.intermediate as u64);
+    let h = spec.hidden as u64;
+    let i = if spec.all_sparse() { 0 } else { spec.intermediate as u64 };
     let (dqkv, datt) = (spec.qkv_width() as u64, spec.attn_width() as u64);
     let qk = u64::from(spec.qk_norm);
     let nq = spec.q_heads as u64;
@@ -201,7 +203,21 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
     // Gemma's `1 + w` of one norm at a time.
     let norm_w =
         if spec.norm_offset != 0.0 { spec.hidden.max(2 * spec.head_dim) as u64 } else { 0 };
-    bf16_elems * BF16 + (f32_elems + norm_w) * F32
+    bf16_elems * BF16 + (f32_elems + norm_w) * F32 + moe_scratch_bytes(spec, t)
+}
+
+/// `MoeScratch` in `model::moe` for `t` tokens: every token is routed to `k` experts, so the
+/// expert activations are `t k` rows whatever the router's counts (each expert's share of them
+/// varies, their sum does not). Per token: router logits and their gradient `[E]` (bf16),
+/// probabilities `[E]` and weights and their gradient `[k]` (f32), three `i32` indices per
+/// routed row; per routed row: the gathered input, the expert output and their gradients
+/// `[H]`, the gate/up projection and its gradient `[2I]`, the activation and its gradient `[I]`
+/// (bf16).
+fn moe_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
+    let Some(m) = &spec.moe else { return 0 };
+    let (h, e, k, i) = (spec.hidden as u64, m.experts as u64, m.top_k as u64, m.inter as u64);
+    let rows = t * k;
+    t * (2 * e * BF16 + (e + 2 * k) * F32) + rows * (3 * 4 + (4 * h + 6 * i) * BF16)
 }
 
 /// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in

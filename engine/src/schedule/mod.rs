@@ -42,6 +42,7 @@ use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{
     Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
+    RouterStats,
 };
 use crate::optim::{AdamW, clip_coef};
 pub use crate::plan::{GradientTier, WeightSource};
@@ -194,6 +195,12 @@ pub struct Streamer<'b, B: Backend> {
     regen: Vec<Vec<B::Floats>>,
     /// Activation gradients per micro-batch, flowing down the layers.
     dx: [Vec<B::Floats>; 2],
+    /// A MoE model's router statistics, one `[2E]` per micro-batch (empty for dense models).
+    router_stats: Vec<B::Floats>,
+    /// The load-balancing loss's weight in this step's loss (`∂ loss / ∂ aux` of each
+    /// micro-batch), and the step's share of the mean load-balancing loss so far.
+    aux_weight: f32,
+    aux_share: Option<f64>,
     layer_out: B::Floats,
     scratch: LayerScratch<B>,
     head: HeadScratch<B>,
@@ -301,7 +308,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         options: ScheduleOptions,
     ) -> Result<Self> {
         let Shared { layout, store, worker } = shared;
-        let decoder = Decoder::new(b, spec, layout.layer.clone(), layout.head.clone())?;
+        let decoder = Decoder::new(b, spec, layout.layers.clone(), layout.head.clone())?;
 
         let largest = layout.units.iter().map(|u| u.len).max().unwrap_or(0);
         let (g, t, h) = (options.grad_accum, options.max_tokens, spec.hidden);
@@ -412,6 +419,12 @@ impl<'b, B: Backend> Streamer<'b, B> {
             work,
             regen,
             dx: [per_mb(t * h)?, per_mb(t * h)?],
+            router_stats: match &spec.moe {
+                Some(m) => (0..g).map(|_| acc(2 * m.experts)).collect::<Result<_>>()?,
+                None => Vec::new(),
+            },
+            aux_weight: 0.0,
+            aux_share: None,
             layer_out: act(t * h)?,
             device_bytes: 0,
             scratch,
@@ -657,16 +670,19 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// One optimizer step over the G micro-batches of `micro`.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<(StepMetrics, StepTraffic)> {
         let trained: usize = micro.iter().map(MicroBatch::trained_tokens).sum();
-        self.step_part(micro, trained)
+        self.step_part(micro, trained, micro.len())
     }
 
     /// This rank's share `micro` of a step whose micro-batches, over every rank, train
     /// `trained` tokens: the loss and the gradients are scaled by `1 / trained`, so summing
-    /// them over the ranks gives the step's mean. The reported loss is this share's part.
-    fn step_part(
+    /// them over the ranks gives the step's mean. The reported loss is this share's part. A
+    /// MoE model's load-balancing loss is the mean over the step's `micro_total` micro-batches,
+    /// every rank's included; this share reports its part of that too.
+    pub(crate) fn step_part(
         &mut self,
         micro: &[MicroBatch],
         trained: usize,
+        micro_total: usize,
     ) -> Result<(StepMetrics, StepTraffic)> {
         let start = Instant::now();
         let g = micro.len();
@@ -695,8 +711,12 @@ impl<'b, B: Backend> Streamer<'b, B> {
             _ => None,
         };
 
+        let aux_coef = self.decoder.spec.moe.as_ref().filter(|m| m.aux_in_loss).map(|m| m.aux_coef);
+        self.aux_weight = aux_coef.map_or(0.0, |c| c / micro_total.max(1) as f32);
         let loss_sum = self.forward(g, Some((1.0 / trained as f32, early)))?;
-        let loss = loss_sum / trained as f64;
+        let aux_loss = self.aux_share.map(|a| a / micro_total.max(1) as f64);
+        let aux_term = aux_coef.zip(aux_loss).map_or(0.0, |(c, a)| f64::from(c) * a);
+        let loss = loss_sum / trained as f64 + aux_term;
         let forward_done = Instant::now();
         self.backward(g, early)?;
         let backward_done = Instant::now();
@@ -750,6 +770,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let metrics = StepMetrics {
             step: self.step,
             loss,
+            aux_loss,
             lr,
             grad_norm,
             tokens,
@@ -780,6 +801,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
 
         let slot = self.load_unit(0)?;
         let started = Instant::now();
+        for stats in self.router_stats.iter_mut().take(g) {
+            let n = b.len(stats);
+            b.fill_zero(b.view_mut(stats, 0..n))?;
+        }
         for mb in 0..g {
             if keep {
                 self.check_interrupt()?;
@@ -850,13 +875,18 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     output,
                     mb,
                 )?;
+                // Evaluation keeps no statistics: its loss is the cross-entropy alone.
+                let router = match self.router_stats.get_mut(mb) {
+                    Some(stats) if keep => RouterStats::Record(stats),
+                    _ => RouterStats::Off,
+                };
                 self.decoder.layer_forward(
                     b,
                     x_out,
                     x_in,
                     &self.slots[slot],
                     &mut self.scratch,
-                    LayerAt::packed(batch, l),
+                    LayerAt::packed(batch, l).with_router(router),
                 )?;
                 if copy_out {
                     let n = batch.tokens * h;
@@ -929,6 +959,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let host = self.options.checkpoints == Tier::Host;
         let mut loss = 0.0;
+        self.aux_share = None;
+        if train.is_some() {
+            for (stats, batch) in self.router_stats.iter().zip(&self.batches).take(g) {
+                let aux = self.decoder.aux_loss(b, stats, batch.tokens)?;
+                *self.aux_share.get_or_insert(0.0) += aux;
+            }
+        }
         for mb in 0..g {
             let x = if host { &self.work[layers % 2][mb] } else { &self.ckpt_device[layers][mb] };
             let head_w = &self.slots[slot];
@@ -1003,6 +1040,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     )?;
                     let (w, batch) = (&self.slots[slot], &self.batches[mb]);
                     let at = LayerAt::packed(batch, l);
+                    let at = at.with_router(complete(&self.router_stats, mb, self.aux_weight));
                     self.decoder.layer_forward(b, x_out, x_in, w, &mut self.scratch, at)?;
                 }
             } else {
@@ -1014,13 +1052,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     let batch = &self.batches[mb];
                     let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
                     let w = &self.slots[slot];
+                    let router = || complete(&self.router_stats, mb, self.aux_weight);
                     self.decoder.layer_forward(
                         b,
                         &mut self.layer_out,
                         x_in,
                         w,
                         &mut self.scratch,
-                        LayerAt::packed(batch, l),
+                        LayerAt::packed(batch, l).with_router(router()),
                     )?;
                     let [d0, d1] = &mut self.dx;
                     let (dx_out, dx_in) =
@@ -1033,7 +1072,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         x_in,
                         w,
                         &mut self.scratch,
-                        LayerAt::packed(batch, l),
+                        LayerAt::packed(batch, l).with_router(router()),
                     )?;
                 }
                 cur = 1 - cur;
@@ -1194,6 +1233,14 @@ struct Pass {
 
 /// The backward's passes, top group first: for the group of layers `s..e`, recompute layers
 /// `s..e-1` forward, then run the backward of layers `e-1` down to `s`.
+/// Micro-batch `mb`'s complete router statistics for a recompute or a backward.
+fn complete<B: Backend>(stats: &[B::Floats], mb: usize, weight: f32) -> RouterStats<'_, B> {
+    match stats.get(mb) {
+        Some(stats) => RouterStats::Complete { stats, weight },
+        None => RouterStats::Off,
+    }
+}
+
 fn backward_passes(layers: usize, k: usize) -> Vec<Pass> {
     let mut passes = Vec::new();
     let mut starts: Vec<usize> = (0..layers).step_by(k.max(1)).collect();

@@ -140,6 +140,7 @@ where
             )));
         }
         let shares = split_micro(micro, world);
+        let micro_total = micro.len();
         let results: Vec<Result<(StepMetrics, StepTraffic)>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
@@ -149,7 +150,7 @@ where
                 .map(|(r, (rank, share))| {
                     std::thread::Builder::new()
                         .name(format!("sluice-rank-{r}"))
-                        .spawn_scoped(s, move || rank.step_part(share, trained))
+                        .spawn_scoped(s, move || rank.step_part(share, trained, micro_total))
                 })
                 .collect();
             handles
@@ -168,6 +169,7 @@ where
         for (m, _) in &parts[1..] {
             // Each rank's loss is its tokens' part of the step's mean.
             metrics.loss += m.loss;
+            metrics.aux_loss = metrics.aux_loss.zip(m.aux_loss).map(|(a, b)| a + b);
             metrics.tokens += m.tokens;
             metrics.elapsed = metrics.elapsed.max(m.elapsed);
             metrics.h2d_bytes += m.h2d_bytes;

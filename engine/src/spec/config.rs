@@ -54,6 +54,24 @@ pub struct HfConfig {
     pub bos_token_id: Option<Value>,
     pub eos_token_id: Option<Value>,
     pub pad_token_id: Option<Value>,
+    /// Mixtral, GPT-OSS: experts per MoE layer.
+    pub num_local_experts: Option<usize>,
+    /// Qwen MoE: experts per MoE layer.
+    pub num_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    /// Qwen MoE: each expert's intermediate size (`intermediate_size` is the dense layers').
+    pub moe_intermediate_size: Option<usize>,
+    /// Qwen MoE: renormalise the chosen experts' probabilities.
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen MoE: layers whose MLP is dense.
+    pub mlp_only_layers: Option<Vec<usize>>,
+    /// Qwen MoE: every `decoder_sparse_step`-th layer is a mixture.
+    pub decoder_sparse_step: Option<usize>,
+    /// Qwen2 MoE: the shared expert's intermediate size.
+    pub shared_expert_intermediate_size: Option<usize>,
+    pub router_aux_loss_coef: Option<f64>,
+    /// transformers adds the load-balancing loss to the loss only when this is set.
+    pub output_router_logits: Option<bool>,
     pub torch_dtype: Option<String>,
     pub dtype: Option<String>,
 }

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 pub use config::HfConfig;
 pub use preset::{PRESETS, preset};
 
-use crate::backend::GluAct;
+use crate::backend::{ExpertLayout, GluAct, RouterKind};
 use crate::error::{Error, Result};
 
 /// The decoder families Sluice trains.
@@ -32,10 +32,16 @@ pub enum Family {
     Gemma2,
     /// Gemma 3's text model (`Gemma3ForCausalLM`).
     Gemma3,
+    /// Mixtral's sparse mixture of experts.
+    Mixtral,
+    /// Qwen3's mixture of experts (`Qwen3MoeForCausalLM`).
+    Qwen3Moe,
+    /// OpenAI's gpt-oss: experts, attention sinks, alternating sliding and full attention.
+    GptOss,
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 10] = [
         Family::Llama,
         Family::Qwen2,
         Family::Qwen3,
@@ -43,6 +49,9 @@ impl Family {
         Family::Phi3,
         Family::Gemma2,
         Family::Gemma3,
+        Family::Mixtral,
+        Family::Qwen3Moe,
+        Family::GptOss,
     ];
 
     /// The `model_type` transformers writes.
@@ -55,6 +64,9 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::GptOss => "gpt_oss",
         }
     }
 
@@ -68,6 +80,9 @@ impl Family {
             Family::Phi3 => "Phi3ForCausalLM",
             Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -91,6 +106,18 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_positions: f64,
     },
+    /// YaRN (`_compute_yarn_parameters`): each frequency blended between itself and itself
+    /// divided by `factor` by a linear ramp over the dimensions between the correction range
+    /// of `beta_fast` and `beta_slow` rotations, and cos and sin multiplied by
+    /// `attention_factor`.
+    Yarn {
+        factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        original_max_positions: f64,
+        truncate: bool,
+        attention_factor: f64,
+    },
     /// Phi-3's LongRoPE: frequency `i` divided by `short[i]` while a forward's positions stay
     /// within `original_max_positions`, by `long[i]` beyond (transformers chooses per forward,
     /// from the largest position id), and cos and sin multiplied by `attention_factor`.
@@ -108,6 +135,39 @@ pub enum RopeScaling {
 pub struct LocalRope {
     pub theta: f64,
     pub scaling: RopeScaling,
+}
+
+/// A mixture-of-experts MLP's shape and behaviour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    /// Experts per MoE layer (`E`).
+    pub experts: usize,
+    /// Experts per token (`k`).
+    pub top_k: usize,
+    /// Each expert's intermediate size.
+    pub inter: usize,
+    pub router: RouterKind,
+    /// The router's logits have a bias (GPT-OSS).
+    pub router_bias: bool,
+    /// The experts' projections have biases (GPT-OSS).
+    pub expert_bias: bool,
+    /// How the experts' matrices are stored (and so laid out in the slab).
+    pub layout: ExpertLayout,
+    /// `router_aux_loss_coef`: the load-balancing loss's weight.
+    pub aux_coef: f32,
+    /// Whether the loss includes `aux_coef` times the load-balancing loss: transformers adds it
+    /// only with `output_router_logits`; it is reported either way.
+    pub aux_in_loss: bool,
+    /// Per layer: whether its MLP is the mixture (Qwen MoE's `mlp_only_layers` and
+    /// `decoder_sparse_step` make some dense).
+    pub sparse: Vec<bool>,
+}
+
+impl MoeSpec {
+    /// Layers whose MLP is the mixture.
+    pub fn sparse_layers(&self) -> usize {
+        self.sparse.iter().filter(|&&s| s).count()
+    }
 }
 
 /// A validated, fully resolved model description.
@@ -160,6 +220,10 @@ pub struct ModelSpec {
     pub final_softcap: Option<f32>,
     /// Per layer: the sliding window in tokens, or `None` for full causal attention.
     pub windows: Vec<Option<usize>>,
+    /// The mixture of experts, for the MoE families.
+    pub moe: Option<MoeSpec>,
+    /// Every attention head has a learned sink logit (GPT-OSS's `self_attn.sinks`).
+    pub attn_sinks: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// The `config.json` this spec was read from, kept so an export writes back every field.
@@ -224,6 +288,8 @@ impl ModelSpec {
             cfg.hidden_act.as_deref()
         };
         let glu_act = match act {
+            // GptOssExperts ignores `hidden_act`: its activation is the clamped SwiGLU.
+            _ if family == Family::GptOss => GluAct::ClampedSwiglu,
             None if gemma => GluAct::GeluTanh,
             None | Some("silu") | Some("swish") => GluAct::Silu,
             Some("gelu_pytorch_tanh") | Some("gelu_tanh") => GluAct::GeluTanh,
@@ -288,7 +354,8 @@ impl ModelSpec {
                 long.len()
             )));
         }
-        let attention_bias = cfg.attention_bias.unwrap_or(false);
+        // GptOssConfig defaults attention_bias to true, every other config to false.
+        let attention_bias = cfg.attention_bias.unwrap_or(family == Family::GptOss);
         let (qkv_bias, o_bias, qk_norm) = match family {
             Family::Llama | Family::Mistral => (attention_bias, attention_bias, false),
             Family::Qwen2 => (true, false, false),
@@ -297,7 +364,13 @@ impl ModelSpec {
             Family::Phi3 => (false, false, false),
             Family::Gemma2 => (attention_bias, attention_bias, false),
             Family::Gemma3 => (attention_bias, attention_bias, true),
+            Family::Mixtral => (false, false, false),
+            Family::Qwen3Moe => (attention_bias, attention_bias, true),
+            // GptOssAttention: every projection has a bias when attention_bias (the released
+            // checkpoints set it).
+            Family::GptOss => (attention_bias, attention_bias, false),
         };
+        let moe = resolve_moe(&cfg, family, layers, intermediate).map_err(err)?;
         let local_rope =
             if family == Family::Gemma3 { resolve_local_rope(&cfg).map_err(err)? } else { None };
         let windows = resolve_windows(&cfg, family, layers).map_err(err)?;
@@ -341,10 +414,38 @@ impl ModelSpec {
             attn_softcap,
             final_softcap,
             windows,
+            moe,
+            attn_sinks: family == Family::GptOss,
             bos_token_id: ids(&cfg.bos_token_id).first().copied(),
             eos_token_ids: ids(&cfg.eos_token_id),
             raw,
         })
+    }
+
+    /// The same model cut to its first `layers` decoder layers (a reduced-depth shape for
+    /// checks and benchmarks): the config's per-layer lists are cut alike and the result is
+    /// resolved again.
+    pub fn with_layers(&self, layers: usize) -> Result<ModelSpec> {
+        if layers == 0 || layers > self.layers {
+            return Err(Error::invalid(format!(
+                "a reduced depth must be 1 to {} layers, got {layers}",
+                self.layers
+            )));
+        }
+        let mut raw = self.to_hf_config();
+        if let Value::Object(map) = &mut raw {
+            map.insert("num_hidden_layers".into(), json!(layers));
+            if let Some(Value::Array(types)) = map.get_mut("layer_types") {
+                types.truncate(layers);
+            }
+            if let Some(Value::Array(dense)) = map.get_mut("mlp_only_layers") {
+                dense.retain(|l| l.as_u64().is_some_and(|l| (l as usize) < layers));
+            }
+        }
+        ModelSpec::from_hf(
+            raw,
+            Path::new(&format!("{} cut to {layers} layers", self.family.model_type())),
+        )
     }
 
     /// Width of one token's fused q, k, v projection.
@@ -357,13 +458,14 @@ impl ModelSpec {
         self.q_heads * self.head_dim
     }
 
-    /// Parameters of one decoder layer.
-    pub fn layer_params(&self) -> usize {
+    /// Parameters of decoder layer `layer` (MoE layers hold their router and experts; Qwen MoE
+    /// mixes them with dense ones).
+    pub fn layer_params(&self, layer: usize) -> usize {
         let h = self.hidden;
         let mut n = 2 * h // the two RMSNorms
             + self.qkv_width() * h
             + h * self.attn_width()
-            + 3 * self.intermediate * h;
+            + self.mlp_params(layer);
         if self.qkv_bias {
             n += self.qkv_width();
         }
@@ -376,14 +478,49 @@ impl ModelSpec {
         if self.sandwich_norms {
             n += 2 * h;
         }
+        if self.attn_sinks {
+            n += self.q_heads;
+        }
         n
+    }
+
+    /// Whether every layer's MLP is a mixture of experts (no dense MLP anywhere).
+    pub fn all_sparse(&self) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse.iter().all(|&s| s))
+    }
+
+    /// The MoE of layer `layer`, if its MLP is one.
+    pub fn moe_at(&self, layer: usize) -> Option<&MoeSpec> {
+        self.moe.as_ref().filter(|m| m.sparse.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Parameters of layer `layer`'s MLP: the dense gated MLP, or the router and every expert.
+    pub fn mlp_params(&self, layer: usize) -> usize {
+        let h = self.hidden;
+        match self.moe_at(layer) {
+            None => 3 * self.intermediate * h,
+            Some(m) => {
+                let router = h + usize::from(m.router_bias);
+                let expert = 3 * m.inter * h + usize::from(m.expert_bias) * (2 * m.inter + h);
+                m.experts * (router + expert)
+            }
+        }
+    }
+
+    /// Parameters one token's MLP multiplies by in layer `layer`: the dense MLP's, or its `k`
+    /// experts' and the router's (what a step's GEMM FLOPs count).
+    pub fn active_mlp_params(&self, layer: usize) -> usize {
+        match self.moe_at(layer) {
+            None => 3 * self.intermediate * self.hidden,
+            Some(m) => m.top_k * 3 * m.inter * self.hidden + m.experts * self.hidden,
+        }
     }
 
     /// Total trainable parameters (a tied LM head counted once).
     pub fn total_params(&self) -> usize {
         let embed = self.vocab * self.hidden;
         let head = if self.tie_embeddings { 0 } else { embed };
-        embed + self.layers * self.layer_params() + self.hidden + head
+        embed + (0..self.layers).map(|l| self.layer_params(l)).sum::<usize>() + self.hidden + head
     }
 
     /// RoPE inverse frequencies `[rotary_dim / 2]`, computed in f32 as transformers'
@@ -432,6 +569,43 @@ impl ModelSpec {
                     .collect()
             }
             RopeScaling::LongRope { short, .. } => self.longrope_inv_freq(theta, short),
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_positions,
+                truncate,
+                ..
+            } => {
+                let dim = self.rotary_dim as f64;
+                // find_correction_dim / find_correction_range, in f64 as Python computes them.
+                let correction = |rotations: f64| {
+                    dim * (original_max_positions / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let base = theta as f32;
+                let factor = *factor as f32;
+                (0..self.rotary_dim / 2)
+                    .map(|i| {
+                        let pos_freq = base.powf((2 * i) as f32 / self.rotary_dim as f32);
+                        let extrapolation = 1.0 / pos_freq;
+                        let interpolation = 1.0 / (factor * pos_freq);
+                        // linear_ramp_factor: (i − low) / (high − low) in f32, clamped to [0, 1].
+                        let ramp =
+                            ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                        let extra = 1.0 - ramp;
+                        interpolation * (1.0 - extra) + extrapolation * extra
+                    })
+                    .collect()
+            }
         }
     }
 
@@ -450,7 +624,8 @@ impl ModelSpec {
     /// The factor cos and sin are multiplied by (transformers' `attention_scaling`).
     pub fn rope_scale(&self) -> f32 {
         match &self.rope_scaling {
-            RopeScaling::LongRope { attention_factor, .. } => *attention_factor as f32,
+            RopeScaling::LongRope { attention_factor, .. }
+            | RopeScaling::Yarn { attention_factor, .. } => *attention_factor as f32,
             _ => 1.0,
         }
     }
@@ -489,6 +664,73 @@ impl ModelSpec {
         }
         out
     }
+}
+
+/// The mixture of experts a config describes, for the MoE families.
+fn resolve_moe(
+    cfg: &HfConfig,
+    family: Family,
+    layers: usize,
+    intermediate: usize,
+) -> std::result::Result<Option<MoeSpec>, String> {
+    let (experts, top_k, inter, router, coef) = match family {
+        Family::Mixtral => (
+            cfg.num_local_experts.unwrap_or(8),
+            cfg.num_experts_per_tok.unwrap_or(2),
+            intermediate,
+            RouterKind::SoftmaxTopK { renormalize: true },
+            0.001,
+        ),
+        // transformers 5 writes `num_local_experts` for Qwen MoE too; older configs
+        // `num_experts`.
+        Family::Qwen3Moe => (
+            cfg.num_experts.or(cfg.num_local_experts).unwrap_or(128),
+            cfg.num_experts_per_tok.unwrap_or(8),
+            cfg.moe_intermediate_size.unwrap_or(768),
+            RouterKind::SoftmaxTopK { renormalize: cfg.norm_topk_prob.unwrap_or(false) },
+            0.001,
+        ),
+        Family::GptOss => (
+            cfg.num_local_experts.unwrap_or(128),
+            cfg.num_experts_per_tok.unwrap_or(4),
+            intermediate,
+            RouterKind::TopKSoftmax,
+            0.001,
+        ),
+        _ => return Ok(None),
+    };
+    if experts == 0 || inter == 0 {
+        return Err("a mixture of experts needs experts and a non-zero intermediate size".into());
+    }
+    if top_k == 0 || top_k > experts {
+        return Err(format!("num_experts_per_tok must be in 1..={experts}, got {top_k}"));
+    }
+    if cfg.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
+        return Err("shared experts (shared_expert_intermediate_size) are not supported".into());
+    }
+    let aux_coef = cfg.router_aux_loss_coef.unwrap_or(coef);
+    if !aux_coef.is_finite() || aux_coef < 0.0 {
+        return Err(format!("router_aux_loss_coef must be a non-negative number, got {aux_coef}"));
+    }
+    // Qwen3MoeDecoderLayer: a mixture unless listed in mlp_only_layers or off the sparse step.
+    let step = cfg.decoder_sparse_step.unwrap_or(1).max(1);
+    let dense = cfg.mlp_only_layers.clone().unwrap_or_default();
+    let sparse = (0..layers)
+        .map(|l| family != Family::Qwen3Moe || (!dense.contains(&l) && (l + 1) % step == 0))
+        .collect();
+    let gpt_oss = family == Family::GptOss;
+    Ok(Some(MoeSpec {
+        experts,
+        top_k,
+        inter,
+        router,
+        router_bias: gpt_oss,
+        expert_bias: gpt_oss,
+        layout: if gpt_oss { ExpertLayout::Cols } else { ExpertLayout::Rows },
+        aux_coef: aux_coef as f32,
+        aux_in_loss: cfg.output_router_logits.unwrap_or(false),
+        sparse,
+    }))
 }
 
 /// RoPE as a config describes it.
@@ -616,10 +858,32 @@ fn resolve_rope_params(
                 attention_factor,
             }
         }
+        "yarn" => {
+            let factor = num("factor")?;
+            let original_max_positions = num("original_max_position_embeddings")?;
+            let opt = |key: &str| p.get(key).and_then(Value::as_f64).filter(|x| *x != 0.0);
+            // get_mscale: 0.1 · mscale · ln(scale) + 1 above a factor of 1.
+            let mscale =
+                |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let attention_factor =
+                match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                };
+            RopeScaling::Yarn {
+                factor,
+                beta_fast: opt("beta_fast").unwrap_or(32.0),
+                beta_slow: opt("beta_slow").unwrap_or(1.0),
+                original_max_positions,
+                truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                attention_factor,
+            }
+        }
         other => {
             return Err(format!(
                 "rope scaling {other:?} is not supported (supported: default, linear, llama3, \
-                 longrope)"
+                 longrope, yarn)"
             ));
         }
     };
@@ -660,9 +924,15 @@ fn resolve_windows(
     }
     Ok(match family {
         Family::Llama => vec![None; layers],
-        // modeling_phi3 passes the config's sliding window (if any) to every layer.
-        Family::Mistral | Family::Phi3 => vec![window; layers],
-        Family::Qwen2 | Family::Qwen3 => {
+        // modeling_phi3 and modeling_mixtral pass the config's sliding window (if any) to
+        // every layer.
+        Family::Mistral | Family::Phi3 | Family::Mixtral => vec![window; layers],
+        // GptOssConfig: even layers slide, odd ones attend to everything.
+        Family::GptOss => {
+            let window = window.ok_or("gpt_oss needs sliding_window")?;
+            (0..layers).map(|i| (i % 2 == 0).then_some(window)).collect()
+        }
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
             // modeling_qwen2: sliding only when enabled, and only from max_window_layers up.
             let from = cfg.max_window_layers.unwrap_or(layers);
             (0..layers)

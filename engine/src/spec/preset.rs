@@ -27,7 +27,34 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("gemma-2-9b", "Gemma 2 9B shape (soft-capped scores and logits, alternating windows)"),
     ("gemma-3-1b", "Gemma 3 1B shape (5 local layers to 1 global, GeGLU, sandwich norms)"),
     ("gemma-3-12b", "Gemma 3 12B text shape (local and global RoPE, linear scaling 8)"),
+    ("mixtral-8x7b", "Mixtral 8x7B shape (8 experts, top 2: 46.7B params, 12.9B active)"),
+    ("qwen3-30b-a3b", "Qwen3-30B-A3B shape (128 experts, top 8: 30.5B params, 3.3B active)"),
+    ("gpt-oss-20b", "gpt-oss-20b shape (32 experts, top 4, sinks, YaRN: 20.9B params)"),
+    ("gpt-oss-120b", "gpt-oss-120b shape (128 experts, top 4, sinks, YaRN: 116.8B params)"),
 ];
+
+/// gpt-oss's `config.json` for a size (both releases share all but depth and experts).
+fn gpt_oss(layers: usize, experts: usize) -> Value {
+    let types: Vec<&str> = (0..layers)
+        .map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" })
+        .collect();
+    json!({
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": experts, "num_experts_per_tok": 4,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 128,
+        "layer_types": types, "attention_bias": true, "swiglu_limit": 7.0,
+        "tie_word_embeddings": false, "router_aux_loss_coef": 0.9,
+        "output_router_logits": false,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": false,
+        },
+        "bos_token_id": 199998, "eos_token_id": 200002,
+    })
+}
 
 /// Gemma 3's text `config.json` for a size, as transformers 5 writes it: every sixth layer
 /// global (full attention, RoPE base 1e6 with `scaling`), the rest local (a sliding window, base
@@ -168,6 +195,28 @@ fn preset_config(name: &str) -> Option<Value> {
             1024,
             json!({"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}),
         ),
+        "mixtral-8x7b" => json!({
+            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": null,
+            "router_aux_loss_coef": 0.02, "output_router_logits": false,
+            "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2,
+        }),
+        "qwen3-30b-a3b" => json!({
+            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+            "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+            "output_router_logits": false, "tie_word_embeddings": false,
+            "bos_token_id": 151643, "eos_token_id": 151645,
+        }),
+        "gpt-oss-20b" => gpt_oss(24, 32),
+        "gpt-oss-120b" => gpt_oss(36, 128),
         _ => return None,
     })
 }

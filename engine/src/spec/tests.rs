@@ -99,6 +99,11 @@ fn preset_parameter_counts_match_the_real_models() {
     assert_eq!(preset("qwen2.5-7b").unwrap().total_params(), 7_615_616_512);
     assert_eq!(preset("llama3-8b").unwrap().total_params(), 8_030_261_248);
     assert_eq!(preset("qwen3-8b").unwrap().total_params(), 8_190_735_360);
+    // Mixtures of experts: every expert counted.
+    assert_eq!(preset("mixtral-8x7b").unwrap().total_params(), 46_702_792_704);
+    assert_eq!(preset("qwen3-30b-a3b").unwrap().total_params(), 30_532_122_624);
+    assert_eq!(preset("gpt-oss-20b").unwrap().total_params(), 20_914_757_184);
+    assert_eq!(preset("gpt-oss-120b").unwrap().total_params(), 116_829_156_672);
     for (name, _) in PRESETS {
         preset(name).unwrap();
     }
@@ -113,9 +118,19 @@ fn bad_configs_say_what_is_wrong() {
     let mut missing = base("qwen2");
     missing.as_object_mut().unwrap().remove("hidden_size");
     assert!(message(check(missing)).contains("hidden_size is missing"));
+    let mut dynamic = base("llama");
+    dynamic["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 4.0});
+    assert!(message(check(dynamic)).contains("\"dynamic\" is not supported"));
     let mut yarn = base("llama");
     yarn["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-    assert!(message(check(yarn)).contains("\"yarn\" is not supported"));
+    assert!(message(check(yarn)).contains("original_max_position_embeddings"));
+    let mut top = base("mixtral");
+    top["num_local_experts"] = json!(4);
+    top["num_experts_per_tok"] = json!(5);
+    assert!(message(check(top)).contains("num_experts_per_tok must be in 1..=4"));
+    let mut shared = base("qwen3_moe");
+    shared["shared_expert_intermediate_size"] = json!(64);
+    assert!(message(check(shared)).contains("shared experts"));
     let mut odd = base("llama");
     odd["head_dim"] = json!(7);
     assert!(message(check(odd)).contains("even"));

@@ -85,8 +85,12 @@ impl TrainConfig {
 pub struct StepMetrics {
     /// 1-based index of the step just taken.
     pub step: u64,
-    /// Mean cross-entropy over the step's trained tokens.
+    /// Mean cross-entropy over the step's trained tokens, plus, for a mixture of experts whose
+    /// config counts it (`output_router_logits`), `router_aux_loss_coef` times `aux_loss`.
     pub loss: f64,
+    /// A mixture of experts' load-balancing loss (transformers' `load_balancing_loss_func`),
+    /// the mean over the step's micro-batches; `None` for dense models.
+    pub aux_loss: Option<f64>,
     /// Learning rate the step used.
     pub lr: f32,
     /// Global gradient norm before clipping.

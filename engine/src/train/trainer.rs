@@ -16,6 +16,7 @@ use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{
     Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
+    RouterStats,
 };
 use crate::optim::{AdamW, adamw_step, clip_grad_norm, sum_of_squares};
 use crate::spec::ModelSpec;
@@ -43,6 +44,10 @@ pub struct Trainer<'b, B: Backend> {
     scratch: LayerScratch<B>,
     head: HeadScratch<B>,
     batch: DeviceBatch<B>,
+    /// A MoE model's router statistics of the current micro-batch.
+    stats: Option<B::Floats>,
+    /// The last `loss_and_grads`'s mean load-balancing loss (MoE models).
+    aux_loss: Option<f64>,
     max_tokens: usize,
 }
 
@@ -62,7 +67,8 @@ impl<'b, B: Backend> Trainer<'b, B> {
         if *layout != ModelLayout::new(spec) {
             return Err(Error::invalid("parameters do not match the model spec's layout"));
         }
-        let decoder = Decoder::new(b, spec, layout.layer.clone(), layout.head.clone())?;
+        let decoder = Decoder::new(b, spec, layout.layers.clone(), layout.head.clone())?;
+        let stats = decoder.router_stats(b)?;
         let mut weights = Vec::with_capacity(layout.units.len());
         let mut grads = Vec::with_capacity(layout.units.len());
         for (unit, host) in layout.units.iter().zip(&params.units) {
@@ -92,12 +98,19 @@ impl<'b, B: Backend> Trainer<'b, B> {
             scratch: LayerScratch::new(b, spec, max_tokens)?,
             head: HeadScratch::new(b, spec, max_tokens)?,
             batch: DeviceBatch::new(b, max_tokens)?,
+            stats,
+            aux_loss: None,
             max_tokens,
         })
     }
 
     pub fn spec(&self) -> &ModelSpec {
         &self.decoder.spec
+    }
+
+    /// The mean load-balancing loss of the last step or `loss_and_grads` (MoE models).
+    pub fn aux_loss(&self) -> Option<f64> {
+        self.aux_loss
     }
 
     /// The learning rate the next step will use.
@@ -117,20 +130,29 @@ impl<'b, B: Backend> Trainer<'b, B> {
     }
 
     /// Uploads `mb` and runs the embedding and every layer, leaving each layer's input in
-    /// `checkpoints` (the last one is the head's input).
+    /// `checkpoints` (the last one is the head's input) and a MoE model's router statistics in
+    /// `stats`.
     fn forward_layers(&mut self, mb: &MicroBatch) -> Result<()> {
         self.upload_batch(mb)?;
         let (b, d) = (self.b, &self.decoder);
         d.embed_forward(b, &mut self.checkpoints[0], &self.weights[0], &self.batch)?;
+        if let Some(stats) = &mut self.stats {
+            let n = b.len(stats);
+            b.fill_zero(b.view_mut(stats, 0..n))?;
+        }
         for l in 0..d.spec.layers {
             let (done, rest) = self.checkpoints.split_at_mut(l + 1);
+            let router = match &mut self.stats {
+                Some(stats) => RouterStats::Record(stats),
+                None => RouterStats::Off,
+            };
             d.layer_forward(
                 b,
                 &mut rest[0],
                 &done[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                LayerAt::packed(&self.batch, l),
+                LayerAt::packed(&self.batch, l).with_router(router),
             )?;
         }
         Ok(())
@@ -158,12 +180,22 @@ impl<'b, B: Backend> Trainer<'b, B> {
         Ok(host)
     }
 
-    /// Forward and backward of one micro-batch; returns the summed token loss. Weight gradients
-    /// accumulate into `self.grads` scaled by `scale`.
-    fn forward_backward(&mut self, mb: &MicroBatch, scale: f32) -> Result<f64> {
+    /// Forward and backward of one micro-batch; returns the summed token loss and a MoE
+    /// model's load-balancing loss. Weight gradients accumulate into `self.grads`: the
+    /// cross-entropy's scaled by `scale`, the load-balancing loss's by `aux_weight`.
+    fn forward_backward(
+        &mut self,
+        mb: &MicroBatch,
+        scale: f32,
+        aux_weight: f32,
+    ) -> Result<(f64, Option<f64>)> {
         self.forward_layers(mb)?;
         let (b, layers, head) = (self.b, self.decoder.spec.layers, self.weights.len() - 1);
         let d = &self.decoder;
+        let aux = match &self.stats {
+            Some(stats) => Some(d.aux_loss(b, stats, mb.ids.len())?),
+            None => None,
+        };
         let (embed_w, rest_w) = self.weights.split_at(1);
         let loss = d.head_forward(
             b,
@@ -186,6 +218,12 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 scale,
             )?;
         }
+        fn complete<B: Backend>(stats: &Option<B::Floats>, weight: f32) -> RouterStats<'_, B> {
+            match stats {
+                Some(stats) => RouterStats::Complete { stats, weight },
+                None => RouterStats::Off,
+            }
+        }
         for l in (0..layers).rev() {
             // Recompute the layer's internals from its checkpoint, then backprop through it.
             d.layer_forward(
@@ -194,7 +232,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &self.checkpoints[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                LayerAt::packed(&self.batch, l),
+                LayerAt::packed(&self.batch, l).with_router(complete(&self.stats, aux_weight)),
             )?;
             let [dx_out, dx_in] = &mut self.dx;
             d.layer_backward(
@@ -205,12 +243,12 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &self.checkpoints[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
-                LayerAt::packed(&self.batch, l),
+                LayerAt::packed(&self.batch, l).with_router(complete(&self.stats, aux_weight)),
             )?;
             self.dx.swap(0, 1);
         }
         d.embed_backward(b, &mut self.grads[0], &self.dx[0], &self.batch)?;
-        Ok(loss)
+        Ok((loss, aux))
     }
 
     /// Loss and gradients of one step's micro-batches without updating anything: the gradients
@@ -227,15 +265,27 @@ impl<'b, B: Backend> Trainer<'b, B> {
             self.b.fill_zero(self.b.view_mut(g, 0..n))?;
         }
         let scale = 1.0 / trained as f32;
-        let mut loss_sum = 0.0;
+        // The load-balancing loss counts once per micro-batch, averaged over the step.
+        let aux_coef = self.decoder.spec.moe.as_ref().filter(|m| m.aux_in_loss).map(|m| m.aux_coef);
+        let aux_weight = aux_coef.map_or(0.0, |c| c / micro.len() as f32);
+        let (mut loss_sum, mut aux_sum) = (0.0, None::<f64>);
         for mb in micro {
-            loss_sum += self.forward_backward(mb, scale)?;
+            let (loss, aux) = self.forward_backward(mb, scale, aux_weight)?;
+            loss_sum += loss;
+            if let Some(aux) = aux {
+                *aux_sum.get_or_insert(0.0) += aux;
+            }
         }
         for (host, dev) in self.host_grads.iter_mut().zip(&self.grads) {
             let n = host.len();
             self.b.download(host, self.b.view(dev, 0..n))?;
         }
-        Ok((loss_sum / trained as f64, &self.host_grads))
+        self.aux_loss = aux_sum.map(|a| a / micro.len() as f64);
+        let aux_term = match (aux_coef, self.aux_loss) {
+            (Some(c), Some(a)) => f64::from(c) * a,
+            _ => 0.0,
+        };
+        Ok((loss_sum / trained as f64 + aux_term, &self.host_grads))
     }
 
     /// One optimizer step over `micro` (the G micro-batches of the global batch).
@@ -294,6 +344,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
         Ok(StepMetrics {
             step: self.step,
             loss,
+            aux_loss: self.aux_loss,
             lr,
             grad_norm,
             tokens,

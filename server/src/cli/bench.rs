@@ -24,7 +24,7 @@ enum Bench {
     Adam(AdamArgs),
     /// Training steps of a random-init (or loaded) model on synthetic tokens: TFLOPS, tokens/s,
     /// time per phase, PCIe traffic, memory, against the planner's prediction.
-    Train(super::bench_train::TrainArgs),
+    Train(Box<super::bench_train::TrainArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -67,7 +67,7 @@ const BYTES_PER_PARAM: f64 = 4.0 * 4.0 + 3.0 * 4.0 + 2.0;
 pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         Bench::Adam(a) => adam(a),
-        Bench::Train(a) => super::bench_train::run(a),
+        Bench::Train(a) => super::bench_train::run(*a),
     }
 }
 

@@ -51,6 +51,11 @@ pub(crate) struct TrainArgs {
     #[command(flatten)]
     shape: ShapeArgs,
 
+    /// Keep only the model's first N decoder layers (a reduced-depth shape of a preset, for
+    /// checks that must fit a smaller machine; random weights only).
+    #[arg(long, value_name = "N")]
+    layers: Option<usize>,
+
     /// Optimizer steps to run; the summary is the median of steps 3..N.
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -158,7 +163,13 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     let source = args.shape.source()?;
-    let spec = model_spec(&source)?;
+    let spec = match (args.layers, &source) {
+        (Some(n), ModelSource::Preset(_)) => model_spec(&source)?.with_layers(n)?,
+        (Some(_), ModelSource::Dir(_)) => {
+            anyhow::bail!("--layers cuts a preset; a model folder trains as it is")
+        }
+        (None, _) => model_spec(&source)?,
+    };
     let plan = plan_job(&args, &spec, device)?;
     let options = schedule_options(&plan, args.optimizer_threads)?;
     print_plan(&plan);

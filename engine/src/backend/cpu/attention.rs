@@ -214,6 +214,73 @@ pub fn attention_backward(
     Ok(())
 }
 
+/// A sink's effect on one query head: the new log-sum-exp `lse' = log(exp(lse) + exp(sink))`
+/// and the factor `exp(lse − lse')` its output is multiplied by.
+pub(super) fn sink(lse: f32, sink: f32) -> (f32, f32) {
+    let m = lse.max(sink);
+    let new = m + ((lse - m).exp() + (sink - m).exp()).ln();
+    (new, (lse - new).exp())
+}
+
+/// GPT-OSS's attention sinks applied to a finished attention (`eager_attention_forward` in
+/// modeling_gpt_oss.py appends `sinks[h]` to every row of scores, softmaxes, and drops it).
+/// out `[T, nq hd]` and lse `[T, nq]` in place, sinks `[nq]`.
+pub fn attention_sinks_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    sinks: &[f32],
+    shape: &AttentionShape,
+) -> Result<()> {
+    const OP: &str = "attention_sinks_forward";
+    let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
+    check::len(OP, "out", out.len(), &[t, nq, hd])?;
+    check::len(OP, "lse", lse.len(), &[t, nq])?;
+    check::len(OP, "sinks", sinks.len(), &[nq])?;
+    if nq == 0 || hd == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(nq * hd).zip(lse.par_chunks_mut(nq)).for_each(|(out, lse)| {
+        for ((o, l), &s) in out.chunks_mut(hd).zip(lse.iter_mut()).zip(sinks) {
+            let (new, factor) = sink(*l, s);
+            o.iter_mut().for_each(|v| *v *= factor);
+            *l = new;
+        }
+    });
+    Ok(())
+}
+
+/// dsinks `[nq]` (accumulates; summed over tokens in order, in f64), dout and out
+/// `[T, nq hd]`, lse `[T, nq]` (after the sinks), sinks `[nq]`.
+pub fn attention_sinks_backward(
+    dsinks: &mut [f32],
+    dout: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    sinks: &[f32],
+    shape: &AttentionShape,
+) -> Result<()> {
+    const OP: &str = "attention_sinks_backward";
+    let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
+    check::len(OP, "dsinks", dsinks.len(), &[nq])?;
+    check::len(OP, "dout", dout.len(), &[t, nq, hd])?;
+    check::len(OP, "out", out.len(), &[t, nq, hd])?;
+    check::len(OP, "lse", lse.len(), &[t, nq])?;
+    check::len(OP, "sinks", sinks.len(), &[nq])?;
+    if nq == 0 || hd == 0 {
+        return Ok(());
+    }
+    let mut acc = vec![0f64; nq];
+    for tok in 0..t {
+        for h in 0..nq {
+            let at = (tok * nq + h) * hd..(tok * nq + h + 1) * hd;
+            let p = (sinks[h] - lse[tok * nq + h]).exp();
+            acc[h] -= f64::from(p * dot(&dout[at.clone()], &out[at]));
+        }
+    }
+    dsinks.iter_mut().zip(acc).for_each(|(d, a)| *d += a as f32);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +303,17 @@ mod tests {
     /// Naive double-precision twin: the full `[T, T]` masked score matrix per head, then a softmax
     /// over each row. Returns (out `[T, nq hd]`, lse `[T, nq]`).
     fn attention64(qkv: &[f64], cu: &[i32], shape: &AttentionShape) -> (Vec<f64>, Vec<f64>) {
+        attention64_sinks(qkv, cu, shape, None)
+    }
+
+    /// The twin with GPT-OSS's sinks as its eager attention writes them: one more column of
+    /// scores per row holding `sinks[h]`, softmaxed with the rest and then dropped.
+    fn attention64_sinks(
+        qkv: &[f64],
+        cu: &[i32],
+        shape: &AttentionShape,
+        sinks: Option<&[f64]>,
+    ) -> (Vec<f64>, Vec<f64>) {
         let (t, nq, nkv, hd) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
         let width = shape.qkv_width();
         let doc = |i: usize| cu.iter().filter(|&&c| c as usize <= i).count();
@@ -258,9 +336,11 @@ mod tests {
                     }
                 }
             }
+            let sink = sinks.map_or(f64::NEG_INFINITY, |s| s[h]);
             for (i, row) in scores.iter().enumerate() {
-                let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = row.iter().map(|s| (s - max).exp()).sum();
+                let max = row.iter().copied().fold(sink, f64::max);
+                let sum: f64 =
+                    row.iter().map(|s| (s - max).exp()).sum::<f64>() + (sink - max).exp();
                 lse[i * nq + h] = max + sum.ln();
                 for (j, s) in row.iter().enumerate() {
                     let p = (s - max).exp() / sum;
@@ -323,6 +403,40 @@ mod tests {
                 attention64(x, cu, shape).0.iter().zip(&r64).map(|(o, r)| o * r).sum()
             });
             assert_close(&format!("attention dqkv (dq, dk, dv), case {n}"), &dqkv, &want, TOL);
+        }
+        Ok(())
+    }
+
+    /// GPT-OSS's sinks: the forward against the twin's extra score column, and the backward
+    /// (the plain backward on the sinked output and lse, plus the sinks' own gradient) against
+    /// finite differences of both the inputs and the sinks.
+    #[test]
+    fn sinks_match_the_eager_extra_column_forward_and_backward() -> Result<()> {
+        for (n, (shape, cu)) in cases().iter().enumerate() {
+            let qkv = inputs(150 + n as u64, shape);
+            let sinks: Vec<f32> = (0..shape.q_heads).map(|h| 0.8 * h as f32 - 1.2).collect();
+            let (mut out, mut lse) = forward(&qkv, cu, shape)?;
+            attention_sinks_forward(&mut out, &mut lse, &sinks, shape)?;
+            let (q64, s64) = (to_f64(&qkv), to_f64(&sinks));
+            let (want_out, want_lse) = attention64_sinks(&q64, cu, shape, Some(&s64));
+            assert_close(&format!("sinked out, case {n}"), &out, &want_out, TOL);
+            assert_close(&format!("sinked lse, case {n}"), &lse, &want_lse, TOL);
+
+            let r = uniform(&mut rng(160 + n as u64), out.len());
+            let r64 = to_f64(&r);
+            let loss = |q: &[f64], s: &[f64]| -> f64 {
+                let o = attention64_sinks(q, cu, shape, Some(s)).0;
+                o.iter().zip(&r64).map(|(o, r)| o * r).sum()
+            };
+            let mut dqkv = vec![f32::NAN; qkv.len()];
+            attention_backward(&mut dqkv, &r, &qkv, &out, &lse, cu, shape)?;
+            let want = numeric_grad(&q64, |x| loss(x, &s64));
+            assert_close(&format!("sinked dqkv, case {n}"), &dqkv, &want, TOL);
+            let mut dsinks = vec![0.5f32; shape.q_heads];
+            attention_sinks_backward(&mut dsinks, &r, &out, &lse, &sinks, shape)?;
+            let want: Vec<f64> =
+                numeric_grad(&s64, |s| loss(&q64, s)).iter().map(|g| g + 0.5).collect();
+            assert_close(&format!("dsinks (accumulated onto 0.5), case {n}"), &dsinks, &want, TOL);
         }
         Ok(())
     }

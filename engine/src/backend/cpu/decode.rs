@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use super::attention::{axpy, capped, dot};
+use super::attention::{axpy, capped, dot, sink};
 use super::check;
 use crate::backend::DecodeShape;
 use crate::error::Result;
@@ -24,6 +24,7 @@ pub fn attention_decode(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
+    sinks: Option<&[f32]>,
     shape: &DecodeShape,
 ) -> Result<()> {
     const OP: &str = "attention_decode";
@@ -33,6 +34,9 @@ pub fn attention_decode(
     check::len(OP, "q", q.len(), &[n, nq, hd])?;
     check::len(OP, "k_cache", k_cache.len(), &[shape.positions(), nkv, hd])?;
     check::len(OP, "v_cache", v_cache.len(), &[shape.positions(), nkv, hd])?;
+    if let Some(sinks) = sinks {
+        check::len(OP, "sinks", sinks.len(), &[nq])?;
+    }
     if nq == 0 {
         return Ok(());
     }
@@ -61,6 +65,11 @@ pub fn attention_decode(
                 for (&pr, j) in scores.iter().zip(keys.clone()) {
                     axpy(o, pr / sum, &v_cache[row(j, g)]);
                 }
+                // As `attention_sinks_forward` after `attention_forward`, step for step.
+                if let Some(sinks) = sinks {
+                    let factor = sink(max + sum.ln(), sinks[h]).1;
+                    o.iter_mut().for_each(|v| *v *= factor);
+                }
             }
         },
     );
@@ -71,8 +80,8 @@ pub fn attention_decode(
 mod tests {
     use super::*;
     use crate::backend::AttentionShape;
-    use crate::backend::cpu::attention_forward;
     use crate::backend::cpu::testutil::{rng, uniform};
+    use crate::backend::cpu::{attention_forward, attention_sinks_forward};
     use crate::error::Result;
 
     /// One sequence of `shape.tokens` tokens: (q rows, key cache, value cache) cut out of fused
@@ -115,10 +124,13 @@ mod tests {
 
     /// Attention over a whole sequence equals the same sequence as a prompt of `prefill` tokens
     /// then one token at a time against the growing cache, bit for bit: every query's scores
-    /// and sums are formed in the same order either way.
+    /// and sums are formed in the same order either way. With attention sinks too (GPT-OSS).
     #[test]
     fn a_prompt_then_single_tokens_equals_the_whole_sequence() -> Result<()> {
-        for (n, shape) in shapes().into_iter().enumerate() {
+        let cases = shapes().into_iter().flat_map(|s| [(s, false), (s, true)]);
+        for (n, (shape, with_sinks)) in cases.enumerate() {
+            let sinks: Vec<f32> = (0..shape.q_heads).map(|h| h as f32 * 0.7 - 1.0).collect();
+            let sinks = with_sinks.then_some(&sinks[..]);
             // Doubled so some softmax rows are far from uniform.
             let qkv: Vec<f32> = uniform(&mut rng(90 + n as u64), shape.tokens * shape.qkv_width())
                 .iter()
@@ -128,6 +140,9 @@ mod tests {
             let mut want = vec![f32::NAN; shape.tokens * shape.q_heads * shape.head_dim];
             let mut lse = vec![0.0; shape.tokens * shape.q_heads];
             attention_forward(&mut want, &mut lse, &qkv, &[0, t], &shape)?;
+            if let Some(sinks) = sinks {
+                attention_sinks_forward(&mut want, &mut lse, sinks, &shape)?;
+            }
 
             let (q, k, v) = split(&qkv, &shape);
             let (qw, kw) = (shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim);
@@ -152,6 +167,7 @@ mod tests {
                         &q[past * qw..end * qw],
                         &k[..end * kw],
                         &v[..end * kw],
+                        sinks,
                         &decode,
                     )?;
                     past = end;
@@ -177,7 +193,9 @@ mod tests {
         let (mut out, q) = (vec![0.0; 2 * 24], vec![0.0; 2 * 24]);
         let kv = vec![0.0; 5 * 12];
         let run = |out: &mut [f32], k: &[f32], shape: &DecodeShape| {
-            attention_decode(out, &q, k, &kv, shape).expect_err("must be rejected").to_string()
+            attention_decode(out, &q, k, &kv, None, shape)
+                .expect_err("must be rejected")
+                .to_string()
         };
         let e = run(&mut out, &kv[12..], &shape);
         assert!(e.contains("attention_decode") && e.contains("`k_cache` has 48"), "{e}");

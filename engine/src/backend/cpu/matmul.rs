@@ -166,6 +166,85 @@ pub(crate) fn linear_dw(
     })
 }
 
+/// `out = inp · w` with `w` stored `[k, n]` (GPT-OSS's expert matrices), split over row
+/// blocks. Lengths must already be checked. out `[rows, n]`, inp `[rows, k]`, w `[k, n]`.
+pub(crate) fn linear_kn(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let w = Operand { data: w, rows: k, cols: n, rs: n, cs: 1 };
+    let block = block_rows(rows);
+    out.par_chunks_mut(block * n).zip(inp.par_chunks(block * k)).try_for_each(|(out, inp)| {
+        let m = out.len() / n;
+        gemm(out, Operand { data: inp, rows: m, cols: k, rs: k, cs: 1 }, w, 0.0)
+    })
+}
+
+/// `dinp = dout · wᵀ` with `w` stored `[k, n]`. dinp `[rows, k]`, dout `[rows, n]`.
+pub(crate) fn linear_kn_dinp(
+    dinp: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if rows == 0 || k == 0 {
+        return Ok(());
+    }
+    if n == 0 {
+        dinp.fill(0.0);
+        return Ok(());
+    }
+    let wt = Operand { data: w, rows: n, cols: k, rs: 1, cs: n };
+    let block = block_rows(rows);
+    dinp.par_chunks_mut(block * k).zip(dout.par_chunks(block * n)).try_for_each(|(dinp, dout)| {
+        let m = dinp.len() / k;
+        gemm(dinp, Operand { data: dout, rows: m, cols: n, rs: n, cs: 1 }, wt, 0.0)
+    })
+}
+
+/// `dw += inpᵀ · dout` with `dw` stored `[k, n]`, split over blocks of rows of `dw`; each
+/// block sums over all `rows`. dw `[k, n]`, dout `[rows, n]`, inp `[rows, k]`.
+pub(crate) fn linear_kn_dw(
+    dw: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 || k == 0 {
+        return Ok(());
+    }
+    let dout = Operand { data: dout, rows, cols: n, rs: n, cs: 1 };
+    let block = block_rows(k);
+    dw.par_chunks_mut(block * n).enumerate().try_for_each(|(b, dw)| {
+        let first = b * block;
+        let m = dw.len() / n;
+        // Rows first..first+m of inpᵀ are columns of inp.
+        let inp_t = Operand {
+            data: inp.get(first..).unwrap_or_default(),
+            rows: m,
+            cols: rows,
+            rs: 1,
+            cs: k,
+        };
+        gemm(dw, inp_t, dout, 1.0)
+    })
+}
+
 /// `out = inp · wᵀ`. Reference: `nn.Linear` as used by every projection in modeling_llama.py.
 /// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
 pub fn matmul_forward(

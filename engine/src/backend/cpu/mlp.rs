@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::check;
-use crate::backend::GluAct;
+use crate::backend::{CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, GluAct};
 use crate::error::Result;
 
 fn sigmoid(x: f32) -> f32 {
@@ -23,9 +23,41 @@ fn sigmoid(x: f32) -> f32 {
 const GELU_BETA: f32 = 0.797_884_6; // sqrt(2 / pi)
 const GELU_KAPPA: f32 = 0.044715;
 
+/// Where a row's `i`-th gate and up values sit: `[gate (I) | up (I)]`, or interleaved
+/// `[g0, u0, g1, u1, ...]` for GPT-OSS's experts.
+fn columns(i: usize, inter: usize, act: GluAct) -> (usize, usize) {
+    match act {
+        GluAct::ClampedSwiglu => (2 * i, 2 * i + 1),
+        GluAct::Silu | GluAct::GeluTanh => (i, inter + i),
+    }
+}
+
+/// `out = f(g, u)` and its partial derivatives `(∂/∂g, ∂/∂u)`: `act(g) · u` for the plain
+/// activations; GPT-OSS's `(clamp(u, −7, 7) + 1) · g' σ(1.702 g')` with `g' = min(g, 7)`,
+/// whose clamps pass the gradient only inside their bounds, bounds included (torch's `clamp`).
+fn gated(g: f32, u: f32, act: GluAct) -> (f32, f32, f32) {
+    if act == GluAct::ClampedSwiglu {
+        let (alpha, limit) = (CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT);
+        let gc = g.min(limit);
+        let uc = u.clamp(-limit, limit);
+        let s = sigmoid(gc * alpha);
+        let glu = gc * s;
+        let dglu = s + gc * alpha * s * (1.0 - s);
+        let dg = if g <= limit { (uc + 1.0) * dglu } else { 0.0 };
+        let du = if (-limit..=limit).contains(&u) { glu } else { 0.0 };
+        return ((uc + 1.0) * glu, dg, du);
+    }
+    let (a, da) = activation(g, act);
+    (a * u, da * u, a)
+}
+
 /// `act(g)` and `act'(g)`.
 fn activation(g: f32, act: GluAct) -> (f32, f32) {
     match act {
+        GluAct::ClampedSwiglu => {
+            let s = sigmoid(g * CLAMPED_SWIGLU_ALPHA);
+            (g * s, s + g * CLAMPED_SWIGLU_ALPHA * s * (1.0 - s))
+        }
         GluAct::Silu => {
             let s = sigmoid(g);
             (g * s, s * (1.0 + g * (1.0 - s)))
@@ -55,9 +87,9 @@ pub fn glu_forward(
         return Ok(());
     }
     out.par_chunks_mut(inter).zip(gate_up.par_chunks(2 * inter)).for_each(|(out, gate_up)| {
-        let (gate, up) = gate_up.split_at(inter);
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = activation(g, act).0 * u;
+        for (i, o) in out.iter_mut().enumerate() {
+            let (gi, ui) = columns(i, inter, act);
+            *o = gated(gate_up[gi], gate_up[ui], act).0;
         }
     });
     Ok(())
@@ -84,13 +116,11 @@ pub fn glu_backward(
         .zip(dout.par_chunks(inter))
         .zip(gate_up.par_chunks(2 * inter))
         .for_each(|((dgate_up, dout), gate_up)| {
-            let (dgate, dup) = dgate_up.split_at_mut(inter);
-            let (gate, up) = gate_up.split_at(inter);
-            for i in 0..inter {
-                let (g, u, d) = (gate[i], up[i], dout[i]);
-                let (a, da) = activation(g, act);
-                dgate[i] = d * u * da;
-                dup[i] = d * a;
+            for (i, &d) in dout.iter().enumerate() {
+                let (gi, ui) = columns(i, inter, act);
+                let (_, dg, du) = gated(gate_up[gi], gate_up[ui], act);
+                dgate_up[gi] = d * dg;
+                dgate_up[ui] = d * du;
             }
         });
     Ok(())
@@ -107,31 +137,44 @@ mod tests {
     const ROWS: usize = 7;
     const INTER: usize = 10;
 
-    /// Double-precision twin of `glu_forward`: SiLU, and GELU as its tanh formula.
+    /// Double-precision twin of `glu_forward`: SiLU, GELU as its tanh formula, and GPT-OSS's
+    /// clamped SwiGLU on interleaved columns as `GptOssExperts._apply_gate` writes it.
     fn glu64(gate_up: &[f64], act: GluAct) -> Vec<f64> {
-        let f = |g: f64| match act {
-            GluAct::Silu => g / (1.0 + (-g).exp()),
+        let f = |g: f64, u: f64| match act {
+            GluAct::Silu => g / (1.0 + (-g).exp()) * u,
             GluAct::GeluTanh => {
                 let beta = (2.0 / std::f64::consts::PI).sqrt();
-                0.5 * g * (1.0 + (beta * (g + 0.044715 * g * g * g)).tanh())
+                0.5 * g * (1.0 + (beta * (g + 0.044715 * g * g * g)).tanh()) * u
+            }
+            GluAct::ClampedSwiglu => {
+                let g = g.min(7.0);
+                let u = u.clamp(-7.0, 7.0);
+                (u + 1.0) * g / (1.0 + (-1.702 * g).exp())
             }
         };
         gate_up
             .chunks(2 * INTER)
             .flat_map(|row| {
-                let (gate, up) = row.split_at(INTER);
-                gate.iter().zip(up).map(|(&g, &u)| f(g) * u).collect::<Vec<_>>()
+                (0..INTER).map(|i| match act {
+                    GluAct::ClampedSwiglu => f(row[2 * i], row[2 * i + 1]),
+                    _ => f(row[i], row[INTER + i]),
+                })
             })
             .collect()
     }
 
     #[test]
     fn forward_and_backward_match_twin() -> Result<()> {
-        for act in [GluAct::Silu, GluAct::GeluTanh] {
+        for act in [GluAct::Silu, GluAct::GeluTanh, GluAct::ClampedSwiglu] {
             let mut rng = rng(20);
-            // Gates over [-4, 4) reach both tails of the sigmoid and of tanh.
+            // Gates over [-4, 4) reach both tails of the sigmoid and of tanh; the clamped
+            // variant's values reach past its limits of ±7.
+            let spread = if act == GluAct::ClampedSwiglu { 10.0 } else { 4.0 };
             let gate_up: Vec<f32> =
-                uniform(&mut rng, ROWS * 2 * INTER).iter().map(|v| 4.0 * v).collect();
+                uniform(&mut rng, ROWS * 2 * INTER).iter().map(|v| spread * v).collect();
+            if act == GluAct::ClampedSwiglu {
+                assert!(gate_up.iter().any(|v| *v > 7.0) && gate_up.iter().any(|v| *v < -7.0));
+            }
             let r = uniform(&mut rng, ROWS * INTER);
             let (gu64, r64) = (to_f64(&gate_up), to_f64(&r));
             let mut out = vec![f32::NAN; ROWS * INTER];

@@ -17,6 +17,7 @@ mod embedding;
 mod loss;
 mod matmul;
 mod mlp;
+mod moe;
 mod norm;
 mod rope;
 
@@ -25,17 +26,26 @@ mod testutil;
 
 use std::ops::Range;
 
-pub use attention::{attention_backward, attention_forward};
+pub use attention::{
+    attention_backward, attention_forward, attention_sinks_backward, attention_sinks_forward,
+};
 pub use decode::attention_decode;
 pub use elementwise::{add, add_assign, sum, sum_squares};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use loss::{cross_entropy_backward, cross_entropy_forward};
 pub use matmul::{bias_backward, bias_forward, matmul_backward, matmul_forward};
 pub use mlp::{glu_backward, glu_forward};
+pub use moe::{
+    grouped_bias_backward, grouped_matmul_backward, grouped_matmul_forward, moe_combine,
+    moe_combine_backward, moe_gather, moe_gather_backward, moe_route, moe_route_backward,
+    moe_router_stats, moe_sort,
+};
 pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
 
-use super::{AttentionShape, Backend, DecodeShape, FloatKind, GluAct, WeightDtype};
+use super::{
+    AttentionShape, Backend, DecodeShape, FloatKind, GluAct, GroupedShape, MoeShape, WeightDtype,
+};
 use crate::error::Result;
 use crate::store::HostSlab;
 
@@ -379,9 +389,152 @@ impl Backend for Cpu {
         q: &[f32],
         k_cache: &[f32],
         v_cache: &[f32],
+        sinks: Option<&[f32]>,
         shape: &DecodeShape,
     ) -> Result<()> {
-        attention_decode(out, q, k_cache, v_cache, shape)
+        attention_decode(out, q, k_cache, v_cache, sinks, shape)
+    }
+
+    fn attention_sinks_forward(
+        &self,
+        out: &mut [f32],
+        lse: &mut [f32],
+        sinks: &[f32],
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        attention_sinks_forward(out, lse, sinks, shape)
+    }
+
+    fn attention_sinks_backward(
+        &self,
+        dsinks: &mut [f32],
+        dout: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        sinks: &[f32],
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        attention_sinks_backward(dsinks, dout, out, lse, sinks, shape)
+    }
+
+    fn moe_route(
+        &self,
+        weights: &mut [f32],
+        probs: &mut [f32],
+        experts: &mut Vec<i32>,
+        logits: &[f32],
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_route(weights, probs, experts, logits, shape)
+    }
+
+    fn moe_route_backward(
+        &self,
+        dlogits: &mut [f32],
+        dweights: &[f32],
+        weights: &[f32],
+        probs: &[f32],
+        experts: &Vec<i32>,
+        aux: Option<(&[f32], f32)>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_route_backward(dlogits, dweights, weights, probs, experts, aux, shape)
+    }
+
+    fn moe_router_stats(
+        &self,
+        stats: &mut [f32],
+        probs: &[f32],
+        experts: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_router_stats(stats, probs, experts, shape)
+    }
+
+    fn moe_sort(
+        &self,
+        order: &mut Vec<i32>,
+        rows: &mut Vec<i32>,
+        experts: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<Vec<usize>> {
+        moe_sort(order, rows, experts, shape)
+    }
+
+    fn moe_gather(
+        &self,
+        xs: &mut [f32],
+        x: &[f32],
+        order: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_gather(xs, x, order, shape)
+    }
+
+    fn moe_gather_backward(
+        &self,
+        dx: &mut [f32],
+        dxs: &[f32],
+        rows: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_gather_backward(dx, dxs, rows, shape)
+    }
+
+    fn moe_combine(
+        &self,
+        out: &mut [f32],
+        y: &[f32],
+        weights: &[f32],
+        rows: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_combine(out, y, weights, rows, shape)
+    }
+
+    fn moe_combine_backward(
+        &self,
+        dy: &mut [f32],
+        dweights: &mut [f32],
+        dout: &[f32],
+        y: &[f32],
+        weights: &[f32],
+        rows: &Vec<i32>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        moe_combine_backward(dy, dweights, dout, y, weights, rows, shape)
+    }
+
+    fn grouped_matmul_forward(
+        &self,
+        out: &mut [f32],
+        inp: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        grouped_matmul_forward(out, inp, w, bias, g)
+    }
+
+    fn grouped_matmul_backward(
+        &self,
+        dinp: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        w: &[f32],
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        grouped_matmul_backward(dinp, dw, dout, inp, w, g)
+    }
+
+    fn grouped_bias_backward(
+        &self,
+        dbias: &mut [f32],
+        dout: &[f32],
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        grouped_bias_backward(dbias, dout, g)
     }
 
     fn glu_forward(

@@ -1,5 +1,6 @@
-//! Fused attention, forward and backward (`kernels/attention.cu`); the CPU twin with the
-//! derivation is `backend/cpu/attention.rs`. qkv, out and their gradients are bf16; lse is f32.
+//! Fused attention, forward and backward, and GPT-OSS's attention sinks applied to its results
+//! (`kernels/attention.cu`); the CPU twin with the derivation is `backend/cpu/attention.rs`.
+//! qkv, out and their gradients are bf16; lse is f32.
 //!
 //! Head sizes 64, 80, 96, 128 and 256 run on the tensor-core kernels (`flash_*`), every other
 //! size up to 256 on the scalar ones (`attention_*`), as do views not aligned to 16 bytes (the
@@ -8,6 +9,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::device::{Arg, base_ptr, scratch};
+use super::elementwise::COLUMN_CHUNKS;
 use super::{Cuda, Ints, View, ViewMut, check};
 use crate::backend::{AttentionShape, FloatKind};
 use crate::error::Result;
@@ -342,7 +344,106 @@ impl Cuda {
             &args,
         )
     }
+
+    /// GPT-OSS's sinks on `attention_forward`'s out and lse, one warp per (token, head).
+    pub(super) fn attention_sinks_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        lse: ViewMut<'_>,
+        sinks: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_sinks_forward";
+        let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
+        let (o, l) = (out.as_view(), lse.as_view());
+        check::len(OP, "out", o.len, &[t, nq, hd])?;
+        check::len(OP, "lse", l.len, &[t, nq])?;
+        check::len(OP, "sinks", sinks.len, &[nq])?;
+        check::kind(OP, "out", &o, FloatKind::Activation)?;
+        check::kind(OP, "lse", &l, FloatKind::Accum)?;
+        // As the CPU twin: with no head elements there is nothing to rescale, lse included.
+        if nq == 0 || hd == 0 {
+            return Ok(());
+        }
+        let rows = t * nq;
+        let blocks = check::int(OP, "tokens x q_heads / 8", rows.div_ceil(SINK_WARPS))?;
+        self.launch(
+            OP,
+            LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (32 * SINK_WARPS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::Ptr(self.ptr(&l)),
+                Arg::Ptr(self.ptr(&sinks)),
+                Arg::I32(sinks.is_f32()),
+                Arg::I64(rows as i64),
+                Arg::I32(check::int(OP, "q_heads", nq)?),
+                Arg::I32(check::int(OP, "head_dim", hd)?),
+            ],
+        )
+    }
+
+    /// The sinks' gradient: per-head partial sums over fixed chunks of tokens, then the chunks
+    /// in order (`finish_columns`), so the sum over tokens is deterministic.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_sinks_backward_op(
+        &self,
+        dsinks: ViewMut<'_>,
+        dout: View<'_>,
+        out: View<'_>,
+        lse: View<'_>,
+        sinks: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_sinks_backward";
+        let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
+        check::len(OP, "dsinks", dsinks.len, &[nq])?;
+        check::len(OP, "dout", dout.len, &[t, nq, hd])?;
+        check::len(OP, "out", out.len, &[t, nq, hd])?;
+        check::len(OP, "lse", lse.len, &[t, nq])?;
+        check::len(OP, "sinks", sinks.len, &[nq])?;
+        check::kind(OP, "dout", &dout, FloatKind::Activation)?;
+        check::kind(OP, "out", &out, FloatKind::Activation)?;
+        check::kind(OP, "lse", &lse, FloatKind::Accum)?;
+        if t == 0 || nq == 0 || hd == 0 {
+            return Ok(());
+        }
+        if nq > 65535 {
+            return Err(check::err(OP, format!("{nq} query heads exceed the grid's 65535")));
+        }
+        let rows_per = t.div_ceil(COLUMN_CHUNKS.min(t));
+        let chunks = t.div_ceil(rows_per);
+        let partials = scratch::<f32>(&self.compute, chunks * nq)?;
+        let pp = base_ptr(&partials, &self.compute);
+        self.launch(
+            OP,
+            LaunchConfig {
+                grid_dim: (chunks as u32, nq as u32, 1),
+                block_dim: (32 * SINK_WARPS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::Ptr(pp),
+                Arg::Ptr(self.ptr(&dout)),
+                Arg::Ptr(self.ptr(&out)),
+                Arg::Ptr(self.ptr(&lse)),
+                Arg::Ptr(self.ptr(&sinks)),
+                Arg::I32(sinks.is_f32()),
+                Arg::I64(t as i64),
+                Arg::I64(rows_per as i64),
+                Arg::I32(nq as i32),
+                Arg::I32(check::int(OP, "head_dim", hd)?),
+            ],
+        )?;
+        self.finish_columns(&dsinks, pp, chunks, nq)
+    }
 }
+
+/// Warps per block of the sink kernels.
+const SINK_WARPS: usize = 8;
 
 #[cfg(test)]
 mod tests {

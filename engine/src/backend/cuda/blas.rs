@@ -93,6 +93,9 @@ impl Lt {
     /// Workspace: 32 MiB as NVIDIA recommends for Hopper (enough for every earlier GPU too).
     const WORKSPACE: usize = 32 << 20;
 
+    /// Most plans kept; a dense model's step uses a few dozen.
+    const MAX_PLANS: usize = 4096;
+
     pub(super) fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let handle = cublas("create", lt::create_handle())?;
         // SAFETY: the workspace is scratch that cuBLASLt writes before reading.
@@ -215,6 +218,13 @@ impl Lt {
         }
         let key = Key { gemm: g, align: [alignment(a), alignment(b), alignment(c)] };
         let mut plans = self.plans.lock().map_err(|_| err("cuBLASLt plan cache poisoned"))?;
+        if plans.len() >= Self::MAX_PLANS && !plans.contains_key(&key) {
+            // The experts' GEMMs of a mixture-of-experts layer see new row counts every step,
+            // so the cache would grow without end. Starting over costs only heuristic queries,
+            // and the algorithm is a function of the key: results do not depend on what the
+            // cache held.
+            plans.clear();
+        }
         let plan = match plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(&key)?),

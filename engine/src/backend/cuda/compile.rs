@@ -94,6 +94,8 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_backward_dkv_128",
             "flash_backward_dv_256",
             "flash_backward_dk_256",
+            "attention_sinks_forward",
+            "attention_sinks_backward",
         ],
     },
     KernelSource {
@@ -109,6 +111,24 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_decode_64",
             "attention_decode_128",
             "attention_decode_256",
+        ],
+    },
+    KernelSource {
+        name: "moe",
+        source: include_str!("kernels/moe.cu"),
+        entry_points: &[
+            "moe_route",
+            "moe_route_backward",
+            "moe_count",
+            "moe_count_stats",
+            "moe_sort_bounds",
+            "moe_sort_scatter",
+            "moe_gather",
+            "moe_gather_backward",
+            "moe_combine",
+            "moe_combine_backward_dy",
+            "moe_combine_backward_dw",
+            "grouped_bias_forward",
         ],
     },
 ];

@@ -1,5 +1,6 @@
 //! Attention of new queries against the key/value cache (`kernels/decode.cu`), for the inference
-//! forward; the CPU twin is `backend/cpu/decode.rs`. q, the caches and out are bf16.
+//! forward; the CPU twin is `backend/cpu/decode.rs`. q, the caches and out are bf16; GPT-OSS's
+//! sinks either precision.
 
 use cudarc::driver::LaunchConfig;
 
@@ -29,6 +30,7 @@ impl Cuda {
         q: View<'_>,
         k_cache: View<'_>,
         v_cache: View<'_>,
+        sinks: Option<View<'_>>,
         shape: &DecodeShape,
     ) -> Result<()> {
         const OP: &str = "attention_decode";
@@ -41,6 +43,9 @@ impl Cuda {
         check::len(OP, "v_cache", v_cache.len, &[shape.positions(), nkv, hd])?;
         for (name, v) in [("out", &o), ("q", &q), ("k_cache", &k_cache), ("v_cache", &v_cache)] {
             check::kind(OP, name, v, FloatKind::Activation)?;
+        }
+        if let Some(s) = &sinks {
+            check::len(OP, "sinks", s.len, &[nq])?;
         }
         let bucket = bucket(OP, hd)?;
         if nq > 65535 {
@@ -65,6 +70,9 @@ impl Cuda {
                 Arg::Ptr(self.ptr(&q)),
                 Arg::Ptr(self.ptr(&k_cache)),
                 Arg::Ptr(self.ptr(&v_cache)),
+                // The kernel reads no sink through a null pointer.
+                Arg::Ptr(sinks.as_ref().map_or(0, |s| self.ptr(s))),
+                Arg::I32(sinks.as_ref().map_or(0, View::is_f32)),
                 Arg::I32(check::int(OP, "past", shape.past)?),
                 Arg::I32(nq as i32),
                 Arg::I32(nkv as i32),

@@ -1,5 +1,6 @@
-//! Residual additions, reductions, bias, the gated MLP's activations, RoPE and the embedding:
-//! the CPU twins are in `backend/cpu/{elementwise,matmul,mlp,rope,embedding}.rs`.
+//! Residual additions, reductions, bias, the gated MLP's activations (GPT-OSS's clamped SwiGLU
+//! included), RoPE and the embedding: the CPU twins are in
+//! `backend/cpu/{elementwise,matmul,mlp,rope,embedding}.rs`.
 
 use cudarc::driver::LaunchConfig;
 
@@ -393,5 +394,6 @@ fn glu_act_id(act: GluAct) -> i32 {
     match act {
         GluAct::Silu => 0,
         GluAct::GeluTanh => 1,
+        GluAct::ClampedSwiglu => 2,
     }
 }

@@ -124,6 +124,14 @@ impl Cuda {
         Ok(())
     }
 
+    /// The device's contents of an int buffer, whole: what was uploaded, or what an op wrote
+    /// there (`moe_route`'s experts, `moe_sort`'s order and rows), which the host copy does not
+    /// follow. Synchronous.
+    pub fn download_ints(&self, src: &Ints) -> Result<Vec<i32>> {
+        self.bind()?;
+        drv("download_ints", self.compute.clone_dtoh(&src.dev))
+    }
+
     pub(super) fn zero(&self, dst: &ViewMut<'_>) -> Result<()> {
         if dst.len == 0 {
             return Ok(());

@@ -26,6 +26,7 @@ mod elementwise;
 mod loss;
 mod matmul;
 mod memory;
+mod moe;
 pub mod nccl;
 mod norm;
 mod transfer;
@@ -39,7 +40,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 pub use device::{PinnedBuffer, device_memory, probe};
 
-use super::{AttentionShape, Backend, DecodeShape, FloatKind, GluAct, WeightDtype};
+use super::{
+    AttentionShape, Backend, DecodeShape, FloatKind, GluAct, GroupedShape, MoeShape, WeightDtype,
+};
 use crate::error::Result;
 use crate::store::HostSlab;
 use device::{Kernels, drv, err};
@@ -87,7 +90,9 @@ impl Floats {
 }
 
 /// An `i32` buffer in device memory and a host copy of what was uploaded, so ops check ids,
-/// targets and document bounds without reading the device.
+/// targets and document bounds without reading the device. The ops that write ints on the
+/// device (`moe_route`, `moe_sort`) leave the host copy as it was: ops reading those buffers
+/// check their length only, and their kernels bound every index they read.
 pub struct Ints {
     dev: CudaSlice<i32>,
     host: Vec<i32>,
@@ -573,9 +578,32 @@ impl Backend for Cuda {
         q: View<'_>,
         k_cache: View<'_>,
         v_cache: View<'_>,
+        sinks: Option<View<'_>>,
         shape: &DecodeShape,
     ) -> Result<()> {
-        self.attention_decode_op(out, q, k_cache, v_cache, shape)
+        self.attention_decode_op(out, q, k_cache, v_cache, sinks, shape)
+    }
+
+    fn attention_sinks_forward(
+        &self,
+        out: ViewMut<'_>,
+        lse: ViewMut<'_>,
+        sinks: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.attention_sinks_forward_op(out, lse, sinks, shape)
+    }
+
+    fn attention_sinks_backward(
+        &self,
+        dsinks: ViewMut<'_>,
+        dout: View<'_>,
+        out: View<'_>,
+        lse: View<'_>,
+        sinks: View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        self.attention_sinks_backward_op(dsinks, dout, out, lse, sinks, shape)
     }
 
     fn glu_forward(
@@ -599,6 +627,126 @@ impl Backend for Cuda {
         act: GluAct,
     ) -> Result<()> {
         self.glu_backward_op(dgate_up, dout, gate_up, rows, inter, act)
+    }
+
+    fn moe_route(
+        &self,
+        weights: ViewMut<'_>,
+        probs: ViewMut<'_>,
+        experts: &mut Ints,
+        logits: View<'_>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_route_op(weights, probs, experts, logits, shape)
+    }
+
+    fn moe_route_backward(
+        &self,
+        dlogits: ViewMut<'_>,
+        dweights: View<'_>,
+        weights: View<'_>,
+        probs: View<'_>,
+        experts: &Ints,
+        aux: Option<(View<'_>, f32)>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_route_backward_op(dlogits, dweights, weights, probs, experts, aux, shape)
+    }
+
+    fn moe_router_stats(
+        &self,
+        stats: ViewMut<'_>,
+        probs: View<'_>,
+        experts: &Ints,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_router_stats_op(stats, probs, experts, shape)
+    }
+
+    fn moe_sort(
+        &self,
+        order: &mut Ints,
+        rows: &mut Ints,
+        experts: &Ints,
+        shape: &MoeShape,
+    ) -> Result<Vec<usize>> {
+        self.moe_sort_op(order, rows, experts, shape)
+    }
+
+    fn moe_gather(
+        &self,
+        xs: ViewMut<'_>,
+        x: View<'_>,
+        order: &Ints,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_gather_op(xs, x, order, shape)
+    }
+
+    fn moe_gather_backward(
+        &self,
+        dx: ViewMut<'_>,
+        dxs: View<'_>,
+        rows: &Ints,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_gather_backward_op(dx, dxs, rows, shape)
+    }
+
+    fn moe_combine(
+        &self,
+        out: ViewMut<'_>,
+        y: View<'_>,
+        weights: View<'_>,
+        rows: &Ints,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_combine_op(out, y, weights, rows, shape)
+    }
+
+    fn moe_combine_backward(
+        &self,
+        dy: ViewMut<'_>,
+        dweights: ViewMut<'_>,
+        dout: View<'_>,
+        y: View<'_>,
+        weights: View<'_>,
+        rows: &Ints,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        self.moe_combine_backward_op(dy, dweights, dout, y, weights, rows, shape)
+    }
+
+    fn grouped_matmul_forward(
+        &self,
+        out: ViewMut<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        bias: Option<View<'_>>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        self.grouped_matmul_forward_op(out, inp, w, bias, g)
+    }
+
+    fn grouped_matmul_backward(
+        &self,
+        dinp: ViewMut<'_>,
+        dw: ViewMut<'_>,
+        dout: View<'_>,
+        inp: View<'_>,
+        w: View<'_>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        self.grouped_matmul_backward_op(dinp, dw, dout, inp, w, g)
+    }
+
+    fn grouped_bias_backward(
+        &self,
+        dbias: ViewMut<'_>,
+        dout: View<'_>,
+        g: &GroupedShape<'_>,
+    ) -> Result<()> {
+        self.grouped_bias_backward_op(dbias, dout, g)
     }
 
     fn cross_entropy_forward(

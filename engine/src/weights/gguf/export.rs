@@ -174,7 +174,13 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
     let arch = match spec.family {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
-        Family::Qwen3 | Family::Phi3 | Family::Gemma2 | Family::Gemma3 => {
+        Family::Qwen3
+        | Family::Phi3
+        | Family::Gemma2
+        | Family::Gemma3
+        | Family::Mixtral
+        | Family::Qwen3Moe
+        | Family::GptOss => {
             return Err(err(format!(
                 "GGUF export supports llama, mistral and qwen2 checkpoints, not {}",
                 spec.family.model_type()
@@ -215,9 +221,9 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
             put(&a("rope.scaling.type"), MetaValue::String("linear".into()));
             put(&a("rope.scaling.factor"), MetaValue::F32(*factor as f32));
         }
-        RopeScaling::Llama3 { .. } | RopeScaling::LongRope { .. } => {
+        RopeScaling::Llama3 { .. } | RopeScaling::LongRope { .. } | RopeScaling::Yarn { .. } => {
             return Err(err(
-                "GGUF export does not write rope frequency factors (Llama 3.1, longrope) yet"
+                "GGUF export does not write rope frequency factors (Llama 3.1, longrope, yarn) yet"
                     .into(),
             ));
         }

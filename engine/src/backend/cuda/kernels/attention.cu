@@ -995,3 +995,62 @@ ATTENTION_ENTRY_POINTS(32, 4)
 ATTENTION_ENTRY_POINTS(64, 4)
 ATTENTION_ENTRY_POINTS(128, 4)
 ATTENTION_ENTRY_POINTS(256, 2)
+
+// ---- GPT-OSS's attention sinks -------------------------------------------------------------
+//
+// Applied to a finished attention (the CPU twin is attention_sinks_forward in
+// backend/cpu/attention.rs): head h's softmax gets one more logit, sinks[h], with no value
+// behind it, so lse' = log(exp(lse) + exp(sink)) and out *= exp(lse − lse'). The backward of
+// everything else is attention_backward's, given the new out and lse.
+
+// One warp per (token, head) row: out [T, nq, hd] (bf16) and lse [T, nq] in place, sinks [nq].
+extern "C" __global__ void attention_sinks_forward(bf16* out, float* lse, const void* sinks,
+                                                   int sinks_f32, long long rows, int nq,
+                                                   int hd) {
+  const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float l = lse[row], s = ld(sinks, sinks_f32, row % nq);
+  // log(exp(l) + exp(s)) around the larger of the two, as the CPU twin's `sink` forms it.
+  const float m = fmaxf(l, s);
+  const float nl = m + logf(expf(l - m) + expf(s - m));
+  const float factor = expf(l - nl);
+  bf16* o = out + row * hd;
+  for (int d = lane; d < hd; d += 32) o[d] = f2bf(bf2f(o[d]) * factor);
+  // Every lane has read lse[row] before it is overwritten.
+  __syncwarp();
+  if (lane == 0) lse[row] = nl;
+}
+
+// partials[c, h] = −Σ_{t in chunk c} exp(sinks[h] − lse[t, h]) (dout[t, h] · out[t, h]): the
+// sink's probability times the row's D, the term a logit with no value contributes to dS. Grid
+// (chunks, nq); warp w takes the chunk's tokens w, w + warps, ... in order, and the block adds
+// its warps' sums in warp order, so the partial is deterministic. dout and out [T, nq, hd]
+// (bf16), lse [T, nq], sinks [nq].
+extern "C" __global__ void attention_sinks_backward(float* partials, const bf16* dout,
+                                                    const bf16* out, const float* lse,
+                                                    const void* sinks, int sinks_f32,
+                                                    long long tokens, long long rows_per, int nq,
+                                                    int hd) {
+  __shared__ float red[32];
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const long long t0 = (long long)blockIdx.x * rows_per;
+  const long long t1 = t0 + rows_per < tokens ? t0 + rows_per : tokens;
+  const float s = ld(sinks, sinks_f32, h);
+  float acc = 0.0f;
+  for (long long t = t0 + warp; t < t1; t += warps) {
+    const long long row = t * nq + h;
+    float dot = 0.0f;
+    for (int d = lane; d < hd; d += 32) dot += bf2f(dout[row * hd + d]) * bf2f(out[row * hd + d]);
+    dot = warp_sum(dot);
+    acc -= expf(s - lse[row]) * dot;
+  }
+  if (lane == 0) red[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum += red[w];
+    partials[(long long)blockIdx.x * nq + h] = sum;
+  }
+}

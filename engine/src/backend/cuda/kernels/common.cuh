@@ -7,6 +7,11 @@ typedef unsigned short bf16;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// A grid-stride loop over `long long` indices: tensors may exceed 2^31 elements.
+#define GRID_STRIDE(i, n) \
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (long long)gridDim.x * blockDim.x)
+
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned int)h) << 16); }
 
 // Round to nearest even, as the host's `half::bf16::from_f32` does.

@@ -8,19 +8,21 @@
 // of KB consecutive keys, chunk w, w + DW, ... of the query's range, and keeps an online softmax
 // (running max m, running sum l, accumulator o) with one head dimension per lane (d = lane +
 // 32 c); the KB keys of a chunk are loaded together so their latencies overlap. The block then
-// merges its warps' partial results in warp order. HD is the head-dim bucket (32, 64, 128, 256);
-// the actual hd ≤ HD is a runtime value. Every sum runs in a fixed order: results are
-// deterministic.
+// merges its warps' partial results in warp order, with GPT-OSS's sink (a logit with no value
+// behind it: exp(sink) in the denominator) when `sinks` is not null. HD is the head-dim bucket
+// (32, 64, 128, 256); the actual hd ≤ HD is a runtime value. Every sum runs in a fixed order:
+// results are deterministic.
 
 #define DW 8
 #define KB 4
 
-// out [tokens, nq hd], q [tokens, nq hd], kc and vc [past + tokens, nkv hd] (all bf16).
-// window: 0 for none.
+// out [tokens, nq hd], q [tokens, nq hd], kc and vc [past + tokens, nkv hd] (all bf16), sinks
+// [nq] or null. window: 0 for none.
 template <int HD>
 __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const bf16* kc,
-                                                 const bf16* vc, int past, int nq, int nkv,
-                                                 int hd, int window, float scale, float cap) {
+                                                 const bf16* vc, const void* sinks, int sinks_f32,
+                                                 int past, int nq, int nkv, int hd, int window,
+                                                 float scale, float cap) {
   constexpr int C = HD / 32;
   __shared__ float Ms[DW];
   __shared__ float Ls[DW];
@@ -82,10 +84,13 @@ __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const
 #pragma unroll
   for (int c = 0; c < C; ++c) Os[warp * HD + lane + 32 * c] = o[c];
   __syncthreads();
-  float mx = NEG_INF;
+  // The sink joins the merge as one more term of the denominator, once per block (a warp
+  // starting its online softmax from it would count it DW times).
+  const float sink = sinks != nullptr ? ld(sinks, sinks_f32, h) : NEG_INF;
+  float mx = sink;
 #pragma unroll
   for (int w = 0; w < DW; ++w) mx = fmaxf(mx, Ms[w]);
-  float weight[DW], sum = 0.0f;
+  float weight[DW], sum = sinks != nullptr ? expf(sink - mx) : 0.0f;
 #pragma unroll
   for (int w = 0; w < DW; ++w) {
     weight[w] = expf(Ms[w] - mx);
@@ -103,9 +108,10 @@ __device__ __forceinline__ void attention_decode(bf16* out, const bf16* q, const
 #define DECODE_ENTRY_POINT(HD)                                                                 \
   extern "C" __global__ void __launch_bounds__(DW * 32)                                        \
       attention_decode_##HD(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,         \
-                            int past, int nq, int nkv, int hd, int window, float scale,       \
-                            float cap) {                                                       \
-    attention_decode<HD>(out, q, kc, vc, past, nq, nkv, hd, window, scale, cap);               \
+                            const void* sinks, int sinks_f32, int past, int nq, int nkv,      \
+                            int hd, int window, float scale, float cap) {                      \
+    attention_decode<HD>(out, q, kc, vc, sinks, sinks_f32, past, nq, nkv, hd, window, scale,   \
+                         cap);                                                                 \
   }
 
 DECODE_ENTRY_POINT(32)

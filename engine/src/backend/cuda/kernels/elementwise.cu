@@ -1,9 +1,5 @@
-// Residual additions, copies between precisions, reductions, bias and the SwiGLU activation.
-// Grid-stride loops over `long long` indices: tensors may exceed 2^31 elements.
-
-#define GRID_STRIDE(i, n) \
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
-       i += (long long)gridDim.x * blockDim.x)
+// Residual additions, copies between precisions, reductions, bias and the gated MLP's
+// activations, as grid-stride loops (GRID_STRIDE, common.cuh).
 
 // out = a + b, all [n].
 extern "C" __global__ void add(void* out, int out_f32, const void* a, int a_f32, const void* b,
@@ -91,31 +87,69 @@ __device__ __forceinline__ float glu_act(float g, int act, float* dact) {
   return 0.5f * g * (1.0f + t);
 }
 
-// out = act(gate) * up. out [rows, inter], gate_up [rows, 2 inter].
-extern "C" __global__ void glu_forward(void* out, int out_f32, const void* gu, int gu_f32,
-                                       long long rows, long long inter, int act) {
-  GRID_STRIDE(i, rows * inter) {
-    const long long r = i / inter, c = i % inter;
-    const float g = ld(gu, gu_f32, r * 2 * inter + c);
-    const float u = ld(gu, gu_f32, r * 2 * inter + inter + c);
-    float dact;
-    st(out, out_f32, i, glu_act(g, act, &dact) * u);
+// GPT-OSS's clamped SwiGLU (act 2, GptOssExperts._apply_gate):
+// (clamp(u, −7, 7) + 1) · g' σ(1.702 g') with g' = min(g, 7). torch.clamp passes the gradient
+// where min ≤ x ≤ max, bounds included, so d/dg is 0 only above 7 and d/du only outside
+// [−7, 7]. The constants are CLAMPED_SWIGLU_ALPHA and CLAMPED_SWIGLU_LIMIT in backend/mod.rs.
+#define SWIGLU_ALPHA 1.702f
+#define SWIGLU_LIMIT 7.0f
+
+// f(g, u) and its partial derivatives, for every act.
+__device__ __forceinline__ float glu_gated(float g, float u, int act, float* dg, float* du) {
+  if (act == 2) {
+    const float gc = fminf(g, SWIGLU_LIMIT);
+    const float uc = fminf(fmaxf(u, -SWIGLU_LIMIT), SWIGLU_LIMIT);
+    const float s = 1.0f / (1.0f + expf(-(gc * SWIGLU_ALPHA)));
+    const float glu = gc * s;
+    *dg = g <= SWIGLU_LIMIT ? (uc + 1.0f) * (s + gc * SWIGLU_ALPHA * s * (1.0f - s)) : 0.0f;
+    *du = u >= -SWIGLU_LIMIT && u <= SWIGLU_LIMIT ? glu : 0.0f;
+    return (uc + 1.0f) * glu;
+  }
+  float dact;
+  const float a = glu_act(g, act, &dact);
+  *dg = dact * u;
+  *du = a;
+  return a * u;
+}
+
+// Where row r's c-th gate and up values sit in gate_up [rows, 2 inter]: [gate | up], or
+// interleaved [g0, u0, g1, u1, ...] for the clamped SwiGLU (GPT-OSS stores its experts' gate_up
+// projection that way).
+__device__ __forceinline__ void glu_columns(long long r, long long c, long long inter, int act,
+                                            long long* gi, long long* ui) {
+  if (act == 2) {
+    *gi = r * 2 * inter + 2 * c;
+    *ui = *gi + 1;
+  } else {
+    *gi = r * 2 * inter + c;
+    *ui = *gi + inter;
   }
 }
 
-// d gate = dout · up · act'(g), d up = dout · act(g).
+// out = f(gate, up). out [rows, inter], gate_up [rows, 2 inter].
+extern "C" __global__ void glu_forward(void* out, int out_f32, const void* gu, int gu_f32,
+                                       long long rows, long long inter, int act) {
+  GRID_STRIDE(i, rows * inter) {
+    long long gi, ui;
+    glu_columns(i / inter, i % inter, inter, act, &gi, &ui);
+    float dg, du;
+    st(out, out_f32, i, glu_gated(ld(gu, gu_f32, gi), ld(gu, gu_f32, ui), act, &dg, &du));
+  }
+}
+
+// d gate = dout · ∂f/∂g, d up = dout · ∂f/∂u (act 0, 1: up · act'(g) and act(g)).
 // dgu [rows, 2 inter] (overwrites), dout [rows, inter], gu [rows, 2 inter].
 extern "C" __global__ void glu_backward(void* dgu, int dgu_f32, const void* dout, int dout_f32,
                                         const void* gu, int gu_f32, long long rows,
                                         long long inter, int act) {
   GRID_STRIDE(i, rows * inter) {
-    const long long r = i / inter, c = i % inter;
-    const long long gi = r * 2 * inter + c, ui = gi + inter;
-    const float g = ld(gu, gu_f32, gi), u = ld(gu, gu_f32, ui), d = ld(dout, dout_f32, i);
-    float dact;
-    const float a = glu_act(g, act, &dact);
-    st(dgu, dgu_f32, gi, d * u * dact);
-    st(dgu, dgu_f32, ui, d * a);
+    long long gi, ui;
+    glu_columns(i / inter, i % inter, inter, act, &gi, &ui);
+    const float d = ld(dout, dout_f32, i);
+    float dg, du;
+    glu_gated(ld(gu, gu_f32, gi), ld(gu, gu_f32, ui), act, &dg, &du);
+    st(dgu, dgu_f32, gi, d * dg);
+    st(dgu, dgu_f32, ui, d * du);
   }
 }
 
