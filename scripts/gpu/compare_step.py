@@ -95,7 +95,9 @@ def check_rope(d: Path, model, torch, device: str):
     cfg = json.loads((d / "model/config.json").read_text())
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
     rotary = getattr(model.model, "rotary_emb", None)
-    if theta is None or rotary is None or cfg.get("rope_scaling"):
+    kind = (cfg.get("rope_parameters") or {}).get("rope_type", "default")
+    if theta is None or rotary is None or cfg.get("rope_scaling") or kind != "default":
+        # Scaled RoPE (YaRN, llama3, ...) rescales the frequencies: nothing simple to compare.
         return
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     want = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))

@@ -33,7 +33,7 @@ pub enum RouterStats<'a, B: Backend> {
 
 /// The MoE intermediates of one layer for `T` tokens (`R = T k` routed rows).
 pub(super) struct MoeScratch<B: Backend> {
-    logits: B::Floats,  // [T, E]
+    logits: B::Floats,  // [T, E] f32
     probs: B::Floats,   // [T, E] f32
     weights: B::Floats, // [T, k] f32
     experts: B::Ints,   // [T, k]
@@ -52,6 +52,8 @@ pub(super) struct MoeScratch<B: Backend> {
     d_xs: B::Floats,      // [R, H]
     /// Expert `e`'s rows, from the last forward.
     offsets: Vec<usize>,
+    /// Experts per layer (`E`).
+    width: usize,
 }
 
 impl<B: Backend> MoeScratch<B> {
@@ -75,7 +77,8 @@ impl<B: Backend> MoeScratch<B> {
         };
         use FloatKind::{Accum, Activation};
         let scratch = MoeScratch {
-            logits: alloc(t * e, Activation)?,
+            // f32: a routing decision compares logits, which bf16 would round together.
+            logits: alloc(t * e, Accum)?,
             probs: alloc(t * e, Accum)?,
             weights: alloc(t * k, Accum)?,
             xs: alloc(r * h, Activation)?,
@@ -92,8 +95,27 @@ impl<B: Backend> MoeScratch<B> {
             order: b.alloc_ints(r)?,
             rows: b.alloc_ints(r)?,
             offsets: Vec::new(),
+            width: e,
         };
         Ok((scratch, bytes + 3 * r * 4))
+    }
+}
+
+impl<B: Backend> super::decoder::LayerScratch<B> {
+    /// The router logits `[T, E]` of the last MoE layer forward run on this scratch (for
+    /// inspection: which experts were close to a tie), or `None` for a dense model.
+    pub fn router_logits(&self, b: &B, tokens: usize) -> Result<Option<Vec<f32>>> {
+        let Some(x) = &self.moe else { return Ok(None) };
+        let n = tokens * x.width;
+        if n > b.len(&x.logits) {
+            return Err(Error::invalid(format!(
+                "the scratch holds router logits for {} tokens, not {tokens}",
+                b.len(&x.logits) / x.width.max(1)
+            )));
+        }
+        let mut out = vec![0.0; n];
+        b.download(&mut out, b.view(&x.logits, 0..n))?;
+        Ok(Some(out))
     }
 }
 

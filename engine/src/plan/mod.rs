@@ -221,6 +221,9 @@ impl Capabilities {
 pub struct ModelSummary {
     pub family: String,
     pub params: u64,
+    /// Parameters a token computes with: `params` for a dense model, the routed experts only
+    /// for a mixture (the `6 x params x tokens` figures use these).
+    pub active_params: u64,
     pub layers: usize,
     pub hidden: usize,
     pub vocab: usize,
@@ -432,6 +435,7 @@ fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
     let model = ModelSummary {
         family: input.spec.family.model_type().to_string(),
         params: sizes.params,
+        active_params: input.spec.active_params() as u64,
         layers: sizes.layers,
         hidden: input.spec.hidden,
         vocab: input.spec.vocab,
@@ -693,7 +697,7 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
         gpu_idle_s: (c.step - compute).max(0.0),
         bottleneck,
         tokens_per_s: tokens / c.step,
-        model_tflops: 6.0 * s.params as f64 * tokens / c.step / 1e12,
+        model_tflops: 6.0 * s.active_params as f64 * tokens / c.step / 1e12,
     }
 }
 

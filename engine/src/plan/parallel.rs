@@ -108,7 +108,7 @@ pub(super) fn plan(input: &PlanInput<'_>) -> Result<Verdict> {
     t.gpu_idle_s += allreduce_s;
     t.flops *= scale;
     t.tokens_per_s = tokens as f64 / t.total_s;
-    t.model_tflops = 6.0 * p.model.params as f64 * tokens as f64 / t.total_s / 1e12;
+    t.model_tflops = 6.0 * p.model.active_params as f64 * tokens as f64 / t.total_s / 1e12;
     let one_gpu_step_s = match plan_one(&PlanInput { gpus: 1, ..input.clone() })? {
         Verdict::Fits(one) => Some(one.time.total_s),
         Verdict::Refused(_) => None,

@@ -112,6 +112,8 @@ pub struct Sizes {
     pub vocab: u64,
     pub tied: bool,
     pub params: u64,
+    /// Parameters a token computes with (a mixture of experts' routed experts only).
+    pub active_params: u64,
     pub batch: BatchShape,
     /// Device bytes of one layer's scratch for one micro-batch.
     pub layer_scratch: u64,
@@ -151,6 +153,7 @@ impl Sizes {
             vocab: v,
             tied: spec.tie_embeddings,
             params,
+            active_params: spec.active_params() as u64,
             batch,
             layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
             head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
@@ -208,7 +211,7 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 
 /// `MoeScratch` in `model::moe` for `t` tokens: every token is routed to `k` experts, so the
 /// expert activations are `t k` rows whatever the router's counts (each expert's share of them
-/// varies, their sum does not). Per token: router logits and their gradient `[E]` (bf16),
+/// varies, their sum does not). Per token: router logits `[E]` (f32) and their gradient (bf16),
 /// probabilities `[E]` and weights and their gradient `[k]` (f32), three `i32` indices per
 /// routed row; per routed row: the gathered input, the expert output and their gradients
 /// `[H]`, the gate/up projection and its gradient `[2I]`, the activation and its gradient `[I]`
@@ -217,7 +220,7 @@ fn moe_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
     let Some(m) = &spec.moe else { return 0 };
     let (h, e, k, i) = (spec.hidden as u64, m.experts as u64, m.top_k as u64, m.inter as u64);
     let rows = t * k;
-    t * (2 * e * BF16 + (e + 2 * k) * F32) + rows * (3 * 4 + (4 * h + 6 * i) * BF16)
+    t * (e * BF16 + (2 * e + 2 * k) * F32) + rows * (3 * 4 + (4 * h + 6 * i) * BF16)
 }
 
 /// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in

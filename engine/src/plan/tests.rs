@@ -701,3 +701,47 @@ fn soft_capped_attention_is_priced_at_the_scalar_kernels_rate() {
     assert!((c.attention_s / u.attention_s - ratio).abs() < 1e-9 * ratio, "{c:?} vs {u:?}");
     assert!((c.gemm_s - u.gemm_s).abs() < 1e-12);
 }
+
+#[test]
+fn gpt_oss_120b_fits_one_h200_with_1_5_tb_counting_every_expert() {
+    // The paper's headline: gpt-oss-120b (116.8B parameters, 128 experts a layer) on one H200
+    // with 1.5 TB of host memory. Every expert's master, moments and gradient are held: at 12
+    // bytes per parameter plus a ring without clipping, and with exact clipping only by keeping
+    // the gradients in bf16 (fp32 on the host would need 16 bytes a parameter, 1.74 TiB; on
+    // the device 452 GiB).
+    let machine = (139 * GIB, 1536 * GIB);
+    let params = 116_829_156_672f64;
+    let plan = fits(check("gpt-oss-120b", (1024, 8, 1), machine, false));
+    let per_param = plan.budget.host_used() as f64 / params;
+    assert!((12.0..=12.5).contains(&per_param), "{per_param:.2}\n{plan}");
+    let plan = fits(check("gpt-oss-120b", (1024, 8, 1), machine, true));
+    assert_eq!(plan.placement.gradients, GradientTier::HostStoreBf16, "{plan}");
+    let per_param = plan.budget.host_used() as f64 / params;
+    assert!((14.0..=14.1).contains(&per_param), "{per_param:.2}\n{plan}");
+
+    // Compute counts each token's 4 experts and the router, not all 128: per layer q, k, v, o
+    // ((64 + 2 x 8) x 64 + 64 x 64 rows of 2880) and 4 x 3 x 2880 x 2880 + 128 x 2880, then
+    // the LM head (201088 x 2880), 8 FLOPs per GEMM parameter per token with the recompute.
+    let (h, layers) = (2880.0, 36.0);
+    let layer = ((64.0 + 16.0) * 64.0 + 64.0 * 64.0) * h + 4.0 * 3.0 * h * h + 128.0 * h;
+    let gemm_params = layers * layer + 201088.0 * h;
+    let gemm = 8.0 * gemm_params * 8192.0 / 700e12;
+    assert!((plan.time.gemm_s - gemm).abs() < 1e-9 * gemm, "{} vs {gemm}", plan.time.gemm_s);
+}
+
+#[test]
+fn a_moe_layers_scratch_holds_its_routed_rows() {
+    // Mixtral: 8192 tokens a micro-batch, each routed to 2 of 8 experts (14336 wide): the
+    // expert activations are 16384 rows whatever the router's counts.
+    let spec = preset("mixtral-8x7b").expect("preset");
+    let dense = {
+        let mut s = spec.clone();
+        s.moe = None;
+        sizes::layer_scratch_bytes(&s, 8192)
+    };
+    let (t, k, e, h, i) = (8192u64, 2u64, 8u64, 4096u64, 14336u64);
+    let moe = t * (e * 2 + (2 * e + 2 * k) * 4) + t * k * (3 * 4 + (4 * h + 6 * i) * 2);
+    // Every layer is a mixture: no dense MLP buffers (6 x 14336 bf16 per token) either.
+    let dense_mlp = t * 6 * i * 2;
+    assert_eq!(sizes::layer_scratch_bytes(&spec, 8192), dense - dense_mlp + moe);
+}

@@ -516,6 +516,21 @@ impl ModelSpec {
         }
     }
 
+    /// Parameters each token computes with: all of a dense model's; a mixture of experts counts
+    /// only the `k` experts a token is routed to (and the router), which is what FLOPs and
+    /// TFLOPS figures use.
+    pub fn active_params(&self) -> usize {
+        let idle: usize = (0..self.layers)
+            .filter_map(|l| self.moe_at(l))
+            .map(|m| {
+                let expert = 3 * m.inter * self.hidden
+                    + usize::from(m.expert_bias) * (2 * m.inter + self.hidden);
+                (m.experts - m.top_k) * expert
+            })
+            .sum();
+        self.total_params() - idle
+    }
+
     /// Total trainable parameters (a tied LM head counted once).
     pub fn total_params(&self) -> usize {
         let embed = self.vocab * self.hidden;

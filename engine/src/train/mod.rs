@@ -143,6 +143,8 @@ pub enum Event {
     /// The run is set up and about to take its first step.
     Started {
         params: usize,
+        /// Parameters a token computes with (a mixture of experts' routed experts only).
+        active_params: usize,
         backend: String,
         total_steps: u64,
         /// What the dataset turned into: records, tokens, truncation.

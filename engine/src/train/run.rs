@@ -480,6 +480,7 @@ fn run_with<S: Stepper>(
     }
     observer.event(&Event::Started {
         params: model.spec.total_params(),
+        active_params: model.spec.active_params(),
         backend,
         total_steps: steps,
         data: packed.stats,

@@ -301,7 +301,8 @@ fn bench<B: Backend>(
         gib(store.grads as u64),
     );
 
-    let params = plan.model.params as f64;
+    // A mixture of experts' TFLOPS count the experts each token is routed to.
+    let params = plan.model.active_params as f64;
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0x5eed_70c5);
     let mut records = Vec::with_capacity(args.steps);
     let first = synthetic_step(&mut rng, spec.vocab, &plan.batch);

@@ -377,6 +377,7 @@ impl Observer for Printer {
         match event {
             Event::Started {
                 params,
+                active_params: _,
                 backend,
                 total_steps,
                 data,

@@ -363,6 +363,7 @@ impl Observer for Forwarder {
         match event {
             Event::Started {
                 params,
+                active_params,
                 backend,
                 total_steps,
                 data,
@@ -372,7 +373,8 @@ impl Observer for Forwarder {
             } => {
                 // The training state is allocated: it is in MemAvailable from now on.
                 lock(&self.reserved).remove(&self.job_id);
-                self.params = *params;
+                // TFLOPS count the parameters each token computes with.
+                self.params = *active_params;
                 self.device_bytes = (backend != "cpu").then_some(*device_bytes as u64);
                 let from = if *resumed_at > 0 {
                     format!("continuing exactly after step {resumed_at}; ")

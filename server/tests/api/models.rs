@@ -270,3 +270,53 @@ async fn a_name_over_its_limit_is_refused_and_leaves_nothing() -> anyhow::Result
     assert!(models_area(&app).is_empty(), "{:?}", models_area(&app));
     Ok(())
 }
+
+/// A Hugging Face folder of every family the engine trains, dropped into the models area (the
+/// golden fixtures' tiny models: config.json as transformers writes it and its weights), is
+/// listed with its family and parameter count and planned for a job.
+#[tokio::test]
+async fn a_local_folder_of_every_family_is_listed_and_planned() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden");
+    let cases = [
+        ("llama", "llama"),
+        ("qwen2", "qwen2"),
+        ("qwen3", "qwen3"),
+        ("mistral", "mistral"),
+        ("phi3", "phi3"),
+        ("gemma2", "gemma2"),
+        ("gemma3", "gemma3_text"),
+        ("mixtral", "mixtral"),
+        ("qwen3_moe", "qwen3_moe"),
+        ("gpt_oss", "gpt_oss"),
+    ];
+    for (case, _) in cases {
+        let dir = app.state.models_dir().join(case);
+        std::fs::create_dir_all(&dir)?;
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(golden.join(case).join(file), dir.join(file))?;
+        }
+    }
+    let listed = admin.get("/api/models").await?.json()?;
+    let listed = listed.as_array().cloned().unwrap_or_default();
+    for (case, family) in cases {
+        let id = format!("local:{case}");
+        let model = listed.iter().find(|m| m["id"] == id.as_str());
+        let model = model.unwrap_or_else(|| panic!("{id} is not listed"));
+        assert_eq!(model["family"], family, "{model}");
+        assert!(model["params"].as_u64().is_some_and(|p| p > 0), "{model}");
+        let plan = admin
+            .post("/api/plan", serde_json::json!({"model": id, "gpu": "cpu", "seq_len": 32}))
+            .await?;
+        assert_eq!(plan.status, StatusCode::OK, "{case}: {}", plan.text());
+    }
+    // The presets of the mixtures of experts are listed too, every expert counted.
+    for (preset, params) in [("mixtral-8x7b", 46_702_792_704u64), ("gpt-oss-120b", 116_829_156_672)]
+    {
+        let id = format!("preset:{preset}");
+        let model = listed.iter().find(|m| m["id"] == id.as_str());
+        assert_eq!(model.map(|m| m["params"].clone()), Some(params.into()), "{id}");
+    }
+    Ok(())
+}
