@@ -1538,7 +1538,23 @@ fn training_step_every_family() {
         // (`decoder_layer_forward_and_backward`) and a Gemma-3-1B step matches transformers'
         // bf16 step within 1.2e-3 in every unit's gradient norm (scripts/gpu/compare_step.py).
         // 1e-1 still fails a wrong op.
-        let tol = if case == "gemma3" { 1e-1 } else { 5e-2 };
+        //
+        // GPT-OSS's case drives its clamped SwiGLU past the clamp on purpose (the golden
+        // fixture checks the clamp is exercised), and a clamp's gradient jumps from a full
+        // value to 0 at the limit: a gate value that bf16 rounds to the other side of 7 moves
+        // that element's gradient by its whole size, and with its router in bf16 a token
+        // whose two expert logits nearly tie may go to the other expert. Measured on the H200
+        // (2026-12-03): the layers' gate_up_proj gradients (weight and bias) off by up to
+        // 1.5e-1 of their scale, the sinks and the embedding by 5e-2 to 7e-2, everything else
+        // within 5e-2 and the loss within 7e-5; a single gpt_oss layer with clear routing
+        // matches every gradient within 2e-2 (`decoder_layer_forward_and_backward`) and a
+        // 6-layer gpt-oss-20b step matches transformers' bf16 step within 3.3e-3 in every
+        // unit's gradient norm (scripts/gpu/compare_step.py). 2e-1 still fails a wrong op.
+        let tol = match case {
+            "gemma3" => 1e-1,
+            "gpt_oss" => 2e-1,
+            _ => 5e-2,
+        };
         training_step_case_within(case, &spec, p, &batches, tol);
     }
 }

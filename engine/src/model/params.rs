@@ -65,8 +65,10 @@ impl HostParams {
     }
 
     /// Reads every tensor of the layout from `source` by its Hugging Face name, converting to
-    /// f32. A tied model ignores a stored `lm_head.weight`; any other missing tensor or shape
-    /// mismatch is an error naming the tensor.
+    /// f32 (and dequantising MXFP4 experts) straight into the slabs, a tensor at a time, so
+    /// loading needs no memory beyond the slabs. A tied model ignores a stored
+    /// `lm_head.weight`; any other missing tensor or shape mismatch is an error naming the
+    /// tensor.
     pub fn load(spec: &ModelSpec, source: &TensorSource) -> Result<HostParams> {
         let mut p = HostParams::zeros(Arc::new(ModelLayout::new(spec)));
         let layout = p.layout.clone();
@@ -81,8 +83,7 @@ impl HostParams {
                     ),
                 ));
             }
-            let data = source.read_f32(&t.name)?;
-            p.units[u][t.range.clone()].copy_from_slice(&data);
+            source.read_f32_into(&t.name, &mut p.units[u][t.range.clone()])?;
         }
         Ok(p)
     }

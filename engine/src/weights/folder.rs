@@ -19,6 +19,9 @@ use crate::weights::write::{SaveDtype, TensorRef, write_json, write_safetensors}
 
 /// The file transformers reads the architecture from.
 pub const CONFIG_FILE: &str = "config.json";
+/// The `config.json` key under which transformers records how a checkpoint's weights are
+/// quantized.
+const QUANTIZATION_KEY: &str = "quantization_config";
 
 /// Everything a checkpoint folder holds.
 #[derive(Debug, Clone)]
@@ -79,11 +82,27 @@ pub fn save_hf_folder(dest: impl AsRef<Path>, files: &HfFolder<'_>) -> Result<()
 
 fn fill(dir: &Path, files: &HfFolder<'_>) -> Result<()> {
     write_safetensors(dir, &files.tensors, files.dtype, files.max_shard_bytes)?;
-    write_json(&dir.join(CONFIG_FILE), &files.config)?;
+    write_json(&dir.join(CONFIG_FILE), &unquantized_config(&files.config))?;
     for (name, bytes) in &files.extra_files {
         write_file_atomically(&dir.join(name), |w| w.write_all(bytes))?;
     }
     sync_dir(dir)
+}
+
+/// The config without `quantization_config`. The tensors written here are plain F32 or BF16,
+/// whatever the model was read from; a `quantization_config` carried over from the source
+/// (gpt-oss's `{"quant_method": "mxfp4"}`, whose experts [`TensorSource`](super::TensorSource)
+/// dequantised) would make transformers look for packed `_blocks` and `_scales` tensors that
+/// are not there.
+fn unquantized_config(config: &serde_json::Value) -> std::borrow::Cow<'_, serde_json::Value> {
+    match config {
+        serde_json::Value::Object(map) if map.contains_key(QUANTIZATION_KEY) => {
+            let mut map = map.clone();
+            map.remove(QUANTIZATION_KEY);
+            std::borrow::Cow::Owned(serde_json::Value::Object(map))
+        }
+        _ => std::borrow::Cow::Borrowed(config),
+    }
 }
 
 /// Extra files must be plain names that do not collide with the weights, the config or each

@@ -3,7 +3,9 @@
 //! - [`TensorSource`] reads a model folder (single `model.safetensors`, or a sharded
 //!   `model.safetensors.index.json` and its shards) or one `.safetensors` file, memory-mapped,
 //!   converting BF16/F16/F32/F64 to f32. Headers are validated at open: truncated or garbled
-//!   files fail there, naming the file.
+//!   files fail there, naming the file. Tensors stored as MXFP4 pairs (`<name>_blocks` and
+//!   `<name>_scales`, gpt-oss's experts) are served under `<name>`, dequantised by [`mxfp4`]
+//!   exactly as transformers dequantises them.
 //! - [`write_safetensors`] writes f32 tensors as F32 or BF16 (round to nearest even), sharded
 //!   and indexed as transformers does, each file atomically.
 //! - [`save_hf_folder`] writes a whole checkpoint folder (weights, `config.json`, tokenizer and
@@ -19,6 +21,7 @@ pub use atomic::write_file_atomically;
 pub use bf16_stream::Bf16Safetensors;
 mod folder;
 pub mod gguf;
+pub mod mxfp4;
 mod read;
 mod write;
 

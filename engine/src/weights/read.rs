@@ -9,6 +9,12 @@
 //! `n`, `n` bytes of JSON mapping each tensor name to `{dtype, shape, data_offsets: [begin,
 //! end]}` (offsets relative to the end of the header) plus an optional `__metadata__` entry,
 //! then the data, little-endian, row-major.
+//!
+//! A tensor stored as an MXFP4 pair, `<name>_blocks` and `<name>_scales` (gpt-oss's experts),
+//! is also served under `<name>`, dequantised to f32 as transformers does it ([`super::mxfp4`]),
+//! with the dequantised shape. Nothing is decoded until it is read, and a pair is checked only
+//! when its tensor is asked for, so a file whose other tensors happen to end in `_blocks` opens
+//! as before.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -20,6 +26,7 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use serde::Deserialize;
 
+use super::mxfp4::{self, Mxfp4Shape};
 use crate::error::{Error, Result};
 
 pub use safetensors::Dtype;
@@ -35,6 +42,10 @@ const HEADER_LEN_BYTES: usize = 8;
 const MAX_HEADER_BYTES: usize = 100_000_000;
 /// Elements converted per parallel task; large enough that scheduling costs nothing.
 const CONVERT_CHUNK: usize = 1 << 16;
+/// The suffixes of an MXFP4 pair's tensors, as gpt-oss's checkpoints name them
+/// (`...experts.gate_up_proj_blocks`, `...experts.gate_up_proj_scales`).
+const BLOCKS_SUFFIX: &str = "_blocks";
+const SCALES_SUFFIX: &str = "_scales";
 
 /// Read access to every tensor of a safetensors file or Hugging Face model folder.
 ///
@@ -45,7 +56,20 @@ pub struct TensorSource {
     /// errors about a tensor's absence, since that is the file that lists the tensors.
     origin: PathBuf,
     files: Vec<MappedFile>,
+    /// The tensors as stored.
     tensors: BTreeMap<String, TensorEntry>,
+    /// Tensors stored as MXFP4 pairs, under the name they dequantise to; never a name in
+    /// `tensors` (a tensor stored under its own name wins over a pair).
+    packed: BTreeMap<String, PackedPair>,
+}
+
+/// The two stored tensors of an MXFP4 pair.
+#[derive(Debug, Clone)]
+struct PackedPair {
+    blocks_name: String,
+    blocks: TensorEntry,
+    scales_name: String,
+    scales: TensorEntry,
 }
 
 struct MappedFile {
@@ -102,7 +126,32 @@ impl TensorSource {
     fn open_single(path: &Path) -> Result<Self> {
         let (file, entries) = map_and_parse(path)?;
         let tensors = entries.into_iter().map(|(name, entry)| (name, entry.in_file(0))).collect();
-        Ok(Self { origin: path.to_path_buf(), files: vec![file], tensors })
+        Ok(Self::assemble(path, vec![file], tensors))
+    }
+
+    /// The source over its mapped files, with the MXFP4 pairs among `tensors` found (a pair's
+    /// tensors may lie in different shards).
+    fn assemble(
+        origin: &Path,
+        files: Vec<MappedFile>,
+        tensors: BTreeMap<String, TensorEntry>,
+    ) -> Self {
+        let mut packed = BTreeMap::new();
+        for (blocks_name, blocks) in &tensors {
+            let Some(base) = blocks_name.strip_suffix(BLOCKS_SUFFIX) else { continue };
+            let scales_name = format!("{base}{SCALES_SUFFIX}");
+            let Some(scales) = tensors.get(&scales_name) else { continue };
+            if !tensors.contains_key(base) {
+                let pair = PackedPair {
+                    blocks_name: blocks_name.clone(),
+                    blocks: blocks.clone(),
+                    scales_name,
+                    scales: scales.clone(),
+                };
+                packed.insert(base.to_string(), pair);
+            }
+        }
+        Self { origin: origin.to_path_buf(), files, tensors, packed }
     }
 
     fn open_sharded(index_path: &Path) -> Result<Self> {
@@ -142,19 +191,21 @@ impl TensorSource {
             })?;
             tensors.insert(name.clone(), entry.clone().in_file(id));
         }
-        Ok(Self { origin: index_path.to_path_buf(), files, tensors })
+        Ok(Self::assemble(index_path, files, tensors))
     }
 
-    /// The tensor names, sorted.
+    /// The names of the tensors as stored, sorted: an MXFP4 pair appears as its `_blocks` and
+    /// `_scales` tensors, not under the name it is also served by.
     pub fn names(&self) -> Vec<String> {
         self.tensors.keys().cloned().collect()
     }
 
+    /// Whether `name` can be read: a stored tensor, or the tensor an MXFP4 pair dequantises to.
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.packed.contains_key(name)
     }
 
-    /// Number of tensors.
+    /// Number of tensors as stored (as [`names`](Self::names) lists them).
     pub fn len(&self) -> usize {
         self.tensors.len()
     }
@@ -168,21 +219,35 @@ impl TensorSource {
         &self.origin
     }
 
+    /// The shape [`read_f32`](Self::read_f32) returns: as stored, or for an MXFP4 pair the
+    /// dequantised `[experts, in, out]` (checking the pair's shapes and dtypes).
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
-        Ok(self.entry(name)?.shape.clone())
+        match self.packed.get(name) {
+            Some(pair) => Ok(self.packed_shape(name, pair)?.dequantized().to_vec()),
+            None => Ok(self.entry(name)?.shape.clone()),
+        }
     }
 
-    /// The dtype stored in the file.
+    /// The dtype stored in the file; [`Dtype::F4`] for a tensor stored as an MXFP4 pair.
     pub fn dtype(&self, name: &str) -> Result<Dtype> {
-        Ok(self.entry(name)?.dtype)
+        match self.packed.get(name) {
+            Some(_) => Ok(Dtype::F4),
+            None => Ok(self.entry(name)?.dtype),
+        }
     }
 
-    /// Number of elements (the product of the shape).
+    /// Number of elements (the product of [`shape`](Self::shape)).
     pub fn numel(&self, name: &str) -> Result<usize> {
-        Ok(self.entry(name)?.shape.iter().product())
+        match self.packed.get(name) {
+            // At most twice the blocks' bytes, which lie inside the file, so a header cannot
+            // make `read_f32` allocate more than 8 bytes per byte on disk.
+            Some(pair) => Ok(self.packed_shape(name, pair)?.numel()),
+            None => Ok(self.entry(name)?.shape.iter().product()),
+        }
     }
 
-    /// Reads a tensor as f32. BF16, F16 and F32 convert exactly; F64 rounds to nearest.
+    /// Reads a tensor as f32. BF16, F16 and F32 convert exactly; F64 rounds to nearest; an
+    /// MXFP4 pair dequantises exactly as transformers does ([`super::mxfp4`]).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
         let mut out = vec![0.0; self.numel(name)?];
         self.read_f32_into(name, &mut out)?;
@@ -192,23 +257,13 @@ impl TensorSource {
     /// Like [`read_f32`](Self::read_f32), into a buffer the caller owns (a slab of the host
     /// store, say), whose length must equal the tensor's element count.
     pub fn read_f32_into(&self, name: &str, out: &mut [f32]) -> Result<()> {
-        let entry = self.entry(name)?;
-        let file = self.file(entry)?;
-        let numel: usize = entry.shape.iter().product();
-        if out.len() != numel {
-            return Err(Error::weights(
-                &file.path,
-                format!(
-                    "tensor '{name}' has shape {:?} ({numel} elements) but the destination \
-                     holds {}",
-                    entry.shape,
-                    out.len()
-                ),
-            ));
+        if let Some(pair) = self.packed.get(name) {
+            return self.read_packed_into(name, pair, out);
         }
-        let bytes = file.map.get(entry.begin..entry.end).ok_or_else(|| {
-            Error::weights(&file.path, format!("tensor '{name}': data range outside the file"))
-        })?;
+        let entry = self.entry(name)?;
+        let (file, bytes) = self.bytes(name, entry)?;
+        let numel: usize = entry.shape.iter().product();
+        check_destination(file, name, &entry.shape, numel, out.len())?;
         match entry.dtype {
             Dtype::F32 => convert::<4>(bytes, out, f32::from_le_bytes),
             Dtype::BF16 => convert::<2>(bytes, out, |b| bf16::from_le_bytes(b).to_f32()),
@@ -228,10 +283,65 @@ impl TensorSource {
         Ok(())
     }
 
+    /// Dequantises an MXFP4 pair straight into `out`: no copy of the tensor but `out` itself.
+    fn read_packed_into(&self, name: &str, pair: &PackedPair, out: &mut [f32]) -> Result<()> {
+        let shape = self.packed_shape(name, pair)?;
+        let (file, blocks) = self.bytes(&pair.blocks_name, &pair.blocks)?;
+        let (_, scales) = self.bytes(&pair.scales_name, &pair.scales)?;
+        check_destination(file, name, &shape.dequantized(), shape.numel(), out.len())?;
+        mxfp4::dequantize_into(&shape, blocks, scales, out)
+            .map_err(|message| Error::weights(&file.path, format!("tensor '{name}': {message}")))
+    }
+
+    /// A pair's dimensions, after checking that both tensors are U8 and their shapes agree.
+    /// Errors name the file of the blocks and both tensors.
+    fn packed_shape(&self, name: &str, pair: &PackedPair) -> Result<Mxfp4Shape> {
+        let path = &self.file(&pair.blocks)?.path;
+        let err = |message: String| {
+            Error::weights(
+                path,
+                format!(
+                    "tensor '{name}' is stored as MXFP4 blocks '{}' {:?} and scales '{}' {:?}, \
+                     which cannot be dequantised: {message}",
+                    pair.blocks_name, pair.blocks.shape, pair.scales_name, pair.scales.shape
+                ),
+            )
+        };
+        // Only U8 is the reference's encoding: it reads the scales' bytes as integers
+        // (`scales.to(torch.int32)`), which an F8_E8M0 tensor's conversion would not give.
+        for (part, entry) in [(&pair.blocks_name, &pair.blocks), (&pair.scales_name, &pair.scales)]
+        {
+            if entry.dtype != Dtype::U8 {
+                return Err(err(format!("'{part}' has dtype {}, expected U8", entry.dtype)));
+            }
+        }
+        Mxfp4Shape::new(&pair.blocks.shape, &pair.scales.shape).map_err(err)
+    }
+
     fn entry(&self, name: &str) -> Result<&TensorEntry> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| Error::weights(&self.origin, format!("no tensor named '{name}'")))
+        self.tensors.get(name).ok_or_else(|| {
+            // Half an MXFP4 pair is worth naming: it is why the tensor is missing.
+            let half = [(BLOCKS_SUFFIX, SCALES_SUFFIX), (SCALES_SUFFIX, BLOCKS_SUFFIX)]
+                .into_iter()
+                .find(|(have, _)| self.tensors.contains_key(&format!("{name}{have}")));
+            let message = match half {
+                Some((have, lack)) => format!(
+                    "no tensor named '{name}': there is '{name}{have}' but not '{name}{lack}', \
+                     the other half of the MXFP4 pair that would store it"
+                ),
+                None => format!("no tensor named '{name}'"),
+            };
+            Error::weights(&self.origin, message)
+        })
+    }
+
+    /// A stored tensor's file and bytes.
+    fn bytes(&self, name: &str, entry: &TensorEntry) -> Result<(&MappedFile, &[u8])> {
+        let file = self.file(entry)?;
+        let bytes = file.map.get(entry.begin..entry.end).ok_or_else(|| {
+            Error::weights(&file.path, format!("tensor '{name}': data range outside the file"))
+        })?;
+        Ok((file, bytes))
     }
 
     fn file(&self, entry: &TensorEntry) -> Result<&MappedFile> {
@@ -247,6 +357,7 @@ impl fmt::Debug for TensorSource {
             .field("origin", &self.origin)
             .field("files", &self.files.len())
             .field("tensors", &self.tensors.len())
+            .field("packed", &self.packed.len())
             .finish()
     }
 }
@@ -255,6 +366,26 @@ impl TensorEntry {
     fn in_file(self, file: usize) -> Self {
         Self { file, ..self }
     }
+}
+
+/// Refuses a destination whose length is not the tensor's element count.
+fn check_destination(
+    file: &MappedFile,
+    name: &str,
+    shape: &[usize],
+    numel: usize,
+    len: usize,
+) -> Result<()> {
+    if len == numel {
+        return Ok(());
+    }
+    Err(Error::weights(
+        &file.path,
+        format!(
+            "tensor '{name}' has shape {shape:?} ({numel} elements) but the destination holds \
+             {len}"
+        ),
+    ))
 }
 
 /// Resolves a shard named by the index, refusing names that leave the model folder.

@@ -437,6 +437,9 @@ impl Observer for Printer {
                 if let Some(eval) = m.eval_loss {
                     self.line(format!("step {:>5}  eval loss {eval:.4}", m.step));
                 }
+                if let Some(aux) = m.aux_loss {
+                    self.line(format!("step {:>5}  load-balancing loss {aux:.4}", m.step));
+                }
                 if let Some(bar) = &self.bar {
                     bar.set_position(m.step);
                 }

@@ -397,7 +397,8 @@ impl Observer for Forwarder {
             }
             Event::Step(m) => {
                 let seconds = m.elapsed.as_secs_f64().max(1e-9);
-                // 6 FLOPs per parameter per token (forward 2, backward 4), attention excluded.
+                // 6 FLOPs per parameter per token (forward 2, backward 4), attention excluded;
+                // a mixture of experts counts the experts each token is routed to.
                 let tflops = 6.0 * self.params as f64 * m.tokens as f64 / seconds / 1e12;
                 let point = json!({
                     "step": m.step,
@@ -417,6 +418,8 @@ impl Observer for Forwarder {
                     "tokens": m.tokens,
                     "trained_tokens": m.trained_tokens,
                     "eval_loss": m.eval_loss,
+                    // A mixture of experts' load-balancing loss (null for dense models).
+                    "aux_loss": m.aux_loss,
                     "timeline": (!m.timeline.is_empty()).then_some(&m.timeline),
                     "t": now_f64(),
                 });

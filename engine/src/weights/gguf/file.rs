@@ -276,7 +276,9 @@ pub(crate) fn parse(bytes: &[u8]) -> std::result::Result<Parsed, String> {
         if offset % alignment != 0 {
             return Err(format!("tensor {name}: offset {offset} is not aligned to {alignment}"));
         }
-        let len = elements / ggml_type.block_elements() as u64 * ggml_type.block_bytes() as u64;
+        let len = (elements / ggml_type.block_elements() as u64)
+            .checked_mul(ggml_type.block_bytes() as u64)
+            .ok_or_else(|| format!("tensor {name} has extents {dims:?} too large to address"))?;
         let start = data_start.checked_add(offset);
         let end = start.and_then(|s| s.checked_add(len));
         match (start, end) {

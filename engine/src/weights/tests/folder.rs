@@ -119,3 +119,18 @@ fn extra_files_must_be_plain_and_not_clash() -> TestResult {
     assert_eq!(listing(root.path())?, Vec::<String>::new(), "nothing written");
     Ok(())
 }
+
+#[test]
+fn a_quantization_config_is_not_written_beside_float_tensors() -> TestResult {
+    // A model read from gpt-oss's MXFP4 release is saved as floats; its inherited
+    // `quantization_config` would make transformers look for packed tensors.
+    let root = tempdir()?;
+    let a = values(4, 0);
+    let mut files = checkpoint(vec![tensor("a", &[4], &a)], &[]);
+    files.config["quantization_config"] = serde_json::json!({ "quant_method": "mxfp4" });
+    save_hf_folder(root.path().join("out"), &files)?;
+    let written: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(root.path().join("out").join(CONFIG_FILE))?)?;
+    assert_eq!(written, serde_json::json!({ "model_type": "llama", "hidden_size": 4 }));
+    Ok(())
+}
