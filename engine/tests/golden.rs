@@ -15,7 +15,7 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 11] = [
+const CASES: [&str; 12] = [
     "llama",
     "llama-linear",
     "qwen2",
@@ -27,6 +27,7 @@ const CASES: [&str; 11] = [
     "mixtral",
     "qwen3_moe",
     "gpt_oss",
+    "qwen2_moe",
 ];
 
 fn case_dir(case: &str) -> PathBuf {
@@ -343,4 +344,9 @@ fn golden_qwen3_moe_dense_then_sparse_layer() {
 #[test]
 fn golden_gpt_oss_sinks_yarn_biased_router_clamped_swiglu() {
     check(CASES[10]);
+}
+
+#[test]
+fn golden_qwen2_moe_shared_expert_and_its_gate() {
+    check(CASES[11]);
 }

@@ -1032,6 +1032,42 @@ fn moe_gather_and_combine() {
     check("moe_combine_backward dweights (f32)", &get(g, &dw), &want_dw, 1e-5);
 }
 
+/// Qwen2 MoE's shared-expert gate: bf16 activations, f32 logits (some far in both tails).
+#[test]
+fn sigmoid_gate() {
+    let (g, c) = (gpu(), Cpu::new());
+    let mut r = rng(91);
+    let y = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let base = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let mut z = uniform(&mut r, T, 4.0);
+    z[0] = 30.0;
+    z[1] = -30.0;
+    let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
+    let mut want = base.clone();
+    c.sigmoid_gate_forward(&mut want, &y, &z, T, H).expect("cpu");
+    let (y_d, z_d, dout_d) = (put(g, &y, Activation), put(g, &z, Accum), put(g, &dout, Activation));
+    let mut out_d = put(g, &base, Activation);
+    g.sigmoid_gate_forward(all_mut(g, &mut out_d), all(g, &y_d), all(g, &z_d), T, H).expect("gpu");
+    // One product and one add rounded to bf16.
+    check("sigmoid_gate_forward", &get(g, &out_d), &want, 4e-3);
+    let (mut dy, mut dz) = (vec![0.0; T * H], vec![0.0; T]);
+    c.sigmoid_gate_backward(&mut dy, &mut dz, &dout, &y, &z, T, H).expect("cpu");
+    let (mut dy_d, mut dz_d) = (nan(g, T * H, Activation), nan(g, T, Activation));
+    g.sigmoid_gate_backward(
+        all_mut(g, &mut dy_d),
+        all_mut(g, &mut dz_d),
+        all(g, &dout_d),
+        all(g, &y_d),
+        all(g, &z_d),
+        T,
+        H,
+    )
+    .expect("gpu");
+    check("sigmoid_gate_backward dy", &get(g, &dy_d), &dy, 4e-3);
+    // The logit's gradient is an f32 dot of H products, stored in bf16.
+    check("sigmoid_gate_backward dlogits", &get(g, &dz_d), &dz, 4e-3);
+}
+
 #[test]
 fn grouped_matmul() {
     let (g, c) = (gpu(), Cpu::new());
@@ -1259,6 +1295,11 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     qwen3_moe["num_experts_per_tok"] = 3.into();
     qwen3_moe["moe_intermediate_size"] = 40.into();
     qwen3_moe["norm_topk_prob"] = true.into();
+    let mut qwen2_moe = base("qwen2_moe");
+    qwen2_moe["num_experts"] = 4.into();
+    qwen2_moe["num_experts_per_tok"] = 2.into();
+    qwen2_moe["moe_intermediate_size"] = 40.into();
+    qwen2_moe["shared_expert_intermediate_size"] = 56.into();
     let mut gpt_oss = base("gpt_oss");
     gpt_oss["num_local_experts"] = 4.into();
     gpt_oss["num_experts_per_tok"] = 2.into();
@@ -1273,6 +1314,7 @@ fn layer_specs() -> Vec<(&'static str, ModelSpec)> {
     vec![
         ("mixtral 4 experts top 2", spec_from(mixtral)),
         ("qwen3_moe 8 experts top 3", spec_from(qwen3_moe)),
+        ("qwen2_moe shared expert", spec_from(qwen2_moe)),
         ("gpt_oss sinks, biases, clamped", spec_from(gpt_oss)),
         ("llama+bias", spec_from(llama)),
         ("qwen3 hd=128", spec_from(qwen3)),
@@ -1523,6 +1565,7 @@ fn training_step_every_family() {
         "gemma2",
         "mixtral",
         "qwen3_moe",
+        "qwen2_moe",
         "gpt_oss",
     ] {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");

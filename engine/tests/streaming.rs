@@ -26,7 +26,7 @@ const MASTER: WeightSource = WeightSource::Master;
 
 /// Every golden case: one per family and variant, mixtures of experts (whose load-balancing
 /// loss, in these configs, is part of the loss) included.
-const FAMILIES: [&str; 11] = [
+const FAMILIES: [&str; 12] = [
     "llama",
     "llama-linear",
     "qwen2",
@@ -38,6 +38,7 @@ const FAMILIES: [&str; 11] = [
     "mixtral",
     "qwen3_moe",
     "gpt_oss",
+    "qwen2_moe",
 ];
 
 fn config(clip: Option<f32>) -> TrainConfig {

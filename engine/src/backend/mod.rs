@@ -729,6 +729,30 @@ pub trait Backend: Send + Sync {
         rows: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+    /// Qwen2 MoE's gated shared expert: `out[t] += sigmoid(logits[t]) · y[t]` (accumulates onto
+    /// the routed experts' output). out and y `[T, H]`, logits `[T]` (Accum).
+    /// Reference: `Qwen2MoeSparseMoeBlock.forward`.
+    fn sigmoid_gate_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        y: Self::View<'_>,
+        logits: Self::View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// `dy[t] = sigmoid(logits[t]) · dout[t]` and `dlogits[t] = σ'(logits[t]) · (dout[t] ·
+    /// y[t])` with `σ' = σ (1 − σ)`, the dot in f32 (both overwrite). dy `[T, H]`, dlogits `[T]`.
+    #[allow(clippy::too_many_arguments)]
+    fn sigmoid_gate_backward(
+        &self,
+        dy: Self::ViewMut<'_>,
+        dlogits: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        y: Self::View<'_>,
+        logits: Self::View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()>;
     /// Every expert's GEMM over its rows, `out[r] = inp[r] · W_e(ᵀ) (+ bias[e])` for `r` in
     /// expert `e`'s rows. out `[R, N]`, inp `[R, K]`, w `[E, N, K]` or `[E, K, N]` as
     /// `g.layout` says, bias `[E, N]`.

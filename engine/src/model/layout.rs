@@ -98,6 +98,19 @@ pub struct MoeRanges {
     pub down_w: Range<usize>,
     /// `[E, H]` (GPT-OSS).
     pub down_b: Option<Range<usize>>,
+    /// Qwen2 MoE's shared expert.
+    pub shared: Option<SharedExpertRanges>,
+}
+
+/// Qwen2 MoE's shared expert: a dense gated MLP and its one-logit gate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedExpertRanges {
+    /// `[2Is, H]`: gate_proj then up_proj.
+    pub gate_up_w: Range<usize>,
+    /// `[H, Is]`.
+    pub down_w: Range<usize>,
+    /// `[1, H]`: `shared_expert_gate`.
+    pub gate_w: Range<usize>,
 }
 
 /// Ranges inside the head slab.
@@ -186,7 +199,16 @@ fn moe_ranges(s: &mut SlabBuilder, spec: &ModelSpec, moe: &MoeSpec) -> MoeRanges
         Family::Mixtral => {
             let router_w = s.fused(&[("block_sparse_moe.gate.weight", vec![e, h])]);
             let (gate_up_w, down_w) = per_expert(s, "block_sparse_moe.experts", ["w1", "w3", "w2"]);
-            MoeRanges { router_w, router_b: None, gate_up_w, gate_up_b: None, down_w, down_b: None }
+            let shared = None;
+            MoeRanges {
+                router_w,
+                router_b: None,
+                gate_up_w,
+                gate_up_b: None,
+                down_w,
+                down_b: None,
+                shared,
+            }
         }
         Family::GptOss => MoeRanges {
             router_w: s.fused(&[("mlp.router.weight", vec![e, h])]),
@@ -195,12 +217,30 @@ fn moe_ranges(s: &mut SlabBuilder, spec: &ModelSpec, moe: &MoeSpec) -> MoeRanges
             gate_up_b: Some(s.fused(&[("mlp.experts.gate_up_proj_bias", vec![e, 2 * i])])),
             down_w: s.fused(&[("mlp.experts.down_proj", vec![e, i, h])]),
             down_b: Some(s.fused(&[("mlp.experts.down_proj_bias", vec![e, h])])),
+            shared: None,
         },
         _ => {
             let router_w = s.fused(&[("mlp.gate.weight", vec![e, h])]);
             let (gate_up_w, down_w) =
                 per_expert(s, "mlp.experts", ["gate_proj", "up_proj", "down_proj"]);
-            MoeRanges { router_w, router_b: None, gate_up_w, gate_up_b: None, down_w, down_b: None }
+            // Qwen2MoeSparseMoeBlock: `mlp.shared_expert` (a Qwen2MoeMLP) and its gate.
+            let shared = moe.shared_inter.map(|si| SharedExpertRanges {
+                gate_up_w: s.fused(&[
+                    ("mlp.shared_expert.gate_proj.weight", vec![si, h]),
+                    ("mlp.shared_expert.up_proj.weight", vec![si, h]),
+                ]),
+                down_w: s.fused(&[("mlp.shared_expert.down_proj.weight", vec![h, si])]),
+                gate_w: s.fused(&[("mlp.shared_expert_gate.weight", vec![1, h])]),
+            });
+            MoeRanges {
+                router_w,
+                router_b: None,
+                gate_up_w,
+                gate_up_b: None,
+                down_w,
+                down_b: None,
+                shared,
+            }
         }
     }
 }

@@ -6,6 +6,7 @@
 //! xs  = h[pairs sorted by expert]               [T k, H]
 //! y   = down_e(act(gate_up_e(xs)))              [T k, H] every expert on its rows
 //! out = Σ_j w[t, j] · y[row of (t, j)]          [T, H]
+//! out += sigmoid(h · wgᵀ) · shared(h)            [T, H]   Qwen2 MoE's shared expert
 //! ```
 //! The load-balancing loss (`load_balancing_loss_func`) is a function of the whole forward:
 //! `E Σ_e c_e P_e / N²` over the `N = T · (MoE layers)` routed rows of a micro-batch, with
@@ -50,6 +51,16 @@ pub(super) struct MoeScratch<B: Backend> {
     d_act: B::Floats,     // [R, I]
     d_gate_up: B::Floats, // [R, 2I]
     d_xs: B::Floats,      // [R, H]
+    /// Qwen2 MoE's shared expert (empty buffers elsewhere): its gate/up projection `[T, 2Is]`,
+    /// activation `[T, Is]`, output `[T, H]`, gate logit `[T]` (f32), and their gradients.
+    s_gate_up: B::Floats,
+    s_act: B::Floats,
+    s_y: B::Floats,
+    s_logit: B::Floats,
+    d_s_gate_up: B::Floats,
+    d_s_act: B::Floats,
+    d_s_y: B::Floats,
+    d_s_logit: B::Floats,
     /// Expert `e`'s rows, from the last forward.
     offsets: Vec<usize>,
     /// Experts per layer (`E`).
@@ -70,6 +81,9 @@ impl<B: Backend> MoeScratch<B> {
         let (t, h, e, k, i) = (tokens, spec.hidden, m.experts, m.top_k, m.inter);
         let r = t * k;
         let g = usize::from(train);
+        // The shared expert's width, 0 without one.
+        let si = m.shared_inter.unwrap_or(0);
+        let sh = usize::from(si > 0);
         let mut bytes = 0;
         let mut alloc = |n: usize, kind: FloatKind| {
             bytes += n * b.elem_bytes(kind);
@@ -91,6 +105,14 @@ impl<B: Backend> MoeScratch<B> {
             d_act: alloc(g * r * i, Activation)?,
             d_gate_up: alloc(g * r * 2 * i, Activation)?,
             d_xs: alloc(g * r * h, Activation)?,
+            s_gate_up: alloc(t * 2 * si, Activation)?,
+            s_act: alloc(t * si, Activation)?,
+            s_y: alloc(sh * t * h, Activation)?,
+            s_logit: alloc(sh * t, Accum)?,
+            d_s_gate_up: alloc(g * t * 2 * si, Activation)?,
+            d_s_act: alloc(g * t * si, Activation)?,
+            d_s_y: alloc(g * sh * t * h, Activation)?,
+            d_s_logit: alloc(g * sh * t, Activation)?,
             experts: b.alloc_ints(r)?,
             order: b.alloc_ints(r)?,
             rows: b.alloc_ints(r)?,
@@ -223,7 +245,45 @@ impl<B: Backend> Decoder<B> {
             r.down_b.as_ref().map(|bias| b.view(w, bias.clone())),
             &down,
         )?;
-        b.moe_combine(out, b.view(&x.y, 0..rows * h), b.view(&x.weights, 0..rows), &x.rows, &shape)
+        b.moe_combine(
+            out,
+            b.view(&x.y, 0..rows * h),
+            b.view(&x.weights, 0..rows),
+            &x.rows,
+            &shape,
+        )?;
+        let (Some(sr), Some(si)) = (&r.shared, m.shared_inter) else { return Ok(()) };
+        // Qwen2MoeSparseMoeBlock: every token also goes through the shared expert, scaled by
+        // its gate.
+        let out = b.view_mut(if into_pre { &mut s.m_pre } else { &mut s.tmp_h }, 0..t * h);
+        let ln2 = b.view(&s.ln2, 0..t * h);
+        let x = s.moe.as_mut().ok_or_else(|| Error::invalid("layer scratch has no MoE buffers"))?;
+        let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
+        b.matmul_forward(
+            b.view_mut(&mut x.s_gate_up, 0..t * 2 * si),
+            ln2,
+            wv(&sr.gate_up_w),
+            t,
+            h,
+            2 * si,
+        )?;
+        b.glu_forward(
+            b.view_mut(&mut x.s_act, 0..t * si),
+            b.view(&x.s_gate_up, 0..t * 2 * si),
+            t,
+            si,
+            self.spec.glu_act,
+        )?;
+        b.matmul_forward(
+            b.view_mut(&mut x.s_y, 0..t * h),
+            b.view(&x.s_act, 0..t * si),
+            wv(&sr.down_w),
+            t,
+            si,
+            h,
+        )?;
+        b.matmul_forward(b.view_mut(&mut x.s_logit, 0..t), ln2, wv(&sr.gate_w), t, h, 1)?;
+        b.sigmoid_gate_forward(out, b.view(&x.s_y, 0..t * h), b.view(&x.s_logit, 0..t), t, h)
     }
 
     /// The MoE MLP's backward after [`Decoder::moe_forward`] on the same scratch: the gradient
@@ -329,6 +389,58 @@ impl<B: Backend> Decoder<B> {
             t,
             h,
             e,
+        )?;
+        b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))?;
+        let (Some(sr), Some(si)) = (&r.shared, m.shared_inter) else { return Ok(()) };
+        // The shared expert and its gate, each adding its share of the input's gradient.
+        let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
+        b.sigmoid_gate_backward(
+            b.view_mut(&mut x.d_s_y, 0..t * h),
+            b.view_mut(&mut x.d_s_logit, 0..t),
+            d_out,
+            b.view(&x.s_y, 0..t * h),
+            b.view(&x.s_logit, 0..t),
+            t,
+            h,
+        )?;
+        b.matmul_backward(
+            b.view_mut(&mut x.d_s_act, 0..t * si),
+            b.view_mut(grad, sr.down_w.clone()),
+            b.view(&x.d_s_y, 0..t * h),
+            b.view(&x.s_act, 0..t * si),
+            wv(&sr.down_w),
+            t,
+            si,
+            h,
+        )?;
+        b.glu_backward(
+            b.view_mut(&mut x.d_s_gate_up, 0..t * 2 * si),
+            b.view(&x.d_s_act, 0..t * si),
+            b.view(&x.s_gate_up, 0..t * 2 * si),
+            t,
+            si,
+            self.spec.glu_act,
+        )?;
+        b.matmul_backward(
+            b.view_mut(&mut x.d_y, 0..t * h),
+            b.view_mut(grad, sr.gate_up_w.clone()),
+            b.view(&x.d_s_gate_up, 0..t * 2 * si),
+            ln2,
+            wv(&sr.gate_up_w),
+            t,
+            h,
+            2 * si,
+        )?;
+        b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))?;
+        b.matmul_backward(
+            b.view_mut(&mut x.d_y, 0..t * h),
+            b.view_mut(grad, sr.gate_w.clone()),
+            b.view(&x.d_s_logit, 0..t),
+            ln2,
+            wv(&sr.gate_w),
+            t,
+            h,
+            1,
         )?;
         b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))
     }

@@ -215,12 +215,17 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 /// probabilities `[E]` and weights and their gradient `[k]` (f32), three `i32` indices per
 /// routed row; per routed row: the gathered input, the expert output and their gradients
 /// `[H]`, the gate/up projection and its gradient `[2I]`, the activation and its gradient `[I]`
-/// (bf16).
+/// (bf16). Qwen2 MoE's shared expert adds, per token, its gate/up projection, activation and
+/// output and their gradients (bf16) and its gate logit (f32) and that logit's gradient (bf16).
 fn moe_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
     let Some(m) = &spec.moe else { return 0 };
     let (h, e, k, i) = (spec.hidden as u64, m.experts as u64, m.top_k as u64, m.inter as u64);
     let rows = t * k;
-    t * (e * BF16 + (2 * e + 2 * k) * F32) + rows * (3 * 4 + (4 * h + 6 * i) * BF16)
+    let shared = match m.shared_inter {
+        Some(si) => t * ((6 * si as u64 + 2 * h + 1) * BF16 + F32),
+        None => 0,
+    };
+    t * (e * BF16 + (2 * e + 2 * k) * F32) + rows * (3 * 4 + (4 * h + 6 * i) * BF16) + shared
 }
 
 /// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in

@@ -67,6 +67,8 @@ pub struct HfConfig {
     pub mlp_only_layers: Option<Vec<usize>>,
     /// Qwen MoE: every `decoder_sparse_step`-th layer is a mixture.
     pub decoder_sparse_step: Option<usize>,
+    /// Qwen2 MoE: bias on the q, k and v projections.
+    pub qkv_bias: Option<bool>,
     /// Qwen2 MoE: the shared expert's intermediate size.
     pub shared_expert_intermediate_size: Option<usize>,
     pub router_aux_loss_coef: Option<f64>,

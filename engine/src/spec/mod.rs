@@ -36,12 +36,15 @@ pub enum Family {
     Mixtral,
     /// Qwen3's mixture of experts (`Qwen3MoeForCausalLM`).
     Qwen3Moe,
+    /// Qwen2's (and Qwen1.5's) mixture of experts, with a gated shared expert
+    /// (`Qwen2MoeForCausalLM`).
+    Qwen2Moe,
     /// OpenAI's gpt-oss: experts, attention sinks, alternating sliding and full attention.
     GptOss,
 }
 
 impl Family {
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Llama,
         Family::Qwen2,
         Family::Qwen3,
@@ -51,6 +54,7 @@ impl Family {
         Family::Gemma3,
         Family::Mixtral,
         Family::Qwen3Moe,
+        Family::Qwen2Moe,
         Family::GptOss,
     ];
 
@@ -66,6 +70,7 @@ impl Family {
             Family::Gemma3 => "gemma3_text",
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen2Moe => "qwen2_moe",
             Family::GptOss => "gpt_oss",
         }
     }
@@ -82,6 +87,7 @@ impl Family {
             Family::Gemma3 => "Gemma3ForCausalLM",
             Family::Mixtral => "MixtralForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
             Family::GptOss => "GptOssForCausalLM",
         }
     }
@@ -161,6 +167,9 @@ pub struct MoeSpec {
     /// Per layer: whether its MLP is the mixture (Qwen MoE's `mlp_only_layers` and
     /// `decoder_sparse_step` make some dense).
     pub sparse: Vec<bool>,
+    /// Qwen2 MoE's shared expert: a dense gated MLP of this intermediate size that every token
+    /// also goes through, its output scaled by `sigmoid(x · w_gate)`.
+    pub shared_inter: Option<usize>,
 }
 
 impl MoeSpec {
@@ -366,6 +375,8 @@ impl ModelSpec {
             Family::Gemma3 => (attention_bias, attention_bias, true),
             Family::Mixtral => (false, false, false),
             Family::Qwen3Moe => (attention_bias, attention_bias, true),
+            // Qwen2MoeAttention: q, k, v biases by `qkv_bias` (default true), none on o.
+            Family::Qwen2Moe => (cfg.qkv_bias.unwrap_or(true), false, false),
             // GptOssAttention: every projection has a bias when attention_bias (the released
             // checkpoints set it).
             Family::GptOss => (attention_bias, attention_bias, false),
@@ -502,7 +513,8 @@ impl ModelSpec {
             Some(m) => {
                 let router = h + usize::from(m.router_bias);
                 let expert = 3 * m.inter * h + usize::from(m.expert_bias) * (2 * m.inter + h);
-                m.experts * (router + expert)
+                let shared = m.shared_inter.map_or(0, |s| 3 * s * h + h);
+                m.experts * (router + expert) + shared
             }
         }
     }
@@ -512,7 +524,10 @@ impl ModelSpec {
     pub fn active_mlp_params(&self, layer: usize) -> usize {
         match self.moe_at(layer) {
             None => 3 * self.intermediate * self.hidden,
-            Some(m) => m.top_k * 3 * m.inter * self.hidden + m.experts * self.hidden,
+            Some(m) => {
+                let shared = m.shared_inter.map_or(0, |s| 3 * s * self.hidden + self.hidden);
+                m.top_k * 3 * m.inter * self.hidden + m.experts * self.hidden + shared
+            }
         }
     }
 
@@ -698,6 +713,13 @@ fn resolve_moe(
         ),
         // transformers 5 writes `num_local_experts` for Qwen MoE too; older configs
         // `num_experts`.
+        Family::Qwen2Moe => (
+            cfg.num_experts.or(cfg.num_local_experts).unwrap_or(60),
+            cfg.num_experts_per_tok.unwrap_or(4),
+            cfg.moe_intermediate_size.unwrap_or(1408),
+            RouterKind::SoftmaxTopK { renormalize: cfg.norm_topk_prob.unwrap_or(false) },
+            0.001,
+        ),
         Family::Qwen3Moe => (
             cfg.num_experts.or(cfg.num_local_experts).unwrap_or(128),
             cfg.num_experts_per_tok.unwrap_or(8),
@@ -720,9 +742,14 @@ fn resolve_moe(
     if top_k == 0 || top_k > experts {
         return Err(format!("num_experts_per_tok must be in 1..={experts}, got {top_k}"));
     }
-    if cfg.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
-        return Err("shared experts (shared_expert_intermediate_size) are not supported".into());
-    }
+    // Only Qwen2MoeSparseMoeBlock has a shared expert (Qwen2MoeConfig's default is 5632); the
+    // other families' configs have no such field.
+    let shared_inter = match family {
+        Family::Qwen2Moe => {
+            Some(cfg.shared_expert_intermediate_size.unwrap_or(5632)).filter(|&n| n > 0)
+        }
+        _ => None,
+    };
     let aux_coef = cfg.router_aux_loss_coef.unwrap_or(coef);
     if !aux_coef.is_finite() || aux_coef < 0.0 {
         return Err(format!("router_aux_loss_coef must be a non-negative number, got {aux_coef}"));
@@ -731,7 +758,10 @@ fn resolve_moe(
     let step = cfg.decoder_sparse_step.unwrap_or(1).max(1);
     let dense = cfg.mlp_only_layers.clone().unwrap_or_default();
     let sparse = (0..layers)
-        .map(|l| family != Family::Qwen3Moe || (!dense.contains(&l) && (l + 1) % step == 0))
+        .map(|l| {
+            let qwen = matches!(family, Family::Qwen3Moe | Family::Qwen2Moe);
+            !qwen || (!dense.contains(&l) && (l + 1) % step == 0)
+        })
         .collect();
     let gpt_oss = family == Family::GptOss;
     Ok(Some(MoeSpec {
@@ -745,6 +775,7 @@ fn resolve_moe(
         aux_coef: aux_coef as f32,
         aux_in_loss: cfg.output_router_logits.unwrap_or(false),
         sparse,
+        shared_inter,
     }))
 }
 
@@ -912,6 +943,8 @@ fn resolve_windows(
 ) -> std::result::Result<Vec<Option<usize>>, String> {
     let window = match &cfg.sliding_window {
         None | Some(Value::Null) => None,
+        // Qwen2-MoE's configs write 0 beside `use_sliding_window: false`: no window.
+        Some(v) if v.as_u64() == Some(0) && cfg.use_sliding_window != Some(true) => None,
         Some(v) => Some(
             v.as_u64()
                 .filter(|&w| w > 0)
@@ -947,7 +980,7 @@ fn resolve_windows(
             let window = window.ok_or("gpt_oss needs sliding_window")?;
             (0..layers).map(|i| (i % 2 == 0).then_some(window)).collect()
         }
-        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe => {
             // modeling_qwen2: sliding only when enabled, and only from max_window_layers up.
             let from = cfg.max_window_layers.unwrap_or(layers);
             (0..layers)

@@ -128,9 +128,13 @@ fn bad_configs_say_what_is_wrong() {
     top["num_local_experts"] = json!(4);
     top["num_experts_per_tok"] = json!(5);
     assert!(message(check(top)).contains("num_experts_per_tok must be in 1..=4"));
-    let mut shared = base("qwen3_moe");
+    let mut shared = base("qwen2_moe");
     shared["shared_expert_intermediate_size"] = json!(64);
-    assert!(message(check(shared)).contains("shared experts"));
+    shared["num_experts"] = json!(4);
+    shared["num_experts_per_tok"] = json!(2);
+    let spec = check(shared).expect("qwen2_moe with a shared expert");
+    assert_eq!(spec.moe.as_ref().and_then(|m| m.shared_inter), Some(64));
+    assert!(spec.qkv_bias && !spec.o_bias);
     let mut odd = base("llama");
     odd["head_dim"] = json!(7);
     assert!(message(check(odd)).contains("even"));

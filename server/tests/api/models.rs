@@ -289,6 +289,7 @@ async fn a_local_folder_of_every_family_is_listed_and_planned() -> anyhow::Resul
         ("gemma3", "gemma3_text"),
         ("mixtral", "mixtral"),
         ("qwen3_moe", "qwen3_moe"),
+        ("qwen2_moe", "qwen2_moe"),
         ("gpt_oss", "gpt_oss"),
     ];
     for (case, _) in cases {

@@ -38,7 +38,7 @@ pub use mlp::{glu_backward, glu_forward};
 pub use moe::{
     grouped_bias_backward, grouped_matmul_backward, grouped_matmul_forward, moe_combine,
     moe_combine_backward, moe_gather, moe_gather_backward, moe_route, moe_route_backward,
-    moe_router_stats, moe_sort,
+    moe_router_stats, moe_sort, sigmoid_gate_backward, sigmoid_gate_forward,
 };
 pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward};
@@ -503,6 +503,30 @@ impl Backend for Cpu {
         shape: &MoeShape,
     ) -> Result<()> {
         moe_combine_backward(dy, dweights, dout, y, weights, rows, shape)
+    }
+
+    fn sigmoid_gate_forward(
+        &self,
+        out: &mut [f32],
+        y: &[f32],
+        logits: &[f32],
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        sigmoid_gate_forward(out, y, logits, rows, n)
+    }
+
+    fn sigmoid_gate_backward(
+        &self,
+        dy: &mut [f32],
+        dlogits: &mut [f32],
+        dout: &[f32],
+        y: &[f32],
+        logits: &[f32],
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        sigmoid_gate_backward(dy, dlogits, dout, y, logits, rows, n)
     }
 
     fn grouped_matmul_forward(

@@ -366,6 +366,66 @@ pub fn moe_combine_backward(
     Ok(())
 }
 
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// out `[rows, n]` (accumulates `sigmoid(logits[t]) · y[t]`), y `[rows, n]`, logits `[rows]`.
+pub fn sigmoid_gate_forward(
+    out: &mut [f32],
+    y: &[f32],
+    logits: &[f32],
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "sigmoid_gate_forward";
+    check::len(OP, "out", out.len(), &[rows, n])?;
+    check::len(OP, "y", y.len(), &[rows, n])?;
+    check::len(OP, "logits", logits.len(), &[rows])?;
+    if n == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(n).zip(y.par_chunks(n)).zip(logits).for_each(|((o, y), &z)| {
+        let g = sigmoid(z);
+        o.iter_mut().zip(y).for_each(|(o, &y)| *o += g * y);
+    });
+    Ok(())
+}
+
+/// dy `[rows, n]` and dlogits `[rows]` (overwrite), dout and y `[rows, n]`, logits `[rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn sigmoid_gate_backward(
+    dy: &mut [f32],
+    dlogits: &mut [f32],
+    dout: &[f32],
+    y: &[f32],
+    logits: &[f32],
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "sigmoid_gate_backward";
+    check::len(OP, "dy", dy.len(), &[rows, n])?;
+    check::len(OP, "dlogits", dlogits.len(), &[rows])?;
+    check::len(OP, "dout", dout.len(), &[rows, n])?;
+    check::len(OP, "y", y.len(), &[rows, n])?;
+    check::len(OP, "logits", logits.len(), &[rows])?;
+    if n == 0 {
+        dlogits.fill(0.0);
+        return Ok(());
+    }
+    dy.par_chunks_mut(n)
+        .zip(dlogits.par_iter_mut())
+        .zip(dout.par_chunks(n).zip(y.par_chunks(n)))
+        .zip(logits)
+        .for_each(|(((dy, dz), (d, y)), &z)| {
+            let g = sigmoid(z);
+            dy.iter_mut().zip(d).for_each(|(dy, &d)| *dy = g * d);
+            let dot: f32 = d.iter().zip(y).map(|(a, b)| a * b).sum();
+            *dz = g * (1.0 - g) * dot;
+        });
+    Ok(())
+}
+
 fn check_grouped(op: &str, g: &GroupedShape<'_>) -> Result<()> {
     check::nonzero(op, "experts", g.experts())?;
     if g.offsets[0] != 0 || g.offsets.windows(2).any(|w| w[1] < w[0]) {
@@ -657,6 +717,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The shared expert's gate against central differences of `Σ r · (out + σ(z) y)`.
+    #[test]
+    fn sigmoid_gate_matches_numeric_gradients() {
+        let mut r = rng(12);
+        let (rows, n) = (5, 7);
+        let (y, z) = (uniform(&mut r, rows * n), uniform(&mut r, rows));
+        let (base, d) = (uniform(&mut r, rows * n), uniform(&mut r, rows * n));
+        let mut out = base.clone();
+        sigmoid_gate_forward(&mut out, &y, &z, rows, n).unwrap();
+        for t in 0..rows {
+            let g = 1.0 / (1.0 + (-z[t]).exp());
+            for c in 0..n {
+                let want = base[t * n + c] + g * y[t * n + c];
+                assert!((out[t * n + c] - want).abs() < 1e-6, "forward");
+            }
+        }
+        let (mut dy, mut dz) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows]);
+        sigmoid_gate_backward(&mut dy, &mut dz, &d, &y, &z, rows, n).unwrap();
+        let loss = |yv: &[f64], zv: &[f64]| -> f64 {
+            (0..rows * n).map(|i| f64::from(d[i]) * yv[i] / (1.0 + (-zv[i / n]).exp())).sum()
+        };
+        let (y64, z64) = (to_f64(&y), to_f64(&z));
+        assert_close("dy", &dy, &numeric_grad(&y64, |v| loss(v, &z64)), 1e-3);
+        assert_close("dlogits", &dz, &numeric_grad(&z64, |v| loss(&y64, v)), 1e-3);
     }
 
     #[test]

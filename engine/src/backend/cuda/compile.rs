@@ -129,6 +129,8 @@ pub const SOURCES: &[KernelSource] = &[
             "moe_combine_backward_dy",
             "moe_combine_backward_dw",
             "grouped_bias_forward",
+            "sigmoid_gate_forward",
+            "sigmoid_gate_backward",
         ],
     },
 ];

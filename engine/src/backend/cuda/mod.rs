@@ -740,6 +740,30 @@ impl Backend for Cuda {
         self.grouped_matmul_backward_op(dinp, dw, dout, inp, w, g)
     }
 
+    fn sigmoid_gate_forward(
+        &self,
+        out: ViewMut<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.sigmoid_gate_forward_op(out, y, logits, rows, n)
+    }
+
+    fn sigmoid_gate_backward(
+        &self,
+        dy: ViewMut<'_>,
+        dlogits: ViewMut<'_>,
+        dout: View<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.sigmoid_gate_backward_op(dy, dlogits, dout, y, logits, rows, n)
+    }
+
     fn grouped_bias_backward(
         &self,
         dbias: ViewMut<'_>,

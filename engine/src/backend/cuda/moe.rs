@@ -367,6 +367,79 @@ impl Cuda {
         )
     }
 
+    pub(super) fn sigmoid_gate_forward_op(
+        &self,
+        out: ViewMut<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "sigmoid_gate_forward";
+        let o = out.as_view();
+        check::len(OP, "out", o.len, &[rows, n])?;
+        check::len(OP, "y", y.len, &[rows, n])?;
+        check::len(OP, "logits", logits.len, &[rows])?;
+        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
+        if o.len == 0 {
+            return Ok(());
+        }
+        self.launch(
+            OP,
+            grid_1d(o.len),
+            &[
+                Arg::Ptr(self.ptr(&o)),
+                Arg::I32(o.is_f32()),
+                Arg::Ptr(self.ptr(&y)),
+                Arg::I32(y.is_f32()),
+                Arg::Ptr(self.ptr(&logits)),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn sigmoid_gate_backward_op(
+        &self,
+        dy: ViewMut<'_>,
+        dlogits: ViewMut<'_>,
+        dout: View<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "sigmoid_gate_backward";
+        let (d, dz) = (dy.as_view(), dlogits.as_view());
+        check::len(OP, "dy", d.len, &[rows, n])?;
+        check::len(OP, "dlogits", dz.len, &[rows])?;
+        check::len(OP, "dout", dout.len, &[rows, n])?;
+        check::len(OP, "y", y.len, &[rows, n])?;
+        check::len(OP, "logits", logits.len, &[rows])?;
+        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.launch(
+            OP,
+            warp_rows(OP, rows)?,
+            &[
+                Arg::Ptr(self.ptr(&d)),
+                Arg::I32(d.is_f32()),
+                Arg::Ptr(self.ptr(&dz)),
+                Arg::I32(dz.is_f32()),
+                Arg::Ptr(self.ptr(&dout)),
+                Arg::I32(dout.is_f32()),
+                Arg::Ptr(self.ptr(&y)),
+                Arg::I32(y.is_f32()),
+                Arg::Ptr(self.ptr(&logits)),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
     pub(super) fn moe_combine_op(
         &self,
         out: ViewMut<'_>,

@@ -180,6 +180,7 @@ fn plan(dir: &Path, source: &TensorSource, ty: GgufType) -> Result<Plan> {
         | Family::Gemma3
         | Family::Mixtral
         | Family::Qwen3Moe
+        | Family::Qwen2Moe
         | Family::GptOss => {
             return Err(err(format!(
                 "GGUF export supports llama, mistral and qwen2 checkpoints, not {}",

@@ -340,3 +340,34 @@ extern "C" __global__ void grouped_bias_forward(void* out, int out_f32, const vo
     st(out, out_f32, i, ld(out, out_f32, i) + ld(bias, bias_f32, (long long)lo * n + i % n));
   }
 }
+
+// Qwen2 MoE's shared expert: out[t] += sigmoid(logits[t]) · y[t]. out, y [rows, n] (out
+// accumulates), logits [rows] (f32).
+extern "C" __global__ void sigmoid_gate_forward(void* out, int out_f32, const void* y, int y_f32,
+                                                const float* logits, long long rows, long long n) {
+  GRID_STRIDE(i, rows * n) {
+    const float g = 1.0f / (1.0f + expf(-logits[i / n]));
+    st(out, out_f32, i, ld(out, out_f32, i) + g * ld(y, y_f32, i));
+  }
+}
+
+// dy[t] = σ(z[t]) · dout[t]; dlogits[t] = σ(1 − σ) · (dout[t] · y[t]) in f32, one warp per row
+// (lane-strided partials, then the warp's fixed reduction tree). dy [rows, n] and dlogits
+// [rows] overwrite.
+extern "C" __global__ void sigmoid_gate_backward(void* dy, int dy_f32, void* dlogits,
+                                                 int dlogits_f32, const void* dout, int dout_f32,
+                                                 const void* y, int y_f32, const float* logits,
+                                                 long long rows, long long n) {
+  const long long t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float g = 1.0f / (1.0f + expf(-logits[t]));
+  float acc = 0.0f;
+  for (long long c = lane; c < n; c += 32) {
+    const float d = ld(dout, dout_f32, t * n + c);
+    st(dy, dy_f32, t * n + c, g * d);
+    acc += d * ld(y, y_f32, t * n + c);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) st(dlogits, dlogits_f32, t, g * (1.0f - g) * acc);
+}
