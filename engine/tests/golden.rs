@@ -15,20 +15,9 @@ use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{TrainConfig, Trainer};
 
-const CASES: [&str; 12] = [
-    "llama",
-    "llama-linear",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "phi3",
-    "gemma3",
-    "gemma2",
-    "mixtral",
-    "qwen3_moe",
-    "gpt_oss",
-    "qwen2_moe",
-];
+#[path = "support/cases.rs"]
+mod cases;
+use cases::GOLDEN_CASES as CASES;
 
 fn case_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden").join(case)

@@ -12,6 +12,9 @@
 //! rounded once, 5e-3 where transcendental functions (exp, sin, cos) differ by an f32 ulp
 //! between the GPU and the host and can tip a rounding.
 
+#[path = "support/cases.rs"]
+mod cases;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
@@ -1554,20 +1557,7 @@ fn golden_dir(case: &str) -> PathBuf {
 
 #[test]
 fn training_step_every_family() {
-    for case in [
-        "llama",
-        "llama-linear",
-        "qwen2",
-        "qwen3",
-        "mistral",
-        "phi3",
-        "gemma3",
-        "gemma2",
-        "mixtral",
-        "qwen3_moe",
-        "qwen2_moe",
-        "gpt_oss",
-    ] {
+    for case in cases::GOLDEN_CASES {
         let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
         for u in &mut p.units {
             u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());

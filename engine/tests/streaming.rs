@@ -24,22 +24,9 @@ const STEPS: usize = 5;
 const COPY: WeightSource = WeightSource::StreamingCopy;
 const MASTER: WeightSource = WeightSource::Master;
 
-/// Every golden case: one per family and variant, mixtures of experts (whose load-balancing
-/// loss, in these configs, is part of the loss) included.
-const FAMILIES: [&str; 12] = [
-    "llama",
-    "llama-linear",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "phi3",
-    "gemma3",
-    "gemma2",
-    "mixtral",
-    "qwen3_moe",
-    "gpt_oss",
-    "qwen2_moe",
-];
+#[path = "support/cases.rs"]
+mod cases;
+use cases::GOLDEN_CASES as FAMILIES;
 
 fn config(clip: Option<f32>) -> TrainConfig {
     TrainConfig {
