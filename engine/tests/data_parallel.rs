@@ -39,6 +39,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
         gradients,
         weights: WeightSource::Master,
         ring_slots: RING_SLOTS,
+        disk: None,
     }
 }
 

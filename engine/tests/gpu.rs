@@ -1643,6 +1643,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                 gradients,
                 weights,
                 ring_slots,
+                disk: None,
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");
@@ -2078,6 +2079,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
         gradients,
         weights: WeightSource::Master,
         ring_slots: RING_SLOTS,
+        disk: None,
     };
     let second = match sluice_engine::backend::cuda::probe().expect("GPUs") {
         n if n >= 2 => Some(Cuda::new(1).expect("GPU 1")),

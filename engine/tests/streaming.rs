@@ -85,6 +85,7 @@ fn check_ring(
         gradients,
         weights,
         ring_slots,
+        disk: None,
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     for (k, micro) in steps.iter().enumerate() {

@@ -39,7 +39,7 @@ use serde::Serialize;
 
 pub use budget::{Budget, Part, Tier, TierName};
 pub use parallel::{ALLREDUCE_BUS_BYTES, Parallel};
-pub use rates::{GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
+pub use rates::{DiskSpace, GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
 pub use sizes::BatchShape;
 
 use crate::error::{Error, Result};
@@ -202,6 +202,23 @@ pub struct Capabilities {
     /// The one gradient tier to offer, where the user chose it (it must suit the clipping);
     /// `None`: the most exact that fits.
     pub only_gradients: Option<GradientTier>,
+    /// Units' Adam moments can live on the disk tier ([`MachineMemory::disk`]).
+    pub disk_moments: bool,
+    /// Where the user wants the Adam moments.
+    pub moments: MomentsPolicy,
+}
+
+/// Where Adam moments live: the user's choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MomentsPolicy {
+    /// In host memory, and on the disk tier for as few units as host memory needs.
+    #[default]
+    Auto,
+    /// In host memory only.
+    Host,
+    /// Every unit's on the disk tier.
+    Disk,
 }
 
 impl Capabilities {
@@ -213,6 +230,8 @@ impl Capabilities {
         bf16_gradient_store: true,
         master_streaming: true,
         only_gradients: None,
+        disk_moments: true,
+        moments: MomentsPolicy::Auto,
     };
 }
 
@@ -254,6 +273,11 @@ pub struct Placement {
     /// Why, in a clause: "PCIe bounds the step: ...".
     pub weights_reason: String,
     pub optimizer: OptimizerMode,
+    /// Units whose Adam moments live on the disk tier (empty: every unit's are in host
+    /// memory), read before and written after each update.
+    pub disk_units: Vec<usize>,
+    /// The same, readable: "layers 12-27".
+    pub disk_summary: String,
 }
 
 /// Predicted cost of one steady-state step.
@@ -664,6 +688,8 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
         weights: l.weights,
         weights_reason: String::new(),
         optimizer: if clipping { OptimizerMode::AfterNorm } else { OptimizerMode::AsGradientsLand },
+        disk_units: Vec::new(),
+        disk_summary: String::new(),
     }
 }
 

@@ -132,6 +132,24 @@ pub struct MachineMemory {
     /// MemTotal when the host was read (the plan uses MemAvailable, `host_bytes`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_total: Option<u64>,
+    /// A local disk the planner may place Adam moments on where host memory runs out (the
+    /// disk tier); `None`: no disk tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskSpace>,
+}
+
+/// The disk tier's folder, its free space and its direct-I/O rates
+/// ([`crate::store::disk::probe`] measures them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DiskSpace {
+    /// The folder the tier's file is created in (on a local SSD).
+    pub dir: std::path::PathBuf,
+    /// Bytes the tier may use there.
+    pub bytes: u64,
+    /// Sequential direct-I/O rates with the tier's requests in flight, bytes per second.
+    pub read_bytes_per_s: u64,
+    pub write_bytes_per_s: u64,
+    pub source: MemorySource,
 }
 
 impl MachineMemory {
@@ -144,6 +162,7 @@ impl MachineMemory {
             host_bytes,
             host_source: MemorySource::Given,
             host_total: None,
+            disk: None,
         }
     }
 
@@ -183,7 +202,15 @@ impl MachineMemory {
                 Err(_) => (H200_GPU_BYTES, MemorySource::AssumedH200, None),
             },
         };
-        Ok(MachineMemory { gpu_bytes, gpu_source, gpu_total, host_bytes, host_source, host_total })
+        Ok(MachineMemory {
+            gpu_bytes,
+            gpu_source,
+            gpu_total,
+            host_bytes,
+            host_source,
+            host_total,
+            disk: None,
+        })
     }
 
     /// Whether the device's buffers come out of host memory (the CPU backend).

@@ -2,7 +2,7 @@
 //! `sluice bench train` and the appliance, so the streamer runs exactly the placement whose
 //! memory the planner budgeted.
 
-use super::{ScheduleOptions, Tier};
+use super::{DiskOptions, ScheduleOptions, Tier};
 use crate::error::{Error, Result};
 use crate::plan::{Capabilities, CheckpointTier, GradientTier, Plan};
 
@@ -15,6 +15,8 @@ pub const STREAMER: Capabilities = Capabilities {
     bf16_gradient_store: true,
     master_streaming: true,
     only_gradients: None,
+    disk_moments: true,
+    moments: crate::plan::MomentsPolicy::Auto,
 };
 
 /// The streamer's options for `plan`, with `optimizer_threads` threads for AdamW (0: one per
@@ -47,6 +49,15 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
         gradients: p.gradients,
         weights: p.weights,
         ring_slots: p.ring_slots,
+        disk: match (&plan.memory.disk, p.disk_units.is_empty()) {
+            (_, true) => None,
+            (Some(d), false) => {
+                Some(DiskOptions { dir: d.dir.clone(), units: p.disk_units.clone() })
+            }
+            (None, false) => {
+                return Err(Error::invalid("the plan puts moments on a disk tier it has not got"));
+            }
+        },
     })
 }
 

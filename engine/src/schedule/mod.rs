@@ -98,6 +98,16 @@ pub struct ScheduleOptions {
     /// Slots of the host gradient ring (device store and host ring; at least 2): more let
     /// updates queue further behind the landings, each costs the largest unit's fp32 bytes.
     pub ring_slots: usize,
+    /// Units whose Adam moments live on the disk tier, and where; `None`: all in host memory.
+    pub disk: Option<DiskOptions>,
+}
+
+/// The disk tier of a run: the folder its moments file is created in (removed when the run
+/// ends) and the units whose Adam moments live there.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskOptions {
+    pub dir: std::path::PathBuf,
+    pub units: Vec<usize>,
 }
 
 impl ScheduleOptions {

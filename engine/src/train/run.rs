@@ -17,6 +17,7 @@ use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{
+    DiskOptions,
     DataParallel, GradientTier, Interrupt, Moments, RING_SLOTS, ScheduleOptions, Streamer, Tier,
     WeightSource,
 };
@@ -82,6 +83,9 @@ pub struct RunPlacement {
     /// [`RING_SLOTS`].
     #[serde(default)]
     pub ring_slots: Option<usize>,
+    /// Units whose Adam moments live on the disk tier, and its folder; `None`: host memory.
+    #[serde(default)]
+    pub disk: Option<DiskOptions>,
 }
 
 impl Default for RunPlacement {
@@ -95,6 +99,7 @@ impl Default for RunPlacement {
             gradients: None,
             weights: None,
             ring_slots: None,
+            disk: None,
         }
     }
 }
@@ -110,6 +115,7 @@ impl RunPlacement {
             gradients: Some(schedule.gradients),
             weights: Some(schedule.weights),
             ring_slots: Some(schedule.ring_slots),
+            disk: schedule.disk,
         })
     }
 
@@ -455,6 +461,7 @@ fn run_with<S: Stepper>(
             .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
         weights: placement.weights.unwrap_or(WeightSource::StreamingCopy),
         ring_slots: placement.ring_slots.unwrap_or(RING_SLOTS),
+        disk: placement.disk.clone(),
     };
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).

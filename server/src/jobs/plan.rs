@@ -100,6 +100,7 @@ pub fn machine_memory(state: &AppState, devices: &Devices) -> ApiResult<MachineM
                 host_bytes,
                 host_source: MemorySource::Measured,
                 host_total: None,
+                disk: None,
             })
         }
     }
