@@ -46,6 +46,13 @@ pub fn probe() -> Result<usize> {
              put its lib directory on LD_LIBRARY_PATH)",
         ));
     }
+    // SAFETY: only tries to dlopen libcublas under its usual names.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(err(
+            "libcublas not found (install the CUDA 13 toolkit or the nvidia-cublas wheel and \
+             put its lib directory on LD_LIBRARY_PATH)",
+        ));
+    }
     compile::nvrtc_present()?;
     Ok(count)
 }

@@ -1,4 +1,5 @@
-//! `nn.Linear` through cuBLASLt; the CPU twin is `backend/cpu/matmul.rs`.
+//! `nn.Linear` through cuBLASLt, and groups of GEMMs (a mixture of experts' experts) through
+//! one cuBLAS call where it can take them; the CPU twin is `backend/cpu/matmul.rs`.
 //!
 //! Row-major `[r, c]` is column-major `[c, r]` with leading dimension `c`, so each row-major
 //! product is written as its transpose:
@@ -9,10 +10,44 @@
 //! - `dw[N,K] += dout[T,N]ᵀ · inp[T,K]`: `dwᵀ += inpᵀ · dout` → `gemm(N, T, m=K, n=N, k=T,
 //!   A=inp (ld K), B=dout (ld N), C=dw (ld K), beta=1)`.
 
-use super::blas::Gemm;
+use super::blas::{Blas, Gemm};
 use super::{Cuda, View, ViewMut, check};
 use crate::backend::FloatKind;
 use crate::error::Result;
+
+/// One GEMM of [`Cuda::gemm_group`], with [`Cuda::gemm`]'s arguments: (trans_a, trans_b),
+/// (m, n, k), A, B and C with their leading dimensions, and whether C accumulates.
+#[derive(Clone, Copy)]
+pub(super) struct GemmCall<'a> {
+    pub trans: (bool, bool),
+    pub dims: (usize, usize, usize),
+    pub a: (View<'a>, usize),
+    pub b: (View<'a>, usize),
+    pub c: (View<'a>, usize),
+    pub accumulate: bool,
+}
+
+/// The column-major product `Blas` runs; C's precision is its buffer's.
+fn gemm_of(
+    (trans_a, trans_b): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb, ldc): (usize, usize, usize),
+    c: &View<'_>,
+    accumulate: bool,
+) -> Gemm {
+    Gemm {
+        trans_a,
+        trans_b,
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        lda: lda as i64,
+        ldb: ldb as i64,
+        ldc: ldc as i64,
+        c_f32: c.kind() == FloatKind::Accum,
+        accumulate,
+    }
+}
 
 impl Cuda {
     /// `out = a · bᵀ`-style products on row-major views: see the module doc for the mapping.
@@ -37,19 +72,36 @@ impl Cuda {
             return if accumulate { Ok(()) } else { self.zero_view(c.0) };
         }
         self.bind()?;
-        let g = Gemm {
-            trans_a,
-            trans_b,
-            m: m as u64,
-            n: n as u64,
-            k: k as u64,
-            lda: a.1 as i64,
-            ldb: b.1 as i64,
-            ldc: c.1 as i64,
-            c_f32: c.0.kind() == FloatKind::Accum,
-            accumulate,
-        };
-        self.lt.gemm(g, self.ptr(a.0), self.ptr(b.0), self.ptr(c.0))
+        let g = gemm_of((trans_a, trans_b), (m, n, k), (a.1, b.1, c.1), c.0, accumulate);
+        self.blas.gemm(g, self.ptr(a.0), self.ptr(b.0), self.ptr(c.0))
+    }
+
+    /// Every call of `calls`, as [`Cuda::gemm`] would run them one by one: as one cuBLAS grouped
+    /// GEMM when cuBLAS takes all of them (bf16 outputs, 16-byte alignment: [`Blas::groups`]),
+    /// else one cuBLASLt GEMM per call. Calls with an empty output are skipped; an empty inner
+    /// dimension goes to [`Cuda::gemm`], which writes the zero product.
+    pub(super) fn gemm_group(&self, op: &str, calls: &[GemmCall<'_>]) -> Result<()> {
+        for c in calls {
+            check::kind(op, "the first GEMM operand", &c.a.0, FloatKind::Activation)?;
+            check::kind(op, "the second GEMM operand", &c.b.0, FloatKind::Activation)?;
+        }
+        let calls: Vec<&GemmCall<'_>> =
+            calls.iter().filter(|c| c.dims.0 != 0 && c.dims.1 != 0).collect();
+        let problems: Vec<(Gemm, [u64; 3])> = calls
+            .iter()
+            .map(|c| {
+                let g = gemm_of(c.trans, c.dims, (c.a.1, c.b.1, c.c.1), &c.c.0, c.accumulate);
+                (g, [self.ptr(&c.a.0), self.ptr(&c.b.0), self.ptr(&c.c.0)])
+            })
+            .collect();
+        if problems.iter().all(|(g, p)| Blas::groups(g, *p)) {
+            self.bind()?;
+            return self.blas.grouped_gemm(&problems);
+        }
+        for &&GemmCall { trans, dims, a, b, c, accumulate } in &calls {
+            self.gemm(op, trans, dims, (&a.0, a.1), (&b.0, b.1), (&c.0, c.1), accumulate)?;
+        }
+        Ok(())
     }
 
     pub(super) fn zero_view(&self, v: &View<'_>) -> Result<()> {

@@ -3,9 +3,10 @@
 //!
 //! Built on cudarc with dynamic loading, so the binary links no CUDA library: it builds and
 //! starts on machines without CUDA, and [`Cuda::new`] answers an `Err` that says what is missing
-//! (no NVIDIA driver, no GPU, no libcublasLt, no libnvrtc). Kernels are CUDA C compiled by NVRTC
-//! for the device's own architecture at start and cached on disk (`compile`); GEMMs go through
-//! cuBLASLt (`blas`).
+//! (no NVIDIA driver, no GPU, no libcublasLt or libcublas, no libnvrtc). Kernels are CUDA C
+//! compiled by NVRTC for the device's own architecture at start and cached on disk (`compile`);
+//! GEMMs go through cuBLASLt, and the experts' grouped GEMMs through cuBLAS where it takes them
+//! (`blas`).
 //!
 //! Streams: every op here runs on the backend's `compute` stream; the schedule creates its own
 //! transfer streams and events and orders them against `compute` (cudarc's per-buffer event
@@ -13,8 +14,9 @@
 //! `upload` and `download` are synchronous. Ops that need scratch take it from the
 //! stream-ordered memory pool, whose release threshold is raised so that costs no system call.
 //!
-//! Determinism: every reduction runs in a fixed order (no float atomics), and cuBLASLt uses one
-//! algorithm per shape, so two identical runs give identical bits.
+//! Determinism: every reduction runs in a fixed order (no float atomics), cuBLASLt uses one
+//! algorithm per shape, and cuBLAS runs without atomics on one stream with a fixed workspace, so
+//! two identical runs give identical bits.
 
 mod attention;
 mod blas;
@@ -140,7 +142,7 @@ pub struct Cuda {
     /// Every op of this backend.
     pub compute: Arc<CudaStream>,
     kernels: Kernels,
-    lt: blas::Lt,
+    blas: blas::Blas,
     name: String,
     arch: String,
     /// Pinned staging for the synchronous `upload`/`download`, grown on demand.
@@ -179,7 +181,7 @@ impl Cuda {
         let compute = drv("creating the compute stream", ctx.new_stream())?;
         let arch = format!("sm_{major}{minor}");
         let kernels = Kernels::load(&ctx, &arch, device::driver_version()?)?;
-        let lt = blas::Lt::new(compute.clone())?;
+        let blas = blas::Blas::new(compute.clone())?;
         let staging = Mutex::new(PinnedBuffer::new(&ctx, 0)?);
         Ok(Cuda {
             name: format!("cuda:{ordinal} {gpu}"),
@@ -187,7 +189,7 @@ impl Cuda {
             ctx,
             compute,
             kernels,
-            lt,
+            blas,
             staging,
             loss_chunk_logits: AtomicUsize::new(loss::LOGITS_BUDGET),
         })

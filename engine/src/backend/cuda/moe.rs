@@ -1,11 +1,14 @@
 //! A mixture-of-experts MLP: routing, the sort of (token, slot) pairs by expert, gather and
-//! combine (`kernels/moe.cu`), and the experts' GEMMs through cuBLASLt; the CPU twin with the
-//! derivations is `backend/cpu/moe.rs`.
+//! combine (`kernels/moe.cu`), and the experts' GEMMs; the CPU twin with the derivations is
+//! `backend/cpu/moe.rs`.
 //!
-//! The experts' GEMMs are one cuBLASLt call per expert that has rows, each on a contiguous block
-//! of the sorted rows with its own matrix: a loop rather than cuBLAS's
-//! `cublasGemmGroupedBatchedEx`, so they share `matmul`'s one GEMM path (its cuBLASLt plans,
-//! alignment handling and f32 accumulation into weight gradients), at one launch per expert.
+//! The experts' GEMMs are one product per expert that has rows, each on a contiguous block of
+//! the sorted rows with its own matrix, handed together to `Cuda::gemm_group`: one cuBLAS
+//! `cublasGemmGroupedBatchedEx` for all of them (one group of one GEMM per expert) where its
+//! output is bf16 and every operand 16-byte aligned, which covers the forward and the input
+//! gradient of real models. The weight gradients accumulate into f32 from bf16 operands, a
+//! combination the grouped GEMM does not offer, so they (and any unaligned shape) stay one
+//! cuBLASLt GEMM per expert, as `matmul` runs them.
 //!
 //! The int buffers these ops write on the device (experts, order, rows) have no host copy of
 //! their contents: ops reading them check only their length, and every kernel bounds the
@@ -15,6 +18,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
+use super::matmul::GemmCall;
 use super::{Cuda, Ints, View, ViewMut, check};
 use crate::backend::{ExpertLayout, FloatKind, GroupedShape, MoeShape, RouterKind};
 use crate::error::Result;
@@ -530,8 +534,9 @@ impl Cuda {
         )
     }
 
-    /// One GEMM per expert with rows; the mapping of each layout to cuBLASLt's column-major
-    /// product is `matmul`'s, and for `Cols` (`w_e [K, N]`, out = inp · w_e):
+    /// One GEMM per expert with rows, run together by `gemm_group`; the mapping of each layout
+    /// to cuBLAS's column-major product is `matmul`'s, and for `Cols` (`w_e [K, N]`,
+    /// out = inp · w_e):
     /// `outᵀ[N, m] = w_e (stored N x K, ld N) · inpᵀ`.
     pub(super) fn grouped_matmul_forward_op(
         &self,
@@ -552,6 +557,7 @@ impl Cuda {
             check::len(OP, "bias", b.len, &[e, n])?;
         }
         check::int(OP, "rows", r)?;
+        let mut calls = Vec::with_capacity(e);
         for x in 0..e {
             let (r0, m) = (g.offsets[x], g.offsets[x + 1] - g.offsets[x]);
             if m == 0 {
@@ -559,15 +565,20 @@ impl Cuda {
             }
             let (oe, ie, we) =
                 (part(&o, r0 * n, m * n), part(&inp, r0 * k, m * k), part(&w, x * n * k, n * k));
-            match g.layout {
-                ExpertLayout::Rows => {
-                    self.gemm(OP, (true, false), (n, m, k), (&we, k), (&ie, k), (&oe, n), false)?
-                }
-                ExpertLayout::Cols => {
-                    self.gemm(OP, (false, false), (n, m, k), (&we, n), (&ie, k), (&oe, n), false)?
-                }
-            }
+            let (trans_w, ldw) = match g.layout {
+                ExpertLayout::Rows => (true, k),
+                ExpertLayout::Cols => (false, n),
+            };
+            calls.push(GemmCall {
+                trans: (trans_w, false),
+                dims: (n, m, k),
+                a: (we, ldw),
+                b: (ie, k),
+                c: (oe, n),
+                accumulate: false,
+            });
         }
+        self.gemm_group(OP, &calls)?;
         let Some(bias) = bias else { return Ok(()) };
         if r == 0 || n == 0 {
             return Ok(());
@@ -595,7 +606,8 @@ impl Cuda {
         // has run (freed in stream order when dropped).
     }
 
-    /// Per expert with rows, `matmul_backward`'s two GEMMs; for `Cols`:
+    /// Per expert with rows, `matmul_backward`'s two GEMMs, the experts' input gradients run
+    /// together by `gemm_group` and then their weight gradients; for `Cols`:
     /// `dinpᵀ[K, m] = op(w_e stored N x K, transposed) · doutᵀ` and
     /// `dw_eᵀ[N, K] += doutᵀ · inp` (beta = 1 into the f32 accumulator).
     pub(super) fn grouped_matmul_backward_op(
@@ -616,6 +628,7 @@ impl Cuda {
         check::len(OP, "dout", dout.len, &[r, n])?;
         check::len(OP, "inp", inp.len, &[r, k])?;
         check::len(OP, "w", w.len, &[e, n, k])?;
+        let (mut dinp_calls, mut dw_calls) = (Vec::with_capacity(e), Vec::with_capacity(e));
         for x in 0..e {
             let (r0, m) = (g.offsets[x], g.offsets[x + 1] - g.offsets[x]);
             if m == 0 {
@@ -625,18 +638,26 @@ impl Cuda {
             let (die, de, ie) =
                 (part(&di, r0 * k, m * k), part(&dout, r0 * n, m * n), part(&inp, r0 * k, m * k));
             let (we, dwe) = (part(&w, x * n * k, n * k), part(&dwv, x * n * k, n * k));
-            match g.layout {
-                ExpertLayout::Rows => {
-                    self.gemm(OP, (false, false), (k, m, n), (&we, k), (&de, n), (&die, k), false)?;
-                    self.gemm(OP, (false, true), (k, n, m), (&ie, k), (&de, n), (&dwe, k), true)?;
-                }
-                ExpertLayout::Cols => {
-                    self.gemm(OP, (true, false), (k, m, n), (&we, n), (&de, n), (&die, k), false)?;
-                    self.gemm(OP, (false, true), (n, k, m), (&de, n), (&ie, k), (&dwe, n), true)?;
-                }
-            }
+            let call =
+                |trans, dims, a, b, c, accumulate| GemmCall { trans, dims, a, b, c, accumulate };
+            let (dinp_call, dw_call) = match g.layout {
+                ExpertLayout::Rows => (
+                    call((false, false), (k, m, n), (we, k), (de, n), (die, k), false),
+                    call((false, true), (k, n, m), (ie, k), (de, n), (dwe, k), true),
+                ),
+                ExpertLayout::Cols => (
+                    call((true, false), (k, m, n), (we, n), (de, n), (die, k), false),
+                    call((false, true), (n, k, m), (de, n), (ie, k), (dwe, n), true),
+                ),
+            };
+            dinp_calls.push(dinp_call);
+            dw_calls.push(dw_call);
         }
-        Ok(())
+        // The input gradients (bf16) as one grouped cuBLAS call; the weight gradients, f32
+        // accumulators, fall back to one cuBLASLt GEMM per expert inside `gemm_group` (the
+        // grouped GEMM has no bf16-in, f32-out form).
+        self.gemm_group(OP, &dinp_calls)?;
+        self.gemm_group(OP, &dw_calls)
     }
 
     /// The column sums of each expert's rows, by the deterministic `column_sum`.
