@@ -12,7 +12,7 @@ use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::schedule::{
-    GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+    DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
 };
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{TrainConfig, Trainer};
@@ -54,11 +54,23 @@ fn check(
 /// [`check`] with the gradient ring's slot count given.
 fn check_ring(
     case: &str,
-    (checkpoints, checkpoint_interval): (Tier, usize),
-    (gradients, ring_slots): (GradientTier, usize),
+    checkpointing: (Tier, usize),
+    ring: (GradientTier, usize),
     clip: Option<f32>,
     resident: Vec<usize>,
     weights: WeightSource,
+) {
+    check_disk(case, checkpointing, ring, clip, (resident, weights), &[]);
+}
+
+/// [`check_ring`] with the Adam moments of units `disk` on the disk tier.
+fn check_disk(
+    case: &str,
+    (checkpoints, checkpoint_interval): (Tier, usize),
+    (gradients, ring_slots): (GradientTier, usize),
+    clip: Option<f32>,
+    (resident, weights): (Vec<usize>, WeightSource),
+    disk: &[usize],
 ) {
     let (spec, params): (ModelSpec, HostParams) = if case == "tiny" {
         // The 4-layer preset: deep enough for several checkpoint groups.
@@ -75,6 +87,7 @@ fn check_ring(
     let cpu = Cpu;
     let mut reference =
         Trainer::new(&cpu, &spec, params.clone(), config(clip), 32).expect("trainer");
+    let tier_dir = tempfile::tempdir().expect("a folder for the disk tier");
     let options = ScheduleOptions {
         max_tokens: 32,
         grad_accum: G,
@@ -85,12 +98,18 @@ fn check_ring(
         gradients,
         weights,
         ring_slots,
-        disk: None,
+        disk: (!disk.is_empty())
+            .then(|| DiskOptions { dir: tier_dir.path().to_path_buf(), units: disk.to_vec() }),
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
+    let files = || std::fs::read_dir(tier_dir.path()).expect("tier folder").count();
+    assert_eq!(files(), usize::from(!disk.is_empty()), "{case}: the disk tier's file");
+    let mut disk_traffic = (0, 0);
     for (k, micro) in steps.iter().enumerate() {
         let want = reference.step(micro).expect("reference step");
         let (got, traffic) = streamer.step(micro).expect("streaming step");
+        disk_traffic.0 += traffic.disk.read_bytes;
+        disk_traffic.1 += traffic.disk.write_bytes;
         // Untied models compute exactly the same operations in the same order (gradients
         // accumulate over micro-batches 0..G per unit in both), so the results are bitwise
         // equal. A tied embedding sums the head's and the embedding's contributions in another
@@ -141,6 +160,18 @@ fn check_ring(
     assert!((got - want).abs() <= tol * want.abs(), "{case}: eval loss {got} vs {want}");
 
     let got = streamer.finish().expect("finish");
+    // Every disk unit is read before and written after each of its STEPS - 1 or more updates.
+    let unit_bytes: u64 = disk
+        .iter()
+        .map(|&u| 2 * (reference.params.units[u].len() * 4).next_multiple_of(4096) as u64)
+        .sum();
+    assert!(
+        disk_traffic.1 >= (STEPS as u64 - 1) * unit_bytes
+            && disk_traffic.0 >= disk_traffic.1 - unit_bytes,
+        "{case}: disk traffic {disk_traffic:?} for {unit_bytes} bytes of moments"
+    );
+    drop(streamer);
+    assert_eq!(files(), 0, "{case}: the disk tier's file outlived the run");
     for (u, (a, b)) in got.units.iter().zip(&reference.params.units).enumerate() {
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
         let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
@@ -212,5 +243,29 @@ fn streaming_from_the_master_equals_the_reference() {
         check(case, (Tier::Device, 2), GradientTier::DeviceStore, Some(1.0), Vec::new(), MASTER);
         // Gradients in the weight dtype: f32 on the CPU, so the same bits.
         check(case, (Tier::Device, 1), GradientTier::HostStoreBf16, Some(1.0), Vec::new(), COPY);
+    }
+}
+
+#[test]
+fn moments_on_the_disk_tier_equal_the_reference() {
+    // The moments of some or all units live in a file: read ahead of each update, written back
+    // after it, the same bits as moments in memory, with updates as gradients land (the ring),
+    // after the norm in forward order (host and device stores), and a MoE layer's many tensors.
+    for case in ["tiny", "llama", "mixtral"] {
+        let units = if case == "tiny" { 6 } else { 4 };
+        let all: Vec<usize> = (0..units).collect();
+        let ring = (GradientTier::HostRing, RING_SLOTS);
+        check_disk(case, (Tier::Device, 1), ring, None, (Vec::new(), MASTER), &all);
+        let store = (GradientTier::HostStore, RING_SLOTS);
+        check_disk(case, (Tier::Host, 1), store, Some(1.0), (vec![0], COPY), &[1, 2]);
+        let device = (GradientTier::DeviceStore, 2);
+        check_disk(
+            case,
+            (Tier::Device, 2),
+            device,
+            Some(1.0),
+            (Vec::new(), MASTER),
+            &[0, units - 1],
+        );
     }
 }

@@ -103,7 +103,7 @@ impl HostParams {
             .map(|(u, t)| TensorRef {
                 name: &t.name,
                 shape: t.shape.clone(),
-                data: &self.units[u][t.range.clone()],
+                data: self.units[u][t.range.clone()].into(),
             })
             .collect()
     }

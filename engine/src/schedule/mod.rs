@@ -62,6 +62,9 @@ pub const CAST_CHUNK: usize = 32 << 20;
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// Fills unit `u`'s Adam moments `(m, v)` (a restore's source).
+pub type FillMoments<'a> = dyn FnMut(usize, &mut [f32], &mut [f32]) -> Result<()> + 'a;
+
 /// A check that says whether to abandon the current step (see [`Streamer::set_interrupt`]).
 pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
 
@@ -129,6 +132,9 @@ pub struct StepTraffic {
     pub optimizer_busy: Duration,
     /// Part of that the schedule waited for (the rest was hidden behind device work).
     pub optimizer_exposed: Duration,
+    /// The disk tier's reads and writes since the previous step, and the optimizer's waits
+    /// for them.
+    pub disk: crate::store::DiskStats,
 }
 
 /// Events ordering the three streams, named after what they guard.
@@ -280,7 +286,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
             }
         };
         let copy = options.weights == WeightSource::StreamingCopy;
-        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing, copy)?);
+        let disk = options.disk.as_ref().map(|d| (d.dir.as_path(), d.units.as_slice()));
+        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing, copy, disk)?);
         for u in 0..store.units() {
             let mut unit = store.lock(u)?;
             if copy {
@@ -775,6 +782,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         if self.grads.lands {
             // Shared by every rank: the one that submits the updates accounts for them.
             self.traffic.optimizer_busy = self.worker.take_busy();
+            self.traffic.disk = self.store.disk().map(|d| d.take_stats()).unwrap_or_default();
         }
         let elapsed = start.elapsed();
         let metrics = StepMetrics {
@@ -1149,24 +1157,15 @@ impl<'b, B: Backend> Streamer<'b, B> {
         spans
     }
 
-    /// Continues from a saved state: `step` optimizer steps taken, Adam moments per unit. The
+    /// Continues from a saved state: `step` optimizer steps taken; `moments(unit, m, v)` fills
+    /// each unit's Adam moments (in host memory or on the disk tier, a unit at a time). The
     /// master weights came in through [`Streamer::new`].
-    pub fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
+    pub fn restore(&mut self, step: u64, moments: &mut FillMoments<'_>) -> Result<()> {
         if self.step != 0 {
             return Err(Error::invalid("a state can only be restored before the first step"));
         }
-        if m.len() != self.store.units() || v.len() != self.store.units() {
-            return Err(Error::invalid("the saved state has a different number of units"));
-        }
-        for (u, (m, v)) in m.iter().zip(v).enumerate() {
-            let mut unit = self.store.lock(u)?;
-            if m.len() != unit.m.len() || v.len() != unit.v.len() {
-                return Err(Error::invalid(format!(
-                    "the saved moments of unit {u} have the wrong size"
-                )));
-            }
-            unit.m.copy_from_slice(m);
-            unit.v.copy_from_slice(v);
+        for u in 0..self.store.units() {
+            self.store.set_moments(u, |m, v| moments(u, m, v))?;
         }
         self.step = step;
         self.store.set_applied(step)
@@ -1186,11 +1185,20 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.settle()?;
         let (mut m, mut v) = (Vec::new(), Vec::new());
         for u in 0..self.store.units() {
-            let unit = self.store.lock(u)?;
-            m.push(unit.m.clone());
-            v.push(unit.v.clone());
+            self.store.with_moments(u, |um, uv| {
+                m.push(um.to_vec());
+                v.push(uv.to_vec());
+                Ok(())
+            })?;
         }
         Ok((m, v))
+    }
+
+    /// Waits for every submitted update and returns the host store, to read the training
+    /// state from (a save reads it a tensor at a time instead of copying it all).
+    pub fn settled_store(&mut self) -> Result<Arc<HostStore>> {
+        self.settle()?;
+        Ok(self.store.clone())
     }
 
     /// Waits for every submitted update and returns the master weights.

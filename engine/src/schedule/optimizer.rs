@@ -148,46 +148,89 @@ fn update(
         GradAt::Unit => None,
         GradAt::Ring(slot) => Some(store.ring().lock(slot)?),
     };
-    let n = state.master.bytes() / 4;
     let unit = layout
         .units
         .get(job.unit)
         .ok_or_else(|| Error::invalid(format!("no unit {}", job.unit)))?;
     let hp = AdamW { lr: job.lr, ..*hyper };
-    if dtype == WeightDtype::Bf16 {
-        let decayed: Vec<_> =
-            unit.tensors.iter().filter(|t| t.decay).map(|t| t.range.clone()).collect();
-        let args =
-            FusedStep { step: job.step, lr: job.lr, hp, clip_coef: job.coef, decayed: &decayed };
-        let grad = match ring_slot.as_deref_mut() {
-            Some(slab) => GradIn::F32(ring_grad(slab, n, job.unit)?),
-            // The bf16 gradient store: widened chunk by chunk as they are used.
-            None if store.half_grads() => GradIn::Bf16(state.grad.as_u16()),
-            None => GradIn::F32(state.grad.as_f32()),
-        };
-        let fused = crate::optim::UnitState {
-            master: state.master.as_f32_mut(),
-            m: &mut state.m,
-            v: &mut state.v,
-            // Empty without a streaming copy: the fused update then writes none.
-            bf16: state.stream.as_u16_mut(),
-        };
-        return adamw_fused_from(pool, fused, grad, &args);
-    }
-    // The f32 path (the CPU): weight-dtype gradients are f32 here too.
-    let grad: &mut [f32] = match ring_slot.as_deref_mut() {
-        Some(slab) => ring_grad(slab, n, job.unit)?,
-        None => state.grad.as_f32_mut(),
+    // A disk unit's moments come from a staging slot (read ahead of this update where the
+    // guess was right) and go back to the disk after it.
+    let mut staged = match store.disk() {
+        Some(d) if d.tier().holds(job.unit) => Some(d.acquire(job.unit)?),
+        _ => None,
     };
-    let moments = (&mut state.m[..], &mut state.v[..]);
-    pool.install(|| unfused(state.master.as_f32_mut(), moments, grad, unit, &hp, job))?;
-    if store.keeps_copy() {
+    let (m, v) = match staged.as_mut() {
+        Some(s) => s.moments(),
+        None => (&mut state.m[..], &mut state.v[..]),
+    };
+    let (grad, half) = match ring_slot.as_deref_mut() {
+        Some(slab) => (slab, false),
+        None => (&mut state.grad, store.half_grads()),
+    };
+    let ops = Operands { master: &mut state.master, stream: &mut state.stream, grad, half, m, v };
+    let result = apply(pool, store.weight_dtype(), unit, hp, job, ops);
+    if let (Some(d), Some(s)) = (store.disk(), staged) {
+        // Written back even after a failed update: the file then holds what the slot holds,
+        // and the error stops the run before anything reads it again.
+        d.release(s)?;
+    }
+    result?;
+    if dtype != WeightDtype::Bf16 && store.keeps_copy() {
         refresh_stream(state, dtype);
     }
     Ok(())
 }
 
-/// The first `n` f32s of a ring slot: unit `unit`'s gradients.
+/// What one update reads and writes.
+struct Operands<'a> {
+    master: &'a mut HostSlab,
+    /// The bf16 streaming copy (empty without one).
+    stream: &'a mut HostSlab,
+    /// The unit's gradients: its own slab in the host store or a ring slot (the first f32s).
+    grad: &'a mut HostSlab,
+    /// Whether the gradients are in the weight dtype (the bf16 gradient store).
+    half: bool,
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+/// The update proper: AdamW on the master and the moments given, fused with the bf16 copy's
+/// refresh where there is one.
+fn apply(
+    pool: &AdamPool,
+    dtype: WeightDtype,
+    unit: &crate::model::UnitLayout,
+    hp: AdamW,
+    job: AdamJob,
+    ops: Operands<'_>,
+) -> Result<()> {
+    let n = ops.master.bytes() / 4;
+    if dtype == WeightDtype::Bf16 {
+        let decayed: Vec<_> =
+            unit.tensors.iter().filter(|t| t.decay).map(|t| t.range.clone()).collect();
+        let args =
+            FusedStep { step: job.step, lr: job.lr, hp, clip_coef: job.coef, decayed: &decayed };
+        let grad = if ops.half {
+            // The bf16 gradient store: widened chunk by chunk as they are used.
+            GradIn::Bf16(ops.grad.as_u16())
+        } else {
+            GradIn::F32(ring_grad(ops.grad, n, job.unit)?)
+        };
+        let fused = crate::optim::UnitState {
+            master: ops.master.as_f32_mut(),
+            m: ops.m,
+            v: ops.v,
+            // Empty without a streaming copy: the fused update then writes none.
+            bf16: ops.stream.as_u16_mut(),
+        };
+        return adamw_fused_from(pool, fused, grad, &args);
+    }
+    // The f32 path (the CPU): weight-dtype gradients are f32 here too.
+    let grad = ring_grad(ops.grad, n, job.unit)?;
+    pool.install(|| unfused(ops.master.as_f32_mut(), (ops.m, ops.v), grad, unit, &hp, job))
+}
+
+/// The first `n` f32s of a gradient slab (a ring slot may be larger): unit `unit`'s gradients.
 fn ring_grad(slab: &mut HostSlab, n: usize, unit: usize) -> Result<&mut [f32]> {
     slab.as_f32_mut()
         .get_mut(..n)

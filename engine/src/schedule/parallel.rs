@@ -185,12 +185,18 @@ where
     }
 
     /// Continues from a saved state (see [`Streamer::restore`]).
-    pub fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
-        self.ranks[0].restore(step, m, v)?;
+    pub fn restore(&mut self, step: u64, moments: &mut super::FillMoments<'_>) -> Result<()> {
+        self.ranks[0].restore(step, moments)?;
         for rank in &mut self.ranks[1..] {
             rank.step = step;
         }
         Ok(())
+    }
+
+    /// Waits for every submitted update and returns the shared host store.
+    pub fn settled_store(&mut self) -> Result<std::sync::Arc<crate::store::HostStore>> {
+        self.settle()?;
+        self.ranks[0].settled_store()
     }
 
     /// Waits for every submitted update and returns the master weights.

@@ -7,15 +7,21 @@
 //! when gradients must wait for the global norm and the device has no room for them) or a small
 //! [`GradRing`] the optimizer worker consumes.
 //!
+//! The Adam moments of units the planner put on the disk tier live in a file instead
+//! ([`disk`]): their `m` and `v` here are empty, and the optimizer takes them from
+//! [`DiskStage::acquire`] for each update.
+//!
 //! Each unit sits behind its own mutex: the schedule writes gradients into a unit and reads its
 //! streaming copy, the optimizer worker updates it; `applied` counts the optimizer steps a unit
 //! has had, so the schedule waits for exactly the update it needs and no more.
 
+pub mod disk;
 mod ring;
 mod slab;
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+pub use disk::{DiskStage, DiskStats, DiskTier};
 pub use ring::GradRing;
 pub use slab::{HUGE_PAGE, HostSlab, Pages, PinGuard, SLAB_ALIGN, zeroed_f32_vec};
 
@@ -27,6 +33,7 @@ use crate::model::{HostParams, ModelLayout};
 pub struct UnitState {
     /// f32 master weights (`as_f32`).
     pub master: HostSlab,
+    /// Adam moments (empty where they live on the disk tier).
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     /// The weights as the device consumes them (f32 or bf16), refreshed after every update;
@@ -57,11 +64,16 @@ pub struct StoreBytes {
     pub streaming: usize,
     /// The per-unit gradient store or the ring.
     pub grads: usize,
+    /// Staging slots of the disk tier.
+    pub disk_staging: usize,
+    /// The disk tier's file (on disk, not in host memory).
+    pub disk: usize,
 }
 
 impl StoreBytes {
+    /// Host bytes.
     pub fn total(&self) -> usize {
-        self.master + self.moments + self.streaming + self.grads
+        self.master + self.moments + self.streaming + self.grads + self.disk_staging
     }
 }
 
@@ -78,6 +90,8 @@ pub struct HostStore {
     /// Whether gradients wait in the weight dtype (else f32).
     half_grads: bool,
     params: usize,
+    /// The units whose moments live on disk, and their staging.
+    disk: Option<DiskStage>,
 }
 
 fn poisoned() -> Error {
@@ -87,18 +101,30 @@ fn poisoned() -> Error {
 impl HostStore {
     /// Takes the master weights (each unit moved into a slab as it goes, so the peak is one
     /// unit over the store); moments start at zero. With `copy` every unit keeps a streaming
-    /// copy in `weight_dtype`; without, the device reads the master.
+    /// copy in `weight_dtype`; without, the device reads the master. With `disk` (a folder and
+    /// units), those units' moments live in a file created there.
     pub fn new(
         params: HostParams,
         weight_dtype: WeightDtype,
         landing: GradLanding,
         copy: bool,
+        disk: Option<(&std::path::Path, &[usize])>,
     ) -> Result<HostStore> {
         let n_params = params.layout.params();
         let largest = params.units.iter().map(Vec::len).max().unwrap_or(0);
+        let sizes: Vec<usize> = params.units.iter().map(Vec::len).collect();
+        // Created first: a disk without room fails before the host store is filled.
+        let disk = match disk {
+            Some((dir, on_disk)) if !on_disk.is_empty() => {
+                Some(DiskStage::new(DiskTier::create(dir, &sizes, on_disk)?)?)
+            }
+            _ => None,
+        };
+        let on_disk = |u: usize| disk.as_ref().is_some_and(|d| d.tier().holds(u));
         let mut units = Vec::with_capacity(params.units.len());
-        for weights in params.units {
+        for (u, weights) in params.units.into_iter().enumerate() {
             let n = weights.len();
+            let moments = if on_disk(u) { 0 } else { n };
             let grad = match landing {
                 GradLanding::PerUnit => n * 4,
                 GradLanding::PerUnitHalf => n * weight_dtype.bytes(),
@@ -115,8 +141,8 @@ impl HostStore {
             drop(weights);
             let mut state = UnitState {
                 // Allocated as `sluice bench adam` measures them (marked for huge pages).
-                m: zeroed_f32_vec(n, Pages::Huge),
-                v: zeroed_f32_vec(n, Pages::Huge),
+                m: zeroed_f32_vec(moments, Pages::Huge),
+                v: zeroed_f32_vec(moments, Pages::Huge),
                 stream: HostSlab::zeroed(if copy { n * weight_dtype.bytes() } else { 0 })?,
                 grad: HostSlab::zeroed(grad)?,
                 master,
@@ -142,7 +168,57 @@ impl HostStore {
             copy,
             half_grads: landing == GradLanding::PerUnitHalf,
             params: n_params,
+            disk,
         })
+    }
+
+    /// The disk tier, where some units' moments live there.
+    pub fn disk(&self) -> Option<&DiskStage> {
+        self.disk.as_ref()
+    }
+
+    /// Calls `with(m, v)` on a unit's Adam moments, wherever they live. Only between steps,
+    /// with no update running (a disk unit is read from the file).
+    pub fn with_moments<R>(
+        &self,
+        unit: usize,
+        with: impl FnOnce(&[f32], &[f32]) -> Result<R>,
+    ) -> Result<R> {
+        match &self.disk {
+            Some(d) if d.tier().holds(unit) => {
+                d.flush()?;
+                d.read_unit(unit, with)
+            }
+            _ => {
+                let state = self.lock(unit)?;
+                with(&state.m, &state.v)
+            }
+        }
+    }
+
+    /// Sets a unit's Adam moments to what `fill(m, v)` writes, wherever they live (before the
+    /// first step).
+    pub fn set_moments(
+        &self,
+        unit: usize,
+        fill: impl FnOnce(&mut [f32], &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        match &self.disk {
+            Some(d) if d.tier().holds(unit) => {
+                d.flush()?;
+                d.write_unit(unit, fill)
+            }
+            _ => {
+                let mut state = self.lock(unit)?;
+                let state = &mut *state;
+                fill(&mut state.m, &mut state.v)
+            }
+        }
+    }
+
+    /// Parameter slots of a unit (alignment padding included).
+    pub fn unit_len(&self, unit: usize) -> Result<usize> {
+        Ok(self.lock(unit)?.master.bytes() / 4)
     }
 
     /// The gradient landing ring (empty with per-unit landing).
@@ -205,22 +281,25 @@ impl HostStore {
         Ok(())
     }
 
-    /// Bytes per part: 12 per parameter slot for the master and moments, 2 (bf16, GPUs) or 4
+    /// Bytes per part: 4 per parameter slot for the master, 8 for the moments held in memory, 2 (bf16, GPUs) or 4
     /// (f32, the CPU) for the streaming copy where one is kept, plus the gradient landing area: 4 per slot for a
     /// per-unit store, or the ring's slabs.
     pub fn bytes(&self) -> StoreBytes {
-        let (mut slots, mut grads) = (0, self.ring.bytes());
+        let (mut slots, mut moments, mut grads) = (0, 0, self.ring.bytes());
         for u in &self.units {
             if let Ok(u) = u.lock() {
                 slots += u.master.bytes() / 4;
+                moments += (u.m.len() + u.v.len()) * 4;
                 grads += u.grad.bytes();
             }
         }
         StoreBytes {
             master: slots * 4,
-            moments: slots * 8,
+            moments,
             streaming: if self.copy { slots * self.weight_dtype.bytes() } else { 0 },
             grads,
+            disk_staging: self.disk.as_ref().map_or(0, DiskStage::staging_bytes),
+            disk: self.disk.as_ref().map_or(0, |d| d.tier().bytes() as usize),
         }
     }
 

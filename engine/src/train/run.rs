@@ -8,7 +8,9 @@ use std::io::Write;
 use serde_json::{Value, json};
 
 use super::job::{Job, Limits};
-use super::state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
+use super::state::{
+    Position, RUN_FILE, STATE_DIR, TrainingState, data_fingerprint, save_checkpoint_from,
+};
 use super::{Event, Observer, TrainConfig};
 use crate::backend::{AllReduce, Backend};
 use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
@@ -17,16 +19,16 @@ use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{
-    DiskOptions,
-    DataParallel, GradientTier, Interrupt, Moments, RING_SLOTS, ScheduleOptions, Streamer, Tier,
-    WeightSource,
+    DataParallel, DiskOptions, FillMoments, GradientTier, Interrupt, RING_SLOTS, ScheduleOptions,
+    Streamer, Tier, WeightSource,
 };
 use crate::spec::{self, ModelSpec};
-use crate::store::StoreBytes;
+use crate::store::{HostStore, StoreBytes};
 use crate::weights::{
     DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder,
     write_file_atomically,
 };
+use std::sync::Arc;
 
 /// Files of a model folder that travel with its weights into every checkpoint.
 const TOKENIZER_FILES: [&str; 5] = [
@@ -296,9 +298,9 @@ where
 trait Stepper {
     fn step(&mut self, micro: &[MicroBatch]) -> Result<super::StepMetrics>;
     fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64>;
-    fn params(&mut self) -> Result<HostParams>;
-    fn moments(&mut self) -> Result<Moments>;
-    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()>;
+    /// Waits for every update and returns the host store to save from.
+    fn settled_store(&mut self) -> Result<Arc<HostStore>>;
+    fn restore(&mut self, step: u64, moments: &mut FillMoments<'_>) -> Result<()>;
     fn finish(&mut self) -> Result<HostParams>;
     /// Optimizer steps taken.
     fn taken(&self) -> u64;
@@ -316,14 +318,11 @@ impl<B: Backend> Stepper for Streamer<'_, B> {
     fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
         Streamer::eval_loss(self, micro)
     }
-    fn params(&mut self) -> Result<HostParams> {
-        Streamer::params(self)
+    fn settled_store(&mut self) -> Result<Arc<HostStore>> {
+        Streamer::settled_store(self)
     }
-    fn moments(&mut self) -> Result<Moments> {
-        Streamer::moments(self)
-    }
-    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
-        Streamer::restore(self, step, m, v)
+    fn restore(&mut self, step: u64, moments: &mut FillMoments<'_>) -> Result<()> {
+        Streamer::restore(self, step, moments)
     }
     fn finish(&mut self) -> Result<HostParams> {
         Streamer::finish(self)
@@ -352,14 +351,11 @@ where
     fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<f64> {
         DataParallel::eval_loss(self, micro)
     }
-    fn params(&mut self) -> Result<HostParams> {
-        DataParallel::params(self)
+    fn settled_store(&mut self) -> Result<Arc<HostStore>> {
+        DataParallel::settled_store(self)
     }
-    fn moments(&mut self) -> Result<Moments> {
-        DataParallel::moments(self)
-    }
-    fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<()> {
-        DataParallel::restore(self, step, m, v)
+    fn restore(&mut self, step: u64, moments: &mut FillMoments<'_>) -> Result<()> {
+        DataParallel::restore(self, step, moments)
     }
     fn finish(&mut self) -> Result<HostParams> {
         DataParallel::finish(self)
@@ -436,7 +432,7 @@ fn run_with<S: Stepper>(
 
     let mut state = if resume {
         let state = TrainingState::load(&options.out.join(STATE_DIR), &model.spec)?;
-        if state.data_fingerprint != fingerprint {
+        if state.position.data_fingerprint != fingerprint {
             return Err(Error::invalid(
                 "the dataset (or how it is packed) changed since the run started; cannot resume exactly",
             ));
@@ -477,8 +473,9 @@ fn run_with<S: Stepper>(
     }
     let mut cursor = 0usize;
     if let Some(s) = state.take() {
-        streamer.restore(s.step, &s.m, &s.v)?;
-        cursor = s.cursor;
+        let layout = model.params.layout.clone();
+        streamer.restore(s.position.step, &mut |u, m, v| s.fill_moments(&layout, u, m, v))?;
+        cursor = s.position.cursor;
     } else {
         std::fs::create_dir_all(&options.out).map_err(|e| Error::io(&options.out, e))?;
         let json = serde_json::to_vec_pretty(options)
@@ -506,20 +503,18 @@ fn run_with<S: Stepper>(
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let curves = std::cell::Cell::new(super::card::Curves::from_step(streamer.taken()));
+    // Both folders are read straight out of the host store (and the disk tier): a save holds
+    // no copy of the training state.
     let save = |streamer: &mut S, cursor: usize, dir: &Path| -> Result<()> {
-        let params = streamer.params()?;
-        save_checkpoint(dir, &model, &params, settings.save_dtype)?;
+        let store = streamer.settled_store()?;
+        let layout = &model.params.layout;
+        let config = model.spec.to_hf_config();
+        let extra = model.extra_files.clone();
+        save_checkpoint_from(dir, &store, layout, config, extra, settings.save_dtype)?;
         super::card::write_model_card(dir, options, &curves.get())?;
-        let (m, v) = streamer.moments()?;
-        let state = TrainingState {
-            step: streamer.taken(),
-            cursor,
-            data_fingerprint: fingerprint.clone(),
-            master: params,
-            m,
-            v,
-        };
-        state.save(&options.out.join(STATE_DIR), &model.spec)
+        let position =
+            Position { step: streamer.taken(), cursor, data_fingerprint: fingerprint.clone() };
+        TrainingState::save(&options.out.join(STATE_DIR), &model.spec, &store, layout, &position)
     };
     while streamer.taken() < steps {
         if !observer.keep_going() {

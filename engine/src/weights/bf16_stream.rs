@@ -183,8 +183,8 @@ mod tests {
         let a: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.37).sin() * 1e-2 + 1.0 / 3.0).collect();
         let b: Vec<f32> = (0..6).map(|i| i as f32 - 2.5).collect();
         let tensors = [
-            TensorRef { name: "a.weight", shape: vec![30, 100], data: &a },
-            TensorRef { name: "b", shape: vec![6], data: &b },
+            TensorRef { name: "a.weight", shape: vec![30, 100], data: a[..].into() },
+            TensorRef { name: "b", shape: vec![6], data: b[..].into() },
         ];
         let f32_dir = dir.path().join("f32");
         let bf16_dir = dir.path().join("bf16");

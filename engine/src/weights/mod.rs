@@ -31,5 +31,6 @@ mod tests;
 pub use folder::{CONFIG_FILE, HfFolder, save_hf_folder};
 pub use read::{Dtype, INDEX_FILE, SINGLE_FILE, TensorSource};
 pub use write::{
-    DEFAULT_MAX_SHARD_BYTES, SaveDtype, TensorRef, shard_file_name, write_safetensors,
+    DEFAULT_MAX_SHARD_BYTES, ReadValues, SaveDtype, TensorData, TensorRef, shard_file_name,
+    write_safetensors,
 };

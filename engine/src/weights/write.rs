@@ -61,11 +61,59 @@ impl SaveDtype {
 }
 
 /// A named tensor to write: row-major f32 data of the given shape.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TensorRef<'a> {
     pub name: &'a str,
     pub shape: Vec<usize>,
-    pub data: &'a [f32],
+    pub data: TensorData<'a>,
+}
+
+/// Reads values `start..start + out.len()` of a tensor into `out`.
+pub type ReadValues<'a> = &'a (dyn Fn(usize, &mut [f32]) -> Result<()> + Sync);
+
+/// A tensor's values: in memory, or read a chunk at a time as they are written (a training
+/// state saved straight from the host store and the disk tier, without a copy of it all).
+#[derive(Clone)]
+pub enum TensorData<'a> {
+    Slice(&'a [f32]),
+    Read { len: usize, read: ReadValues<'a> },
+}
+
+impl<'a> TensorData<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::Slice(s) => s.len(),
+            TensorData::Read { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values, where they are in memory.
+    pub fn as_slice(&self) -> Option<&'a [f32]> {
+        match self {
+            TensorData::Slice(s) => Some(s),
+            TensorData::Read { .. } => None,
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for TensorData<'a> {
+    fn from(s: &'a [f32]) -> Self {
+        TensorData::Slice(s)
+    }
+}
+
+impl std::fmt::Debug for TensorRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorRef")
+            .field("name", &self.name)
+            .field("shape", &self.shape)
+            .field("len", &self.data.len())
+            .finish()
+    }
 }
 
 /// Writes `tensors` into the existing folder `dir` as `dtype`, starting a new shard whenever the
@@ -185,8 +233,18 @@ fn write_shard(path: &Path, tensors: &[&TensorRef<'_>], dtype: SaveDtype) -> Res
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
         let mut staging = Vec::with_capacity(ENCODE_CHUNK * dtype.bytes_per_element());
+        let mut values = Vec::new();
         for t in tensors {
-            for chunk in t.data.chunks(ENCODE_CHUNK) {
+            let len = t.data.len();
+            for start in (0..len).step_by(ENCODE_CHUNK) {
+                let chunk = match &t.data {
+                    TensorData::Slice(s) => &s[start..(start + ENCODE_CHUNK).min(len)],
+                    TensorData::Read { read, .. } => {
+                        values.resize((len - start).min(ENCODE_CHUNK), 0.0);
+                        read(start, &mut values).map_err(io::Error::other)?;
+                        &values[..]
+                    }
+                };
                 staging.clear();
                 encode(chunk, dtype, &mut staging);
                 w.write_all(&staging)?;

@@ -115,7 +115,7 @@ fn checkpoint(root: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf
 
 fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let (_, params) = HostParams::load_dir(dir).unwrap();
-    params.tensor_refs().into_iter().map(|t| (t.name.to_string(), t.data.to_vec())).collect()
+    params.tensor_refs().into_iter().map(|t| (t.name.to_string(), t.data.as_slice().unwrap().to_vec())).collect()
 }
 
 #[test]
@@ -204,7 +204,7 @@ fn qwen2_is_written_unpermuted_with_its_biases_in_f32() {
     let bias = file.tensor("blk.1.attn_k.bias").unwrap();
     assert_eq!(bias.ggml_type, GgmlType::F32);
     let refs = params.tensor_refs();
-    let hf = |n: &str| refs.iter().find(|t| t.name == n).unwrap().data;
+    let hf = |n: &str| refs.iter().find(|t| t.name == n).unwrap().data.as_slice().unwrap();
     assert_eq!(file.tensor_f32(bias).unwrap(), hf("model.layers.1.self_attn.k_proj.bias"));
     let q = file.tensor_f32(file.tensor("blk.1.attn_q.weight").unwrap()).unwrap();
     let want: Vec<f32> = hf("model.layers.1.self_attn.q_proj.weight")

@@ -31,7 +31,7 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 }
 
 fn tensor<'a>(name: &'a str, shape: &[usize], data: &'a [f32]) -> TensorRef<'a> {
-    TensorRef { name, shape: shape.to_vec(), data }
+    TensorRef { name, shape: shape.to_vec(), data: data.into() }
 }
 
 /// A safetensors file made by the safetensors crate itself, for dtypes Sluice never writes.
