@@ -31,7 +31,7 @@ use sluice_engine::backend::{
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
 use sluice_engine::schedule::{
-    GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+    DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
 };
 use sluice_engine::spec::{ModelSpec, preset};
 use sluice_engine::store::HostSlab;
@@ -1621,22 +1621,26 @@ fn training_step_every_family() {
 fn streaming_schedule_matches_the_reference_loop() {
     use GradientTier::{DeviceStore, HostRing, HostStore, HostStoreBf16};
     // (checkpoint tier, checkpoint interval K, gradient tier, clipping, weight source, ring
-    // slots); the fixtures have 2 layers, so K = 2 recomputes layer 1's input from layer 0's
+    // slots, moments on disk); the fixtures have 2 layers, so K = 2 recomputes layer 1's input from layer 0's
     // checkpoint.
     use WeightSource::{Master, StreamingCopy};
     let tiers = [
-        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS),
-        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy, RING_SLOTS),
-        (Tier::Device, 1, HostRing, None, StreamingCopy, RING_SLOTS),
-        (Tier::Device, 2, DeviceStore, None, StreamingCopy, RING_SLOTS),
+        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
+        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
+        (Tier::Device, 1, HostRing, None, StreamingCopy, RING_SLOTS, false),
+        (Tier::Device, 2, DeviceStore, None, StreamingCopy, RING_SLOTS, false),
         // The fp32 master cast on the device rounds as the host's copy does: the same bits.
-        (Tier::Host, 1, HostStore, Some(1.0), Master, RING_SLOTS),
-        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS),
+        (Tier::Host, 1, HostStore, Some(1.0), Master, RING_SLOTS, false),
+        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS, false),
         // bf16 gradients for AdamW (the norm from fp32): close, not equal.
-        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master, RING_SLOTS),
+        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master, RING_SLOTS, false),
         // Two ring slots (host memory short): every landing waits for the update two back.
-        (Tier::Device, 1, HostRing, None, Master, 2),
-        (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2),
+        (Tier::Device, 1, HostRing, None, Master, 2, false),
+        (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2, false),
+        // Every unit's Adam moments on the disk tier: read into staging, updated by the fused
+        // bf16 AdamW, written back; the same bits.
+        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS, true),
+        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, true),
     ];
     for case in ["llama", "qwen2", "mistral", "phi3", "gemma3", "gemma2", "mixtral", "gpt_oss"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -1644,11 +1648,12 @@ fn streaming_schedule_matches_the_reference_loop() {
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
             .collect();
         let tied = spec.tie_embeddings;
-        for &(checkpoints, interval, gradients, clip, weights, ring_slots) in &tiers {
+        for &(checkpoints, interval, gradients, clip, weights, ring_slots, on_disk) in &tiers {
             let what = format!(
                 "{case} {checkpoints:?} checkpoints every {interval}, {gradients:?} \
-                 ({ring_slots} ring slots), {weights:?}"
+                 ({ring_slots} ring slots), {weights:?}, moments on disk: {on_disk}"
             );
+            let tier_dir = tempfile::tempdir().expect("a folder for the disk tier");
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
             let mut reference =
                 Trainer::new(gpu(), &spec, p.clone(), cfg.clone(), 42).expect("trainer");
@@ -1662,7 +1667,10 @@ fn streaming_schedule_matches_the_reference_loop() {
                 gradients,
                 weights,
                 ring_slots,
-                disk: None,
+                disk: on_disk.then(|| DiskOptions {
+                    dir: tier_dir.path().to_path_buf(),
+                    units: (0..spec.layers + 2).collect(),
+                }),
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");

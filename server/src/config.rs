@@ -28,6 +28,9 @@ pub struct Config {
     pub public_url: Option<String>,
     pub limits: JobLimits,
     pub hub: HubSettings,
+    /// The disk tier's folder, where jobs keep Adam moments that host memory cannot hold (on a
+    /// local SSD); `None`: `DATA_DIR/disk-tier` ([`Config::disk_tier_dir`]).
+    pub disk_dir: Option<PathBuf>,
 }
 
 /// Where models by Hugging Face name come from.
@@ -93,7 +96,13 @@ impl Config {
                 token: None,
                 user_cache: None,
             },
+            disk_dir: None,
         }
+    }
+
+    /// The disk tier's folder: the one configured, else `DATA_DIR/disk-tier`.
+    pub fn disk_tier_dir(&self) -> PathBuf {
+        self.disk_dir.clone().unwrap_or_else(|| self.data_dir.join("disk-tier"))
     }
 
     /// Where the database lives.
@@ -165,6 +174,9 @@ impl Config {
         if let Some(dir) = &file.hf_cache {
             self.hub.user_cache = Some(dir.clone());
         }
+        if let Some(dir) = &file.disk_dir {
+            self.disk_dir = Some(dir.clone());
+        }
         if let Some(url) = &file.public_url {
             let lower = url.to_ascii_lowercase();
             let (https, host) = if let Some(host) = lower.strip_prefix("https://") {
@@ -200,6 +212,7 @@ pub struct FileConfig {
     pub hf_endpoint: Option<String>,
     pub hf_token: Option<crate::hub::HubToken>,
     pub hf_cache: Option<PathBuf>,
+    pub disk_dir: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -222,6 +235,7 @@ impl FileConfig {
             hf_endpoint: self.hf_endpoint.or(lower.hf_endpoint),
             hf_token: self.hf_token.or(lower.hf_token),
             hf_cache: self.hf_cache.or(lower.hf_cache),
+            disk_dir: self.disk_dir.or(lower.disk_dir),
         }
     }
 

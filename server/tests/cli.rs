@@ -273,6 +273,56 @@ fn plan_and_bench_train_take_the_same_job_shape_flags_as_train() -> anyhow::Resu
     Ok(())
 }
 
+/// `--disk-dir` gives the planner a disk tier, measured there (the folder made if missing),
+/// which `--moments` uses or not and `--disk-mem` caps; `--moments disk` needs one.
+#[test]
+fn plan_keeps_adam_moments_on_the_disk_tier_it_is_given() -> anyhow::Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let dir = scratch.path().join("tier");
+    // Qwen2.5-0.5B needs about 8 GB of host memory; with 6 GiB some layers' moments go to disk.
+    let job = ["plan", "--preset", "qwen2.5-0.5b", "--seq-len", "512", "--json"];
+    let memory = ["--gpu-mem", "80000000000", "--host-mem", "6442450944"];
+    let (output, stderr) = run(sluice().args(job).args(memory).arg("--disk-dir").arg(&dir))?;
+    assert!(output.status.success(), "{stderr}");
+    assert!(dir.is_dir());
+    let plan: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let disk = &plan["memory"]["disk"];
+    assert_eq!(disk["dir"], dir.display().to_string(), "{plan}");
+    assert_eq!(disk["source"], "measured", "{plan}");
+    assert!(disk["read_bytes_per_s"].as_u64().is_some_and(|r| r > 0), "{plan}");
+    let units = plan["placement"]["disk_units"].as_array().map_or(0, Vec::len);
+    assert!(units > 0 && units < 24, "some layers: {plan}");
+    assert!(plan["budget"]["disk"]["used"].as_u64().is_some_and(|u| u > 0), "{plan}");
+
+    // The text says where the moments are; host memory only does not fit.
+    let text = ["plan", "--preset", "qwen2.5-0.5b", "--seq-len", "512"];
+    let (output, stderr) = run(sluice().args(text).args(memory).arg("--disk-dir").arg(&dir))?;
+    assert!(output.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("live on the disk tier at "), "{stdout}");
+    let (output, stderr) =
+        run(sluice().args(text).args(memory).args(["--moments", "host", "--disk-dir"]).arg(&dir))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("does not fit: host memory"), "{stderr}");
+    // A tier capped below what the moments need is named.
+    let (output, stderr) = run(sluice()
+        .args(text)
+        .args(memory)
+        .args(["--disk-mem", "1000000", "--disk-dir"])
+        .arg(&dir))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("does not fit: disk tier at "), "{stderr}");
+
+    let (output, stderr) = run(sluice().args(text).args(["--moments", "disk"]))?;
+    assert_clean_failure(&output, &stderr);
+    assert!(stderr.contains("--moments disk") && stderr.contains("--disk-dir DIR"), "{stderr}");
+    for bad in [&["--moments", "ssd"][..], &["--disk-mem", "1000"][..]] {
+        let (output, stderr) = run(sluice().args(text).args(bad))?;
+        assert_eq!(output.status.code(), Some(2), "{bad:?}: {stderr}");
+    }
+    Ok(())
+}
+
 #[test]
 fn train_plan_and_bench_refuse_sizes_beyond_the_engines_ceilings() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;

@@ -220,10 +220,28 @@ fn weight_bits(dir: &Path) -> Vec<u32> {
 
 #[test]
 fn a_run_killed_mid_way_resumes_to_the_same_bits() {
+    killed_and_resumed(&[]);
+}
+
+#[test]
+fn a_run_with_its_moments_on_disk_killed_mid_way_resumes_to_the_same_bits() {
+    // The disk tier's file is rewritten in place every step; the saved state holds the
+    // moments themselves, so a kill at any moment resumes exactly. The uninterrupted run keeps
+    // its moments in memory: the tier must not change a bit.
+    let tier = tempfile::tempdir().unwrap();
+    let dir = tier.path().to_str().unwrap();
+    killed_and_resumed(&["--moments", "disk", "--disk-dir", dir]);
+    let left: Vec<_> = std::fs::read_dir(tier.path()).unwrap().collect();
+    assert!(left.is_empty(), "the disk tier left files behind: {left:?}");
+}
+
+/// Trains `tiny` for 12 steps whole, and again with `cut_args`, killed (SIGKILL) after step 7
+/// and resumed with the same `cut_args`: the final weights must be the same bits.
+fn killed_and_resumed(cut_args: &[&str]) {
     use std::io::{BufRead, BufReader};
 
-    let dir = tempfile::tempdir().unwrap();
-    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+    let dir = tempfile::tempdir().expect("a scratch folder");
+    let base = |out: &Path| -> Vec<std::ffi::OsString> {
         let mut a: Vec<std::ffi::OsString> =
             ["train", "--preset", "tiny", "--steps", "12", "--seq-len", "64"]
                 .iter()
@@ -233,8 +251,13 @@ fn a_run_killed_mid_way_resumes_to_the_same_bits() {
         a.extend(["--out".into(), out.as_os_str().to_owned()]);
         a
     };
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        let mut a = base(out);
+        a.extend(cut_args.iter().map(Into::into));
+        a
+    };
     let whole = dir.path().join("whole");
-    let status = Command::new(env!("CARGO_BIN_EXE_sluice")).args(args(&whole)).output().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_sluice")).args(base(&whole)).output().expect("sluice runs");
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
 
     let cut = dir.path().join("cut");
@@ -243,25 +266,30 @@ fn a_run_killed_mid_way_resumes_to_the_same_bits() {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
+        .expect("sluice starts");
+    let stdout = child.stdout.take().expect("piped stdout");
     let mut seen = Vec::new();
     for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap();
+        let line = line.expect("a line of output");
         let step7 = line.starts_with("step ") && line.split_whitespace().nth(1) == Some("7");
         seen.push(line);
         if step7 {
-            child.kill().unwrap(); // SIGKILL: no chance to clean up
+            child.kill().expect("the run can be killed"); // SIGKILL: no chance to clean up
             break;
         }
     }
-    child.wait().unwrap();
+    child.wait().expect("the killed run is reaped");
     assert!(seen.iter().any(|l| l.starts_with("step ")), "the run printed no step: {seen:?}");
     assert!(!cut.join("final").exists(), "the run finished before it was killed");
 
-    let (code, stdout, stderr) = train(&["--resume"], &[&cut]);
+    let resume: Vec<&Path> =
+        std::iter::once(cut.as_path()).chain(cut_args.iter().map(Path::new)).collect();
+    let (code, stdout, stderr) = train(&["--resume"], &resume);
     assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("resuming after step"), "{stdout}");
+    if !cut_args.is_empty() {
+        assert!(stdout.contains("disk tier"), "the plan does not mention the disk tier:\n{stdout}");
+    }
     assert_eq!(weight_bits(&cut.join("final")), weight_bits(&whole.join("final")));
 }
 

@@ -15,16 +15,25 @@ pub const RUNTIME_RESERVE: &str = "runtime reserve (CUDA context, cuBLAS workspa
 /// The name of the device buffer the fp32 master lands in before its cast (a GPU's part only:
 /// the CPU computes on f32 weights and reads the master as it is).
 pub const CAST_STAGING: &str = "cast staging (fp32 master weights arriving, one chunk)";
-/// Alignment of every unit's slab in the host store (DMA bursts start on a page).
+/// Alignment of every unit's slab in the host store (DMA bursts start on a page), and of every
+/// region of the disk tier's file and staging buffer (direct I/O moves whole pages).
 pub const SLAB_ALIGN: u64 = 4096;
+/// Host buffers the disk tier's moments pass through, each one unit's m and v as the file holds
+/// them (each page-aligned): one being read ahead, one being updated, one being written behind
+/// (the store's own count).
+pub const DISK_STAGING_SLOTS: u64 = crate::store::disk::STAGE_SLOTS as u64;
+/// The name of that part of the host budget.
+pub const DISK_STAGING: &str = "disk tier staging (3 x largest disk unit's m and v, fp32)";
 
-/// The three places bytes can live.
+/// The four places bytes can live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TierName {
     Device,
     PinnedHost,
     PageableHost,
+    /// A file on a local SSD holding the Adam moments of the units the plan puts there.
+    Disk,
 }
 
 impl TierName {
@@ -33,6 +42,7 @@ impl TierName {
             TierName::Device => "device",
             TierName::PinnedHost => "pinned host",
             TierName::PageableHost => "pageable host",
+            TierName::Disk => "disk tier",
         }
     }
 }
@@ -79,6 +89,10 @@ pub struct Budget {
     pub pageable_host: Tier,
     /// Host RAM available to the job (pinned and pageable together).
     pub host_capacity: u64,
+    /// The disk tier where the machine has one (used or not), its capacity the bytes it may
+    /// take there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<Tier>,
 }
 
 impl Budget {
@@ -97,12 +111,25 @@ impl Budget {
         self.host_used().saturating_sub(self.host_capacity)
     }
 
-    pub fn fits(&self) -> bool {
-        self.device_over() == 0 && self.host_over() == 0
+    /// Bytes by which the disk tier overflows (0 if it fits or there is none).
+    pub fn disk_over(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| d.used.saturating_sub(d.capacity))
     }
 
-    pub fn tiers(&self) -> [&Tier; 3] {
-        [&self.device, &self.pinned_host, &self.pageable_host]
+    /// Bytes the plan keeps on the disk tier.
+    pub fn disk_used(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| d.used)
+    }
+
+    pub fn fits(&self) -> bool {
+        self.device_over() == 0 && self.host_over() == 0 && self.disk_over() == 0
+    }
+
+    /// Device, pinned host, pageable host, and the disk tier where the machine has one.
+    pub fn tiers(&self) -> Vec<&Tier> {
+        let mut tiers = vec![&self.device, &self.pinned_host, &self.pageable_host];
+        tiers.extend(&self.disk);
+        tiers
     }
 }
 
@@ -117,11 +144,23 @@ pub struct Layout {
     pub weights: WeightSource,
     /// Per unit: whether its bf16 weights stay on the device.
     pub resident: Vec<bool>,
+    /// Per unit: whether its Adam moments live on the disk tier.
+    pub disk: Vec<bool>,
 }
 
 impl Layout {
     pub fn embedding_resident(&self) -> bool {
         self.resident.first().copied().unwrap_or(false)
+    }
+
+    /// Whether unit `u`'s Adam moments live on the disk tier.
+    pub fn on_disk(&self, u: usize) -> bool {
+        self.disk.get(u).copied().unwrap_or(false)
+    }
+
+    /// Units whose Adam moments live on the disk tier.
+    pub fn disk_units(&self) -> Vec<usize> {
+        (0..self.disk.len()).filter(|&u| self.on_disk(u)).collect()
     }
 
     /// Checkpointed unit inputs per micro-batch: every K-th layer's input and the head's.
@@ -234,8 +273,26 @@ pub fn device_weights(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
     ]
 }
 
-/// The whole budget of a layout against the machine's capacities.
-pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget {
+/// Bytes of one unit's m (or v) in the disk tier's file: fp32, rounded up to a page, as
+/// direct I/O reads and writes them.
+pub fn disk_region(params: u64) -> u64 {
+    (params * F32).next_multiple_of(SLAB_ALIGN)
+}
+
+/// Bytes of unit `u`'s m and v on the disk tier (0 for a unit in host memory).
+pub fn disk_unit_bytes(s: &Sizes, l: &Layout, u: usize) -> u64 {
+    if l.on_disk(u) { 2 * disk_region(s.units[u].params) } else { 0 }
+}
+
+/// The whole budget of a layout against the machine's capacities (`disk_bytes`: the disk
+/// tier's, where the machine has one).
+pub fn budget(
+    s: &Sizes,
+    l: &Layout,
+    gpu_bytes: u64,
+    host_bytes: u64,
+    disk_bytes: Option<u64>,
+) -> Budget {
     let mut dev = device_weights(s, l);
     dev.extend(device_base(s, l));
     let mut device = Tier::new(TierName::Device, dev);
@@ -281,18 +338,48 @@ pub fn budget(s: &Sizes, l: &Layout, gpu_bytes: u64, host_bytes: u64) -> Budget 
     pinned.push(("slab alignment (4 KiB per unit)".to_string(), units * SLAB_ALIGN));
     let mut pinned = Tier::new(TierName::PinnedHost, pinned);
 
+    // The moments of units on the disk tier are not in host memory: only those of the others,
+    // and the staging their updates pass through.
+    let disk_units = l.disk_units();
+    let host_units = units - disk_units.len() as u64;
+    let host_params: u64 =
+        (0..s.units.len()).filter(|&u| !l.on_disk(u)).map(|u| s.units[u].params).sum();
+    let moments = |which: &str| {
+        if disk_units.is_empty() {
+            format!("Adam {which} (fp32)")
+        } else {
+            format!("Adam {which} (fp32, {host_units} of {units} units; the rest on the disk tier)")
+        }
+    };
     let mut pageable = Vec::new();
-    let arrays = if l.weights == WeightSource::StreamingCopy { 3 } else { 2 };
+    let masters = u64::from(l.weights == WeightSource::StreamingCopy);
     if l.weights == WeightSource::StreamingCopy {
         pageable.push(("fp32 master weights".to_string(), p * F32));
     }
     pageable.extend([
-        ("Adam first moment m (fp32)".to_string(), p * F32),
-        ("Adam second moment v (fp32)".to_string(), p * F32),
-        ("slab alignment (4 KiB per unit per array)".to_string(), arrays * units * SLAB_ALIGN),
+        (moments("first moment m"), host_params * F32),
+        (moments("second moment v"), host_params * F32),
+        (
+            "slab alignment (4 KiB per unit per array)".to_string(),
+            (masters * units + 2 * host_units) * SLAB_ALIGN,
+        ),
     ]);
+    let largest_disk = disk_units.iter().map(|&u| s.units[u].params).max().unwrap_or(0);
+    if !disk_units.is_empty() {
+        pageable
+            .push((DISK_STAGING.to_string(), DISK_STAGING_SLOTS * 2 * disk_region(largest_disk)));
+    }
     let mut pageable = Tier::new(TierName::PageableHost, pageable);
     pinned.capacity = host_bytes.saturating_sub(pageable.used);
     pageable.capacity = host_bytes.saturating_sub(pinned.used);
-    Budget { device, pinned_host: pinned, pageable_host: pageable, host_capacity: host_bytes }
+    let disk = disk_bytes.map(|capacity| {
+        let on_disk: u64 = (0..s.units.len()).map(|u| disk_unit_bytes(s, l, u)).sum();
+        let mut tier = Tier::new(
+            TierName::Disk,
+            vec![(format!("Adam moments m and v (fp32, {} units)", disk_units.len()), on_disk)],
+        );
+        tier.capacity = capacity;
+        tier
+    });
+    Budget { device, pinned_host: pinned, pageable_host: pageable, host_capacity: host_bytes, disk }
 }

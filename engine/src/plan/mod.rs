@@ -23,6 +23,16 @@
 //! device is host memory ([`MemorySource::SharedWithHost`]): nothing is kept resident, and the
 //! device's buffers and the host store must fit the host together.
 //!
+//! The disk tier (a folder on a local SSD, [`MachineMemory::disk`]): the Adam moments of chosen
+//! units can live in a file there, read before and written after each unit's update, so that
+//! a model whose state exceeds host memory still trains. [`MomentsPolicy`] says where moments
+//! may go: with `auto` a candidate that does not fit host memory gets the fewest units that
+//! make it fit (the last layers first: the next forward needs their updates last, and layers
+//! are smaller than the embedding and head, which keeps the host's staging small; then the
+//! head, then the embedding), never one more; `host` never uses the disk, `disk` puts every
+//! unit there. The disk tier is a fourth tier of the budget, and the disk's reads and writes
+//! pace the optimizer in the event model ([`timing`]).
+//!
 //! Several GPUs of one host (data parallelism, [`parallel`]): each GPU runs the same schedule on
 //! its share of the micro-batches, planned as one GPU with that share; their PCIe links share
 //! the host's memory bandwidth, and the gradients' all-reduce adds to each step. The plan then
@@ -34,6 +44,9 @@ pub mod rates;
 mod report;
 pub mod sizes;
 pub mod timing;
+
+use std::fmt;
+use std::str::FromStr;
 
 use serde::Serialize;
 
@@ -162,6 +175,8 @@ pub enum Bottleneck {
     Pcie,
     GpuCompute,
     CpuAdam,
+    /// The disk tier's reads and writes of Adam moments.
+    Disk,
 }
 
 /// The problem: a model, a batch shape, clipping, a machine, and what the schedule that will
@@ -221,6 +236,33 @@ pub enum MomentsPolicy {
     Disk,
 }
 
+impl MomentsPolicy {
+    /// Every policy, as written on the command line and in JSON.
+    pub const NAMES: [&'static str; 3] = ["auto", "host", "disk"];
+    const ALL: [MomentsPolicy; 3] = [MomentsPolicy::Auto, MomentsPolicy::Host, MomentsPolicy::Disk];
+}
+
+impl fmt::Display for MomentsPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = Self::ALL.iter().position(|p| p == self).unwrap_or(0);
+        f.write_str(Self::NAMES[i])
+    }
+}
+
+impl FromStr for MomentsPolicy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<MomentsPolicy> {
+        match Self::NAMES.iter().position(|n| *n == s) {
+            Some(i) => Ok(Self::ALL[i]),
+            None => Err(Error::invalid(format!(
+                "moments {s:?}: expected one of {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
 impl Capabilities {
     /// Every placement the planner models.
     pub const ALL: Capabilities = Capabilities {
@@ -278,6 +320,9 @@ pub struct Placement {
     pub disk_units: Vec<usize>,
     /// The same, readable: "layers 12-27".
     pub disk_summary: String,
+    /// Why they are there, in a clause ("host memory is 20.31 GiB short without it"); empty
+    /// when no unit's are.
+    pub disk_reason: String,
 }
 
 /// Predicted cost of one steady-state step.
@@ -302,6 +347,10 @@ pub struct StepTime {
     pub adam_s: f64,
     pub adam_hidden_s: f64,
     pub adam_exposed_s: f64,
+    /// Seconds per step the disk tier is busy reading and writing Adam moments (they pace
+    /// the optimizer: [`timing`]), and the bytes it moves both ways; 0 without disk units.
+    pub disk_s: f64,
+    pub disk_bytes: u64,
     /// Step time the GPU does not compute.
     pub gpu_idle_s: f64,
     /// The busiest resource.
@@ -335,6 +384,8 @@ pub enum Memory {
     Device,
     /// Host RAM: pinned and pageable together.
     Host,
+    /// The disk tier: the Adam moments host memory cannot hold.
+    Disk,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -357,6 +408,8 @@ pub enum Suggestion {
     HostMemory(u64),
     /// GPU memory the job needs as asked (with nothing resident).
     GpuMemory(u64),
+    /// Disk tier space the job needs as asked.
+    DiskSpace(u64),
 }
 
 /// Why a job does not fit, and what would.
@@ -410,10 +463,11 @@ pub struct GradientOption {
     /// What the policy does to the results ([`GradientTier::effect`]).
     pub effect: &'static str,
     pub fits: bool,
-    /// Host and device bytes of the best placement with this policy (of the closest one where
-    /// it does not fit).
+    /// Host, device and disk tier bytes of the best placement with this policy (of the
+    /// closest one where it does not fit).
     pub host_bytes: u64,
     pub device_bytes: u64,
+    pub disk_bytes: u64,
     /// Host bytes per parameter.
     pub host_bytes_per_param: f64,
     /// Predicted seconds per step where it fits.
@@ -443,6 +497,7 @@ pub fn gradient_options(input: &PlanInput<'_>) -> Result<Vec<GradientOption>> {
             fits,
             host_bytes: budget.host_used(),
             device_bytes: budget.device.used,
+            disk_bytes: budget.disk_used(),
             host_bytes_per_param: budget.host_used() as f64 / params.max(1) as f64,
             step_s,
             refused,
@@ -451,10 +506,79 @@ pub fn gradient_options(input: &PlanInput<'_>) -> Result<Vec<GradientOption>> {
     Ok(out)
 }
 
+/// Whether a disk tier would change the verdict on this job, before one is measured (which
+/// takes seconds of I/O): where the moments are asked on the disk; with `auto`, where the job
+/// or one of its gradient options is refused without a disk tier and fits with one of any
+/// size. Any disk tier `input.memory` has is ignored.
+pub fn wants_disk(input: &PlanInput<'_>) -> Result<bool> {
+    if !input.supports.disk_moments {
+        return Ok(false);
+    }
+    match input.supports.moments {
+        MomentsPolicy::Host => Ok(false),
+        MomentsPolicy::Disk => Ok(true),
+        MomentsPolicy::Auto => {
+            let without = PlanInput {
+                memory: MachineMemory { disk: None, ..input.memory.clone() },
+                ..input.clone()
+            };
+            let unlimited = DiskSpace {
+                dir: std::path::PathBuf::new(),
+                bytes: 1 << 60,
+                read_bytes_per_s: 1 << 30,
+                write_bytes_per_s: 1 << 30,
+                source: MemorySource::Given,
+            };
+            let with = PlanInput {
+                memory: MachineMemory { disk: Some(unlimited), ..input.memory.clone() },
+                ..input.clone()
+            };
+            let fits = |v: Verdict| matches!(v, Verdict::Fits(_));
+            if fits(plan(&without)?) != fits(plan(&with)?) {
+                return Ok(true);
+            }
+            let options = |i: &PlanInput<'_>| -> Result<Vec<bool>> {
+                Ok(gradient_options(i)?.iter().map(|o| o.fits).collect())
+            };
+            Ok(options(&without)? != options(&with)?)
+        }
+    }
+}
+
+/// Refuses a moments policy the machine or the schedule cannot follow, and a disk tier whose
+/// rates are not positive.
+fn validate_disk(input: &PlanInput<'_>) -> Result<()> {
+    if input.supports.moments == MomentsPolicy::Disk {
+        if !input.supports.disk_moments {
+            return Err(Error::invalid(
+                "moments is disk, but this schedule cannot keep Adam moments on a disk tier",
+            ));
+        }
+        if input.memory.disk.is_none() {
+            return Err(Error::invalid(
+                "moments is disk, but this machine has no disk tier (a folder on a local SSD \
+                 for the Adam moments)",
+            ));
+        }
+    }
+    if let Some(d) = &input.memory.disk
+        && (d.read_bytes_per_s == 0 || d.write_bytes_per_s == 0)
+    {
+        return Err(Error::invalid(format!(
+            "the disk tier at {} must read and write at more than 0 bytes/s, got {} and {}",
+            d.dir.display(),
+            d.read_bytes_per_s,
+            d.write_bytes_per_s
+        )));
+    }
+    Ok(())
+}
+
 /// Plans a job on one GPU.
 fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
     input.batch.validate(input.spec)?;
     input.rates.validate()?;
+    validate_disk(input)?;
     let sizes = Sizes::new(input.spec, input.batch);
     let model = ModelSummary {
         family: input.spec.family.model_type().to_string(),
@@ -470,6 +594,7 @@ fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
         Some((best, other_s)) => {
             let mut placement = placement(&sizes, &best.layout, input.clipping);
             placement.weights_reason = weights_reason(&best.layout, best.cost.step, other_s, input);
+            placement.disk_reason = disk_reason(&sizes, &best.layout, input);
             let time = step_time(&sizes, &best, input);
             Ok(Verdict::Fits(Box::new(Plan {
                 model,
@@ -541,14 +666,16 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
     for &(checkpoints, interval, ck_rank) in &ckpts {
         for &(gradients, ring_slots, g_rank) in &grads {
             for &(weights, w_rank) in sources {
-                let layout = Layout {
+                let mut layout = Layout {
                     checkpoints,
                     interval,
                     gradients,
                     ring_slots,
                     weights,
                     resident: vec![false; s.units.len()],
+                    disk: vec![false; s.units.len()],
                 };
+                place_moments(s, &mut layout, input);
                 // The weight source ranks last: a simpler checkpoint or gradient placement at
                 // the same predicted speed is also the one whose prediction holds best (host
                 // checkpoints with fp32 weights measured 10% slower than predicted at 7B).
@@ -557,6 +684,78 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
         }
     }
     out
+}
+
+/// Whether host memory holds the layout (where the device is host memory, its buffers too).
+fn host_fits(s: &Sizes, l: &Layout, memory: &MachineMemory) -> bool {
+    let b = budget_for(s, l, memory);
+    b.host_over() == 0 && !(memory.shared() && b.device_over() > 0)
+}
+
+/// Host bytes the layout needs beyond the host's (where the device is host memory, with the
+/// device's buffers).
+fn host_short(s: &Sizes, l: &Layout, memory: &MachineMemory) -> u64 {
+    let b = budget_for(s, l, memory);
+    b.host_over() + if memory.shared() { b.device_over() } else { 0 }
+}
+
+/// The order units' moments go to the disk tier under `auto`: the last layer first (under
+/// either optimizer mode the next forward needs its update last), down to the first, then the
+/// head and the embedding, larger than a layer (the host's staging holds the largest disk
+/// unit three times).
+fn disk_order(s: &Sizes) -> Vec<usize> {
+    let head = s.head();
+    (1..head).rev().chain([head, 0]).collect()
+}
+
+/// Puts units' Adam moments on the disk tier as the moments policy says: none without a disk
+/// tier (or the schedule's support) or with `host`; every unit with `disk`; with `auto`, none
+/// where host memory holds the layout, else the fewest in [`disk_order`] that make it fit, or,
+/// where none do, the count that needs the least host memory (the closest to fitting).
+fn place_moments(s: &Sizes, l: &mut Layout, input: &PlanInput<'_>) {
+    let memory = &input.memory;
+    if memory.disk.is_none() || !input.supports.disk_moments {
+        return;
+    }
+    match input.supports.moments {
+        MomentsPolicy::Host => {}
+        MomentsPolicy::Disk => l.disk.iter_mut().for_each(|d| *d = true),
+        MomentsPolicy::Auto => {
+            if host_fits(s, l, memory) {
+                return;
+            }
+            let order = disk_order(s);
+            let mut least = (host_short(s, l, memory), 0);
+            for (n, &u) in order.iter().enumerate() {
+                l.disk[u] = true;
+                let short = host_short(s, l, memory);
+                if short == 0 {
+                    return;
+                }
+                least = least.min((short, n + 1));
+            }
+            for (n, &u) in order.iter().enumerate() {
+                l.disk[u] = n < least.1;
+            }
+        }
+    }
+}
+
+/// Why the moments of the layout's disk units are there, in a clause for the plan's text.
+fn disk_reason(s: &Sizes, l: &Layout, input: &PlanInput<'_>) -> String {
+    if !l.disk.contains(&true) {
+        return String::new();
+    }
+    match input.supports.moments {
+        MomentsPolicy::Disk => "every unit's, as asked (moments: disk)".to_string(),
+        _ => {
+            let host_only = Layout { disk: vec![false; l.disk.len()], ..l.clone() };
+            format!(
+                "host memory is {} short without it",
+                report::gib(host_short(s, &host_only, &input.memory))
+            )
+        }
+    }
 }
 
 /// Keeps units resident, most-used first, while the device has room. A streamed unit crosses
@@ -598,7 +797,7 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
         fill_resident(s, &mut layout, &input.memory);
         let b = budget_for(s, &layout, &input.memory);
         if b.fits() {
-            let cost = timing::simulate(s, &layout, &input.rates, 1.0);
+            let cost = timing::simulate(s, &layout, &input.rates, input.memory.disk.as_ref(), 1.0);
             fitting.push(Evaluated { layout, budget: b, rank, cost });
         }
     }
@@ -607,11 +806,12 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
         fitting.retain(|e| e.layout.gradients != GradientTier::HostStoreBf16);
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
+    // Among those as fast, the fewest units on the disk tier, then the simplest.
     let (at, _) = fitting
         .iter()
         .enumerate()
         .filter(|(_, e)| e.cost.step <= fastest * 1.01)
-        .min_by_key(|(_, e)| e.rank)?;
+        .min_by_key(|(_, e)| (e.layout.disk_units().len(), e.rank))?;
     let best = fitting.swap_remove(at);
     let source = best.layout.weights;
     let other =
@@ -663,11 +863,12 @@ fn weights_reason(
 /// device's capacity is what the host parts leave of the host's.
 fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
     let host = memory.host_bytes;
+    let disk = memory.disk.as_ref().map(|d| d.bytes);
     if !memory.shared() {
-        return budget::budget(s, l, memory.gpu_bytes, host);
+        return budget::budget(s, l, memory.gpu_bytes, host, disk);
     }
-    let gpu = host.saturating_sub(budget::budget(s, l, 0, host).host_used());
-    let mut b = budget::budget(s, l, gpu, host);
+    let gpu = host.saturating_sub(budget::budget(s, l, 0, host, disk).host_used());
+    let mut b = budget::budget(s, l, gpu, host, disk);
     // No CUDA context or cuBLAS workspace to keep room for, and no cast: the CPU computes on
     // f32 weights and reads the master as it is.
     b.device.parts.retain(|p| p.name != budget::RUNTIME_RESERVE && p.name != budget::CAST_STAGING);
@@ -677,6 +878,7 @@ fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
 
 fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
     let resident: Vec<usize> = (0..s.units.len()).filter(|&u| l.resident[u]).collect();
+    let disk_units = l.disk_units();
     Placement {
         resident_summary: report::unit_ranges(s, &resident),
         streamed_units: s.units.len() - resident.len(),
@@ -688,18 +890,26 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
         weights: l.weights,
         weights_reason: String::new(),
         optimizer: if clipping { OptimizerMode::AfterNorm } else { OptimizerMode::AsGradientsLand },
-        disk_units: Vec::new(),
-        disk_summary: String::new(),
+        disk_summary: if disk_units.is_empty() {
+            String::new()
+        } else {
+            report::unit_ranges(s, &disk_units)
+        },
+        disk_units,
+        disk_reason: String::new(),
     }
 }
 
 fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
     let c = &e.cost;
-    let without_adam = timing::simulate(s, &e.layout, &input.rates, 0.0).step;
+    let disk = input.memory.disk.as_ref();
+    let without_adam = timing::simulate(s, &e.layout, &input.rates, disk, 0.0).step;
     let exposed = (c.step - without_adam).clamp(0.0, c.adam);
     let compute = c.gemm + c.attention;
     let pcie = c.h2d.max(c.d2h);
-    let bottleneck = if pcie >= compute && pcie >= c.adam {
+    let bottleneck = if c.disk > compute && c.disk > pcie && c.disk > c.adam {
+        Bottleneck::Disk
+    } else if pcie >= compute && pcie >= c.adam {
         Bottleneck::Pcie
     } else if c.adam > compute {
         Bottleneck::CpuAdam
@@ -720,6 +930,8 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
         adam_s: c.adam,
         adam_hidden_s: c.adam - exposed,
         adam_exposed_s: exposed,
+        disk_s: c.disk,
+        disk_bytes: c.disk_bytes,
         gpu_idle_s: (c.step - compute).max(0.0),
         bottleneck,
         tokens_per_s: tokens / c.step,
@@ -735,10 +947,14 @@ struct Leanest {
     /// Least device memory any candidate needs, and least host memory.
     device_min: u64,
     host_min: u64,
-    /// Host memory needed with a device that fits (the HostMemory suggestion), and device
-    /// memory needed with a host that fits.
+    /// Least disk tier space any candidate needs (0 where one keeps every moment in host
+    /// memory).
+    disk_min: u64,
+    /// Host memory needed with a device that fits (the HostMemory suggestion), device memory
+    /// needed with a host that fits, and disk tier space needed with both fitting.
     host_needed: u64,
     device_needed: u64,
+    disk_needed: u64,
 }
 
 fn leanest(s: &Sizes, input: &PlanInput<'_>) -> Leanest {
@@ -748,7 +964,14 @@ fn leanest(s: &Sizes, input: &PlanInput<'_>) -> Leanest {
     let host_min = budgets.iter().map(Budget::host_used).min().unwrap_or(0);
     let device_fits = budgets.iter().filter(|b| b.device_over() == 0).min_by_key(|b| b.host_used());
     let host_fits = budgets.iter().filter(|b| b.host_over() == 0).min_by_key(|b| b.device.used);
-    let closest = budgets.iter().min_by_key(|b| b.device_over() + b.host_over());
+    let closest = budgets.iter().min_by_key(|b| b.device_over() + b.host_over() + b.disk_over());
+    let disk_min = budgets.iter().map(Budget::disk_used).min().unwrap_or(0);
+    let disk_needed = budgets
+        .iter()
+        .filter(|b| b.device_over() == 0 && b.host_over() == 0)
+        .map(Budget::disk_used)
+        .min()
+        .unwrap_or(disk_min);
     // The candidate list always holds device checkpoints with K = 1.
     let shown = device_fits.or(host_fits).or(closest).cloned().unwrap_or_else(|| {
         let first = &candidates(s, input)[0].0;
@@ -762,17 +985,22 @@ fn leanest(s: &Sizes, input: &PlanInput<'_>) -> Leanest {
             _ => device_fits.map_or(host_min, Budget::host_used),
         },
         device_needed: host_fits.map_or(device_min, |b| b.device.used),
+        disk_needed,
         shown,
         device_min,
         host_min,
+        disk_min,
     }
 }
 
 fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
     let lean = leanest(s, input);
     let (gpu, host) = (input.memory.gpu_bytes, input.memory.host_bytes);
+    let disk = input.memory.disk.as_ref().map_or(0, |d| d.bytes);
     let mut overflows = Vec::new();
-    if input.memory.shared() {
+    // Where the host would hold the leanest placement and only the disk tier is short, the
+    // disk is the reason (below), on the CPU too.
+    if input.memory.shared() && lean.host_needed > host {
         // One memory holds everything: it is the reason.
         overflows.push(Overflow {
             memory: Memory::Host,
@@ -798,8 +1026,16 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
             over_by: lean.host_min - host,
         });
     }
+    if overflows.is_empty() && lean.disk_min > disk {
+        overflows.push(Overflow {
+            memory: Memory::Disk,
+            needed: lean.disk_min,
+            capacity: disk,
+            over_by: lean.disk_min - disk,
+        });
+    }
     if overflows.is_empty() {
-        // Each memory fits some placement, but no placement fits both.
+        // Each memory fits some placement, but no placement fits them all.
         let b = &lean.shown;
         overflows.push(if b.device_over() > 0 {
             Overflow {
@@ -808,12 +1044,19 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
                 capacity: gpu,
                 over_by: b.device_over(),
             }
-        } else {
+        } else if b.host_over() > 0 || b.disk_over() == 0 {
             Overflow {
                 memory: Memory::Host,
                 needed: b.host_used(),
                 capacity: host,
                 over_by: b.host_over(),
+            }
+        } else {
+            Overflow {
+                memory: Memory::Disk,
+                needed: b.disk_used(),
+                capacity: disk,
+                over_by: b.disk_over(),
             }
         });
     }
@@ -835,6 +1078,18 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
             ),
             Memory::Host => format!(
                 "host memory (pinned + pageable): needs {} of {} (over by {})",
+                report::gib(o.needed),
+                report::gib(o.capacity),
+                report::gib(o.over_by)
+            ),
+            Memory::Disk => format!(
+                "disk tier{} (the Adam moments host memory cannot hold): needs {} of {} (over \
+                 by {})",
+                input
+                    .memory
+                    .disk
+                    .as_ref()
+                    .map_or(String::new(), |d| format!(" at {}", d.dir.display())),
                 report::gib(o.needed),
                 report::gib(o.capacity),
                 report::gib(o.over_by)
@@ -885,6 +1140,11 @@ fn suggestions(input: &PlanInput<'_>, lean: &Leanest) -> Vec<Suggestion> {
     }
     if lean.device_needed > input.memory.gpu_bytes && !input.memory.shared() {
         out.push(Suggestion::GpuMemory(lean.device_needed));
+    }
+    if let Some(d) = &input.memory.disk
+        && lean.disk_needed > d.bytes
+    {
+        out.push(Suggestion::DiskSpace(lean.disk_needed));
     }
     out
 }

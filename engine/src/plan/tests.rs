@@ -557,6 +557,8 @@ fn only_placements_the_schedule_implements_are_offered() {
         bf16_gradient_store: false,
         master_streaming: false,
         only_gradients: None,
+        disk_moments: false,
+        moments: MomentsPolicy::Auto,
     };
     let memory = MachineMemory::given(H200.0, H200.1);
     let r = refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), host_only_grads));
@@ -744,4 +746,245 @@ fn a_moe_layers_scratch_holds_its_routed_rows() {
     // Every layer is a mixture: no dense MLP buffers (6 x 14336 bf16 per token) either.
     let dense_mlp = t * 6 * i * 2;
     assert_eq!(sizes::layer_scratch_bytes(&spec, 8192), dense - dense_mlp + moe);
+}
+
+/// The disk tier of the tests: a folder on an SSD reading and writing at `rate` bytes/s.
+fn disk(bytes: u64, rate: u64) -> DiskSpace {
+    DiskSpace {
+        dir: "/mnt/nvme/sluice".into(),
+        bytes,
+        read_bytes_per_s: rate,
+        write_bytes_per_s: rate,
+        source: MemorySource::Given,
+    }
+}
+
+const GB: u64 = 1_000_000_000;
+
+/// Qwen2.5-7B, 8 micro-batches of 8 x 1024 tokens, clipping on, on one H200 (139 GiB) with
+/// `host` bytes of host memory, the disk tier `tier` and the moments policy `moments`.
+fn seven_b_with(moments: MomentsPolicy, host: u64, tier: Option<DiskSpace>) -> Verdict {
+    let memory = MachineMemory { disk: tier, ..MachineMemory::given(139 * GIB, host) };
+    plan_with("qwen2.5-7b", (1024, 8, 8), memory, Capabilities { moments, ..Capabilities::ALL })
+}
+
+/// One unit's m and v in the disk tier's file: fp32, each rounded up to a page.
+fn on_disk(params: u64) -> u64 {
+    2 * (4 * params).next_multiple_of(4096)
+}
+
+#[test]
+fn auto_moves_the_last_layers_moments_to_the_disk_tier_as_far_as_host_memory_needs() {
+    // 12 bytes per parameter of master and moments (85 GiB) do not fit 64 GiB of host memory;
+    // with a 200 GiB disk tier the last layers' moments move there, no more than needed.
+    let tier = disk(200 * GIB, 2 * GB);
+    let plan = fits(seven_b_with(MomentsPolicy::Auto, 64 * GIB, Some(tier.clone())));
+    let pl = &plan.placement;
+    let (layers, head) = (QWEN7.layers as usize, QWEN7.layers as usize + 1);
+    let n = pl.disk_units.len();
+    assert!(n > 0 && n < layers, "some but not all layers: {n}\n{plan}");
+    let last: Vec<usize> = (layers + 1 - n..=layers).collect();
+    assert_eq!(pl.disk_units, last, "the last layers, no embedding or head\n{plan}");
+    assert_eq!(pl.disk_summary, format!("layers {}-{}", layers - n, layers - 1));
+    assert!(!pl.disk_units.contains(&0) && !pl.disk_units.contains(&head));
+    let b = &plan.budget;
+    assert!(b.host_used() <= 64 * GIB, "{plan}");
+    // The fewest: one layer's moments (and their two alignment pages) back in host memory
+    // would not fit.
+    assert!(b.host_used() + 8 * QWEN7.layer() + 2 * 4096 > 64 * GIB, "{plan}");
+
+    // The budget by hand: host moments of the other units only, the staging of three layers'
+    // m and v, the disk tier holding each disk layer's m and v page-aligned.
+    let host_params = QWEN7.params() - n as u64 * QWEN7.layer();
+    assert_eq!(b.pageable_host.part("Adam first moment m"), 4 * host_params, "{plan}");
+    assert_eq!(b.pageable_host.part("Adam second moment v"), 4 * host_params, "{plan}");
+    assert_eq!(b.pageable_host.part("disk tier staging"), 3 * on_disk(QWEN7.layer()));
+    let units = QWEN7.layers + 2;
+    let host_units = units - n as u64;
+    assert_eq!(b.pageable_host.part("slab alignment"), 2 * host_units * 4096, "{plan}");
+    let d = b.disk.as_ref().expect("a disk tier");
+    assert_eq!((d.tier, d.capacity), (TierName::Disk, 200 * GIB));
+    assert_eq!(d.used, n as u64 * on_disk(QWEN7.layer()), "{plan}");
+    assert_eq!(b.tiers().len(), 4);
+    assert_eq!(b.tiers()[3].tier.label(), "disk tier");
+    // Each step reads and writes every disk unit's m and v once, at 2 GB/s each way.
+    let t = &plan.time;
+    assert_eq!(t.disk_bytes, 2 * d.used);
+    assert!((t.disk_s - 2.0 * d.used as f64 / 2e9).abs() < 1e-9, "{}", t.disk_s);
+    assert!(t.total_s >= t.disk_s, "{plan}");
+
+    // The text says where the moments are and why, and prints the disk tier's budget.
+    let text = plan.to_string();
+    let line = plan.disk_text().expect("a disk line");
+    assert!(
+        line.starts_with(&format!(
+            "Adam moments of {} live on the disk tier at /mnt/nvme/sluice (",
+            pl.disk_summary
+        )),
+        "{line}"
+    );
+    assert!(line.contains("read and written at 2.0/2.0 GB/s each step"), "{line}");
+    assert!(line.contains("host memory is ") && line.contains(" short without it"), "{line}");
+    assert!(text.contains(&line), "{text}");
+    assert!(text.contains("  disk tier "), "{text}");
+    assert!(text.contains("Adam moments m and v (fp32, "), "{text}");
+    // The streamer is told exactly those units and the tier's folder.
+    let options = crate::schedule::from_plan::schedule_options(&plan, 0).expect("options");
+    let planned = options.disk.expect("disk options");
+    assert_eq!((planned.dir, planned.units), (tier.dir.clone(), pl.disk_units.clone()));
+
+    // Host memory only, or no disk tier: the same job does not fit, for host memory.
+    for refused_plan in [
+        seven_b_with(MomentsPolicy::Host, 64 * GIB, Some(tier.clone())),
+        seven_b_with(MomentsPolicy::Auto, 64 * GIB, None),
+    ] {
+        let r = refused(refused_plan);
+        assert_eq!(r.overflows[0].memory, Memory::Host, "{r}");
+        assert_eq!(r.budget.disk_used(), 0, "{r}");
+    }
+    // A schedule without the disk tier is not offered it either.
+    let memory = MachineMemory { disk: Some(tier), ..MachineMemory::given(139 * GIB, 64 * GIB) };
+    let caps = Capabilities { disk_moments: false, ..Capabilities::ALL };
+    refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory, caps));
+}
+
+#[test]
+fn disk_puts_every_units_moments_on_the_disk_tier() {
+    let plan = fits(seven_b_with(MomentsPolicy::Disk, H200.1, Some(disk(200 * GIB, 2 * GB))));
+    let units = QWEN7.layers as usize + 2;
+    assert_eq!(plan.placement.disk_units, (0..units).collect::<Vec<_>>(), "{plan}");
+    assert_eq!(plan.placement.disk_summary, "embedding, layers 0-27, head");
+    assert!(plan.placement.disk_reason.contains("as asked"), "{plan}");
+    let b = &plan.budget;
+    assert_eq!(b.pageable_host.part("Adam"), 0, "no moments in host memory\n{plan}");
+    // The staging holds three of the largest unit's m and v: the untied head.
+    let head = QWEN7.vocab * QWEN7.hidden + QWEN7.hidden;
+    assert_eq!(b.pageable_host.part("disk tier staging"), 3 * on_disk(head), "{plan}");
+    let by_hand =
+        on_disk(QWEN7.vocab * QWEN7.hidden) + QWEN7.layers * on_disk(QWEN7.layer()) + on_disk(head);
+    assert_eq!(b.disk_used(), by_hand, "{plan}");
+
+    // Asked for without a disk tier (or a schedule that has one): an error saying so.
+    let err = plan_input_error(MomentsPolicy::Disk, None, true);
+    assert!(err.contains("moments is disk") && err.contains("no disk tier"), "{err}");
+    let err = plan_input_error(MomentsPolicy::Disk, Some(disk(200 * GIB, 2 * GB)), false);
+    assert!(err.contains("cannot keep Adam moments on a disk tier"), "{err}");
+    // A disk tier that cannot move a byte is invalid.
+    let err = plan_input_error(MomentsPolicy::Auto, Some(disk(200 * GIB, 0)), true);
+    assert!(err.contains("disk tier at /mnt/nvme/sluice must read and write"), "{err}");
+}
+
+/// The planner's error for the 7B job with `moments`, the disk tier `tier` and a schedule
+/// that does (or does not) keep moments on a disk.
+fn plan_input_error(moments: MomentsPolicy, tier: Option<DiskSpace>, disk_moments: bool) -> String {
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len: 1024, micro_batch: 8, grad_accum: 8 },
+        clipping: true,
+        memory: MachineMemory { disk: tier, ..MachineMemory::given(H200.0, H200.1) },
+        rates: MachineRates::default(),
+        supports: Capabilities { moments, disk_moments, ..Capabilities::ALL },
+        gpus: 1,
+    };
+    match plan(&input) {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_disk_tier_too_small_refuses_and_names_the_disk() {
+    let r = refused(seven_b_with(MomentsPolicy::Auto, 64 * GIB, Some(disk(10 * GIB, 2 * GB))));
+    assert_eq!(r.overflows.len(), 1, "{r}");
+    let o = &r.overflows[0];
+    assert_eq!((o.memory, o.capacity), (Memory::Disk, 10 * GIB), "{r}");
+    assert_eq!(o.over_by, o.needed - 10 * GIB);
+    assert!(r.reason.starts_with("disk tier at /mnt/nvme/sluice"), "{}", r.reason);
+    assert!(r.fits.contains(&Suggestion::DiskSpace(o.needed)), "{r}");
+    assert!(r.to_string().contains("on the disk tier"), "{r}");
+    assert!(r.details().contains("disk tier"), "{}", r.details());
+    // With the space it names, it fits; a page less does not.
+    fits(seven_b_with(MomentsPolicy::Auto, 64 * GIB, Some(disk(o.needed, 2 * GB))));
+    refused(seven_b_with(MomentsPolicy::Auto, 64 * GIB, Some(disk(o.needed - 4096, 2 * GB))));
+}
+
+#[test]
+fn a_disk_tier_is_not_used_where_host_memory_holds_the_job() {
+    // The H200 machine holds 7B in host memory: the disk tier is shown, empty, and the plan is
+    // the one without it.
+    let with = fits(seven_b_with(MomentsPolicy::Auto, H200.1, Some(disk(200 * GIB, 2 * GB))));
+    let without = fits(seven_b_with(MomentsPolicy::Auto, H200.1, None));
+    assert!(with.placement.disk_units.is_empty(), "{with}");
+    assert_eq!(with.placement, without.placement);
+    assert_eq!(with.time, without.time);
+    assert_eq!(with.budget.disk_used(), 0);
+    assert_eq!(with.budget.disk.as_ref().map(|d| d.capacity), Some(200 * GIB));
+    assert_eq!(without.budget.disk, None);
+    assert_eq!(without.budget.tiers().len(), 3);
+    assert!(
+        with.disk_text().is_none()
+            && with.to_string().contains("moments: Adam m and v in host memory")
+    );
+    assert_eq!(serde_json::to_value(&with.budget).expect("json")["disk"]["tier"], "disk");
+}
+
+#[test]
+fn a_slow_disk_tier_bounds_the_step_and_more_disk_units_cost_more() {
+    let step = |moments, rate| {
+        let plan = fits(seven_b_with(moments, 64 * GIB, Some(disk(200 * GIB, rate))));
+        (plan.placement.disk_units.len(), plan.time)
+    };
+    let (n, slow) = step(MomentsPolicy::Auto, GB / 2);
+    assert_eq!(slow.bottleneck, Bottleneck::Disk, "{slow:?}");
+    // Read and written once a step at 0.5 GB/s each way.
+    let bytes = n as u64 * on_disk(QWEN7.layer());
+    assert!((slow.disk_s - 2.0 * bytes as f64 / 0.5e9).abs() < 1e-9, "{slow:?}");
+    assert!(slow.total_s >= slow.disk_s && slow.disk_s > slow.compute_s, "{slow:?}");
+    // A disk far faster than the rest hides behind the step.
+    let (fast_n, fast) = step(MomentsPolicy::Auto, 200 * GB);
+    assert_eq!(fast_n, n);
+    assert_ne!(fast.bottleneck, Bottleneck::Disk, "{fast:?}");
+    assert!(fast.total_s < slow.total_s / 4.0, "{fast:?} vs {slow:?}");
+    // Every unit's moments on the same slow disk: a longer step.
+    let (all, every) = step(MomentsPolicy::Disk, GB / 2);
+    assert_eq!(all, QWEN7.layers as usize + 2);
+    assert!(every.disk_s > slow.disk_s && every.total_s > slow.total_s, "{every:?}");
+    // AdamW's own time is every unit's update, wherever its moments are.
+    assert!((every.adam_s - QWEN7.params() as f64 / 5e9).abs() < 1e-9, "{every:?}");
+}
+
+#[test]
+fn gradient_options_and_the_disk_question_follow_the_moments_policy() {
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let tier = disk(200 * GIB, 2 * GB);
+    let input = |moments, host: u64, tier: Option<DiskSpace>| PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len: 1024, micro_batch: 8, grad_accum: 8 },
+        clipping: true,
+        memory: MachineMemory { disk: tier, ..MachineMemory::given(139 * GIB, host) },
+        rates: MachineRates::default(),
+        supports: Capabilities { moments, ..Capabilities::ALL },
+        gpus: 1,
+    };
+    // On 64 GiB every policy but the fp32 host store fits with the disk tier, and needs it
+    // (the fp32 master and gradient store alone are 57 GiB, the staging of the embedding's
+    // and head's moments 12 more); none fits without.
+    let auto =
+        gradient_options(&input(MomentsPolicy::Auto, 64 * GIB, Some(tier.clone()))).expect("valid");
+    let fit: Vec<_> = auto.iter().map(|o| o.fits).collect();
+    assert_eq!(fit, [true, false, true, true], "{auto:#?}");
+    assert!(auto.iter().all(|o| o.disk_bytes > 0), "{auto:#?}");
+    assert!(auto[1].refused.as_deref().unwrap_or("").contains("host memory"), "{auto:#?}");
+    let host =
+        gradient_options(&input(MomentsPolicy::Host, 64 * GIB, Some(tier.clone()))).expect("valid");
+    assert!(host.iter().all(|o| !o.fits && o.disk_bytes == 0), "{host:#?}");
+    // A disk tier is worth measuring only where it changes the verdict.
+    let wants = |moments, host| wants_disk(&input(moments, host, None)).expect("valid");
+    assert!(wants(MomentsPolicy::Auto, 64 * GIB));
+    assert!(!wants(MomentsPolicy::Host, 64 * GIB));
+    assert!(wants(MomentsPolicy::Disk, H200.1));
+    // 125 GiB holds every policy; 8 GiB holds not even the master weights.
+    assert!(!wants(MomentsPolicy::Auto, H200.1));
+    assert!(!wants(MomentsPolicy::Auto, 8 * GIB));
 }

@@ -13,9 +13,23 @@
 //! backward is five matmuls to the forward's two). The head runs forward, loss and backward in
 //! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`. The embedding
 //! is a lookup and a scatter-add, no GEMM: free next to the layers.
+//!
+//! The disk tier: a unit whose Adam moments live on the disk has them read (m and v, 8 bytes
+//! per parameter, each rounded up to a page) before its update and written back after it. The
+//! optimizer worker reads the next disk unit's moments ahead while it updates this one and
+//! writes the last one's behind, with several direct-I/O requests in flight, so in steady
+//! state the disk and the AdamW pipeline: a disk unit's update is modelled as one CPU task of
+//! `max(adam, read + write)`, where `read` and `write` are its bytes at the tier's measured
+//! rates (the disk moves one direction at a time as far as the model is concerned). A run of
+//! disk units therefore paces the CPU queue at the disk's speed, and the next forward's
+//! uploads wait for it as they wait for any update. The disk's busy seconds per step
+//! (`disk`) and its bytes (`disk_bytes`, read plus written) are kept apart from AdamW's own
+//! time (`adam`), so the plan can say which of the two bounds the step. Not modelled: the
+//! first read of a step not being hidden behind an update (one unit's read, next to a step of
+//! many), and the page cache (direct I/O bypasses it).
 
-use super::budget::Layout;
-use super::rates::MachineRates;
+use super::budget::{Layout, disk_unit_bytes};
+use super::rates::{DiskSpace, MachineRates};
 use super::sizes::{BF16, F32, Sizes};
 use super::{CheckpointTier, GradientTier};
 
@@ -58,16 +72,27 @@ pub struct StepCost {
     pub d2h_bytes: u64,
     pub h2d: f64,
     pub d2h: f64,
+    /// AdamW's own seconds (every unit's update at `adam_params`), without waiting on the disk.
     pub adam: f64,
+    /// Seconds the disk tier is busy reading and writing moments, and its bytes (both ways).
+    pub disk: f64,
+    pub disk_bytes: u64,
 }
 
 /// Steps simulated; the period is measured between the starts of the last two, after the
 /// pipeline has filled.
 const STEPS: usize = 4;
 
-/// Simulates the schedule for `layout`; `adam_scale` multiplies the optimizer's durations (0
-/// to measure how much of it is exposed).
-pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> StepCost {
+/// Simulates the schedule for `layout` with the machine's disk tier `disk` (where the layout
+/// puts moments there); `adam_scale` multiplies AdamW's own durations (0 to measure how much
+/// of it is exposed; a disk unit's I/O stays).
+pub fn simulate(
+    s: &Sizes,
+    l: &Layout,
+    r: &MachineRates,
+    disk: Option<&DiskSpace>,
+    adam_scale: f64,
+) -> StepCost {
     let n = s.batch.step_tokens() as f64;
     let units = s.units.len();
     let head = s.head();
@@ -95,6 +120,18 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
     let mut step_starts = Vec::new();
     let mut cost = StepCost::default();
     let adam = |u: usize| adam_scale * s.units[u].params as f64 / r.adam_params;
+    // A disk unit's moments read before its update and written after it (bytes each way).
+    let io = |u: usize| -> f64 {
+        let bytes = disk_unit_bytes(s, l, u) as f64;
+        match disk {
+            Some(d) if bytes > 0.0 => {
+                bytes / d.read_bytes_per_s as f64 + bytes / d.write_bytes_per_s as f64
+            }
+            _ => 0.0,
+        }
+    };
+    // The CPU queue's task for unit u's update: the disk pipelines with AdamW (module docs).
+    let update_secs = |u: usize| adam(u).max(io(u));
     let as_they_land = l.gradients == GradientTier::HostRing;
 
     for _ in 0..STEPS {
@@ -119,7 +156,8 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
                     None
                 };
                 let landed = g.task(Res::D2h, bytes as f64 / r.pcie_d2h, &[Some(visit), ring_free]);
-                let update = as_they_land.then(|| g.task(Res::Cpu, adam(u), &[Some(landed)]));
+                let update =
+                    as_they_land.then(|| g.task(Res::Cpu, update_secs(u), &[Some(landed)]));
                 ring_adams.extend(update);
                 (bytes, landed, update)
             };
@@ -204,7 +242,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
                 // the updates then run in forward order, overlapped with the next forward.
                 let all_landed = landings.last().copied();
                 for (u, done) in adam_done.iter_mut().enumerate() {
-                    *done = Some(g.task(Res::Cpu, adam(u), &[all_landed, last_visit]));
+                    *done = Some(g.task(Res::Cpu, update_secs(u), &[all_landed, last_visit]));
                 }
             }
             GradientTier::DeviceStore => {
@@ -217,7 +255,7 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
                     let ring_free = u.checked_sub(2).map(|j| adams[j]);
                     let landed =
                         g.task(Res::D2h, bytes as f64 / r.pcie_d2h, &[last_visit, ring_free]);
-                    let a = g.task(Res::Cpu, adam(u), &[Some(landed)]);
+                    let a = g.task(Res::Cpu, update_secs(u), &[Some(landed)]);
                     adams.push(a);
                     *done = Some(a);
                 }
@@ -232,7 +270,10 @@ pub fn simulate(s: &Sizes, l: &Layout, r: &MachineRates, adam_scale: f64) -> Ste
             d2h_bytes,
             h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],
             d2h: g.busy[Res::D2h as usize] - busy_before[Res::D2h as usize],
-            adam: g.busy[Res::Cpu as usize] - busy_before[Res::Cpu as usize],
+            // Every unit is updated once a step.
+            adam: (0..units).map(adam).sum(),
+            disk: (0..units).map(io).sum(),
+            disk_bytes: (0..units).map(|u| 2 * disk_unit_bytes(s, l, u)).sum(),
         };
     }
     let k = step_starts.len();

@@ -87,9 +87,10 @@ impl DiskTier {
             offset += 2 * padded_bytes(len) as u64;
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        sweep(dir);
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name = format!(
-            "sluice-moments-{}-{}.bin",
+            "{FILE_PREFIX}{}-{}.bin",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
@@ -192,6 +193,32 @@ impl DiskTier {
 impl Drop for DiskTier {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Moments files are `sluice-moments-<pid>-<n>.bin`.
+const FILE_PREFIX: &str = "sluice-moments-";
+
+/// Removes the moments files of processes that no longer run (a run killed before it could
+/// remove its own): their blocks would otherwise stay allocated until someone noticed.
+fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(FILE_PREFIX))
+            .and_then(|n| n.split('-').next())
+            .and_then(|p| p.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: kill with signal 0 only asks whether the process exists; it sends nothing.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

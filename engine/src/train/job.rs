@@ -16,7 +16,8 @@ use crate::data::DatasetSource;
 use crate::error::{Error, Result};
 use crate::optim::Schedule;
 use crate::plan::{
-    BatchShape, Capabilities, GpuQuery, GradientTier, MachineMemory, MachineRates, PlanInput,
+    BatchShape, Capabilities, GpuQuery, GradientTier, MachineMemory, MachineRates, MomentsPolicy,
+    PlanInput,
 };
 use crate::schedule::from_plan::STREAMER;
 use crate::spec::ModelSpec;
@@ -253,6 +254,9 @@ pub struct JobSettings {
     pub max_grad_norm: f32,
     /// Where gradients wait for the norm while clipping is on.
     pub gradients: GradientPolicy,
+    /// Where the Adam moments live: host memory and, where it runs short, the machine's disk
+    /// tier (`auto`), host memory only (`host`), or every unit's on the disk tier (`disk`).
+    pub moments: MomentsPolicy,
     /// Seeds random initialisation and the shuffle of samples.
     pub seed: u64,
     /// Train on prompt tokens too, not only on assistant turns.
@@ -281,6 +285,7 @@ impl Default for JobSettings {
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             gradients: GradientPolicy::Auto,
+            moments: MomentsPolicy::Auto,
             seed: 0,
             train_on_prompt: false,
             save_every: None,
@@ -451,7 +456,11 @@ impl Job {
                 Devices::Cpu => MachineRates::cpu(),
                 Devices::Cuda(_) => MachineRates::default(),
             },
-            supports: Capabilities { only_gradients: self.settings.gradients.tier(), ..STREAMER },
+            supports: Capabilities {
+                only_gradients: self.settings.gradients.tier(),
+                moments: self.settings.moments,
+                ..STREAMER
+            },
             gpus: self.devices.count(),
         }
     }
@@ -585,6 +594,61 @@ mod tests {
         assert_eq!(tier(planned(GradientPolicy::HostBf16)), GradientTier::HostStoreBf16);
         let refused = planned(GradientPolicy::Device).into_plan().expect_err("no room");
         assert!(refused.to_string().contains("does not fit"), "{refused}");
+    }
+
+    #[test]
+    fn moments_policies_parse_and_reach_the_planner() {
+        for name in MomentsPolicy::NAMES {
+            let policy: MomentsPolicy = name.parse().expect(name);
+            assert_eq!(policy.to_string(), name);
+            assert_eq!(serde_json::to_string(&policy).expect("json"), format!("\"{name}\""));
+        }
+        let err = "ssd".parse::<MomentsPolicy>().expect_err("unknown").to_string();
+        assert!(err.contains("auto, host, disk"), "{err}");
+        let object = |text: &str| match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(map)) => map,
+            other => panic!("{text}: {other:?}"),
+        };
+        let err = JobSettings::from_json(object(r#"{"moments": "ssd"}"#)).expect_err("unknown");
+        assert!(err.to_string().contains("moments: unknown variant `ssd`"), "{err}");
+        let s = JobSettings::from_json(object(r#"{"moments": "disk"}"#)).expect("valid");
+        assert_eq!(s.moments, MomentsPolicy::Disk);
+        assert_eq!(JobSettings::default().moments, MomentsPolicy::Auto);
+
+        // 7B with 64 GiB of host memory and a disk tier: auto and disk use it, host refuses.
+        let spec = crate::spec::preset("qwen2.5-7b").expect("preset");
+        let gib = 1u64 << 30;
+        let disk = crate::plan::DiskSpace {
+            dir: "/mnt/nvme".into(),
+            bytes: 200 * gib,
+            read_bytes_per_s: 2_000_000_000,
+            write_bytes_per_s: 2_000_000_000,
+            source: crate::plan::MemorySource::Given,
+        };
+        let memory =
+            MachineMemory { disk: Some(disk), ..MachineMemory::given(139 * gib, 64 * gib) };
+        let job = |moments| Job {
+            model: ModelSource::Preset("qwen2.5-7b".into()),
+            data: DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices: Devices::Cuda(vec![0]),
+            settings: JobSettings {
+                seq_len: 1024,
+                micro_batch: 8,
+                grad_accum: 8,
+                moments,
+                ..Default::default()
+            },
+        };
+        let planned = |moments| {
+            crate::plan::plan(&job(moments).plan_input(&spec, memory.clone())).expect("plan")
+        };
+        let on_disk = |v: crate::plan::Verdict| v.into_plan().expect("fits").placement.disk_units;
+        let auto = on_disk(planned(MomentsPolicy::Auto));
+        assert!(!auto.is_empty() && auto.len() < spec.layers, "{auto:?}");
+        assert_eq!(on_disk(planned(MomentsPolicy::Disk)).len(), spec.layers + 2);
+        let refused = planned(MomentsPolicy::Host).into_plan().expect_err("no room");
+        assert!(refused.to_string().contains("does not fit: host memory"), "{refused}");
     }
 
     #[test]

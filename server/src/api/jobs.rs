@@ -66,6 +66,7 @@ async fn create(
     let plan_state = state.clone();
     let verdict = tokio::task::spawn_blocking(move || -> ApiResult<plan::Verdict> {
         let memory = plan::machine_memory(&plan_state, &job.devices)?;
+        let memory = plan::with_disk_tier(&plan_state, &job, &spec, memory)?;
         Ok(plan::verdict(&job, &spec, memory))
     })
     .await??;

@@ -8,7 +8,7 @@ use serde_json::Value;
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::error::{ApiJson, ApiResult};
-use crate::jobs::plan::{Verdict, machine_memory, verdict};
+use crate::jobs::plan::{Verdict, machine_memory, verdict, with_disk_tier};
 use crate::jobs::request::{self, JobRequest};
 
 pub(crate) fn router() -> Router<AppState> {
@@ -16,7 +16,8 @@ pub(crate) fn router() -> Router<AppState> {
 }
 
 /// `POST /api/plan` with a job's body (the dataset may be left out): the verdict. 400 for a
-/// field the engine refuses, an unknown model, dataset or device.
+/// field the engine refuses, an unknown model, dataset or device, or `moments: disk` where the
+/// disk tier cannot be used.
 async fn plan(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
@@ -24,8 +25,9 @@ async fn plan(
 ) -> ApiResult<Json<Verdict>> {
     let resolved = request::resolve(&state, &user, JobRequest::parse(body)?).await?;
     let verdict = tokio::task::spawn_blocking(move || -> ApiResult<Verdict> {
-        let memory = machine_memory(&state, &resolved.job.devices)?;
-        Ok(verdict(&resolved.job, &resolved.model.spec, memory))
+        let (job, spec) = (&resolved.job, &resolved.model.spec);
+        let memory = with_disk_tier(&state, job, spec, machine_memory(&state, &job.devices)?)?;
+        Ok(verdict(job, spec, memory))
     })
     .await??;
     Ok(Json(verdict))

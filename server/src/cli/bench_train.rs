@@ -33,8 +33,7 @@ use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{
-    BatchShape, Capabilities, GradientTier, MachineMemory, MachineRates, Plan, PlanInput, Verdict,
-    plan,
+    BatchShape, Capabilities, GradientTier, MachineRates, Plan, PlanInput, Verdict, plan,
 };
 use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
@@ -143,6 +142,15 @@ struct Record {
     optimizer_s: f64,
     optimizer_exposed_s: f64,
     optimizer_hidden_s: f64,
+    /// The disk tier's bytes read and written since the previous step, its rates while busy
+    /// (bytes over the I/O thread's time on them) and the optimizer's waits for reads it did
+    /// not get ahead of.
+    disk_read_bytes: u64,
+    disk_write_bytes: u64,
+    disk_read_gb_s: f64,
+    disk_write_gb_s: f64,
+    disk_busy_s: f64,
+    disk_waited_s: f64,
     /// Device memory in use after the step (the driver's total less free), if readable.
     gpu_used_bytes: Option<u64>,
     peak_rss_bytes: Option<u64>,
@@ -184,8 +192,11 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
 
 /// The planner's verdict for the job on this machine; a refusal prints what `sluice plan` does.
 fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Result<Plan> {
-    let memory = MachineMemory::detect(device.gpu_query(), args.shape.gpu_mem, args.shape.host_mem)
-        .with_context(|| format!("reading the memory of {device}"))?;
+    let moments = args.shape.moments.unwrap_or_default();
+    let memory = args
+        .shape
+        .memory(device.gpu_query(), moments)
+        .with_context(|| format!("the machine of {device}"))?;
     let input = PlanInput {
         spec,
         batch: args.shape.batch(),
@@ -195,6 +206,7 @@ fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Resul
         supports: Capabilities {
             master_streaming: !args.streaming_copy,
             only_gradients: args.gradients.map(GradientTier::from),
+            moments,
             ..STREAMER
         },
         gpus: 1,
@@ -238,6 +250,9 @@ fn print_plan(p: &Plan) {
         gib(p.budget.host_used()),
         gib(p.memory.host_bytes),
     );
+    if let Some(disk) = p.disk_text() {
+        println!("{disk}");
+    }
     if p.memory.shared() {
         println!("predicted: no step-time model for the CPU backend (the planner times GPUs)");
         return;
@@ -352,6 +367,12 @@ fn bench<B: Backend>(
             optimizer_s: m.optimizer_time.as_secs_f64(),
             optimizer_exposed_s: m.optimizer_exposed.as_secs_f64(),
             optimizer_hidden_s: m.optimizer_time.saturating_sub(m.optimizer_exposed).as_secs_f64(),
+            disk_read_bytes: traffic.disk.read_bytes,
+            disk_write_bytes: traffic.disk.write_bytes,
+            disk_read_gb_s: rate(traffic.disk.read_bytes, traffic.disk.read_busy),
+            disk_write_gb_s: rate(traffic.disk.write_bytes, traffic.disk.write_busy),
+            disk_busy_s: (traffic.disk.read_busy + traffic.disk.write_busy).as_secs_f64(),
+            disk_waited_s: traffic.disk.waited.as_secs_f64(),
             gpu_used_bytes,
             peak_rss_bytes: peak_rss(),
         };
@@ -381,6 +402,11 @@ fn bench<B: Backend>(
         println!("records: {}", path.display());
     }
     Ok(())
+}
+
+/// Gigabytes per second of `bytes` moved in `busy` (0 when nothing moved).
+fn rate(bytes: u64, busy: Duration) -> f64 {
+    if bytes == 0 { 0.0 } else { bytes as f64 / busy.as_secs_f64().max(1e-9) / 1e9 }
 }
 
 fn source_name(source: &ModelSource) -> String {
@@ -436,6 +462,16 @@ fn print_record(r: &Record) {
         r.optimizer_s,
         r.optimizer_exposed_s,
     );
+    if r.disk_read_bytes + r.disk_write_bytes > 0 {
+        line += &format!(
+            "  disk read {} at {:.2} GB/s, wrote {} at {:.2} GB/s, optimizer waited {:.3} s",
+            gib(r.disk_read_bytes),
+            r.disk_read_gb_s,
+            gib(r.disk_write_bytes),
+            r.disk_write_gb_s,
+            r.disk_waited_s,
+        );
+    }
     if let Some(used) = r.gpu_used_bytes {
         line += &format!("  GPU {} used", gib(used));
     }
@@ -477,6 +513,10 @@ fn summarise(records: &[Record], plan: &Plan, device_bytes: u64, store_bytes: u6
         "optimizer_s": optimizer_s,
         "optimizer_hidden_s": hidden_s,
         "optimizer_hidden_fraction": if optimizer_s > 0.0 { hidden_s / optimizer_s } else { f64::NAN },
+        "disk_read_gb_s": median(|r| r.disk_read_gb_s),
+        "disk_write_gb_s": median(|r| r.disk_write_gb_s),
+        "disk_busy_s": median(|r| r.disk_busy_s),
+        "disk_waited_s": median(|r| r.disk_waited_s),
         "peak_gpu_used_bytes": records.iter().filter_map(|r| r.gpu_used_bytes).max(),
         "streamer_device_bytes": device_bytes,
         "planned_device_bytes": plan.budget.device.used,
@@ -530,6 +570,18 @@ fn print_summary(s: &Value, drain: Duration) {
         f("host_bytes_per_param"),
         drain.as_secs_f64(),
     );
+    if f("disk_busy_s") > 0.0 {
+        // The optimizer's waits are the disk time the schedule did not hide.
+        println!(
+            "disk tier: reads {:.2} GB/s, writes {:.2} GB/s while busy; {:.3} s busy per step, \
+             the optimizer waited {:.3} s for reads ({:.0}% of the disk time hidden)",
+            f("disk_read_gb_s"),
+            f("disk_write_gb_s"),
+            f("disk_busy_s"),
+            f("disk_waited_s"),
+            100.0 * (1.0 - f("disk_waited_s") / f("disk_busy_s")).max(0.0),
+        );
+    }
     if s["predicted_step_s"].is_null() {
         return;
     }

@@ -5,10 +5,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::plan::{
-    GpuQuery, GradientOption, GradientTier, MachineMemory, Verdict, gradient_options, plan,
+    GpuQuery, GradientOption, GradientTier, Verdict, gradient_options, plan,
 };
 use sluice_engine::spec::{ModelSpec, preset};
 use sluice_engine::train::{Devices, GradientPolicy, Job, JobSettings, ModelSource};
@@ -52,10 +51,10 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
         None => (GpuQuery::FirstOrH200, Devices::Cuda(vec![0])),
         Some(devices) => (devices.gpu_query(), devices.clone()),
     };
-    let memory = MachineMemory::detect(gpu, args.shape.gpu_mem, args.shape.host_mem)
-        .context("reading the machine's memory")?;
-    let batch = args.shape.batch();
     let d = JobSettings::default();
+    let moments = args.shape.moments.unwrap_or(d.moments);
+    let memory = args.shape.memory(gpu, moments)?;
+    let batch = args.shape.batch();
     // The job `sluice train` would run with these flags; planning reads no data.
     let job = Job {
         model: source,
@@ -69,6 +68,7 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
             steps: args.steps,
             max_grad_norm: if args.no_clip { 0.0 } else { d.max_grad_norm },
             gradients: args.gradients.unwrap_or(d.gradients),
+            moments,
             ..d
         },
     };
@@ -107,9 +107,14 @@ fn options_table(options: &[GradientOption]) -> String {
             GradientTier::HostStoreBf16 => "host-bf16",
             GradientTier::HostRing => "no-clip",
         };
+        let disk = if o.disk_bytes > 0 {
+            format!(", disk tier {}", gib(o.disk_bytes))
+        } else {
+            String::new()
+        };
         let cost = match (o.step_s, &o.refused) {
             (Some(s), _) => format!(
-                "fits: host {} ({:.2} B/param), device {}, {s:.2} s per step",
+                "fits: host {} ({:.2} B/param), device {}{disk}, {s:.2} s per step",
                 gib(o.host_bytes),
                 o.host_bytes_per_param,
                 gib(o.device_bytes)

@@ -84,6 +84,12 @@ pub(crate) struct ServeArgs {
     /// ~/.cache/huggingface/hub].
     #[arg(long, env = "HF_HUB_CACHE", value_name = "DIR")]
     hf_cache: Option<PathBuf>,
+
+    /// The disk tier's folder, on a local SSD: jobs keep there the Adam moments host memory
+    /// cannot hold (measured once per process, when a job first needs it; created if missing)
+    /// [default: DATA_DIR/disk-tier].
+    #[arg(long, env = "SLUICE_DISK_DIR", value_name = "DIR")]
+    disk_dir: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -116,6 +122,7 @@ impl ServeArgs {
             hf_endpoint: self.hf_endpoint.clone(),
             hf_token: self.hf_token.as_deref().and_then(crate::hub::HubToken::new),
             hf_cache: self.hf_cache.clone(),
+            disk_dir: self.disk_dir.clone(),
         };
         config.apply_file(&overrides.or(file.unwrap_or_default()))?;
         if config.hub.user_cache.is_none() {

@@ -7,7 +7,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_engine::data::{Columns, DatasetSource, ReadOptions};
 use sluice_engine::optim::Schedule;
-use sluice_engine::plan::{CheckpointTier, MachineMemory, Plan, Verdict, plan};
+use sluice_engine::plan::{CheckpointTier, Plan, Verdict, plan};
 use sluice_engine::train::{
     Devices, Event, GradientPolicy, Job, JobSettings, ModelSource, Observer, RunOptions,
     model_spec, read_run_options, run_on,
@@ -22,7 +22,8 @@ use super::shape::ShapeArgs;
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "preset", "resume"])))]
 pub(crate) struct TrainArgs {
     /// Continue the run in this folder exactly where its last saved state left it, with the
-    /// options it was started with (no other option but --device and the memory limits).
+    /// options it was started with (no other option but --device, the memory limits and where
+    /// the Adam moments live: --moments, --disk-dir, which change no result).
     #[arg(long, value_name = "OUT", conflicts_with_all = [
         "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
         "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "gradients", "seed",
@@ -121,12 +122,15 @@ pub(crate) struct TrainArgs {
 }
 
 pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let (gpu_mem, host_mem) = (args.shape.gpu_mem, args.shape.host_mem);
+    let shape = args.shape.clone();
     let (job, out, resume) = match &args.resume {
         Some(out) => {
             let mut job = read_run_options(out).context("cannot resume")?.job;
             if let Some(devices) = args.shape.device.clone() {
                 job.devices = devices;
+            }
+            if let Some(moments) = args.shape.moments {
+                job.settings.moments = moments;
             }
             (job, out.clone(), true)
         }
@@ -141,7 +145,7 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     // The planner decides where everything lives, and refuses a job that cannot fit, before
     // anything is loaded or allocated.
-    let plan = plan_run(&job, gpu_mem, host_mem)?;
+    let plan = plan_run(&job, &shape)?;
     let options = RunOptions::planned(job, out, &plan)?;
     print_plan(&plan, &options);
     let mut printer = Printer { bar: None };
@@ -206,6 +210,7 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
         weight_decay: args.weight_decay.unwrap_or(d.weight_decay),
         max_grad_norm: args.max_grad_norm.unwrap_or(d.max_grad_norm),
         gradients: args.gradients.unwrap_or(d.gradients),
+        moments: args.shape.moments.unwrap_or(d.moments),
         seed: args.seed.unwrap_or(d.seed),
         train_on_prompt: args.train_on_prompt,
         save_every: args.save_every,
@@ -278,6 +283,9 @@ pub(crate) fn command_line(job: &Job) -> String {
     if s.gradients != d.gradients {
         flag("gradients", s.gradients.to_string());
     }
+    if s.moments != d.moments {
+        flag("moments", s.moments.to_string());
+    }
     if s.seed != d.seed {
         flag("seed", s.seed.to_string());
     }
@@ -304,7 +312,7 @@ pub(crate) fn command_line(job: &Job) -> String {
 
 /// `word` as a POSIX shell reads it back: bare when it is only safe characters, else in
 /// single quotes.
-fn shell_quote(word: &str) -> String {
+pub(crate) fn shell_quote(word: &str) -> String {
     let safe = |c: char| c.is_ascii_alphanumeric() || "-_./:,=+@%".contains(c);
     if !word.is_empty() && word.chars().all(safe) {
         word.to_string()
@@ -313,13 +321,14 @@ fn shell_quote(word: &str) -> String {
     }
 }
 
-/// Plans the job on this machine (or the memory given) with what the streamer implements; a
-/// job that does not fit is an error carrying the planner's reason and what would fit, after
-/// the same details `sluice plan` prints.
-fn plan_run(job: &Job, gpu_mem: Option<u64>, host_mem: Option<u64>) -> anyhow::Result<Plan> {
+/// Plans the job on this machine (or the memory given, with the disk tier the flags name) with
+/// what the streamer implements; a job that does not fit is an error carrying the planner's
+/// reason and what would fit, after the same details `sluice plan` prints.
+fn plan_run(job: &Job, shape: &ShapeArgs) -> anyhow::Result<Plan> {
     let spec = model_spec(&job.model)?;
-    let memory = MachineMemory::detect(job.devices.gpu_query(), gpu_mem, host_mem)
-        .with_context(|| format!("reading the memory of {}", job.devices))?;
+    let memory = shape
+        .memory(job.devices.gpu_query(), job.settings.moments)
+        .with_context(|| format!("the machine of {}", job.devices))?;
     match plan(&job.plan_input(&spec, memory))? {
         Verdict::Fits(plan) => Ok(*plan),
         Verdict::Refused(r) => {
@@ -354,6 +363,9 @@ fn print_plan(plan: &Plan, options: &RunOptions) {
             gib(plan.memory.host_bytes),
             plan.time.total_s,
         ),
+    }
+    if let Some(disk) = plan.disk_text() {
+        println!("  {disk}");
     }
 }
 
@@ -455,6 +467,7 @@ impl Observer for Printer {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+    use sluice_engine::plan::MomentsPolicy;
 
     use super::*;
 
@@ -492,6 +505,7 @@ mod tests {
                 weight_decay: 0.1,
                 max_grad_norm: 0.5,
                 gradients: GradientPolicy::HostBf16,
+                moments: MomentsPolicy::Disk,
                 seed: 7,
                 train_on_prompt: true,
                 save_every: Some(10),

@@ -6,6 +6,8 @@
 //! as on the CPU, with the capabilities the streamer implements: the placement a job will run
 //! with is exactly the one shown. Handlers never open the GPU, so a GPU's free memory comes
 //! from NVML here; the runner plans again against the driver's figure when the job starts.
+//! The disk tier (`DATA_DIR/disk-tier`) is part of the machine where the job's verdict
+//! depends on it ([`super::disk`]).
 
 use serde::Serialize;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
@@ -30,13 +32,16 @@ pub struct Verdict {
     pub run_time_s: Option<f64>,
     /// The same, in words ("about 7 days").
     pub run_time: Option<String>,
-    /// What limits the step time: "pcie", "gpu_compute" or "cpu_adam" on a GPU; "cpu" on the
-    /// processor, where every part of a step is its work.
+    /// What limits the step time: "pcie", "gpu_compute", "cpu_adam" or "disk" on a GPU; "cpu"
+    /// on the processor, where every part of a step is its work.
     pub bottleneck: String,
     /// The closest job that fits when this one does not: one setting changed.
     pub suggestion: Option<Change>,
     /// Where everything lives, one line (see `RunPlacement::describe`).
     pub placement: Option<String>,
+    /// Where the Adam moments live when some are on the disk tier, a sentence
+    /// (`Plan::disk_text`): which units, the folder, the bytes and the disk's time per step.
+    pub disk: Option<String>,
     /// The equivalent `sluice train` command line.
     pub command: String,
     /// The job planned with each gradient policy, most exact first: what choosing between
@@ -65,7 +70,8 @@ pub struct Change {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Tier {
-    /// "device", "pinned host", "pageable host", or "host" on the CPU.
+    /// "device", "pinned host", "pageable host", or "host" on the CPU; then "disk tier" where
+    /// the machine has one.
     pub name: String,
     pub capacity: u64,
     pub used: u64,
@@ -106,10 +112,27 @@ pub fn machine_memory(state: &AppState, devices: &Devices) -> ApiResult<MachineM
     }
 }
 
+/// `memory` with the appliance's disk tier where `job`'s verdict depends on one
+/// ([`super::disk::attach`]); 400 when the job asks for a disk tier that cannot be used.
+pub fn with_disk_tier(
+    state: &AppState,
+    job: &Job,
+    spec: &ModelSpec,
+    memory: MachineMemory,
+) -> ApiResult<MachineMemory> {
+    super::disk::attach(&state.config().disk_tier_dir(), job, spec, memory)
+        .map_err(ApiError::bad_request)
+}
+
 /// The engine planner's verdict on `job` with `memory`, in the API's shape.
 pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
     let shared = memory.shared();
-    let command = crate::cli::train::command_line(job);
+    let mut command = crate::cli::train::command_line(job);
+    // The same job from a terminal needs the same disk tier.
+    if let Some(d) = &memory.disk {
+        command.push_str(" --disk-dir ");
+        command.push_str(&crate::cli::train::shell_quote(&d.dir.display().to_string()));
+    }
     let input = job.plan_input(spec, memory);
     let planned = plan::plan(&input);
     let steps = job.settings.steps;
@@ -128,6 +151,7 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
         bottleneck: String::new(),
         suggestion: None,
         placement: None,
+        disk: None,
         command,
         gradient_options: plan::gradient_options(&input)
             .unwrap_or_default()
@@ -161,6 +185,7 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
                     .unwrap_or_default()
             };
             verdict.placement = RunPlacement::of(p).map(|r| r.describe(p.model.units)).ok();
+            verdict.disk = p.disk_text();
         }
         Ok(plan::Verdict::Refused(r)) => {
             verdict.detail = format!("does not fit: {r}");
@@ -177,29 +202,30 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
 }
 
 /// The tiers as the web shows them and `sluice plan` totals them: on the CPU one "host" tier
-/// (what a GPU would hold is host memory too), else the device, pinned and pageable host.
+/// (what a GPU would hold is host memory too), else the device, pinned and pageable host; then
+/// the disk tier where the machine has one.
 pub fn shown_tiers(b: &plan::Budget, shared: bool) -> Vec<Tier> {
     let parts = |t: &plan::Tier| -> Vec<Part> {
         t.parts.iter().map(|p| Part { name: p.name.clone(), bytes: p.bytes }).collect()
     };
-    if shared {
+    let tier = |t: &plan::Tier| Tier {
+        name: t.tier.label().into(),
+        capacity: t.capacity,
+        used: t.used,
+        parts: parts(t),
+    };
+    let mut tiers = if shared {
         let mut all = Vec::new();
-        for t in b.tiers() {
+        for t in [&b.device, &b.pinned_host, &b.pageable_host] {
             all.extend(parts(t));
         }
         let used = b.device.used + b.host_used();
         vec![Tier { name: "host".into(), capacity: b.host_capacity, used, parts: all }]
     } else {
-        b.tiers()
-            .into_iter()
-            .map(|t| Tier {
-                name: t.tier.label().into(),
-                capacity: t.capacity,
-                used: t.used,
-                parts: parts(t),
-            })
-            .collect()
-    }
+        vec![tier(&b.device), tier(&b.pinned_host), tier(&b.pageable_host)]
+    };
+    tiers.extend(b.disk.as_ref().map(tier));
+    tiers
 }
 
 fn run_time_s(p: &plan::Plan, steps: Option<u64>) -> Option<f64> {
@@ -212,7 +238,9 @@ pub fn closest(r: &plan::Refusal) -> Option<Change> {
     r.fits.iter().find_map(|s| match *s {
         plan::Suggestion::MicroBatch(m) => Some(Change { field: "micro_batch", value: m }),
         plan::Suggestion::GradAccum(g) => Some(Change { field: "grad_accum", value: g }),
-        plan::Suggestion::HostMemory(_) | plan::Suggestion::GpuMemory(_) => None,
+        plan::Suggestion::HostMemory(_)
+        | plan::Suggestion::GpuMemory(_)
+        | plan::Suggestion::DiskSpace(_) => None,
     })
 }
 
@@ -307,6 +335,7 @@ pub fn sentence(verdict: &plan::Verdict, devices: &Devices, steps: Option<u64>) 
             let memory = |m: plan::Memory| match m {
                 plan::Memory::Device => "GPU memory",
                 plan::Memory::Host => "host memory",
+                plan::Memory::Disk => "disk tier space",
             };
             let needs = r
                 .overflows
@@ -337,6 +366,9 @@ pub fn sentence(verdict: &plan::Verdict, devices: &Devices, steps: Option<u64>) 
                         plan::Suggestion::GpuMemory(b) => {
                             Some(format!("a GPU with {} free", gib(b)))
                         }
+                        plan::Suggestion::DiskSpace(b) => {
+                            Some(format!("{} free on the disk tier", gib(b)))
+                        }
                         _ => None,
                     });
                     match more {
@@ -357,6 +389,7 @@ fn bottleneck(b: plan::Bottleneck) -> &'static str {
         plan::Bottleneck::Pcie => "PCIe transfers",
         plan::Bottleneck::GpuCompute => "GPU compute",
         plan::Bottleneck::CpuAdam => "the CPU optimizer",
+        plan::Bottleneck::Disk => "the disk tier's reads and writes",
     }
 }
 

@@ -6,7 +6,8 @@
 //! `cuda:0,1` holds both; a job waiting for a busy device also holds back later jobs that want
 //! it, so a several-GPU job is never starved by single-GPU ones). The job's thread plans it
 //! against the machine as it is now (the driver's free GPU memory, MemAvailable less what
-//! other starting jobs have planned but not yet allocated), runs exactly that plan through
+//! other starting jobs have planned but not yet allocated, the disk tier where the job needs
+//! it), runs exactly that plan through
 //! `train::run_on`, and forwards every event into an unbounded channel (the engine never waits
 //! on the server); the dispatcher's task for the job stores each event in SQLite and
 //! broadcasts it to SSE viewers, and writes the final status after the last event.
@@ -17,7 +18,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use serde_json::json;
@@ -220,10 +221,11 @@ async fn run_job(state: &AppState, job: JobRow) {
         keep_checkpoints: state.config().limits.keep_checkpoints,
     };
     let out = run_dir(state, id);
+    let disk_dir = state.config().disk_tier_dir();
     let spawned = std::thread::Builder::new().name(format!("sluice-job-{id}")).spawn(move || {
         let mut forwarder = forwarder;
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            train_job(engine_job, out, &mut forwarder)
+            train_job(engine_job, out, &disk_dir, &mut forwarder)
         }));
         lock(&forwarder.reserved).remove(&forwarder.job_id);
         // Dropping the observer closes the event channel: the task has seen every event
@@ -271,15 +273,22 @@ async fn run_job(state: &AppState, job: JobRow) {
     crate::announce::job_ended(state, id);
 }
 
-/// On the job's thread: plans `job` on this machine now, then runs that plan in `out`,
-/// continuing from the saved training state when there is one. `Err` is for the user.
-fn train_job(job: Job, out: PathBuf, forwarder: &mut Forwarder) -> Result<RunSummary, String> {
+/// On the job's thread: plans `job` on this machine now (with the disk tier at `disk_dir` where
+/// it needs one), then runs that plan in `out`, continuing from the saved training state when
+/// there is one. `Err` is for the user.
+fn train_job(
+    job: Job,
+    out: PathBuf,
+    disk_dir: &Path,
+    forwarder: &mut Forwarder,
+) -> Result<RunSummary, String> {
     let text = |e: sluice_engine::Error| e.to_string();
     let resume = TrainingState::saved_step(&out.join(STATE_DIR)).map_err(text)?;
     let spec = train::model_spec(&job.model).map_err(text)?;
     let mut memory = MachineMemory::detect(job.devices.gpu_query(), None, None).map_err(text)?;
     memory.host_bytes =
         Queue::budget(&forwarder.reserved, memory.host_bytes, Some(forwarder.job_id));
+    let memory = super::disk::attach(disk_dir, &job, &spec, memory)?;
     let plan = sluice_engine::plan::plan(&job.plan_input(&spec, memory))
         .map_err(text)?
         .into_plan()
@@ -290,13 +299,17 @@ fn train_job(job: Job, out: PathBuf, forwarder: &mut Forwarder) -> Result<RunSum
     options.keep_checkpoints = Some(forwarder.keep_checkpoints);
     let placement = options.placement.describe(plan.model.units);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let line = format!(
+    let mut line = format!(
         "plan on {}: {placement}; {:.2} GiB device, {:.2} GiB host; {:.2} s per step predicted",
         options.job.devices,
         gib(plan.budget.device.used),
         gib(plan.budget.host_used()),
         plan.time.total_s
     );
+    if let Some(disk) = plan.disk_text() {
+        line.push(' ');
+        line.push_str(&disk);
+    }
     forwarder.send(RunEvent::Planned { placement, line });
     let devices = options.job.devices.clone();
     train::run_on(&devices, &options, resume.is_some(), forwarder).map_err(text)

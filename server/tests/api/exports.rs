@@ -45,7 +45,7 @@ fn check_bf16(bytes: &[u8], f32_params: &HostParams, scratch: &Path) -> anyhow::
         assert_eq!(source.dtype(t.name)?, Dtype::BF16, "{}", t.name);
         assert_eq!(source.shape(t.name)?, t.shape, "{}", t.name);
         let got = source.read_f32(t.name)?;
-        for (i, (x, y)) in t.data.iter().zip(&got).enumerate() {
+        for (i, (x, y)) in t.data.as_slice().expect("in memory").iter().zip(&got).enumerate() {
             assert_eq!(*y, bf16_round(*x), "{}[{i}]: {x}", t.name);
         }
     }

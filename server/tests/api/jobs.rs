@@ -351,9 +351,12 @@ async fn the_api_refuses_what_the_engine_refuses_with_its_message() -> anyhow::R
         }
     }
     // Values of the wrong type name their field.
-    for (field, value) in
-        [("seq_len", json!("long")), ("save_dtype", json!("f16")), ("seed", json!(-1))]
-    {
+    for (field, value) in [
+        ("seq_len", json!("long")),
+        ("save_dtype", json!("f16")),
+        ("seed", json!(-1)),
+        ("moments", json!("ssd")),
+    ] {
         let body = json!({"model": "preset:tiny", "dataset": demo, "gpu": "cpu", field: value});
         let reply = admin.post("/api/jobs", body.clone()).await?;
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}");

@@ -109,6 +109,67 @@ async fn models_gpus_and_plan() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The Adam moments live where the job asks: in host memory where it holds them (the disk
+/// tier is then never measured), every unit's on the disk tier (`SLUICE_DISK_DIR`, measured
+/// when first needed) with `moments: disk`, shown as a tier, a sentence and in the command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adam_moments_live_where_the_job_asks() -> anyhow::Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let dir = scratch.path().join("moments");
+    let app = TestApp::with_config(|c| c.disk_dir = Some(dir.clone())).await?;
+    let admin = app.admin().await?;
+    let body = |moments: &str| json!({"model": "preset:tiny", "gpu": "cpu", "seq_len": 64, "micro_batch": 1, "grad_accum": 1, "moments": moments});
+    let disk_tier = |plan: &serde_json::Value| {
+        plan["tiers"].as_array().and_then(|t| t.iter().find(|t| t["name"] == "disk tier")).cloned()
+    };
+    for moments in ["auto", "host"] {
+        let plan = admin.post("/api/plan", body(moments)).await?.json()?;
+        assert_eq!(plan["fits"], true, "{plan}");
+        assert_eq!(disk_tier(&plan), None, "{plan}");
+        assert_eq!(plan["disk"], serde_json::Value::Null, "{plan}");
+    }
+    assert!(!dir.exists(), "the disk tier was measured for jobs that do not need it");
+
+    let plan = admin.post("/api/plan", body("disk")).await?.json()?;
+    assert_eq!(plan["fits"], true, "{plan}");
+    assert!(dir.is_dir(), "the disk tier's folder is made when it is measured");
+    let tier = disk_tier(&plan).ok_or_else(|| anyhow::anyhow!("no disk tier: {plan}"))?;
+    assert!(tier["used"].as_u64().is_some_and(|u| u > 0), "{plan}");
+    assert!(tier["capacity"].as_u64() > tier["used"].as_u64(), "{plan}");
+    assert_eq!(plan["tiers"][0]["name"], "host", "{plan}");
+    let text = plan["disk"].as_str().unwrap_or_default();
+    let want = format!(
+        "Adam moments of embedding, layers 0-3, head live on the disk tier at {} (",
+        dir.display()
+    );
+    assert!(text.starts_with(&want), "{plan}");
+    let command = plan["command"].as_str().unwrap_or_default();
+    assert!(command.contains(" --moments disk "), "{plan}");
+    assert!(command.ends_with(&format!(" --disk-dir {}", dir.display())), "{plan}");
+
+    // A job keeps its choice.
+    let demo = admin.demo_dataset().await?;
+    let mut job = tiny_job(demo, 1);
+    job["moments"] = json!("host");
+    let created = admin.post("/api/jobs", job).await?;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    let id = created.json()?["id"].as_i64().unwrap_or_default();
+    let shown = admin.get(&format!("/api/jobs/{id}")).await?.json()?;
+    assert_eq!(shown["config"]["moments"], "host", "{shown}");
+
+    // A disk tier that cannot be made, asked for: 400 naming the field and the folder.
+    let file = scratch.path().join("a-file");
+    std::fs::write(&file, "not a folder")?;
+    let blocked = file.join("moments");
+    let app = TestApp::with_config(|c| c.disk_dir = Some(blocked.clone())).await?;
+    let admin = app.admin().await?;
+    let reply = admin.post("/api/plan", body("disk")).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert!(reply.error().starts_with("moments: disk keeps the Adam moments"), "{}", reply.text());
+    assert!(reply.error().contains(&blocked.display().to_string()), "{}", reply.text());
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_metrics_are_text() -> anyhow::Result<()> {
     let app = TestApp::new().await?;

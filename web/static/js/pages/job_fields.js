@@ -65,6 +65,7 @@ const SETTINGS = [
   { key: 'weight_decay', label: 'Weight decay' },
   { key: 'max_grad_norm', label: 'Clip grad norm', zero: 'off' },
   { key: 'gradients', label: 'Gradients wait', none: 'auto' },
+  { key: 'moments', label: 'Adam moments', none: 'auto' },
   { key: 'seed', label: 'Seed', format: 'plain' },
   { key: 'train_on_prompt', label: 'Train on prompts' },
   { key: 'save_every', label: 'Save every', none: 'only at the end', format: 'int', unit: STEPS },

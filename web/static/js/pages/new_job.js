@@ -14,12 +14,12 @@ await requireUser();
 const PRESETS = {
   demo: {
     hint: 'A short run to see training work: about a minute for the tiny preset, even on the processor.',
-    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
+    values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', moments: 'auto', save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
   finetune: {
     hint: 'A real fine-tune: longer sequences, 8 micro-batches per step, a checkpoint and an evaluation every 100 steps.',
-    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
+    values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', moments: 'auto', save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
     lr: { preset: 1e-3, local: 2e-5 },
   },
 };
@@ -28,7 +28,7 @@ const PRESETS = {
 const PRESET_FIELDS = new Set([...Object.keys(PRESETS.demo.values), 'lr']);
 // Sent as numbers, and left out when empty so that the engine's default applies.
 const NUMBER_FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'eval_every', 'held_out', 'save_every', 'warmup', 'max_grad_norm', 'weight_decay', 'seed'];
-const CHOICE_FIELDS = ['schedule', 'save_dtype', 'gradients'];
+const CHOICE_FIELDS = ['schedule', 'save_dtype', 'gradients', 'moments'];
 const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', 'train_on_prompt'];
 // What an empty field means, for the figures the page works out itself.
 const DEFAULTS = { seq_len: 256, micro_batch: 4, grad_accum: 1 };
@@ -38,8 +38,9 @@ const TIER_LABELS = {
   'pinned host': 'Pinned host memory',
   'pageable host': 'Host memory (RAM)',
   host: 'Host memory (RAM)',
+  'disk tier': 'Disk tier (SSD)',
 };
-const BOTTLENECKS = { pcie: 'PCIe copies', gpu_compute: 'GPU compute', cpu_adam: 'CPU optimizer', compute: 'compute', cpu: 'the processor' };
+const BOTTLENECKS = { pcie: 'PCIe copies', gpu_compute: 'GPU compute', cpu_adam: 'CPU optimizer', disk: 'the disk tier', compute: 'compute', cpu: 'the processor' };
 // The settings a plan's suggestion may change, as the form names them.
 const SUGGESTED = { micro_batch: (n) => `micro-batch ${n}`, grad_accum: (n) => `${n} micro-batch${n === 1 ? '' : 'es'} per step` };
 const PART_COLORS = ['#4c8be0', '#36a87a', '#d08a2e', '#9a6bd1', '#d05a7a', '#3fb0c0', '#8a8f3a', '#7a7f8c'];
@@ -255,7 +256,7 @@ function renderGradientOptions(options) {
   };
   const rows = options.map((o) => el('tr', { dataset: { policy: o.policy, fits: String(o.fits), chosen: String(o.chosen) } },
     el('td', {}, el('strong', {}, GRADIENT_LABELS[o.policy] || o.policy), o.chosen ? el('span', { class: 'badge fits', style: { marginLeft: '.4rem' } }, 'this job') : null),
-    el('td', { class: 'num' }, o.fits ? `${planBytes(o.host_bytes)} (${o.host_bytes_per_param.toFixed(1)} B/param)` : '—'),
+    el('td', { class: 'num' }, o.fits ? `${planBytes(o.host_bytes)} (${o.host_bytes_per_param.toFixed(1)} B/param)${o.disk_bytes > 0 ? ` + ${planBytes(o.disk_bytes)} on disk` : ''}` : '—'),
     el('td', { class: 'num' }, o.fits ? about(o.step_s) : 'does not fit'),
     el('td', { class: 'muted' }, o.fits ? o.effect : `${o.effect}. ${o.refused || ''}`),
     el('td', {}, o.fits && !o.chosen ? el('button', { type: 'button', class: 'small', onclick: () => use(o) }, 'Use') : null)));
@@ -313,6 +314,10 @@ function renderPlan() {
     }, `Use ${SUGGESTED[change.field](change.value)}`)) : null,
     typeof plan.placement === 'string' && plan.placement
       ? el('p', { class: 'placement', id: 'plan-placement' }, el('span', { class: 'k' }, 'Placement'), plan.placement)
+      : null,
+    // Where the Adam moments live when some are on the disk tier, and what that costs a step.
+    typeof plan.disk === 'string' && plan.disk
+      ? el('p', { class: 'placement', id: 'plan-disk' }, el('span', { class: 'k' }, 'Disk tier'), plan.disk)
       : null,
     el('div', { class: 'facts' },
       fact('Step time', about(plan.step_time_s), 'step_time'),
