@@ -17,9 +17,9 @@
 //! copy) is a candidate. Each candidate then keeps as many units' weights resident as
 //! spare device memory allows, most-used first. Candidates that fit are timed by a
 //! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
-//! 1% of it the simplest (device checkpoints, K = 1, gradients on the device, weights from the
-//! master). Only layouts the
-//! executing schedule implements are candidates ([`Capabilities`]). For the CPU backend the
+//! 1% of it the one with the fewest units' moments on the disk tier, then with no bf16 copy on
+//! the host (host memory bounds the models a machine trains), then the simplest (device
+//! checkpoints, K = 1, gradients on the device). Only layouts the executing schedule implements are candidates ([`Capabilities`]). For the CPU backend the
 //! device is host memory ([`MemorySource::SharedWithHost`]): nothing is kept resident, and the
 //! device's buffers and the host store must fit the host together.
 //!
@@ -676,9 +676,10 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
                     disk: vec![false; s.units.len()],
                 };
                 place_moments(s, &mut layout, input);
-                // The weight source ranks last: a simpler checkpoint or gradient placement at
-                // the same predicted speed is also the one whose prediction holds best (host
-                // checkpoints with fp32 weights measured 10% slower than predicted at 7B).
+                // Within a weight source, a simpler checkpoint or gradient placement at the
+                // same predicted speed is also the one whose prediction holds best (host
+                // checkpoints with fp32 weights measured 10% slower than predicted at 7B);
+                // `search` prefers the master over a copy before it looks at this rank.
                 out.push((layout, 4 * ck_rank + 2 * g_rank + w_rank));
             }
         }
@@ -806,12 +807,16 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
         fitting.retain(|e| e.layout.gradients != GradientTier::HostStoreBf16);
     }
     let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
-    // Among those as fast, the fewest units on the disk tier, then the simplest.
+    // Among those as fast: the fewest units on the disk tier, then no bf16 copy on the host
+    // (host memory is what bounds the models a machine trains: where PCIe has room, the
+    // master streams itself), then the simplest.
     let (at, _) = fitting
         .iter()
         .enumerate()
         .filter(|(_, e)| e.cost.step <= fastest * 1.01)
-        .min_by_key(|(_, e)| (e.layout.disk_units().len(), e.rank))?;
+        .min_by_key(|(_, e)| {
+            (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
+        })?;
     let best = fitting.swap_remove(at);
     let source = best.layout.weights;
     let other =
