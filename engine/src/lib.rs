@@ -10,6 +10,9 @@
 //! - [`optim`]: AdamW (plain and fused with its own thread pool), gradient clipping,
 //!   learning-rate schedules.
 //! - [`store`]: the host store, home of master weights, Adam moments and gradients.
+//! - [`step`]: what one optimizer step is configured with and reports.
+//! - [`placement`]: where a step's state lives: checkpoint, gradient and weight tiers, the disk
+//!   tier's space.
 //! - [`schedule`]: the layer-major streaming step, generic over the backend.
 //! - [`plan`]: the memory-hierarchy planner: placement, per-tier budgets, predicted step time.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
@@ -21,9 +24,14 @@ pub mod error;
 pub mod generate;
 pub mod model;
 pub mod optim;
+/// Where a step's state lives: the tiers the planner chooses between and the streamer runs.
+pub mod placement;
 pub mod plan;
 pub mod schedule;
 pub mod spec;
+/// What one optimizer step is configured with and reports: the types the trainer, the streamer
+/// and the observers share.
+pub mod step;
 pub mod store;
 pub mod train;
 pub mod weights;

@@ -13,7 +13,8 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::schedule::{
-    CpuGroup, DataParallel, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+    CheckpointTier, CpuGroup, DataParallel, GradientTier, RING_SLOTS, ScheduleOptions, Streamer,
+    WeightSource,
 };
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::TrainConfig;
@@ -32,7 +33,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
     ScheduleOptions {
         max_tokens: 32,
         grad_accum: G,
-        checkpoints: Tier::Host,
+        checkpoints: CheckpointTier::Host,
         checkpoint_interval: 1,
         optimizer_threads: 2,
         resident: Vec::new(),

@@ -127,7 +127,12 @@ fn mxfp4_experts_load_like_the_same_experts_stored_dequantised() -> TestResult {
             (
                 t.name.to_string(),
                 t.shape.clone(),
-                t.data.as_slice().expect("in memory").iter().flat_map(|x| x.to_le_bytes()).collect(),
+                t.data
+                    .as_slice()
+                    .expect("in memory")
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect(),
             )
         })
         .collect();

@@ -12,7 +12,7 @@ use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::schedule::{
-    DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+    CheckpointTier, DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, WeightSource,
 };
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{TrainConfig, Trainer};
@@ -42,7 +42,7 @@ fn config(clip: Option<f32>) -> TrainConfig {
 
 fn check(
     case: &str,
-    checkpointing: (Tier, usize),
+    checkpointing: (CheckpointTier, usize),
     gradients: GradientTier,
     clip: Option<f32>,
     resident: Vec<usize>,
@@ -54,7 +54,7 @@ fn check(
 /// [`check`] with the gradient ring's slot count given.
 fn check_ring(
     case: &str,
-    checkpointing: (Tier, usize),
+    checkpointing: (CheckpointTier, usize),
     ring: (GradientTier, usize),
     clip: Option<f32>,
     resident: Vec<usize>,
@@ -66,7 +66,7 @@ fn check_ring(
 /// [`check_ring`] with the Adam moments of units `disk` on the disk tier.
 fn check_disk(
     case: &str,
-    (checkpoints, checkpoint_interval): (Tier, usize),
+    (checkpoints, checkpoint_interval): (CheckpointTier, usize),
     (gradients, ring_slots): (GradientTier, usize),
     clip: Option<f32>,
     (resident, weights): (Vec<usize>, WeightSource),
@@ -186,16 +186,30 @@ fn check_disk(
 #[test]
 fn streaming_equals_reference_host_checkpoints_clipped() {
     for case in FAMILIES {
-        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), COPY);
-        check(case, (Tier::Host, 1), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
+        check(
+            case,
+            (CheckpointTier::Host, 1),
+            GradientTier::HostStore,
+            Some(1.0),
+            Vec::new(),
+            COPY,
+        );
+        check(
+            case,
+            (CheckpointTier::Host, 1),
+            GradientTier::DeviceStore,
+            Some(1.0),
+            Vec::new(),
+            COPY,
+        );
     }
 }
 
 #[test]
 fn streaming_equals_reference_device_checkpoints_unclipped() {
     for case in FAMILIES.into_iter().filter(|c| *c != "llama-linear") {
-        check(case, (Tier::Device, 1), GradientTier::HostRing, None, Vec::new(), COPY);
-        check(case, (Tier::Device, 1), GradientTier::DeviceStore, None, Vec::new(), COPY);
+        check(case, (CheckpointTier::Device, 1), GradientTier::HostRing, None, Vec::new(), COPY);
+        check(case, (CheckpointTier::Device, 1), GradientTier::DeviceStore, None, Vec::new(), COPY);
     }
 }
 
@@ -203,7 +217,14 @@ fn streaming_equals_reference_device_checkpoints_unclipped() {
 fn resident_units_give_the_same_results_with_less_traffic() {
     // The embedding, the first layer and the head stay on the device.
     for case in ["llama", "qwen2"] {
-        check(case, (Tier::Device, 1), GradientTier::HostStore, Some(1.0), vec![0, 1, 3], COPY);
+        check(
+            case,
+            (CheckpointTier::Device, 1),
+            GradientTier::HostStore,
+            Some(1.0),
+            vec![0, 1, 3],
+            COPY,
+        );
     }
 }
 
@@ -214,10 +235,24 @@ fn a_checkpoint_interval_recomputes_to_the_same_results() {
     // 2-layer fixtures cover an untied model (bitwise equality) and a tied one.
     for case in ["tiny", "llama", "qwen2", "gpt_oss"] {
         for k in [2, 3, 8] {
-            check(case, (Tier::Device, k), GradientTier::HostStore, Some(1.0), Vec::new(), COPY);
-            check(case, (Tier::Host, k), GradientTier::HostRing, None, Vec::new(), COPY);
+            check(
+                case,
+                (CheckpointTier::Device, k),
+                GradientTier::HostStore,
+                Some(1.0),
+                Vec::new(),
+                COPY,
+            );
+            check(case, (CheckpointTier::Host, k), GradientTier::HostRing, None, Vec::new(), COPY);
             // The tiny preset's 6 units outnumber the ring's slots: landings rotate through it.
-            check(case, (Tier::Device, k), GradientTier::DeviceStore, Some(1.0), Vec::new(), COPY);
+            check(
+                case,
+                (CheckpointTier::Device, k),
+                GradientTier::DeviceStore,
+                Some(1.0),
+                Vec::new(),
+                COPY,
+            );
         }
     }
 }
@@ -228,9 +263,9 @@ fn a_two_slot_ring_equals_the_reference() {
     // the update two units back, in the device store (clipping) and the ring (no clipping).
     for case in ["tiny", "llama"] {
         let ring = (GradientTier::HostRing, 2);
-        check_ring(case, (Tier::Device, 1), ring, None, Vec::new(), MASTER);
+        check_ring(case, (CheckpointTier::Device, 1), ring, None, Vec::new(), MASTER);
         let store = (GradientTier::DeviceStore, 2);
-        check_ring(case, (Tier::Host, 2), store, Some(1.0), Vec::new(), MASTER);
+        check_ring(case, (CheckpointTier::Host, 2), store, Some(1.0), Vec::new(), MASTER);
     }
 }
 
@@ -238,11 +273,32 @@ fn a_two_slot_ring_equals_the_reference() {
 fn streaming_from_the_master_equals_the_reference() {
     // No streaming copy: the device reads the master, the optimizer refreshes no copy.
     for case in ["llama", "qwen2"] {
-        check(case, (Tier::Host, 1), GradientTier::HostStore, Some(1.0), Vec::new(), MASTER);
-        check(case, (Tier::Device, 1), GradientTier::HostRing, None, vec![0, 3], MASTER);
-        check(case, (Tier::Device, 2), GradientTier::DeviceStore, Some(1.0), Vec::new(), MASTER);
+        check(
+            case,
+            (CheckpointTier::Host, 1),
+            GradientTier::HostStore,
+            Some(1.0),
+            Vec::new(),
+            MASTER,
+        );
+        check(case, (CheckpointTier::Device, 1), GradientTier::HostRing, None, vec![0, 3], MASTER);
+        check(
+            case,
+            (CheckpointTier::Device, 2),
+            GradientTier::DeviceStore,
+            Some(1.0),
+            Vec::new(),
+            MASTER,
+        );
         // Gradients in the weight dtype: f32 on the CPU, so the same bits.
-        check(case, (Tier::Device, 1), GradientTier::HostStoreBf16, Some(1.0), Vec::new(), COPY);
+        check(
+            case,
+            (CheckpointTier::Device, 1),
+            GradientTier::HostStoreBf16,
+            Some(1.0),
+            Vec::new(),
+            COPY,
+        );
     }
 }
 
@@ -255,13 +311,13 @@ fn moments_on_the_disk_tier_equal_the_reference() {
         let units = if case == "tiny" { 6 } else { 4 };
         let all: Vec<usize> = (0..units).collect();
         let ring = (GradientTier::HostRing, RING_SLOTS);
-        check_disk(case, (Tier::Device, 1), ring, None, (Vec::new(), MASTER), &all);
+        check_disk(case, (CheckpointTier::Device, 1), ring, None, (Vec::new(), MASTER), &all);
         let store = (GradientTier::HostStore, RING_SLOTS);
-        check_disk(case, (Tier::Host, 1), store, Some(1.0), (vec![0], COPY), &[1, 2]);
+        check_disk(case, (CheckpointTier::Host, 1), store, Some(1.0), (vec![0], COPY), &[1, 2]);
         let device = (GradientTier::DeviceStore, 2);
         check_disk(
             case,
-            (Tier::Device, 2),
+            (CheckpointTier::Device, 2),
             device,
             Some(1.0),
             (Vec::new(), MASTER),

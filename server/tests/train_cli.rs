@@ -257,7 +257,10 @@ fn killed_and_resumed(cut_args: &[&str]) {
         a
     };
     let whole = dir.path().join("whole");
-    let status = Command::new(env!("CARGO_BIN_EXE_sluice")).args(base(&whole)).output().expect("sluice runs");
+    let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(base(&whole))
+        .output()
+        .expect("sluice runs");
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
 
     let cut = dir.path().join("cut");

@@ -29,6 +29,7 @@ use std::ops::Range;
 
 use crate::error::Result;
 use crate::store::HostSlab;
+pub use crate::store::WeightDtype;
 
 /// Gemma 2's soft-cap `cap · tanh(z / cap)` as transformers writes it (`z / cap`, `tanh`,
 /// `* cap`), and its derivative `1 − tanh²`: the CPU reference's capped ops and the decoder's
@@ -49,22 +50,6 @@ pub enum FloatKind {
     /// Weight-gradient accumulators, reductions and small tables such as RoPE frequencies: f32
     /// everywhere.
     Accum,
-}
-
-/// Element type of weights on a device, and so of the host store's streaming copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightDtype {
-    F32,
-    Bf16,
-}
-
-impl WeightDtype {
-    pub fn bytes(self) -> usize {
-        match self {
-            WeightDtype::F32 => 4,
-            WeightDtype::Bf16 => 2,
-        }
-    }
 }
 
 /// The activation of the gated MLP's gate.

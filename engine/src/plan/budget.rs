@@ -1,6 +1,6 @@
 //! Bytes per memory tier for one placement, part by part.
 
-use crate::schedule::CAST_CHUNK;
+use crate::placement::CAST_CHUNK;
 use serde::Serialize;
 
 use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};

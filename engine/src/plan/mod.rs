@@ -50,110 +50,26 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
+pub use crate::placement::{CheckpointTier, GradientTier, WeightSource};
 pub use budget::{Budget, Part, Tier, TierName};
 pub use parallel::{ALLREDUCE_BUS_BYTES, Parallel};
 pub use rates::{DiskSpace, GpuQuery, H200_GPU_BYTES, MachineMemory, MachineRates, MemorySource};
 pub use sizes::BatchShape;
 
 use crate::error::{Error, Result};
-use crate::schedule::RING_SLOTS;
+use crate::placement::RING_SLOTS;
 use crate::spec::ModelSpec;
 use budget::Layout;
 use sizes::Sizes;
 use timing::StepCost;
 
-/// Where unit-input checkpoints live between the forward and the backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CheckpointTier {
-    Device,
-    /// Pinned host memory: each checkpoint goes down in the forward and back up in the backward.
-    Host,
-}
-
-/// Where weight gradients wait before the optimizer uses them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GradientTier {
-    /// Clipping on: every unit's fp32 gradients stay on the device until the global norm is
-    /// known, then ship in forward order.
-    DeviceStore,
-    /// Clipping on: gradients ship as each unit finishes and wait in a pinned host store.
-    HostStore,
-    /// Clipping on: as the host store, but each unit's gradients are rounded to bf16 on the
-    /// device after their sum of squares is taken in fp32 (the norm, and so the clipping, stay
-    /// exact; AdamW sees gradients to bf16's 8 bits of mantissa): half the host bytes and the
-    /// PCIe bytes down. Only where no fp32 store fits.
-    HostStoreBf16,
-    /// Clipping off: gradients land in a two-slot pinned ring and are consumed at once.
-    HostRing,
-}
-
-impl GradientTier {
-    /// Every tier, most exact first.
-    pub const ALL: [GradientTier; 4] = [
-        GradientTier::DeviceStore,
-        GradientTier::HostStore,
-        GradientTier::HostStoreBf16,
-        GradientTier::HostRing,
-    ];
-
-    /// Whether the tier waits for the global norm (clipping on) or feeds AdamW at once.
-    pub fn clips(self) -> bool {
-        self != GradientTier::HostRing
-    }
-
-    /// What the tier does to the results, in a clause a user can weigh.
-    pub fn effect(self) -> &'static str {
-        match self {
-            GradientTier::DeviceStore => {
-                "exact clipping; fp32 gradients wait in GPU memory (4 bytes per parameter there)"
-            }
-            GradientTier::HostStore => {
-                "exact clipping; fp32 gradients wait in host memory (4 bytes per parameter)"
-            }
-            GradientTier::HostStoreBf16 => {
-                "exact clipping (the norm is taken in fp32); AdamW sees gradients rounded to \
-                 bf16 (2 host bytes per parameter)"
-            }
-            GradientTier::HostRing => {
-                "no clipping: no step is limited by the gradient norm; gradients go straight \
-                 into AdamW (a small ring, no store)"
-            }
-        }
-    }
-
-    /// Whether a schedule with `caps` can run the tier.
-    fn supported(self, caps: &Capabilities) -> bool {
-        match self {
-            GradientTier::DeviceStore => caps.device_gradient_store,
-            GradientTier::HostStore => true,
-            GradientTier::HostStoreBf16 => caps.bf16_gradient_store,
-            GradientTier::HostRing => caps.gradient_ring,
-        }
-    }
-}
-
-/// Where the weights that cross PCIe come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WeightSource {
-    /// A copy in the device's weight dtype (bf16 on GPUs) in pinned host memory, rewritten by
-    /// every update: 2 more host bytes per parameter, 2 bytes per parameter across PCIe.
-    StreamingCopy,
-    /// The fp32 master weights themselves, pinned, cast to the device's dtype as they arrive:
-    /// no second copy on the host, 4 bytes per parameter across PCIe (a GPU's cast is exact,
-    /// round to nearest even as the host's copy, so training is bit for bit the same).
-    Master,
-}
-
-impl WeightSource {
-    /// Bytes per parameter that cross PCIe per upload (and that the source holds on the host).
-    pub fn bytes(self) -> u64 {
-        match self {
-            WeightSource::StreamingCopy => sizes::BF16,
-            WeightSource::Master => sizes::F32,
-        }
+/// Whether a schedule with `caps` can run gradient tier `tier`.
+fn gradient_supported(tier: GradientTier, caps: &Capabilities) -> bool {
+    match tier {
+        GradientTier::DeviceStore => caps.device_gradient_store,
+        GradientTier::HostStore => true,
+        GradientTier::HostStoreBf16 => caps.bf16_gradient_store,
+        GradientTier::HostRing => caps.gradient_ring,
     }
 }
 
@@ -480,7 +396,7 @@ pub struct GradientOption {
 /// whatever clipping and tier `input` asks for: what the choice between them costs.
 pub fn gradient_options(input: &PlanInput<'_>) -> Result<Vec<GradientOption>> {
     let mut out = Vec::new();
-    for tier in GradientTier::ALL.into_iter().filter(|t| t.supported(&input.supports)) {
+    for tier in GradientTier::ALL.into_iter().filter(|&t| gradient_supported(t, &input.supports)) {
         let one = PlanInput {
             clipping: tier.clips(),
             supports: Capabilities { only_gradients: Some(tier), ..input.supports },
@@ -810,13 +726,12 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
     // Among those as fast: the fewest units on the disk tier, then no bf16 copy on the host
     // (host memory is what bounds the models a machine trains: where PCIe has room, the
     // master streams itself), then the simplest.
-    let (at, _) = fitting
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| e.cost.step <= fastest * 1.01)
-        .min_by_key(|(_, e)| {
-            (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
-        })?;
+    let (at, _) =
+        fitting.iter().enumerate().filter(|(_, e)| e.cost.step <= fastest * 1.01).min_by_key(
+            |(_, e)| {
+                (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
+            },
+        )?;
     let best = fitting.swap_remove(at);
     let source = best.layout.weights;
     let other =

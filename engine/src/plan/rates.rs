@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+pub use crate::placement::{DiskSpace, MemorySource};
 
 /// Sustained rates of the four resources a training step uses.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -89,22 +90,6 @@ impl MachineRates {
 /// driver reservations, rounded down to 139 GiB.
 pub const H200_GPU_BYTES: u64 = 139 << 30;
 
-/// Where a memory capacity came from, so the output can say when it is an assumption.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemorySource {
-    /// Given by the caller (a command-line flag or the web form).
-    Given,
-    /// Read from the machine: the host's MemAvailable (`/proc/meminfo`), a GPU's free memory
-    /// (the driver's `cuMemGetInfo`, or NVML's total less used).
-    Measured,
-    /// No GPU could be read: the H200 figure is assumed.
-    AssumedH200,
-    /// The CPU backend: there is no device memory, the buffers a GPU would hold are host memory
-    /// too, so the device's capacity is whatever the host parts of the plan leave.
-    SharedWithHost,
-}
-
 /// Which GPU's memory a plan is for, when its capacity is not given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuQuery {
@@ -136,20 +121,6 @@ pub struct MachineMemory {
     /// disk tier); `None`: no disk tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk: Option<DiskSpace>,
-}
-
-/// The disk tier's folder, its free space and its direct-I/O rates
-/// ([`crate::store::disk::probe`] measures them).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DiskSpace {
-    /// The folder the tier's file is created in (on a local SSD).
-    pub dir: std::path::PathBuf,
-    /// Bytes the tier may use there.
-    pub bytes: u64,
-    /// Sequential direct-I/O rates with the tier's requests in flight, bytes per second.
-    pub read_bytes_per_s: u64,
-    pub write_bytes_per_s: u64,
-    pub source: MemorySource,
 }
 
 impl MachineMemory {

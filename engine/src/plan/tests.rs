@@ -1,7 +1,7 @@
 //! The planner against budgets computed by hand from the published model shapes.
 
 use super::*;
-use crate::schedule::CAST_CHUNK;
+use crate::placement::CAST_CHUNK;
 use crate::spec::preset;
 
 const GIB: u64 = 1 << 30;

@@ -2,9 +2,10 @@
 //! `sluice bench train` and the appliance, so the streamer runs exactly the placement whose
 //! memory the planner budgeted.
 
-use super::{DiskOptions, ScheduleOptions, Tier};
+use super::{DiskOptions, ScheduleOptions};
 use crate::error::{Error, Result};
-use crate::plan::{Capabilities, CheckpointTier, GradientTier, Plan};
+use crate::placement::GradientTier;
+use crate::plan::{Capabilities, Plan};
 
 /// What the streamer implements, for [`crate::plan::PlanInput::supports`]: any checkpoint
 /// interval, every gradient tier (device store, host store, host ring) and both weight sources.
@@ -33,16 +34,12 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
              clipping is on",
         ));
     }
-    let checkpoints = match p.checkpoints {
-        CheckpointTier::Device => Tier::Device,
-        CheckpointTier::Host => Tier::Host,
-    };
     let max_tokens = usize::try_from(plan.batch.micro_tokens())
         .map_err(|_| Error::invalid("the micro-batch does not fit this machine's address space"))?;
     Ok(ScheduleOptions {
         max_tokens,
         grad_accum: plan.batch.grad_accum,
-        checkpoints,
+        checkpoints: p.checkpoints,
         checkpoint_interval: p.checkpoint_interval,
         optimizer_threads,
         resident: p.resident_units.clone(),
@@ -64,6 +61,7 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::CheckpointTier;
     use crate::plan::{BatchShape, MachineMemory, MachineRates, PlanInput, Verdict, plan};
     use crate::spec::preset;
 
@@ -93,7 +91,7 @@ mod tests {
         assert_eq!(o.max_tokens, 4 * 1024);
         assert_eq!(o.grad_accum, 8);
         assert_eq!(o.optimizer_threads, 3);
-        assert_eq!(o.checkpoints, Tier::Device);
+        assert_eq!(o.checkpoints, CheckpointTier::Device);
         // On an H200 every unit of a 3B model stays on the device.
         assert_eq!(o.resident, p.placement.resident_units);
         assert_eq!(o.resident, (0..p.model.units).collect::<Vec<_>>());
@@ -101,7 +99,7 @@ mod tests {
         // A small GPU with long sequences: checkpoints go to the host, fewer units stay.
         let p = plan_for(16 * GIB, STREAMER, 8192);
         let o = schedule_options(&p, 0).expect("maps");
-        assert_eq!(o.checkpoints, Tier::Host, "{p}");
+        assert_eq!(o.checkpoints, CheckpointTier::Host, "{p}");
         assert_eq!(o.resident, p.placement.resident_units);
         assert!(o.resident.len() < p.model.units, "{p}");
     }

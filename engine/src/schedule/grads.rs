@@ -25,12 +25,8 @@ use std::time::{Duration, Instant};
 use super::{AdamJob, GradAt, OptimizerWorker};
 use crate::backend::{Backend, FloatKind};
 use crate::error::{Error, Result};
-use crate::plan::GradientTier;
+use crate::placement::GradientTier;
 use crate::store::HostStore;
-
-/// Slots of the host gradient ring unless host memory is short: the updates that may be queued
-/// or running while the next unit's gradients land.
-pub const RING_SLOTS: usize = 4;
 
 /// A copy in flight on a lane: the unit, and the update to submit once it has landed (none when
 /// the update waits for the global norm).

@@ -45,19 +45,11 @@ use crate::model::{
     RouterStats,
 };
 use crate::optim::{AdamW, clip_coef};
-pub use crate::plan::{GradientTier, WeightSource};
+pub use crate::placement::{CAST_CHUNK, CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
 use crate::spec::ModelSpec;
+use crate::step::{Span, StepMetrics, TrainConfig};
 use crate::store::{GradLanding, HostSlab, HostStore};
-use crate::train::{Span, StepMetrics, TrainConfig};
 use grads::Grads;
-pub use grads::RING_SLOTS;
-
-/// Elements of fp32 master weights staged on the device per cast when weights stream from the
-/// master: 128 MiB, large enough that a copy's setup is noise next to its bytes (a 7B layer is
-/// seven chunks) and small next to the weight slots. Each chunk's cast waits for its copy and
-/// the next copy for the cast, so the casts (at device memory speed) add about 2% to the copy
-/// engine's time.
-pub const CAST_CHUNK: usize = 32 << 20;
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -68,15 +60,6 @@ pub type FillMoments<'a> = dyn FnMut(usize, &mut [f32], &mut [f32]) -> Result<()
 /// A check that says whether to abandon the current step (see [`Streamer::set_interrupt`]).
 pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
 
-/// Where the per-micro-batch layer inputs (activation checkpoints) live between the forward and
-/// the backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Tier {
-    Device,
-    Host,
-}
-
 /// How the streamer is laid out; the planner chooses these.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScheduleOptions {
@@ -84,7 +67,7 @@ pub struct ScheduleOptions {
     pub max_tokens: usize,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
-    pub checkpoints: Tier,
+    pub checkpoints: CheckpointTier,
     /// Keep the input of every K-th layer only (K = 1: every layer); the backward recomputes the
     /// K - 1 inputs in between from it, once per group, into K - 1 device buffers.
     pub checkpoint_interval: usize,
@@ -287,7 +270,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
         };
         let copy = options.weights == WeightSource::StreamingCopy;
         let disk = options.disk.as_ref().map(|d| (d.dir.as_path(), d.units.as_slice()));
-        let store = Arc::new(HostStore::new(params, b.weight_dtype(), landing, copy, disk)?);
+        let store = Arc::new(HostStore::new(
+            params.units,
+            params.layout.params(),
+            b.weight_dtype(),
+            landing,
+            copy,
+            disk,
+        )?);
         for u in 0..store.units() {
             let mut unit = store.lock(u)?;
             if copy {
@@ -345,13 +335,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let layers = spec.layers;
         let kept = |l: usize| l.is_multiple_of(k);
         let (ckpt_device, ckpt_host) = match options.checkpoints {
-            Tier::Device => {
+            CheckpointTier::Device => {
                 let c = (0..=layers)
                     .map(|l| if kept(l) || l == layers { per_mb(t * h) } else { Ok(Vec::new()) })
                     .collect::<Result<Vec<_>>>()?;
                 (c, Vec::new())
             }
-            Tier::Host => {
+            CheckpointTier::Host => {
                 let bytes = t * h * b.elem_bytes(FloatKind::Activation);
                 let mut host = Vec::with_capacity(layers);
                 for l in 0..layers {
@@ -366,7 +356,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 (Vec::new(), host)
             }
         };
-        let work = if options.checkpoints == Tier::Host || k > 1 {
+        let work = if options.checkpoints == CheckpointTier::Host || k > 1 {
             [per_mb(t * h)?, per_mb(t * h)?]
         } else {
             [Vec::new(), Vec::new()]
@@ -814,7 +804,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// is formed.
     fn forward(&mut self, g: usize, train: Option<(f32, Option<f32>)>) -> Result<f64> {
         let (b, layers, h) = (self.b, self.decoder.spec.layers, self.decoder.spec.hidden);
-        let host = self.options.checkpoints == Tier::Host;
+        let host = self.options.checkpoints == CheckpointTier::Host;
         let keep = train.is_some();
 
         let slot = self.load_unit(0)?;
@@ -975,7 +965,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 b.fill_zero(b.view_mut(tied, 0..n))?;
             }
         }
-        let host = self.options.checkpoints == Tier::Host;
+        let host = self.options.checkpoints == CheckpointTier::Host;
         let mut loss = 0.0;
         self.aux_share = None;
         if train.is_some() {
@@ -1023,7 +1013,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// are complete.
     fn backward(&mut self, g: usize, early: Option<f32>) -> Result<()> {
         let (b, layers) = (self.b, self.decoder.spec.layers);
-        let host = self.options.checkpoints == Tier::Host;
+        let host = self.options.checkpoints == CheckpointTier::Host;
         let passes = backward_passes(layers, self.options.checkpoint_interval);
         // dx[cur][mb] holds the gradient with respect to the current layer's output.
         let mut cur = 0;
@@ -1204,7 +1194,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// Waits for every submitted update and returns the master weights.
     pub fn params(&mut self) -> Result<HostParams> {
         self.settle()?;
-        self.store.snapshot(self.layout.clone())
+        Ok(HostParams { layout: self.layout.clone(), units: self.store.snapshot()? })
     }
 
     /// This step's per-unit gradient norms (before clipping), in unit order.

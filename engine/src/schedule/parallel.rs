@@ -36,7 +36,7 @@ use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::HostParams;
 use crate::spec::ModelSpec;
-use crate::train::{StepMetrics, TrainConfig};
+use crate::step::{StepMetrics, TrainConfig};
 
 /// Splits `micro` into `ranks` contiguous shares whose sizes differ by at most one.
 pub fn split_micro(micro: &[MicroBatch], ranks: usize) -> Vec<&[MicroBatch]> {

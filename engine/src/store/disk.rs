@@ -31,7 +31,7 @@ use rayon::prelude::*;
 
 use super::slab::{HostSlab, SLAB_ALIGN};
 use crate::error::{Error, Result};
-use crate::plan::{DiskSpace, MemorySource};
+use crate::placement::{DiskSpace, MemorySource};
 
 /// Alignment of every offset and length in the file (direct I/O's requirement on any common
 /// drive and file system).

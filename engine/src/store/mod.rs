@@ -16,18 +16,18 @@
 //! has had, so the schedule waits for exactly the update it needs and no more.
 
 pub mod disk;
+mod dtype;
 mod ring;
 mod slab;
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 pub use disk::{DiskStage, DiskStats, DiskTier};
+pub use dtype::WeightDtype;
 pub use ring::GradRing;
 pub use slab::{HUGE_PAGE, HostSlab, Pages, PinGuard, SLAB_ALIGN, zeroed_f32_vec};
 
-use crate::backend::WeightDtype;
 use crate::error::{Error, Result};
-use crate::model::{HostParams, ModelLayout};
 
 /// One unit's training state.
 pub struct UnitState {
@@ -99,20 +99,21 @@ fn poisoned() -> Error {
 }
 
 impl HostStore {
-    /// Takes the master weights (each unit moved into a slab as it goes, so the peak is one
-    /// unit over the store); moments start at zero. With `copy` every unit keeps a streaming
+    /// Takes the master weights, one vector per unit (each moved into a slab as it goes, so the
+    /// peak is one unit over the store), and the count of trainable parameters among them
+    /// (alignment padding excluded); moments start at zero. With `copy` every unit keeps a streaming
     /// copy in `weight_dtype`; without, the device reads the master. With `disk` (a folder and
     /// units), those units' moments live in a file created there.
     pub fn new(
-        params: HostParams,
+        master_units: Vec<Vec<f32>>,
+        params: usize,
         weight_dtype: WeightDtype,
         landing: GradLanding,
         copy: bool,
         disk: Option<(&std::path::Path, &[usize])>,
     ) -> Result<HostStore> {
-        let n_params = params.layout.params();
-        let largest = params.units.iter().map(Vec::len).max().unwrap_or(0);
-        let sizes: Vec<usize> = params.units.iter().map(Vec::len).collect();
+        let largest = master_units.iter().map(Vec::len).max().unwrap_or(0);
+        let sizes: Vec<usize> = master_units.iter().map(Vec::len).collect();
         // Created first: a disk without room fails before the host store is filled.
         let disk = match disk {
             Some((dir, on_disk)) if !on_disk.is_empty() => {
@@ -121,8 +122,8 @@ impl HostStore {
             _ => None,
         };
         let on_disk = |u: usize| disk.as_ref().is_some_and(|d| d.tier().holds(u));
-        let mut units = Vec::with_capacity(params.units.len());
-        for (u, weights) in params.units.into_iter().enumerate() {
+        let mut units = Vec::with_capacity(master_units.len());
+        for (u, weights) in master_units.into_iter().enumerate() {
             let n = weights.len();
             let moments = if on_disk(u) { 0 } else { n };
             let grad = match landing {
@@ -167,7 +168,7 @@ impl HostStore {
             weight_dtype,
             copy,
             half_grads: landing == GradLanding::PerUnitHalf,
-            params: n_params,
+            params,
             disk,
         })
     }
@@ -308,12 +309,9 @@ impl HostStore {
         self.params
     }
 
-    /// A copy of the master weights.
-    pub fn snapshot(&self, layout: std::sync::Arc<ModelLayout>) -> Result<HostParams> {
-        let units = (0..self.units.len())
-            .map(|u| self.lock(u).map(|s| s.master.as_f32().to_vec()))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(HostParams { layout, units })
+    /// A copy of the master weights, one vector per unit.
+    pub fn snapshot(&self) -> Result<Vec<Vec<f32>>> {
+        (0..self.units.len()).map(|u| self.lock(u).map(|s| s.master.as_f32().to_vec())).collect()
     }
 }
 

@@ -16,11 +16,11 @@ use crate::backend::{AllReduce, Backend};
 use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
+use crate::placement::{CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{
-    DataParallel, DiskOptions, FillMoments, GradientTier, Interrupt, RING_SLOTS, ScheduleOptions,
-    Streamer, Tier, WeightSource,
+    DataParallel, DiskOptions, FillMoments, Interrupt, ScheduleOptions, Streamer,
 };
 use crate::spec::{self, ModelSpec};
 use crate::store::{HostStore, StoreBytes};
@@ -69,7 +69,7 @@ pub struct RunOptions {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RunPlacement {
     /// Where layer inputs wait between forward and backward.
-    pub checkpoints: Tier,
+    pub checkpoints: CheckpointTier,
     /// Keep every K-th layer's input only (1: every layer's).
     pub checkpoint_interval: usize,
     /// Units whose weights stay on the device.
@@ -95,7 +95,7 @@ impl Default for RunPlacement {
     /// resident, gradients on the host.
     fn default() -> Self {
         RunPlacement {
-            checkpoints: Tier::Device,
+            checkpoints: CheckpointTier::Device,
             checkpoint_interval: 1,
             resident: Vec::new(),
             gradients: None,
@@ -125,8 +125,8 @@ impl RunPlacement {
     /// device every layer, gradients wait on the device".
     pub fn describe(&self, units: usize) -> String {
         let checkpoints = match self.checkpoints {
-            Tier::Device => "on the device",
-            Tier::Host => "in host memory",
+            CheckpointTier::Device => "on the device",
+            CheckpointTier::Host => "in host memory",
         };
         let interval = match self.checkpoint_interval {
             1 => "every layer".to_string(),

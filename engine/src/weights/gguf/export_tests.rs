@@ -115,7 +115,11 @@ fn checkpoint(root: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf
 
 fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let (_, params) = HostParams::load_dir(dir).unwrap();
-    params.tensor_refs().into_iter().map(|t| (t.name.to_string(), t.data.as_slice().unwrap().to_vec())).collect()
+    params
+        .tensor_refs()
+        .into_iter()
+        .map(|t| (t.name.to_string(), t.data.as_slice().unwrap().to_vec()))
+        .collect()
 }
 
 #[test]
