@@ -31,7 +31,7 @@ use sluice_engine::backend::{
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
 use sluice_engine::schedule::{
-    DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, Tier, WeightSource,
+    CheckpointTier, DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, WeightSource,
 };
 use sluice_engine::spec::{ModelSpec, preset};
 use sluice_engine::store::HostSlab;
@@ -1078,10 +1078,15 @@ fn grouped_matmul() {
     let k = H;
     // Five experts over 37 rows: experts with no rows first, inside and last; one with one row.
     // An odd output width leaves every GEMM to cuBLASLt, one per expert; with widths that are
-    // multiples of 8 the bf16 outputs (the forward, the input gradient) take one cuBLAS grouped
-    // GEMM, while f32 outputs (the forward into Accum, the weight gradients) stay per expert.
+    // multiples of 8 and grouping on, the bf16 outputs (the forward, the input gradient) take
+    // one cuBLAS grouped GEMM, while f32 outputs (the forward into Accum, the weight gradients)
+    // stay per expert.
+    // Both ways of running aligned groups: the per-expert loop (the default) and one cuBLAS
+    // grouped call.
     let patterns = [[0usize, 7, 0, 29, 1], [12, 0, 25, 0, 0]];
-    for (n, counts) in [3 * 67, 2 * H].into_iter().flat_map(|n| patterns.map(|c| (n, c))) {
+    let cases = [3 * 67, 2 * H].into_iter().flat_map(|n| patterns.map(|c| (n, c)));
+    for ((n, counts), grouped) in cases.flat_map(|c| [(c, false), (c, true)]) {
+        g.set_grouped_gemm(grouped);
         let mut offsets = vec![0usize];
         for x in counts {
             offsets.push(offsets[offsets.len() - 1] + x);
@@ -1089,7 +1094,7 @@ fn grouped_matmul() {
         let (rows, e) = (offsets[counts.len()], counts.len());
         for layout in [ExpertLayout::Rows, ExpertLayout::Cols] {
             let gs = GroupedShape { offsets: &offsets, k, n, layout };
-            let name = format!("{layout:?} {k}x{n} rows per expert {counts:?}");
+            let name = format!("{layout:?} {k}x{n} rows per expert {counts:?} grouped={grouped}");
             let inp = round_bf16(&uniform(&mut r, rows * k, 1.0));
             let w = round_bf16(&uniform(&mut r, e * n * k, 0.2));
             let bias = round_bf16(&uniform(&mut r, e * n, 1.0));
@@ -1175,6 +1180,7 @@ fn grouped_matmul() {
             );
         }
     }
+    g.set_grouped_gemm(false);
 }
 
 // ---- LM head and loss ---------------------------------------------------------------------
@@ -1625,22 +1631,22 @@ fn streaming_schedule_matches_the_reference_loop() {
     // checkpoint.
     use WeightSource::{Master, StreamingCopy};
     let tiers = [
-        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
-        (Tier::Host, 2, DeviceStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
-        (Tier::Device, 1, HostRing, None, StreamingCopy, RING_SLOTS, false),
-        (Tier::Device, 2, DeviceStore, None, StreamingCopy, RING_SLOTS, false),
+        (CheckpointTier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
+        (CheckpointTier::Host, 2, DeviceStore, Some(1.0), StreamingCopy, RING_SLOTS, false),
+        (CheckpointTier::Device, 1, HostRing, None, StreamingCopy, RING_SLOTS, false),
+        (CheckpointTier::Device, 2, DeviceStore, None, StreamingCopy, RING_SLOTS, false),
         // The fp32 master cast on the device rounds as the host's copy does: the same bits.
-        (Tier::Host, 1, HostStore, Some(1.0), Master, RING_SLOTS, false),
-        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS, false),
+        (CheckpointTier::Host, 1, HostStore, Some(1.0), Master, RING_SLOTS, false),
+        (CheckpointTier::Device, 1, HostRing, None, Master, RING_SLOTS, false),
         // bf16 gradients for AdamW (the norm from fp32): close, not equal.
-        (Tier::Device, 1, HostStoreBf16, Some(1.0), Master, RING_SLOTS, false),
+        (CheckpointTier::Device, 1, HostStoreBf16, Some(1.0), Master, RING_SLOTS, false),
         // Two ring slots (host memory short): every landing waits for the update two back.
-        (Tier::Device, 1, HostRing, None, Master, 2, false),
-        (Tier::Host, 2, DeviceStore, Some(1.0), Master, 2, false),
+        (CheckpointTier::Device, 1, HostRing, None, Master, 2, false),
+        (CheckpointTier::Host, 2, DeviceStore, Some(1.0), Master, 2, false),
         // Every unit's Adam moments on the disk tier: read into staging, updated by the fused
         // bf16 AdamW, written back; the same bits.
-        (Tier::Device, 1, HostRing, None, Master, RING_SLOTS, true),
-        (Tier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, true),
+        (CheckpointTier::Device, 1, HostRing, None, Master, RING_SLOTS, true),
+        (CheckpointTier::Host, 1, HostStore, Some(1.0), StreamingCopy, RING_SLOTS, true),
     ];
     for case in ["llama", "qwen2", "mistral", "phi3", "gemma3", "gemma2", "mixtral", "gpt_oss"] {
         let (spec, p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
@@ -2099,7 +2105,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
     let options = |gradients| ScheduleOptions {
         max_tokens: 42,
         grad_accum: 4,
-        checkpoints: Tier::Host,
+        checkpoints: CheckpointTier::Host,
         checkpoint_interval: 1,
         optimizer_threads: 4,
         resident: Vec::new(),

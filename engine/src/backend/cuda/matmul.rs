@@ -76,9 +76,9 @@ impl Cuda {
         self.blas.gemm(g, self.ptr(a.0), self.ptr(b.0), self.ptr(c.0))
     }
 
-    /// Every call of `calls`, as [`Cuda::gemm`] would run them one by one: as one cuBLAS grouped
-    /// GEMM when cuBLAS takes all of them (bf16 outputs, 16-byte alignment: [`Blas::groups`]),
-    /// else one cuBLASLt GEMM per call. Calls with an empty output are skipped; an empty inner
+    /// Every call of `calls`, as [`Cuda::gemm`] would run them one by one: one cuBLASLt GEMM per
+    /// call, or, with [`Cuda::set_grouped_gemm`] on, one cuBLAS grouped GEMM when cuBLAS takes all
+    /// of them (bf16 outputs, 16-byte alignment: [`Blas::groups`]). Calls with an empty output are skipped; an empty inner
     /// dimension goes to [`Cuda::gemm`], which writes the zero product.
     pub(super) fn gemm_group(&self, op: &str, calls: &[GemmCall<'_>]) -> Result<()> {
         for c in calls {
@@ -94,7 +94,8 @@ impl Cuda {
                 (g, [self.ptr(&c.a.0), self.ptr(&c.b.0), self.ptr(&c.c.0)])
             })
             .collect();
-        if problems.iter().all(|(g, p)| Blas::groups(g, *p)) {
+        let grouped = self.grouped_gemm.load(std::sync::atomic::Ordering::Relaxed);
+        if grouped && problems.iter().all(|(g, p)| Blas::groups(g, *p)) {
             self.bind()?;
             return self.blas.grouped_gemm(&problems);
         }

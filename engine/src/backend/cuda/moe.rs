@@ -3,12 +3,13 @@
 //! `backend/cpu/moe.rs`.
 //!
 //! The experts' GEMMs are one product per expert that has rows, each on a contiguous block of
-//! the sorted rows with its own matrix, handed together to `Cuda::gemm_group`: one cuBLAS
+//! the sorted rows with its own matrix, handed together to `Cuda::gemm_group`: one cuBLASLt
+//! GEMM per expert, as `matmul` runs them, or, with `Cuda::set_grouped_gemm` on, one cuBLAS
 //! `cublasGemmGroupedBatchedEx` for all of them (one group of one GEMM per expert) where its
-//! output is bf16 and every operand 16-byte aligned, which covers the forward and the input
-//! gradient of real models. The weight gradients accumulate into f32 from bf16 operands, a
-//! combination the grouped GEMM does not offer, so they (and any unaligned shape) stay one
-//! cuBLASLt GEMM per expert, as `matmul` runs them.
+//! output is bf16 and every operand 16-byte aligned (the forward and the input gradient of real
+//! models; the weight gradients accumulate into f32 from bf16 operands, a combination the
+//! grouped GEMM does not offer). The loop is the default: it measured faster on the H200 (see
+//! `Cuda::set_grouped_gemm`).
 //!
 //! The int buffers these ops write on the device (experts, order, rows) have no host copy of
 //! their contents: ops reading them check only their length, and every kernel bounds the
@@ -653,9 +654,9 @@ impl Cuda {
             dinp_calls.push(dinp_call);
             dw_calls.push(dw_call);
         }
-        // The input gradients (bf16) as one grouped cuBLAS call; the weight gradients, f32
-        // accumulators, fall back to one cuBLASLt GEMM per expert inside `gemm_group` (the
-        // grouped GEMM has no bf16-in, f32-out form).
+        // The input gradients (bf16) may go as one grouped cuBLAS call; the weight gradients, f32
+        // accumulators, stay one cuBLASLt GEMM per expert inside `gemm_group` (the grouped GEMM
+        // has no bf16-in, f32-out form).
         self.gemm_group(OP, &dinp_calls)?;
         self.gemm_group(OP, &dw_calls)
     }
