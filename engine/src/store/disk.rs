@@ -7,11 +7,12 @@
 //! exists to save). A request is cut into [`CHUNK`]-byte pieces that [`IO_DEPTH`] threads issue
 //! at once, enough requests in flight for an NVMe drive's bandwidth.
 //!
-//! [`DiskStage`] keeps the optimizer worker fed: a few staging slots, one I/O thread serving
-//! reads and write-backs in the order they were asked for, and a guess of the unit the worker
-//! will update next (the one that followed it last time: the update order repeats every step),
-//! read while the current unit is updated. A read of a unit queued after its write-back sees
-//! the written moments, because the thread serves requests in order.
+//! [`DiskStage`] keeps the optimizer worker fed: a few staging slots, two I/O threads (reads,
+//! and write-backs, each served in the order asked for, so a read ahead and a write-back run at
+//! once where the drive serves both), and a guess of the unit the worker will update next (the
+//! one that followed it last time: the update order repeats every step), read while the
+//! current unit is updated. A read of a unit whose write-back is still under way waits for it,
+//! so it sees the moments the last update wrote.
 //!
 //! The file is scratch: created empty (its blocks read as zeros, the moments' initial value)
 //! when a run starts and removed when it ends. A saved training state holds the moments
@@ -64,7 +65,10 @@ pub struct DiskTier {
     direct: bool,
     regions: Vec<Option<Region>>,
     bytes: u64,
-    pool: rayon::ThreadPool,
+    /// Reads and writes each have their own requests in flight, so a read ahead and a
+    /// write-back proceed together where the drive serves both.
+    read_pool: rayon::ThreadPool,
+    write_pool: rayon::ThreadPool,
 }
 
 impl DiskTier {
@@ -96,7 +100,8 @@ impl DiskTier {
         );
         let path = dir.join(name);
         let (file, direct) = open_direct(&path, true)?;
-        let tier = DiskTier { file, path, direct, regions, bytes: offset, pool: io_pool()? };
+        let (read_pool, write_pool) = (io_pool("read")?, io_pool("write")?);
+        let tier = DiskTier { file, path, direct, regions, bytes: offset, read_pool, write_pool };
         tier.allocate()?;
         Ok(tier)
     }
@@ -165,7 +170,7 @@ impl DiskTier {
         let len = 2 * padded_bytes(r.len);
         let buf = slot.as_bytes_mut().get_mut(..len).ok_or_else(|| small_slot(unit))?;
         let file = &self.file;
-        self.pool
+        self.read_pool
             .install(|| {
                 buf.par_chunks_mut(CHUNK).enumerate().try_for_each(|(i, chunk)| {
                     file.read_exact_at(chunk, r.offset + (i * CHUNK) as u64)
@@ -180,7 +185,7 @@ impl DiskTier {
         let len = 2 * padded_bytes(r.len);
         let buf = slot.as_bytes().get(..len).ok_or_else(|| small_slot(unit))?;
         let file = &self.file;
-        self.pool
+        self.write_pool
             .install(|| {
                 buf.par_chunks(CHUNK).enumerate().try_for_each(|(i, chunk)| {
                     file.write_all_at(chunk, r.offset + (i * CHUNK) as u64)
@@ -226,10 +231,10 @@ fn small_slot(unit: usize) -> Error {
     Error::invalid(format!("a disk staging slot is too small for unit {unit}'s moments"))
 }
 
-fn io_pool() -> Result<rayon::ThreadPool> {
+fn io_pool(what: &'static str) -> Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(IO_DEPTH)
-        .thread_name(|i| format!("sluice-disk-{i}"))
+        .thread_name(move |i| format!("sluice-{what}-{i}"))
         .build()
         .map_err(|e| Error::invalid(format!("cannot start the disk tier's I/O threads: {e}")))
 }
@@ -285,7 +290,7 @@ pub fn probe(dir: &Path) -> Result<DiskSpace> {
     let path = dir.join(format!(".sluice-probe-{}", std::process::id()));
     let result = (|| -> Result<(u64, u64)> {
         let (file, _) = open_direct(&path, true)?;
-        let pool = io_pool()?;
+        let pool = io_pool("probe")?;
         let mut slab = HostSlab::zeroed(bytes)?;
         // Random-looking bytes, so a compressing drive cannot flatter itself.
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -389,8 +394,9 @@ impl Shared {
 /// The moments of disk units on their way to and from the optimizer.
 pub struct DiskStage {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<Io>>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// (reads, writes): each served in order by its own thread.
+    queues: Mutex<Option<(Sender<Io>, Sender<Io>)>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// One unit's moments in a staging slot, for the optimizer's update; handed back with
@@ -429,13 +435,21 @@ impl DiskStage {
             }),
             changed: Condvar::new(),
         });
-        let (tx, rx) = channel();
-        let inner = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("sluice-disk".into())
-            .spawn(move || serve(&inner, rx))
-            .map_err(|e| Error::invalid(format!("cannot start the disk tier's thread: {e}")))?;
-        Ok(DiskStage { shared, tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
+        let mut queues = Vec::new();
+        let mut threads = Vec::new();
+        for what in ["reads", "writes"] {
+            let (tx, rx) = channel();
+            let inner = shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("sluice-disk-{what}"))
+                .spawn(move || serve(&inner, rx))
+                .map_err(|e| Error::invalid(format!("cannot start the disk tier's thread: {e}")))?;
+            queues.push(tx);
+            threads.push(thread);
+        }
+        let (writes, reads) = (queues.pop(), queues.pop());
+        let queues = reads.zip(writes);
+        Ok(DiskStage { shared, queues: Mutex::new(queues), threads: Mutex::new(threads) })
     }
 
     pub fn tier(&self) -> &DiskTier {
@@ -448,9 +462,13 @@ impl DiskStage {
     }
 
     fn send(&self, io: Io) -> Result<()> {
-        let tx =
-            self.tx.lock().map_err(|_| Error::invalid("the disk tier's queue was poisoned"))?;
-        match tx.as_ref().map(|tx| tx.send(io)) {
+        let queues =
+            self.queues.lock().map_err(|_| Error::invalid("the disk tier's queue was poisoned"))?;
+        let sent = queues.as_ref().map(|(reads, writes)| match io {
+            Io::Read(..) => reads.send(io),
+            Io::Write(..) => writes.send(io),
+        });
+        match sent {
             Some(Ok(())) => Ok(()),
             _ => Err(Error::invalid("the disk tier's thread has stopped")),
         }
@@ -587,10 +605,11 @@ impl DiskStage {
 
 impl Drop for DiskStage {
     fn drop(&mut self) {
-        if let Ok(mut tx) = self.tx.lock() {
-            tx.take();
+        if let Ok(mut queues) = self.queues.lock() {
+            queues.take();
         }
-        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+        let threads = self.threads.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        for thread in threads {
             let _ = thread.join();
         }
     }
@@ -605,13 +624,22 @@ fn claim(slots: &mut [Slot]) -> Option<usize> {
         .or_else(|| slots.iter().position(|s| matches!(s, Slot::Ready(_))))
 }
 
-/// The I/O thread: serves requests in order until the stage is dropped or a request fails.
+/// An I/O thread: serves its requests in order until the stage is dropped or a request fails.
+/// A read waits for any write-back of its unit still under way (the other thread's), so it
+/// sees the moments the last update wrote.
 fn serve(shared: &Shared, rx: Receiver<Io>) {
     for io in rx {
         let (unit, slot, write) = match io {
             Io::Read(u, s) => (u, s, false),
             Io::Write(u, s) => (u, s, true),
         };
+        if !write {
+            let Ok(mut t) = shared.table() else { return };
+            while t.failed.is_none() && t.slots.contains(&Slot::Writing(unit)) {
+                let Ok(next) = shared.changed.wait(t) else { return };
+                t = next;
+            }
+        }
         let start = Instant::now();
         let done = shared.buffer(slot).and_then(|mut buf| {
             if write { shared.tier.write(unit, &buf) } else { shared.tier.read(unit, &mut buf) }
