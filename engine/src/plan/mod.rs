@@ -312,6 +312,12 @@ pub struct Overflow {
     pub over_by: u64,
 }
 
+impl Overflow {
+    fn of(memory: Memory, needed: u64, capacity: u64) -> Overflow {
+        Overflow { memory, needed, capacity, over_by: needed.saturating_sub(capacity) }
+    }
+}
+
 /// A change that would make the job fit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -922,63 +928,31 @@ fn refusal(s: &Sizes, input: &PlanInput<'_>, model: ModelSummary) -> Refusal {
     // disk is the reason (below), on the CPU too.
     if input.memory.shared() && lean.host_needed > host {
         // One memory holds everything: it is the reason.
-        overflows.push(Overflow {
-            memory: Memory::Host,
-            needed: lean.host_needed,
-            capacity: host,
-            over_by: lean.host_needed.saturating_sub(host),
-        });
+        overflows.push(Overflow::of(Memory::Host, lean.host_needed, host));
     }
     // A memory is named only when no placement fits it: then it is the reason.
     if overflows.is_empty() && lean.device_min > gpu {
-        overflows.push(Overflow {
-            memory: Memory::Device,
-            needed: lean.device_min,
-            capacity: gpu,
-            over_by: lean.device_min - gpu,
-        });
+        overflows.push(Overflow::of(Memory::Device, lean.device_min, gpu));
     }
     if overflows.is_empty() && lean.host_min > host {
-        overflows.push(Overflow {
-            memory: Memory::Host,
-            needed: lean.host_min,
-            capacity: host,
-            over_by: lean.host_min - host,
-        });
+        overflows.push(Overflow::of(Memory::Host, lean.host_min, host));
     }
     if overflows.is_empty() && lean.disk_min > disk {
-        overflows.push(Overflow {
-            memory: Memory::Disk,
-            needed: lean.disk_min,
-            capacity: disk,
-            over_by: lean.disk_min - disk,
-        });
+        overflows.push(Overflow::of(Memory::Disk, lean.disk_min, disk));
     }
     if overflows.is_empty() {
         // Each memory fits some placement, but no placement fits them all.
         let b = &lean.shown;
-        overflows.push(if b.device_over() > 0 {
-            Overflow {
-                memory: Memory::Device,
-                needed: b.device.used,
-                capacity: gpu,
-                over_by: b.device_over(),
-            }
+        // The budget's own overflows: on the CPU the device's capacity is what the host
+        // parts leave, not the machine's figure.
+        let (memory, needed, capacity, over_by) = if b.device_over() > 0 {
+            (Memory::Device, b.device.used, gpu, b.device_over())
         } else if b.host_over() > 0 || b.disk_over() == 0 {
-            Overflow {
-                memory: Memory::Host,
-                needed: b.host_used(),
-                capacity: host,
-                over_by: b.host_over(),
-            }
+            (Memory::Host, b.host_used(), host, b.host_over())
         } else {
-            Overflow {
-                memory: Memory::Disk,
-                needed: b.disk_used(),
-                capacity: disk,
-                over_by: b.disk_over(),
-            }
-        });
+            (Memory::Disk, b.disk_used(), disk, b.disk_over())
+        };
+        overflows.push(Overflow { memory, needed, capacity, over_by });
     }
     let reason = overflows
         .iter()
