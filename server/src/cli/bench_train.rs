@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use sluice_engine::backend::Backend;
 use sluice_engine::backend::cpu::Cpu;
-use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::backend::cuda::{Cuda, OpClass, OpProfile, OpTime};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
@@ -90,6 +90,12 @@ pub(crate) struct TrainArgs {
     /// Write the per-step records and the summary to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+
+    /// Time every op on the GPU's compute stream (CUDA events around each) and print the
+    /// device time per kernel class and op per step, beside the ideal at the planner's rates.
+    /// The events cost host time, so profiled steps run slightly slower than unprofiled ones.
+    #[arg(long)]
+    profile: bool,
 
     /// Write what PyTorch needs to replay step 1 into this folder (see the module docs).
     #[arg(long, value_name = "DIR")]
@@ -321,6 +327,13 @@ fn bench<B: Backend>(
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0x5eed_70c5);
     let mut records = Vec::with_capacity(args.steps);
     let first = synthetic_step(&mut rng, spec.vocab, &plan.batch);
+    let profiler = cuda.filter(|_| args.profile);
+    if let Some(c) = profiler {
+        c.set_profiling(true);
+    } else if args.profile {
+        println!("profile: only the CUDA backend times its ops; --profile ignored");
+    }
+    let mut profiles = Vec::new();
     for step in 1..=args.steps {
         let micro = if step == 1 || args.repeat_batch {
             first.clone()
@@ -333,6 +346,9 @@ fn bench<B: Backend>(
             write_batches(dir, &micro)?;
         }
         let (m, traffic) = streamer.step(&micro)?;
+        if let Some(c) = profiler {
+            profiles.push(c.take_profile()?);
+        }
         if step == 1
             && let Some(dir) = &args.check_dir
         {
@@ -387,8 +403,15 @@ fn bench<B: Backend>(
     drop(streamer);
     let drain = started.elapsed();
 
-    let summary = summarise(&records, plan, device_bytes, store.total() as u64);
+    let mut summary = summarise(&records, plan, device_bytes, store.total() as u64);
     print_summary(&summary, drain);
+    if let Some(c) = profiler {
+        c.set_profiling(false);
+        let steady = if profiles.len() >= 3 { &profiles[2..] } else { &profiles[..] };
+        let table = profile_table(steady, &records, plan);
+        print_profile(&table);
+        summary["profile"] = table;
+    }
     if let Some(path) = &args.json {
         let report = json!({
             "device": b.name(),
@@ -402,6 +425,127 @@ fn bench<B: Backend>(
         println!("records: {}", path.display());
     }
     Ok(())
+}
+
+/// The mean per step of `profiles` (steps 3..N), per class and op, with the ideal time of the
+/// counted FLOPs and of the step's PCIe bytes at the planner's rates.
+fn profile_table(profiles: &[OpProfile], records: &[Record], plan: &Plan) -> Value {
+    let n = profiles.len().max(1) as f64;
+    let steady = if records.len() >= 3 { &records[2..] } else { records };
+    let mean =
+        |f: fn(&Record) -> f64| steady.iter().map(f).sum::<f64>() / steady.len().max(1) as f64;
+    let rates = MachineRates::default();
+    let mut ops: Vec<OpTime> = Vec::new();
+    for p in profiles {
+        for o in &p.ops {
+            match ops.iter_mut().find(|x| x.op == o.op) {
+                Some(x) => {
+                    x.calls += o.calls;
+                    x.seconds += o.seconds;
+                    x.flops += o.flops;
+                }
+                None => ops.push(o.clone()),
+            }
+        }
+    }
+    let merged = OpProfile { ops, window_s: profiles.iter().map(|p| p.window_s).sum() };
+    let classes: Vec<Value> = merged
+        .classes()
+        .into_iter()
+        .map(|(class, calls, seconds, flops)| {
+            let ops: Vec<Value> = merged
+                .ops
+                .iter()
+                .filter(|o| o.class == class)
+                .map(|o| {
+                    json!({
+                        "op": o.op,
+                        "calls": o.calls as f64 / n,
+                        "seconds": o.seconds / n,
+                        "tflops": (o.flops > 0.0).then(|| o.flops / o.seconds.max(1e-12) / 1e12),
+                    })
+                })
+                .collect();
+            let ideal = match class {
+                OpClass::Gemm | OpClass::Loss => Some(flops / n / rates.gemm_flops),
+                OpClass::Attention => Some(flops / n / rates.attention_flops),
+                _ => None,
+            };
+            json!({
+                "class": class,
+                "calls": calls as f64 / n,
+                "seconds": seconds / n,
+                "tflops": (flops > 0.0).then(|| flops / seconds.max(1e-12) / 1e12),
+                "ideal_seconds": ideal,
+                "ops": ops,
+            })
+        })
+        .collect();
+    let step_s = mean(|r| r.step_s);
+    json!({
+        "steps": profiles.len(),
+        "classes": classes,
+        "busy_s": merged.busy_s() / n,
+        "window_s": merged.window_s / n,
+        "step_s": step_s,
+        "predicted_step_s": plan.time.total_s,
+        "h2d_ideal_s": mean(|r| r.h2d_bytes as f64) / rates.pcie_h2d,
+        "d2h_ideal_s": mean(|r| r.d2h_bytes as f64) / rates.pcie_d2h,
+        "gemm_rate": rates.gemm_flops,
+        "attention_rate": rates.attention_flops,
+        "pcie_rate": rates.pcie_h2d,
+    })
+}
+
+fn print_profile(t: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let step = f(&t["step_s"]);
+    println!(
+        "profile (device time per step on the compute stream, mean of {} profiled steps; ideal \
+         at {:.0} TFLOPS for GEMMs and the LM head, {:.0} for attention):",
+        t["steps"],
+        f(&t["gemm_rate"]) / 1e12,
+        f(&t["attention_rate"]) / 1e12,
+    );
+    println!(
+        "  {:<28} {:>9} {:>9} {:>7} {:>8} {:>9}",
+        "class / op", "calls", "s", "share", "TFLOPS", "ideal s"
+    );
+    let opt = |v: &Value, w: usize, p: usize| match v.as_f64() {
+        Some(x) => format!("{x:>w$.p$}"),
+        None => format!("{:>w$}", "-"),
+    };
+    for c in t["classes"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<28} {:>9.0} {:>9.3} {:>6.1}% {} {}",
+            c["class"].as_str().unwrap_or("?"),
+            f(&c["calls"]),
+            f(&c["seconds"]),
+            100.0 * f(&c["seconds"]) / step,
+            opt(&c["tflops"], 8, 1),
+            opt(&c["ideal_seconds"], 9, 3),
+        );
+        for o in c["ops"].as_array().into_iter().flatten() {
+            println!(
+                "    {:<26} {:>9.0} {:>9.3} {:>6.1}% {}",
+                o["op"].as_str().unwrap_or("?"),
+                f(&o["calls"]),
+                f(&o["seconds"]),
+                100.0 * f(&o["seconds"]) / step,
+                opt(&o["tflops"], 8, 1),
+            );
+        }
+    }
+    let (busy, window) = (f(&t["busy_s"]), f(&t["window_s"]));
+    println!(
+        "  ops {busy:.3} s of a {window:.3} s window on the compute stream ({:.3} s between ops: \
+         waits for transfers and the host); step {step:.3} s (planner {:.3} s); PCIe ideal {:.3} s \
+         up, {:.3} s down",
+        window - busy,
+        f(&t["predicted_step_s"]),
+        f(&t["h2d_ideal_s"]),
+        f(&t["d2h_ideal_s"]),
+    );
 }
 
 /// Gigabytes per second of `bytes` moved in `busy` (0 when nothing moved).

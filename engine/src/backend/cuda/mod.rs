@@ -31,6 +31,7 @@ mod memory;
 mod moe;
 pub mod nccl;
 mod norm;
+mod profile;
 mod transfer;
 
 use std::ops::Range;
@@ -41,6 +42,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 pub use device::{PinnedBuffer, device_memory, probe};
+pub use profile::{OpClass, OpProfile, OpTime};
 
 use super::{
     AttentionShape, Backend, DecodeShape, FloatKind, GluAct, GroupedShape, MoeShape, WeightDtype,
@@ -152,6 +154,8 @@ pub struct Cuda {
     /// Whether a MoE layer's aligned grouped GEMMs run as one cuBLAS call (see
     /// [`Cuda::set_grouped_gemm`]).
     grouped_gemm: AtomicBool,
+    /// Device time per op, when `sluice bench train --profile` asks (see `profile`).
+    profiler: profile::Profiler,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -198,6 +202,7 @@ impl Cuda {
             grouped_gemm: AtomicBool::new(
                 std::env::var("SLUICE_GROUPED_GEMM").is_ok_and(|v| v == "on"),
             ),
+            profiler: profile::Profiler::default(),
         })
     }
 
@@ -405,26 +410,32 @@ impl Backend for Cuda {
     }
 
     fn fill_zero(&self, dst: ViewMut<'_>) -> Result<()> {
+        let _t = self.timed("fill_zero", OpClass::Elementwise, 0.0);
         self.zero(&dst)
     }
 
     fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let _t = self.timed("copy", OpClass::Elementwise, 0.0);
         self.copy_floats(dst, src)
     }
 
     fn add(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
+        let _t = self.timed("add", OpClass::Elementwise, 0.0);
         self.add_op(out, a, b)
     }
 
     fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let _t = self.timed("add_assign", OpClass::Elementwise, 0.0);
         self.add_assign_op(dst, src)
     }
 
     fn sum(&self, src: View<'_>) -> Result<f64> {
+        let _t = self.timed("sum", OpClass::Reduction, 0.0);
         self.reduce("sum", src, false)
     }
 
     fn sum_squares(&self, src: View<'_>) -> Result<f64> {
+        let _t = self.timed("sum_squares", OpClass::Reduction, 0.0);
         self.reduce("sum_squares", src, true)
     }
 
@@ -437,6 +448,7 @@ impl Backend for Cuda {
         hidden: usize,
         scale: f32,
     ) -> Result<()> {
+        let _t = self.timed("embedding_forward", OpClass::Embedding, 0.0);
         self.embedding_forward_op(out, ids, table, tokens, hidden, scale)
     }
 
@@ -449,6 +461,7 @@ impl Backend for Cuda {
         hidden: usize,
         scale: f32,
     ) -> Result<()> {
+        let _t = self.timed("embedding_backward", OpClass::Embedding, 0.0);
         self.embedding_backward_op(dtable, dout, ids, tokens, hidden, scale)
     }
 
@@ -461,6 +474,7 @@ impl Backend for Cuda {
         k: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
         self.matmul_forward_op(out, inp, w, rows, k, n)
     }
 
@@ -475,10 +489,12 @@ impl Backend for Cuda {
         k: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = self.timed("matmul_backward", OpClass::Gemm, 4.0 * (rows * k * n) as f64);
         self.matmul_backward_op(dinp, dw, dout, inp, w, rows, k, n)
     }
 
     fn bias_forward(&self, out: ViewMut<'_>, bias: View<'_>, rows: usize, n: usize) -> Result<()> {
+        let _t = self.timed("bias_forward", OpClass::Elementwise, 0.0);
         self.bias_forward_op(out, bias, rows, n)
     }
 
@@ -489,6 +505,7 @@ impl Backend for Cuda {
         rows: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = self.timed("bias_backward", OpClass::Elementwise, 0.0);
         self.bias_backward_op(dbias, dout, rows, n)
     }
 
@@ -502,6 +519,7 @@ impl Backend for Cuda {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        let _t = self.timed("rmsnorm_forward", OpClass::Norm, 0.0);
         self.rmsnorm_forward_op(out, rstd, inp, w, rows, dim, eps)
     }
 
@@ -516,6 +534,7 @@ impl Backend for Cuda {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
+        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
         self.rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, rows, dim)
     }
 
@@ -528,6 +547,7 @@ impl Backend for Cuda {
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()> {
+        let _t = self.timed("head_rmsnorm_forward", OpClass::Norm, 0.0);
         self.head_rmsnorm_forward_op(out, rstd, inp, w, shape, eps)
     }
 
@@ -541,6 +561,7 @@ impl Backend for Cuda {
         rstd: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("head_rmsnorm_backward", OpClass::Norm, 0.0);
         self.head_rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, shape)
     }
 
@@ -552,6 +573,7 @@ impl Backend for Cuda {
         scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("rope_forward", OpClass::Rope, 0.0);
         self.rope_op(qkv, pos, inv_freq, scale, shape, 1.0)
     }
 
@@ -563,6 +585,7 @@ impl Backend for Cuda {
         scale: f32,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("rope_backward", OpClass::Rope, 0.0);
         self.rope_op(dqkv, pos, inv_freq, scale, shape, -1.0)
     }
 
@@ -574,6 +597,11 @@ impl Backend for Cuda {
         cu_seqlens: &Ints,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed(
+            "attention_forward",
+            OpClass::Attention,
+            profile::attention_flops(&cu_seqlens.host, shape.q_heads, shape.head_dim, shape.window),
+        );
         self.attention_forward_op(out, lse, qkv, cu_seqlens, shape)
     }
 
@@ -587,6 +615,16 @@ impl Backend for Cuda {
         cu_seqlens: &Ints,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed(
+            "attention_backward",
+            OpClass::Attention,
+            2.5 * profile::attention_flops(
+                &cu_seqlens.host,
+                shape.q_heads,
+                shape.head_dim,
+                shape.window,
+            ),
+        );
         self.attention_backward_op(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
     }
 
@@ -599,6 +637,7 @@ impl Backend for Cuda {
         sinks: Option<View<'_>>,
         shape: &DecodeShape,
     ) -> Result<()> {
+        let _t = self.timed("attention_decode", OpClass::Attention, 0.0);
         self.attention_decode_op(out, q, k_cache, v_cache, sinks, shape)
     }
 
@@ -609,6 +648,7 @@ impl Backend for Cuda {
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("attention_sinks_forward", OpClass::Attention, 0.0);
         self.attention_sinks_forward_op(out, lse, sinks, shape)
     }
 
@@ -621,6 +661,7 @@ impl Backend for Cuda {
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("attention_sinks_backward", OpClass::Attention, 0.0);
         self.attention_sinks_backward_op(dsinks, dout, out, lse, sinks, shape)
     }
 
@@ -632,6 +673,7 @@ impl Backend for Cuda {
         inter: usize,
         act: GluAct,
     ) -> Result<()> {
+        let _t = self.timed("glu_forward", OpClass::Activation, 0.0);
         self.glu_forward_op(out, gate_up, rows, inter, act)
     }
 
@@ -644,6 +686,7 @@ impl Backend for Cuda {
         inter: usize,
         act: GluAct,
     ) -> Result<()> {
+        let _t = self.timed("glu_backward", OpClass::Activation, 0.0);
         self.glu_backward_op(dgate_up, dout, gate_up, rows, inter, act)
     }
 
@@ -655,6 +698,7 @@ impl Backend for Cuda {
         logits: View<'_>,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_route", OpClass::Routing, 0.0);
         self.moe_route_op(weights, probs, experts, logits, shape)
     }
 
@@ -668,6 +712,7 @@ impl Backend for Cuda {
         aux: Option<(View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_route_backward", OpClass::Routing, 0.0);
         self.moe_route_backward_op(dlogits, dweights, weights, probs, experts, aux, shape)
     }
 
@@ -678,6 +723,7 @@ impl Backend for Cuda {
         experts: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_router_stats", OpClass::Routing, 0.0);
         self.moe_router_stats_op(stats, probs, experts, shape)
     }
 
@@ -688,6 +734,7 @@ impl Backend for Cuda {
         experts: &Ints,
         shape: &MoeShape,
     ) -> Result<Vec<usize>> {
+        let _t = self.timed("moe_sort", OpClass::Routing, 0.0);
         self.moe_sort_op(order, rows, experts, shape)
     }
 
@@ -698,6 +745,7 @@ impl Backend for Cuda {
         order: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_gather", OpClass::Routing, 0.0);
         self.moe_gather_op(xs, x, order, shape)
     }
 
@@ -708,6 +756,7 @@ impl Backend for Cuda {
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_gather_backward", OpClass::Routing, 0.0);
         self.moe_gather_backward_op(dx, dxs, rows, shape)
     }
 
@@ -719,6 +768,7 @@ impl Backend for Cuda {
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_combine", OpClass::Routing, 0.0);
         self.moe_combine_op(out, y, weights, rows, shape)
     }
 
@@ -732,6 +782,7 @@ impl Backend for Cuda {
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_combine_backward", OpClass::Routing, 0.0);
         self.moe_combine_backward_op(dy, dweights, dout, y, weights, rows, shape)
     }
 
@@ -743,6 +794,11 @@ impl Backend for Cuda {
         bias: Option<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "grouped_matmul_forward",
+            OpClass::Gemm,
+            2.0 * (g.rows() * g.k * g.n) as f64,
+        );
         self.grouped_matmul_forward_op(out, inp, w, bias, g)
     }
 
@@ -755,6 +811,11 @@ impl Backend for Cuda {
         w: View<'_>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "grouped_matmul_backward",
+            OpClass::Gemm,
+            4.0 * (g.rows() * g.k * g.n) as f64,
+        );
         self.grouped_matmul_backward_op(dinp, dw, dout, inp, w, g)
     }
 
@@ -766,6 +827,7 @@ impl Backend for Cuda {
         rows: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = self.timed("sigmoid_gate_forward", OpClass::Activation, 0.0);
         self.sigmoid_gate_forward_op(out, y, logits, rows, n)
     }
 
@@ -779,6 +841,7 @@ impl Backend for Cuda {
         rows: usize,
         n: usize,
     ) -> Result<()> {
+        let _t = self.timed("sigmoid_gate_backward", OpClass::Activation, 0.0);
         self.sigmoid_gate_backward_op(dy, dlogits, dout, y, logits, rows, n)
     }
 
@@ -788,6 +851,7 @@ impl Backend for Cuda {
         dout: View<'_>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed("grouped_bias_backward", OpClass::Elementwise, 0.0);
         self.grouped_bias_backward_op(dbias, dout, g)
     }
 
@@ -803,6 +867,11 @@ impl Backend for Cuda {
         vocab: usize,
         softcap: Option<f32>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "cross_entropy_forward",
+            OpClass::Loss,
+            2.0 * (tokens * hidden * vocab) as f64,
+        );
         self.cross_entropy_forward_op(losses, lse, x, w, targets, tokens, hidden, vocab, softcap)
     }
 
@@ -820,6 +889,11 @@ impl Backend for Cuda {
         vocab: usize,
         softcap: Option<f32>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "cross_entropy_backward",
+            OpClass::Loss,
+            6.0 * (tokens * hidden * vocab) as f64,
+        );
         self.cross_entropy_backward_op(
             dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab, softcap,
         )
