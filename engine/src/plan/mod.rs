@@ -246,11 +246,14 @@ pub struct Placement {
 pub struct StepTime {
     /// Seconds per optimizer step.
     pub total_s: f64,
-    /// GPU busy time: GEMMs (forward, recompute, backward) plus attention.
+    /// GPU busy time: the layers' GEMMs (forward, recompute, backward), the LM head, attention
+    /// and the elementwise kernels.
     pub compute_s: f64,
     pub gemm_s: f64,
+    pub head_s: f64,
     pub attention_s: f64,
-    /// FLOPs per step, GEMMs and attention.
+    pub elementwise_s: f64,
+    /// FLOPs per step: GEMMs (the LM head's too) and attention.
     pub flops: f64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
@@ -831,7 +834,7 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
     let disk = input.memory.disk.as_ref();
     let without_adam = timing::simulate(s, &e.layout, &input.rates, disk, 0.0).step;
     let exposed = (c.step - without_adam).clamp(0.0, c.adam);
-    let compute = c.gemm + c.attention;
+    let compute = c.gemm + c.head + c.attention + c.elementwise;
     let pcie = c.h2d.max(c.d2h);
     let bottleneck = if c.disk > compute && c.disk > pcie && c.disk > c.adam {
         Bottleneck::Disk
@@ -847,8 +850,12 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
         total_s: c.step,
         compute_s: compute,
         gemm_s: c.gemm,
+        head_s: c.head,
         attention_s: c.attention,
-        flops: c.gemm * input.rates.gemm_flops + c.attention * s.attention_rate(&input.rates),
+        elementwise_s: c.elementwise,
+        flops: c.gemm * input.rates.gemm_flops
+            + c.head * input.rates.head_flops
+            + c.attention * s.attention_rate(&input.rates),
         h2d_bytes: c.h2d_bytes,
         d2h_bytes: c.d2h_bytes,
         h2d_s: c.h2d,

@@ -18,14 +18,26 @@ pub struct MachineRates {
     /// Effective bf16 GEMM FLOP/s on a decoder layer's shapes. Measured: 684-772 TFLOPS at
     /// typical layer shapes, 791 at 8192^3 (torch, cuBLAS); 700 leaves room for small GEMMs.
     pub gemm_flops: f64,
-    /// Attention FLOP/s (fused forward and backward, causal, head_dim 128). Measured with torch
-    /// SDPA: ~490 TFLOPS at seq 4096 to ~580 at 16384; 450 for shorter sequences and our own
-    /// kernel.
+    /// Peak attention FLOP/s of Sluice's tensor-core kernels (forward, recompute and backward
+    /// together, the backward counted as 2.5 forwards), reached at long rows; at sequence length
+    /// `s` they run at `attention_flops x s / (s + attention_half_seq)`. Measured with `sluice
+    /// bench train --profile` on the H200 (2026-12-03, head_dim 128): 125-132 TFLOPS at seq
+    /// 1024 (Qwen2.5-1.5B, 7B), 209 at seq 32768 (7B), which this curve fits.
     pub attention_flops: f64,
+    /// The sequence length at which attention runs at half its peak (see `attention_flops`).
+    pub attention_half_seq: f64,
     /// Attention FLOP/s of the scalar kernels, which soft-capped attention (Gemma 2) runs on.
     /// Measured: Gemma-2-9B at 64 x 1024 tokens took 36.9 s a step on the H200 (2026-12-03),
     /// about 29.6 s of it attention's 1.0e14 FLOPs (forward, recompute and backward): 3.5 TFLOPS.
     pub scalar_attention_flops: f64,
+    /// FLOP/s of the chunked LM head (its GEMMs with the softmax and loss between them).
+    /// Measured (profile, H200, 2026-12-03): 386 TFLOPS at hidden 1536, 454 at 3584.
+    pub head_flops: f64,
+    /// Effective bytes/s of a layer's elementwise kernels (norms, RoPE, biases, the gated
+    /// activation, residual adds) over the bytes they must move (`Sizes::elementwise_*`).
+    /// Measured (profile, H200, 2026-12-03): 1.16 TB/s at Qwen2.5-7B, 1.21 at 1.5B, 1.40 at
+    /// 7B with 32K rows, a quarter of the HBM's bandwidth.
+    pub elementwise_bytes: f64,
     /// Parameters/s of the CPU AdamW on all cores. Measured: torch's fused CPU AdamW 4.67
     /// Gparam/s on the 16 cores; 5e9 is the target of Sluice's fused update.
     pub adam_params: f64,
@@ -42,8 +54,11 @@ impl Default for MachineRates {
             pcie_h2d: 50e9,
             pcie_d2h: 50e9,
             gemm_flops: 700e12,
-            attention_flops: 450e12,
+            attention_flops: 213e12,
+            attention_half_seq: 628.0,
             scalar_attention_flops: 3.5e12,
+            head_flops: 430e12,
+            elementwise_bytes: 1.2e12,
             adam_params: 5e9,
             host_memcpy: 60e9,
         }
@@ -60,10 +75,19 @@ impl MachineRates {
             pcie_d2h: 10e9,
             gemm_flops: 2e10,
             attention_flops: 1e10,
+            attention_half_seq: 0.0,
             scalar_attention_flops: 1e10,
+            head_flops: 2e10,
+            elementwise_bytes: 5e9,
             adam_params: 5e8,
             host_memcpy: 10e9,
         }
+    }
+
+    /// Attention FLOP/s of the tensor-core kernels on rows of `seq_len` tokens.
+    pub fn attention_rate(&self, seq_len: usize) -> f64 {
+        let s = seq_len.max(1) as f64;
+        self.attention_flops * s / (s + self.attention_half_seq.max(0.0))
     }
 
     /// Rejects a rate that is not finite and positive, naming it.
@@ -74,9 +98,17 @@ impl MachineRates {
             ("gemm_flops", self.gemm_flops),
             ("attention_flops", self.attention_flops),
             ("scalar_attention_flops", self.scalar_attention_flops),
+            ("head_flops", self.head_flops),
+            ("elementwise_bytes", self.elementwise_bytes),
             ("adam_params", self.adam_params),
             ("host_memcpy", self.host_memcpy),
         ];
+        if !(self.attention_half_seq.is_finite() && self.attention_half_seq >= 0.0) {
+            return Err(Error::invalid(format!(
+                "machine rate attention_half_seq must be >= 0, got {}",
+                self.attention_half_seq
+            )));
+        }
         for (name, rate) in fields {
             if !(rate.is_finite() && rate > 0.0) {
                 return Err(Error::invalid(format!("machine rate {name} must be > 0, got {rate}")));

@@ -234,8 +234,9 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "  GPU compute   {:>8.3} s  (GEMM {:.3} s incl. recompute, attention {:.3} s; idle {:.3} s)",
-            t.compute_s, t.gemm_s, t.attention_s, t.gpu_idle_s
+            "  GPU compute   {:>8.3} s  (GEMM {:.3} s incl. recompute, LM head {:.3} s, attention \
+             {:.3} s, elementwise {:.3} s; idle {:.3} s)",
+            t.compute_s, t.gemm_s, t.head_s, t.attention_s, t.elementwise_s, t.gpu_idle_s
         )?;
         writeln!(
             f,

@@ -123,12 +123,21 @@ pub struct Sizes {
     pub attention_fwd_flops: f64,
     /// Whether attention is soft-capped (Gemma 2), which the GPU runs on its scalar kernels.
     pub capped_attention: bool,
+    /// Bytes the elementwise kernels of one layer's forward move over the whole step, averaged
+    /// over the layers (see `elementwise_bytes`).
+    pub elementwise_fwd_bytes: f64,
+    /// The same for one layer's backward, without its recomputed forward.
+    pub elementwise_bwd_bytes: f64,
 }
 
 impl Sizes {
     /// The attention FLOP/s of this model on a machine: the scalar kernels' when soft-capped.
     pub fn attention_rate(&self, r: &MachineRates) -> f64 {
-        if self.capped_attention { r.scalar_attention_flops } else { r.attention_flops }
+        if self.capped_attention {
+            r.scalar_attention_flops
+        } else {
+            r.attention_rate(self.batch.seq_len)
+        }
     }
 
     pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
@@ -159,6 +168,8 @@ impl Sizes {
             head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
             capped_attention: spec.attn_softcap.is_some(),
+            elementwise_fwd_bytes: elementwise_bytes(spec, batch.step_tokens()).0,
+            elementwise_bwd_bytes: elementwise_bytes(spec, batch.step_tokens()).1,
         }
     }
 
@@ -245,6 +256,28 @@ pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
         Some(w) if w < s => w * (w + 1) / 2 + (s - w) * w,
         _ => full,
     }
+}
+
+/// Bytes a layer's elementwise kernels read and write for `t` tokens, averaged over the
+/// layers, forward and backward: per token, each RMSNorm reads and writes `H` (its backward
+/// reads two rows and writes one), the q/k/v bias and RoPE read and write their columns, the
+/// gated activation reads `2I` and writes `I` (its backward reads `3I`, writes `2I`), and the
+/// two residual adds read two rows and write one, in bf16. A mixture of experts counts the
+/// intermediate width of the experts each token reaches.
+fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64) {
+    let h = spec.hidden as f64;
+    let qkv = spec.qkv_width() as f64;
+    let rotated = ((spec.q_heads + spec.kv_heads) * spec.head_dim) as f64;
+    let bias = if spec.qkv_bias { qkv } else { 0.0 };
+    let norms = 2.0 + 2.0 * f64::from(u8::from(spec.sandwich_norms));
+    let qk_norm = if spec.qk_norm { rotated } else { 0.0 };
+    let layers = spec.layers.max(1);
+    let inter: f64 = (0..layers).map(|l| spec.active_mlp_params(l) as f64 / (3.0 * h)).sum::<f64>()
+        / layers as f64;
+    let fwd = norms * 2.0 * h + 2.0 * (bias + rotated + qk_norm) + 3.0 * inter + 2.0 * 3.0 * h;
+    let bwd = norms * 3.0 * h + bias + 2.0 * (rotated + qk_norm) + 5.0 * inter + 2.0 * 3.0 * h;
+    let b = (t * BF16) as f64;
+    (fwd * b, bwd * b)
 }
 
 /// Forward attention FLOPs of every layer summed, averaged per layer, for the whole step:

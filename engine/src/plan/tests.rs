@@ -210,9 +210,11 @@ fn every_gradient_policy_is_planned_with_its_memory_and_its_effect() {
     assert!(host.refused.as_deref().unwrap_or("").contains("host"), "{host:?}");
     assert!(host.host_bytes > input.memory.host_bytes, "{host:?}");
     // The ring needs no store: with the same memory it is no slower (the planner spends the
-    // room on speed), and it alone fits 96 GiB: 12 bytes per parameter of master and moments,
+    // room on speed, within the 1% it gives up to stream the master instead of a copy), and
+    // it alone fits 96 GiB: 12 bytes per parameter of master and moments,
     // plus the ring's slots of the largest unit (the 2 GiB embedding, 1.15 bytes per parameter).
-    assert!(ring.step_s <= bf16.step_s, "{ring:?} {bf16:?}");
+    let (r, b) = (ring.step_s.expect("timed"), bf16.step_s.expect("timed"));
+    assert!(r <= b * 1.01, "{ring:?} {bf16:?}");
     let tight = PlanInput { memory: MachineMemory::given(24 * GIB, 96 * GIB), ..input.clone() };
     let options = gradient_options(&tight).expect("valid");
     let fit: Vec<_> = options.iter().map(|o| o.fits).collect();
@@ -479,15 +481,32 @@ fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
     let plan = fits(check("qwen2.5-7b", (4096, 2, 4), H200, true));
     let n = (4096 * 2 * 4) as f64;
     let s = &QWEN7;
-    let gemm_params = s.layers * (s.qkv() + s.att() + 3 * s.inter) * s.hidden + s.vocab * s.hidden;
+    let rates = MachineRates::default();
+    let gemm_params = s.layers * (s.qkv() + s.att() + 3 * s.inter) * s.hidden;
     let gemm = 8.0 * gemm_params as f64 * n / 700e12;
+    // The LM head: forward, logits recomputed, backward, at its own rate.
+    let head = 8.0 * (s.vocab * s.hidden) as f64 * n / rates.head_flops;
     // Causal: 4096 * 4097 / 2 query-key pairs per row, 4 hd FLOPs per head per pair forward;
     // forward + recompute + 2.5 x forward for the backward.
     let pairs = 4096.0 * 4097.0 / 2.0;
-    let attn = 4.5 * s.layers as f64 * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64 / 450e12;
+    let rate = rates.attention_rate(4096);
+    let attn = 4.5 * s.layers as f64 * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64 / rate;
+    // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), the q/k/v bias
+    // and RoPE on q and k (read and write), the gated activation (3 I), two residual adds
+    // (3 H each); backward 3 H per norm, the bias read once, RoPE, 5 I, the adds again. The
+    // forward runs twice (the recompute).
+    let (h, i, qkv) = (s.hidden as f64, s.inter as f64, s.qkv() as f64);
+    let rotated = ((s.q_heads + s.kv_heads) * s.head_dim) as f64;
+    let fwd = 4.0 * h + 2.0 * (qkv + rotated) + 3.0 * i + 6.0 * h;
+    let bwd = 6.0 * h + qkv + 2.0 * rotated + 5.0 * i + 6.0 * h;
+    let elementwise = s.layers as f64 * (2.0 * fwd + bwd) * 2.0 * n / rates.elementwise_bytes;
     let t = &plan.time;
-    assert!((t.gemm_s - gemm).abs() < 1e-9 * gemm, "{} vs {gemm}", t.gemm_s);
-    assert!((t.attention_s - attn).abs() < 1e-9 * attn, "{} vs {attn}", t.attention_s);
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b;
+    assert!(close(t.gemm_s, gemm), "{} vs {gemm}", t.gemm_s);
+    assert!(close(t.head_s, head), "{} vs {head}", t.head_s);
+    assert!(close(t.attention_s, attn), "{} vs {attn}", t.attention_s);
+    assert!(close(t.elementwise_s, elementwise), "{} vs {elementwise}", t.elementwise_s);
+    assert!(close(t.compute_s, gemm + head + attn + elementwise), "{t:?}");
     // The step can't beat its busiest resource, and the optimizer splits into hidden + exposed.
     assert!(t.total_s >= t.compute_s.max(t.h2d_s).max(t.d2h_s).max(t.adam_s) - 1e-9);
     assert!((t.adam_hidden_s + t.adam_exposed_s - t.adam_s).abs() < 1e-9);
@@ -626,10 +645,10 @@ fn on_the_cpu_one_memory_holds_the_state_and_the_buffers() {
 }
 
 /// Qwen2.5-7B, 16 micro-batches of 4096 tokens, on 1, 2 and 4 H200s. Two GPUs halve the compute
-/// (5.8 s to 2.9 s) and each link gets a quarter of the host's 120 GB/s of memory traffic (30 GB/s
+/// (8.2 s to 4.1 s) and each link gets a quarter of the host's 120 GB/s of memory traffic (30 GB/s
 /// each way), but the one CPU AdamW (1.5 s a step whatever the GPU count) no longer hides behind
-/// the shorter step and the all-reduce adds 0.3 s: about 1.4x. Four GPUs get 15 GB/s each and the
-/// step becomes PCIe-bound: about 1.6x. Host bandwidth and the CPU optimizer, not the GPUs, bound
+/// the shorter step and the all-reduce adds 0.3 s: about 1.6x. Four GPUs get 15 GB/s each and the
+/// step becomes PCIe-bound: about 1.9x. Host bandwidth and the CPU optimizer, not the GPUs, bound
 /// data parallelism on one host.
 #[test]
 fn several_gpus_share_the_step_and_the_host_memory_bandwidth() {
@@ -657,8 +676,8 @@ fn several_gpus_share_the_step_and_the_host_memory_bandwidth() {
     let want = 4.0 * one.model.params as f64 / ALLREDUCE_BUS_BYTES;
     assert!((p2.allreduce_s - want).abs() < 1e-9, "{} vs {want}", p2.allreduce_s);
     let (s2, s4) = (p2.speedup.expect("fits one GPU"), p4.speedup.expect("fits one GPU"));
-    assert!(s2 > 1.3 && s2 < 1.6, "2 GPUs: {s2}");
-    assert!(s4 > s2 && s4 < 1.8, "4 GPUs: {s4}");
+    assert!(s2 > 1.5 && s2 < 1.75, "2 GPUs: {s2}");
+    assert!(s4 > s2 && s4 < 2.1, "4 GPUs: {s4}");
     assert!(two.time.adam_exposed_s > one.time.adam_exposed_s);
     assert_eq!(four.time.bottleneck, Bottleneck::Pcie);
     assert!(two.to_string().contains("speed-up over one GPU"), "{two}");
@@ -716,8 +735,8 @@ fn soft_capped_attention_is_priced_at_the_scalar_kernels_rate() {
         fits(plan(&input).expect("valid")).time
     };
     let (c, u) = (time(&capped), time(&uncapped));
-    let ratio =
-        MachineRates::default().attention_flops / MachineRates::default().scalar_attention_flops;
+    let ratio = MachineRates::default().attention_rate(1024)
+        / MachineRates::default().scalar_attention_flops;
     assert!((c.attention_s / u.attention_s - ratio).abs() < 1e-9 * ratio, "{c:?} vs {u:?}");
     assert!((c.gemm_s - u.gemm_s).abs() < 1e-12);
 }
@@ -741,12 +760,14 @@ fn gpt_oss_120b_fits_one_h200_with_1_5_tb_counting_every_expert() {
 
     // Compute counts each token's 4 experts and the router, not all 128: per layer q, k, v, o
     // ((64 + 2 x 8) x 64 + 64 x 64 rows of 2880) and 4 x 3 x 2880 x 2880 + 128 x 2880, then
-    // the LM head (201088 x 2880), 8 FLOPs per GEMM parameter per token with the recompute.
+    // the LM head (201088 x 2880) at its own rate, 8 FLOPs per GEMM parameter per token with
+    // the recompute.
     let (h, layers) = (2880.0, 36.0);
     let layer = ((64.0 + 16.0) * 64.0 + 64.0 * 64.0) * h + 4.0 * 3.0 * h * h + 128.0 * h;
-    let gemm_params = layers * layer + 201088.0 * h;
-    let gemm = 8.0 * gemm_params * 8192.0 / 700e12;
+    let gemm = 8.0 * layers * layer * 8192.0 / 700e12;
     assert!((plan.time.gemm_s - gemm).abs() < 1e-9 * gemm, "{} vs {gemm}", plan.time.gemm_s);
+    let head = 8.0 * 201088.0 * h * 8192.0 / MachineRates::default().head_flops;
+    assert!((plan.time.head_s - head).abs() < 1e-9 * head, "{} vs {head}", plan.time.head_s);
 }
 
 #[test]

@@ -11,8 +11,12 @@
 //! is `2 p N` GEMM FLOPs plus its attention; its backward recomputes the forward and then runs
 //! `4 p N` (both input and weight gradients) plus 2.5 forward attentions (FlashAttention-2's
 //! backward is five matmuls to the forward's two). The head runs forward, loss and backward in
-//! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`. The embedding
-//! is a lookup and a scatter-add, no GEMM: free next to the layers.
+//! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`, at the LM
+//! head's own measured rate (its chunks' softmax and loss sit between the GEMMs). Each layer
+//! visit adds its elementwise kernels' bytes (norms, RoPE, biases, the gated activation,
+//! residual adds: the forward's once more in the backward, for the recompute) at their
+//! measured effective bandwidth, and attention runs at its measured rate for the row length.
+//! The embedding is a lookup and a scatter-add, no GEMM: free next to the layers.
 //!
 //! The disk tier: a unit whose Adam moments live on the disk has them read (m and v, 8 bytes
 //! per parameter, each rounded up to a page) before its update and written back after it. The
@@ -66,8 +70,13 @@ impl Graph {
 pub struct StepCost {
     /// Seconds between the starts of two consecutive steps.
     pub step: f64,
+    /// The layers' GEMMs (forward, recompute, backward) at the GEMM rate.
     pub gemm: f64,
+    /// The LM head's visit: its GEMMs with the softmax and loss, at the head's rate.
+    pub head: f64,
     pub attention: f64,
+    /// The layers' elementwise kernels.
+    pub elementwise: f64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub h2d: f64,
@@ -98,12 +107,15 @@ pub fn simulate(
     let head = s.head();
     let attn = s.attention_fwd_flops / s.attention_rate(r);
     let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
+    let ew_fwd = s.elementwise_fwd_bytes / r.elementwise_bytes;
+    let ew_bwd = s.elementwise_bwd_bytes / r.elementwise_bytes;
     let fwd_secs = |u: usize| match u {
         0 => 0.0,
-        u if u == head => 8.0 * gemm(u),
-        u => 2.0 * gemm(u) + attn,
+        u if u == head => 8.0 * s.units[u].gemm_params as f64 * n / r.head_flops,
+        u => 2.0 * gemm(u) + attn + ew_fwd,
     };
-    let bwd_secs = |u: usize| if u == 0 { 0.0 } else { 6.0 * gemm(u) + 3.5 * attn };
+    let bwd_secs =
+        |u: usize| if u == 0 { 0.0 } else { 6.0 * gemm(u) + 3.5 * attn + ew_fwd + ew_bwd };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
     let emb_resident = l.embedding_resident();
     let host_ckpt = l.checkpoints == CheckpointTier::Host;
@@ -264,8 +276,10 @@ pub fn simulate(
 
         cost = StepCost {
             step: 0.0,
-            gemm: (0..units).map(|u| 8.0 * gemm(u)).sum(),
+            gemm: (1..head).map(|u| 8.0 * gemm(u)).sum(),
+            head: fwd_secs(head),
             attention: s.layers as f64 * 4.5 * attn,
+            elementwise: s.layers as f64 * (2.0 * ew_fwd + ew_bwd),
             h2d_bytes,
             d2h_bytes,
             h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],
