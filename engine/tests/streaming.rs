@@ -325,3 +325,53 @@ fn moments_on_the_disk_tier_equal_the_reference() {
         );
     }
 }
+
+/// The device store keeps a step's gradients after the step (the next backward zeroes them):
+/// read back, they are the reference's gradients of the same micro-batches, tensor for tensor.
+/// The tiers that hand each unit's gradients over as it finishes have none to give.
+#[test]
+fn the_device_store_gives_back_the_steps_gradients() {
+    let spec = sluice_engine::spec::preset("tiny").expect("tiny preset");
+    let params = HostParams::random(&spec, 5);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let micro: Vec<MicroBatch> = (0..G).map(|_| micro_batch(&mut rng, spec.vocab)).collect();
+    let cpu = Cpu;
+    let mut reference =
+        Trainer::new(&cpu, &spec, params.clone(), config(Some(1.0)), 32).expect("trainer");
+    let (_, want) = reference.loss_and_grads(&micro).expect("reference gradients");
+    let want = want.to_vec();
+    let options = |gradients| ScheduleOptions {
+        max_tokens: 32,
+        grad_accum: G,
+        checkpoints: CheckpointTier::Device,
+        checkpoint_interval: 1,
+        optimizer_threads: 2,
+        resident: Vec::new(),
+        gradients,
+        weights: COPY,
+        ring_slots: RING_SLOTS,
+        disk: None,
+    };
+    let store = options(GradientTier::DeviceStore);
+    let mut streamer =
+        Streamer::new(&cpu, &spec, params.clone(), config(Some(1.0)), store).expect("streamer");
+    streamer.step(&micro).expect("step");
+    let norms = streamer.grad_norms();
+    for (u, want) in want.iter().enumerate() {
+        let got = streamer.stored_gradients(u).expect("stored gradients");
+        assert_eq!(got.len(), want.len(), "unit {u}");
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = got.iter().zip(want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let tol = if spec.tie_embeddings { 1e-5 } else { 0.0 };
+        assert!(worst <= tol * scale, "unit {u}: gradients differ by {worst} (scale {scale})");
+        let norm = got.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
+        assert!((norm - norms[u]).abs() <= 1e-6 * norms[u], "unit {u}: {norm} vs {}", norms[u]);
+    }
+    assert!(streamer.stored_gradients(want.len()).is_err(), "a unit past the last");
+    drop(streamer);
+    let host = options(GradientTier::HostStore);
+    let mut streamer = Streamer::new(&cpu, &spec, params, config(Some(1.0)), host).expect("host");
+    streamer.step(&micro).expect("step");
+    let err = streamer.stored_gradients(1).expect_err("host store keeps none on the device");
+    assert!(err.to_string().contains("device store"), "{err}");
+}

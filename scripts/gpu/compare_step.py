@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Replays step 1 of `sluice bench train --check-dir DIR` in PyTorch/transformers on a GPU and
-compares the loss and every unit's gradient norm with Sluice's.
+compares the loss, every unit's gradient norm and every tensor's gradient with Sluice's.
 
     sluice bench train --preset qwen2.5-3b --seq-len 1024 --micro-batch 8 --grad-accum 8 \\
         --steps 1 --check-dir /tmp/check
@@ -8,7 +8,11 @@ compares the loss and every unit's gradient norm with Sluice's.
 
 DIR/model is the initial weights in bf16 (exactly the copies Sluice's device computes with),
 DIR/batches.json the step's micro-batches, DIR/step1.json Sluice's loss and per-unit gradient
-norms before clipping. The reference is plain transformers: `from_pretrained` in bfloat16 on
+norms before clipping, and DIR/grads/<unit>/model.safetensors every tensor's gradient in f32
+(written where Sluice's gradients wait on the device, the planner's choice whenever they fit;
+step1.json's `gradients` is null otherwise, and only norms are compared). A norm alone would
+pass a gradient that is swapped with another of the same size or permuted within its tensor,
+so each tensor is compared as a vector: relative L2 error and cosine similarity. The reference is plain transformers: `from_pretrained` in bfloat16 on
 cuda, the standard forward (bf16 logits from `lm_head`, upcast to f32 for the loss as
 transformers' own loss does), cross-entropy summed over the trained targets and divided by the
 step's trained-token count, one backward per micro-batch. Each parameter's bf16 gradient is
@@ -23,8 +27,8 @@ Mixtral or Qwen MoE layer's experts as fused parameters (`mlp.experts.gate_up_pr
 names one tensor per expert: such a parameter belongs to the unit of its layer, and a unit's
 norm sums whatever parameters belong to it, so the comparison is the same.
 
-Exit status 1 when the loss or any unit's norm differs by more than the tolerance (see
-LOSS_RTOL and NORM_RTOL), 2 for bad input.
+Exit status 1 when the loss, any unit's norm or any tensor differs by more than the tolerance
+(see LOSS_RTOL, NORM_RTOL, TENSOR_REL_L2 and TENSOR_COS_MIN), 2 for bad input.
 """
 
 import argparse
@@ -55,6 +59,15 @@ LOSS_RTOL = 2e-3
 # norm. 2e-2 admits that and still catches any real error: a wrong scale, a missing term, a
 # mis-ordered tensor or a wrong unit assignment moves a norm by far more than 2%.
 NORM_RTOL = 2e-2
+# TENSOR_REL_L2: ||ours - theirs|| / ||theirs|| per tensor. The elementwise noise above (up to
+# about 2.4e-2 relative at the bottom layer, unbiased) gives a relative L2 error of the same
+# order, since the error vector's norm is the RMS of the elementwise errors scaled by the
+# tensor's norm; 5e-2 leaves a factor of two. A permuted or swapped gradient of the same norm
+# is off by about sqrt(2) (uncorrelated vectors), a sign error by 2, a 10% scale error by 0.1.
+TENSOR_REL_L2 = 5e-2
+# TENSOR_COS_MIN: with noise e orthogonal to the gradient, cos = 1 / sqrt(1 + e^2), about
+# 1 - e^2 / 2: 0.9988 at e = 5e-2. 0.998 matches that; a permutation gives about 0.
+TENSOR_COS_MIN = 0.998
 
 
 def bad_input(message: str):
@@ -137,6 +150,32 @@ def replay(model, batches, trained_total: int, torch, device: str):
     return loss_sum, acc
 
 
+def compare_tensors(d: Path, step, grads, torch, device: str):
+    """Relative L2 error and cosine of every tensor Sluice wrote against PyTorch's gradient of
+    the parameter of the same name; returns (rows, names not compared)."""
+    from safetensors import safe_open
+
+    rows, skipped = [], []
+    for folder in sorted((d / step["gradients"]).iterdir()):
+        with safe_open(folder / "model.safetensors", framework="pt", device=device) as f:
+            for name in f.keys():
+                theirs = grads.get(name)
+                ours = f.get_tensor(name)
+                if theirs is None or theirs.shape != ours.shape:
+                    # A MoE layer's per-expert tensors against transformers' fused parameter:
+                    # the unit norms cover them.
+                    skipped.append(name)
+                    continue
+                a, b = ours.double().flatten(), theirs.double().flatten()
+                nb = float(b.norm())
+                err = float((a - b).norm())
+                r = err / nb if nb > 0 else (0.0 if err == 0 else math.inf)
+                na = float(a.norm())
+                cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+                rows.append((name, r, cos))
+    return rows, skipped
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b != 0 else (0.0 if a == 0 else math.inf)
 
@@ -146,6 +185,8 @@ def main() -> int:
     ap.add_argument("dir", type=Path, help="the folder written by --check-dir")
     ap.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
     ap.add_argument("--norm-rtol", type=float, default=NORM_RTOL)
+    ap.add_argument("--tensor-rel-l2", type=float, default=TENSOR_REL_L2)
+    ap.add_argument("--tensor-cos-min", type=float, default=TENSOR_COS_MIN)
     ap.add_argument("--device", default="cuda",
                     help="torch device (cpu only as a smoke test of this script: Sluice's CPU "
                          "backend computes in f32, not with the bf16 copies)")
@@ -218,10 +259,27 @@ def main() -> int:
           f"{rel(step['grad_norm'], theirs):>10.2e}")
     print(f"\nlargest unit difference: {worst[0]:.2e} ({worst[1]}); "
           f"tolerances: loss {args.loss_rtol:.0e}, norms {args.norm_rtol:.0e}")
+    what = "loss and every unit's gradient norm"
+    if step.get("gradients"):
+        rows, skipped = compare_tensors(args.dir, step, grads, torch, args.device)
+        if not rows:
+            bad_input(f"{args.dir / step['gradients']} holds no tensor PyTorch has")
+        for name, r, cos in rows:
+            if not (r <= args.tensor_rel_l2 and cos >= args.tensor_cos_min):
+                failures.append(f"{name}: relative L2 error {r:.2e}, cosine {cos:.6f}")
+        worst_r = max(rows, key=lambda x: x[1])
+        worst_c = min(rows, key=lambda x: x[2])
+        print(f"tensors: {len(rows)} compared ({len(skipped)} per-expert tensors covered by "
+              f"their unit's norm only); largest relative L2 error {worst_r[1]:.2e} "
+              f"({worst_r[0]}), smallest cosine {worst_c[2]:.6f} ({worst_c[0]}); tolerances "
+              f"{args.tensor_rel_l2:.0e}, {args.tensor_cos_min}")
+        what += ", and every tensor's gradient,"
+    else:
+        print("tensors: not compared (Sluice's gradients did not wait on the device)")
     if failures:
-        print("FAIL: " + "; ".join(failures[:10]))
+        print(f"FAIL ({len(failures)}): " + "; ".join(failures[:10]))
         return 1
-    print("PASS: loss and every unit's gradient norm match within bf16 tolerance")
+    print(f"PASS: {what} match within bf16 tolerance")
     return 0
 
 

@@ -318,6 +318,19 @@ impl<B: Backend> Grads<B> {
         Ok(landed)
     }
 
+    /// Device store: unit `u`'s gradients of the last backward, read back to the host (they
+    /// stay on the device until the next backward zeroes them); `None` in the other tiers,
+    /// whose accumulators are reused unit after unit.
+    pub fn read_stored(&mut self, b: &B, u: usize) -> Result<Option<Vec<f32>>> {
+        if !self.per_unit() {
+            return Ok(None);
+        }
+        let len = self.lens[u];
+        let mut out = vec![0.0; len];
+        b.download(&mut out, b.view(self.acc(u), 0..len))?;
+        Ok(Some(out))
+    }
+
     /// Whether updates still wait for their gradients to leave the device.
     pub fn has_waiting(&self) -> bool {
         !self.waiting.is_empty() || self.in_flight.iter().any(Option::is_some)

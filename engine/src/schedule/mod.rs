@@ -1197,6 +1197,22 @@ impl<'b, B: Backend> Streamer<'b, B> {
         Ok(HostParams { layout: self.layout.clone(), units: self.store.snapshot()? })
     }
 
+    /// Unit `u`'s gradients of the last step (before clipping, summed over its micro-batches),
+    /// where the device store still holds them; the other gradient tiers hand each unit's to
+    /// the optimizer as it finishes, so there they are an error.
+    pub fn stored_gradients(&mut self, u: usize) -> Result<Vec<f32>> {
+        if u >= self.layout.units.len() {
+            return Err(Error::invalid(format!("no unit {u}")));
+        }
+        self.grads.read_stored(self.b, u)?.ok_or_else(|| {
+            Error::invalid(format!(
+                "the step's gradients are kept only where they wait on the device (gradient \
+                 tier device store), not {:?}",
+                self.grads.tier
+            ))
+        })
+    }
+
     /// This step's per-unit gradient norms (before clipping), in unit order.
     pub fn grad_norms(&self) -> Vec<f64> {
         self.grads.sumsq.iter().map(|s| s.sqrt()).collect()

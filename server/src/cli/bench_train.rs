@@ -17,7 +17,8 @@
 //! With `--check-dir DIR` the first step can be replayed by PyTorch
 //! (`scripts/gpu/compare_step.py DIR`): DIR/model holds the initial weights in bf16 (the copies
 //! the device computes with), DIR/batches.json the step's micro-batches, DIR/step1.json the loss
-//! and every unit's gradient norm before clipping.
+//! and every unit's gradient norm before clipping, and DIR/grads every tensor's gradient in f32
+//! (where the gradients wait on the device, whose store still holds them after the step).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -39,7 +40,9 @@ use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{ModelSource, TrainConfig, model_spec};
-use sluice_engine::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, save_hf_folder};
+use sluice_engine::weights::{
+    DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorRef, save_hf_folder, write_safetensors,
+};
 
 use super::device::Device;
 use super::shape::ShapeArgs;
@@ -96,6 +99,11 @@ pub(crate) struct TrainArgs {
     /// The events cost host time, so profiled steps run slightly slower than unprofiled ones.
     #[arg(long)]
     profile: bool,
+
+    /// Most logits the GPU's chunked cross-entropy holds at once (default 2^26), to measure
+    /// the LM head's chunk size; the planner's workspace figure assumes the default.
+    #[arg(long, value_name = "N")]
+    loss_chunk_logits: Option<usize>,
 
     /// Write what PyTorch needs to replay step 1 into this folder (see the module docs).
     #[arg(long, value_name = "DIR")]
@@ -191,6 +199,9 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         Device::Cpu => bench(&Cpu, None, &args, &spec, &source, &plan, options),
         Device::Cuda(n) => {
             let cuda = Cuda::new(n).context("cannot use the GPU")?;
+            if let Some(logits) = args.loss_chunk_logits {
+                cuda.set_loss_chunk_logits(logits);
+            }
             bench(&cuda, Some(&cuda), &args, &spec, &source, &plan, options)
         }
     }
@@ -352,7 +363,7 @@ fn bench<B: Backend>(
         if step == 1
             && let Some(dir) = &args.check_dir
         {
-            write_step(dir, &streamer, m.loss, m.grad_norm, m.trained_tokens)?;
+            write_step(dir, &mut streamer, m.loss, m.grad_norm, m.trained_tokens)?;
         }
         let t = m.elapsed.as_secs_f64().max(1e-9);
         let busy = |stream: &str| -> f64 {
@@ -777,16 +788,25 @@ fn write_batches(dir: &Path, micro: &[MicroBatch]) -> anyhow::Result<()> {
 }
 
 /// The first step's loss and every unit's gradient norm before clipping, with the tensors each
-/// unit holds (a tied LM head's gradient is part of the embedding's).
+/// unit holds (a tied LM head's gradient is part of the embedding's); where the device store
+/// still holds them, every tensor's gradient too, in f32, one folder per unit
+/// (`grads/<unit>/model.safetensors`, so no more than one unit is in host memory at once).
 fn write_step<B: Backend>(
     dir: &Path,
-    streamer: &Streamer<'_, B>,
+    streamer: &mut Streamer<'_, B>,
     loss: f64,
     grad_norm: f64,
     trained_tokens: usize,
 ) -> anyhow::Result<()> {
-    let spec = streamer.spec();
-    let layout = sluice_engine::model::ModelLayout::new(spec);
+    let spec = streamer.spec().clone();
+    let layout = sluice_engine::model::ModelLayout::new(&spec);
+    let gradients = match write_gradients(dir, streamer, &layout) {
+        Ok(()) => Some("grads"),
+        Err(e) => {
+            println!("check: per-tensor gradients not written ({e:#}); norms only");
+            None
+        }
+    };
     let norms = streamer.grad_norms();
     let mut units = Vec::new();
     for (unit, &norm) in layout.units.iter().zip(&norms) {
@@ -804,10 +824,42 @@ fn write_step<B: Backend>(
         "trained_tokens": trained_tokens,
         "tied_embeddings": spec.tie_embeddings,
         "units": units,
+        "gradients": gradients,
     });
     let path = dir.join("step1.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
         .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Every unit's step-1 gradients as f32 safetensors under `dir/grads/<unit>/`.
+fn write_gradients<B: Backend>(
+    dir: &Path,
+    streamer: &mut Streamer<'_, B>,
+    layout: &sluice_engine::model::ModelLayout,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    for (u, unit) in layout.units.iter().enumerate() {
+        let grads = streamer.stored_gradients(u)?;
+        let tensors: Vec<TensorRef<'_>> = unit
+            .tensors
+            .iter()
+            .map(|t| TensorRef {
+                name: &t.name,
+                shape: t.shape.clone(),
+                data: grads[t.range.clone()].into(),
+            })
+            .collect();
+        let folder = dir.join("grads").join(format!("{u:04}"));
+        std::fs::create_dir_all(&folder)
+            .with_context(|| format!("creating {}", folder.display()))?;
+        write_safetensors(&folder, &tensors, SaveDtype::F32, usize::MAX)?;
+    }
+    println!(
+        "check: every tensor's gradient written to {} in {:.1} s",
+        dir.join("grads").display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// VmHWM from `/proc/self/status`: the process's peak resident memory, in bytes.
