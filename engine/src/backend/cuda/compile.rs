@@ -39,7 +39,10 @@ pub const SOURCES: &[KernelSource] = &[
             "colsum_finish",
             "glu_forward",
             "glu_backward",
+            "glu_forward_vec",
+            "glu_backward_vec",
             "rope",
+            "rope_vec",
             "embedding_forward",
             "embedding_backward",
         ],
@@ -47,7 +50,12 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "norm",
         source: include_str!("kernels/norm.cu"),
-        entry_points: &["rmsnorm_forward", "rmsnorm_backward"],
+        entry_points: &[
+            "rmsnorm_forward",
+            "rmsnorm_backward",
+            "rmsnorm_forward_vec",
+            "rmsnorm_backward_vec",
+        ],
     },
     KernelSource {
         name: "attention",

@@ -6,7 +6,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::{AttentionShape, GluAct};
+use crate::backend::{AttentionShape, FloatKind, GluAct};
 use crate::error::Result;
 
 /// Elements per partial sum of `sum`/`sum_squares`: fixed, so the result does not depend on the
@@ -16,7 +16,22 @@ const SUM_CHUNK: usize = 1 << 16;
 /// Row chunks of a column reduction: at most this many partial rows, then one ordered pass.
 pub(super) const COLUMN_CHUNKS: usize = 256;
 
+/// Threads per block of `glu_forward_vec` and `glu_backward_vec`, one 16-byte vector each.
+const GLU_VEC_THREADS: usize = 128;
+
+/// Whether a buffer of this precision starting at this device address can be read and written
+/// as 16-byte vectors of 8 bf16, as the `_vec` kernels do (the callers also check that every row
+/// is a whole number of vectors).
+fn bf16_vectors(kind: FloatKind, ptr: u64) -> bool {
+    kind == FloatKind::Activation && ptr.is_multiple_of(16)
+}
+
 impl Cuda {
+    /// `bf16_vectors` for every view.
+    pub(super) fn vectors(&self, views: &[&View<'_>]) -> bool {
+        views.iter().all(|v| bf16_vectors(v.kind(), self.ptr(v)))
+    }
+
     pub(super) fn add_op(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
         check::len("add", "a", a.len, &[out.len])?;
         check::len("add", "b", b.len, &[out.len])?;
@@ -124,9 +139,16 @@ impl Cuda {
         n: usize,
     ) -> Result<()> {
         let d = dst.as_view();
+        // One thread per column with a serial loop over the chunks: small blocks spread the few
+        // columns over more SMs.
+        let threads = 64;
         self.launch(
             "colsum_finish",
-            grid_1d(n),
+            LaunchConfig {
+                grid_dim: (n.div_ceil(threads).min(1 << 20) as u32, 1, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
             &[
                 Arg::Ptr(self.ptr(&d)),
                 Arg::I32(d.is_f32()),
@@ -190,6 +212,19 @@ impl Cuda {
         check::len(OP, "out", out.len, &[rows, inter])?;
         check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
         let o = out.as_view();
+        if glu_vectors(act, inter) && self.vectors(&[&o, &gu]) {
+            return self.launch(
+                "glu_forward_vec",
+                glu_vec_grid(rows, inter),
+                &[
+                    Arg::Ptr(self.ptr(&o)),
+                    Arg::Ptr(self.ptr(&gu)),
+                    Arg::I64(rows as i64),
+                    Arg::I32(check::int(OP, "inter", inter / 8)?),
+                    Arg::I32(glu_act_id(act)),
+                ],
+            );
+        }
         self.launch(
             OP,
             grid_1d(o.len),
@@ -219,6 +254,20 @@ impl Cuda {
         check::len(OP, "dout", dout.len, &[rows, inter])?;
         check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
         let d = dgu.as_view();
+        if glu_vectors(act, inter) && self.vectors(&[&d, &dout, &gu]) {
+            return self.launch(
+                "glu_backward_vec",
+                glu_vec_grid(rows, inter),
+                &[
+                    Arg::Ptr(self.ptr(&d)),
+                    Arg::Ptr(self.ptr(&dout)),
+                    Arg::Ptr(self.ptr(&gu)),
+                    Arg::I64(rows as i64),
+                    Arg::I32(check::int(OP, "inter", inter / 8)?),
+                    Arg::I32(glu_act_id(act)),
+                ],
+            );
+        }
         self.launch(
             OP,
             grid_1d(dout.len),
@@ -263,6 +312,30 @@ impl Cuda {
         check::ints(op, "pos", &pos.host, shape.tokens)?;
         let heads = shape.q_heads + shape.kv_heads;
         let q = qkv.as_view();
+        // rope_vec's cos/sin table holds 256 frequencies.
+        if hd.is_multiple_of(8) && half.is_multiple_of(8) && half <= 256 && self.vectors(&[&q]) {
+            let threads = (heads * half / 8).next_multiple_of(32).min(256);
+            return self.launch(
+                "rope_vec",
+                LaunchConfig {
+                    grid_dim: (check::int(op, "tokens", shape.tokens)? as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(self.ptr(&q)),
+                    Arg::Ptr(self.ints_ptr(pos)),
+                    Arg::Ptr(self.ptr(&inv_freq)),
+                    Arg::I32(inv_freq.is_f32()),
+                    Arg::I64(width as i64),
+                    Arg::I32(check::int(op, "heads", heads)?),
+                    Arg::I32(check::int(op, "head_dim", hd)?),
+                    Arg::I32(check::int(op, "half", half)?),
+                    Arg::F32(scale),
+                    Arg::F32(sign),
+                ],
+            );
+        }
         self.launch(
             "rope",
             grid_1d(shape.tokens * heads * half),
@@ -389,11 +462,120 @@ fn table_rows(op: &str, len: usize, hidden: usize) -> Result<usize> {
     Ok(len / hidden)
 }
 
+/// Whether the vectorized GLU kernels take this activation and width (with `vectors` for the
+/// buffers): `[gate | up]` columns in whole 8-column vectors.
+fn glu_vectors(act: GluAct, inter: usize) -> bool {
+    act != GluAct::ClampedSwiglu && inter.is_multiple_of(8)
+}
+
+/// `glu_*_vec`'s grid: 8-column vectors across, rows down (a block loops over rows past the
+/// y dimension's limit).
+fn glu_vec_grid(rows: usize, inter: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((inter / 8).div_ceil(GLU_VEC_THREADS) as u32, rows.min(65535) as u32, 1),
+        block_dim: (GLU_VEC_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The kernels' code for an activation (`glu_act` in elementwise.cu).
 fn glu_act_id(act: GluAct) -> i32 {
     match act {
         GluAct::Silu => 0,
         GluAct::GeluTanh => 1,
         GluAct::ClampedSwiglu => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+    use crate::backend::cuda::Floats;
+
+    /// Values in [-scale, scale) from a fixed xorshift sequence.
+    fn values(n: usize, mut x: u64, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    /// A bf16 buffer holding `v` from element `at` on: `at` = 1 puts the data 2 bytes off the
+    /// allocation's alignment, which sends it to the generic kernels.
+    fn put(g: &Cuda, v: &[f32], at: usize) -> Floats {
+        let mut buf = g.alloc(at + v.len(), FloatKind::Activation).expect("alloc");
+        g.upload(g.view_mut(&mut buf, at..at + v.len()), v).expect("upload");
+        buf
+    }
+
+    fn bits(g: &Cuda, buf: &Floats, at: usize) -> Vec<u32> {
+        let mut host = vec![0.0; g.len(buf) - at];
+        g.download(&mut host, g.view(buf, at..g.len(buf))).expect("download");
+        host.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// On a GPU: the vector kernels give the generic kernels' bits (tests/gpu.rs checks both
+    /// against the CPU). Without one (CI) there is nothing to run.
+    #[test]
+    fn vector_kernels_give_the_generic_kernels_bits() {
+        let Ok(g) = Cuda::new(0) else { return };
+        let (rows, inter) = (37, 80);
+        let gu = values(rows * 2 * inter, 1, 6.0);
+        let dout = values(rows * inter, 2, 1.0);
+        for act in [GluAct::Silu, GluAct::GeluTanh] {
+            let run = |at: usize| {
+                let (gu, dout) = (put(&g, &gu, at), put(&g, &dout, at));
+                let (n, n2) = (rows * inter, rows * 2 * inter);
+                let (mut out, mut dgu) = (put(&g, &vec![0.0; n], at), put(&g, &vec![0.0; n2], at));
+                let (gv, dv) = (g.view(&gu, at..at + n2), g.view(&dout, at..at + n));
+                g.glu_forward(g.view_mut(&mut out, at..at + n), gv, rows, inter, act).expect("glu");
+                let d = g.view_mut(&mut dgu, at..at + n2);
+                g.glu_backward(d, dv, gv, rows, inter, act).expect("glu_backward");
+                (bits(&g, &out, at), bits(&g, &dgu, at))
+            };
+            assert!(run(0) == run(1), "{act:?}: the vector and generic GLU kernels differ");
+        }
+        let shape = AttentionShape {
+            tokens: 37,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 128,
+            docs: 1,
+            window: None,
+            scale_dim: None,
+            softcap: None,
+        };
+        let n = shape.tokens * shape.qkv_width();
+        let x = values(n, 3, 1.0);
+        let mut pos = g.alloc_ints(shape.tokens).expect("alloc_ints");
+        g.upload_ints(&mut pos, &(0..shape.tokens as i32).map(|t| t * 97).collect::<Vec<_>>())
+            .expect("ints");
+        // Partial rotary (48 of 64 pairs) with a cos/sin scale, as Phi-3's longrope.
+        let inv: Vec<f32> = (0..48).map(|i| 10000f32.powf(-(i as f32) / 48.0)).collect();
+        let mut freq = g.alloc(48, FloatKind::Accum).expect("alloc");
+        g.upload(g.view_mut(&mut freq, 0..48), &inv).expect("upload");
+        let run = |at: usize| {
+            let mut q = put(&g, &x, at);
+            let f = g.view(&freq, 0..48);
+            g.rope_forward(g.view_mut(&mut q, at..at + n), &pos, f, 1.19, &shape).expect("rope");
+            let forward = bits(&g, &q, at);
+            g.rope_backward(g.view_mut(&mut q, at..at + n), &pos, f, 1.19, &shape).expect("rope");
+            (forward, bits(&g, &q, at))
+        };
+        assert!(run(0) == run(1), "the vector and generic rope kernels differ");
+    }
+
+    #[test]
+    fn only_aligned_bf16_views_take_the_vector_kernels() {
+        assert!(bf16_vectors(FloatKind::Activation, 0x2010));
+        assert!(!bf16_vectors(FloatKind::Activation, 0x2008));
+        assert!(!bf16_vectors(FloatKind::Accum, 0x2000));
+        assert!(glu_vectors(GluAct::Silu, 18944) && glu_vectors(GluAct::GeluTanh, 80));
+        assert!(!glu_vectors(GluAct::Silu, 36) && !glu_vectors(GluAct::ClampedSwiglu, 2880));
     }
 }

@@ -1,6 +1,7 @@
 //! RMSNorm and Qwen3's per-head q/k RMSNorm; the CPU twin is `backend/cpu/norm.rs`. Both run the
 //! same two kernels over "rows of `dim` elements" (see `kernels/norm.cu`); the weight gradient is
-//! summed per row chunk, then the chunks in order, so it is deterministic.
+//! summed per row chunk, then the chunks in order, so it is deterministic. Plain RMSNorm on bf16
+//! rows of whole 16-byte vectors takes the `_vec` kernels instead, with the same chunks.
 
 use cudarc::driver::LaunchConfig;
 
@@ -27,6 +28,25 @@ fn threads(dim: usize) -> u32 {
     dim.div_ceil(32).clamp(1, if dim > 4096 { 32 } else { 8 }) as u32 * 32
 }
 
+/// 16-byte vectors each thread of `rmsnorm_forward_vec` holds (NORM_FWD_VPT) and its block limit
+/// (`__launch_bounds__`); likewise for `rmsnorm_backward_vec`.
+const FWD_VPT: usize = 4;
+const FWD_MAX_THREADS: usize = 1024;
+const BWD_VPT: usize = 2;
+const BWD_MAX_THREADS: usize = 512;
+
+/// Threads per block of a `_vec` kernel whose threads hold `vpt` vectors of a row of `dim`, or
+/// `None` for head norms and for rows that do not fit or are not whole vectors. More vectors per
+/// thread keep more bytes in flight; the forward holds 4 (Qwen2.5-7B's 3584: 128 threads), the
+/// backward, which also holds 4 rows and the weight-gradient columns, 2 (224 threads).
+fn vec_threads(r: &Rows, vpt: usize, max_threads: usize) -> Option<u32> {
+    if r.heads != 1 || r.copy_tail || r.stride != r.dim || !r.dim.is_multiple_of(8) {
+        return None;
+    }
+    let threads = (r.dim / 8).div_ceil(vpt).next_multiple_of(32);
+    (threads <= max_threads).then_some(threads as u32)
+}
+
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn norm_forward(
@@ -41,6 +61,26 @@ impl Cuda {
     ) -> Result<()> {
         let (o, rs) = (out.as_view(), rstd.as_view());
         check::kind(op, "rstd", &rs, FloatKind::Accum)?;
+        if let Some(threads) = vec_threads(r, FWD_VPT, FWD_MAX_THREADS)
+            && self.vectors(&[&o, inp, w])
+        {
+            return self.launch(
+                "rmsnorm_forward_vec",
+                LaunchConfig {
+                    grid_dim: (r.tokens as u32, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(self.ptr(&o)),
+                    Arg::Ptr(self.ptr(&rs)),
+                    Arg::Ptr(self.ptr(inp)),
+                    Arg::Ptr(self.ptr(w)),
+                    Arg::I32(check::int(op, "dim", r.dim / 8)?),
+                    Arg::F32(eps),
+                ],
+            );
+        }
         let grid_y = r.heads + usize::from(r.copy_tail);
         self.launch(
             "rmsnorm_forward",
@@ -89,6 +129,30 @@ impl Cuda {
         let partials = scratch::<f32>(&self.compute, chunks * wlen)?;
         let pp = base_ptr(&partials, &self.compute);
         let d = dinp.as_view();
+        if let Some(threads) = vec_threads(r, BWD_VPT, BWD_MAX_THREADS)
+            && self.vectors(&[&d, dout, inp, w])
+        {
+            self.launch(
+                "rmsnorm_backward_vec",
+                LaunchConfig {
+                    grid_dim: (chunks as u32, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::Ptr(self.ptr(&d)),
+                    Arg::Ptr(pp),
+                    Arg::Ptr(self.ptr(dout)),
+                    Arg::Ptr(self.ptr(inp)),
+                    Arg::Ptr(self.ptr(w)),
+                    Arg::Ptr(self.ptr(rstd)),
+                    Arg::I64(r.tokens as i64),
+                    Arg::I64(rows_per as i64),
+                    Arg::I32(check::int(op, "dim", r.dim / 8)?),
+                ],
+            )?;
+            return self.finish_columns(dw, pp, chunks, wlen);
+        }
         self.launch(
             "rmsnorm_backward",
             LaunchConfig {
@@ -220,5 +284,43 @@ impl Cuda {
         check::len(OP, "dout", dout.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dw", dw.len, &[2, shape.head_dim])?;
         self.norm_backward(OP, &dinp, &dw, &dout, &inp, &w, &rstd, &r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plain(dim: usize) -> Rows {
+        Rows { tokens: 8, stride: dim, heads: 1, nq: 1, dim, copy_tail: false }
+    }
+
+    /// The limits here are the kernels' own: `#define`s and `__launch_bounds__` in norm.cu.
+    #[test]
+    fn vector_limits_match_the_kernels() {
+        let src = include_str!("kernels/norm.cu");
+        assert!(src.contains(&format!("#define NORM_FWD_VPT {FWD_VPT}\n")));
+        assert!(src.contains(&format!("#define NORM_BWD_VPT {BWD_VPT}\n")));
+        let bounds = |name: &str| {
+            let at = src.find(&format!("{name}(")).expect(name);
+            let before = &src[..at];
+            let open = before.rfind("__launch_bounds__(").expect("bounds") + 18;
+            before[open..].split(')').next().and_then(|n| n.parse::<usize>().ok())
+        };
+        assert_eq!(bounds("rmsnorm_forward_vec"), Some(FWD_MAX_THREADS));
+        assert_eq!(bounds("rmsnorm_backward_vec"), Some(BWD_MAX_THREADS));
+    }
+
+    #[test]
+    fn vector_kernels_take_whole_vectors_of_plain_rows_that_fit() {
+        assert_eq!(vec_threads(&plain(3584), FWD_VPT, FWD_MAX_THREADS), Some(128));
+        assert_eq!(vec_threads(&plain(3584), BWD_VPT, BWD_MAX_THREADS), Some(224));
+        assert_eq!(vec_threads(&plain(96), FWD_VPT, FWD_MAX_THREADS), Some(32));
+        assert_eq!(vec_threads(&plain(32768), FWD_VPT, FWD_MAX_THREADS), Some(1024));
+        assert_eq!(vec_threads(&plain(8192), BWD_VPT, BWD_MAX_THREADS), Some(512));
+        assert_eq!(vec_threads(&plain(16384), BWD_VPT, BWD_MAX_THREADS), None);
+        assert_eq!(vec_threads(&plain(100), FWD_VPT, FWD_MAX_THREADS), None);
+        let heads = Rows { heads: 8, nq: 6, stride: 1024, ..plain(128) };
+        assert_eq!(vec_threads(&heads, FWD_VPT, FWD_MAX_THREADS), None);
     }
 }

@@ -33,6 +33,26 @@ __device__ __forceinline__ void st(void* p, int f32, long long i, float v) {
   }
 }
 
+// Eight bf16 in one 16-byte uint4, element 0 in the low half of .x: the unit of the vectorized
+// kernels' loads and stores. Widening is exact and narrowing rounds as f2bf does, so a kernel
+// reading and writing through these gives the same bits as one using ld/st per element.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+  const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = __uint_as_float(w[k] << 16);
+    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  unsigned int w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = (unsigned int)f2bf(f[2 * k]) | ((unsigned int)f2bf(f[2 * k + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

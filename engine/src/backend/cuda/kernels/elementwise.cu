@@ -67,13 +67,26 @@ extern "C" __global__ void colsum_finish(void* dst, int dst_f32, const float* pa
                                          long long chunks, long long n) {
   GRID_STRIDE(j, n) {
     double acc = 0.0;
-    for (long long c = 0; c < chunks; ++c) acc += (double)partials[c * n + j];
+    long long c = 0;
+    // A load waits out the whole memory latency before its add, so eight are issued ahead;
+    // they are still added in chunk order.
+    for (; c + 8 <= chunks; c += 8) {
+      float p[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) p[k] = partials[(c + k) * n + j];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc += (double)p[k];
+    }
+    for (; c < chunks; ++c) acc += (double)partials[c * n + j];
     st(dst, dst_f32, j, (float)((double)ld(dst, dst_f32, j) + acc));
   }
 }
 
 // The gated MLP's activations (act 0: SiLU, 1: GELU with the tanh approximation, as
 // torch.nn.functional.gelu(approximate="tanh") computes it in f32) and their derivatives.
+// Where a sum of two products leaves the compiler a choice of which one to fuse into an fma, the
+// choice is written out (__fmaf_rn), so that the vectorized kernels and the generic ones, which
+// inline this into different code, round alike.
 __device__ __forceinline__ float glu_act(float g, int act, float* dact) {
   if (act == 0) {
     const float s = 1.0f / (1.0f + expf(-g));
@@ -83,7 +96,8 @@ __device__ __forceinline__ float glu_act(float g, int act, float* dact) {
   const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
   const float inner = beta * (g + kappa * g * g * g);
   const float t = tanhf(inner);
-  *dact = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * beta * (1.0f + 3.0f * kappa * g * g);
+  *dact = __fmaf_rn(0.5f, 1.0f + t,
+                    0.5f * g * (1.0f - t * t) * beta * (1.0f + 3.0f * kappa * g * g));
   return 0.5f * g * (1.0f + t);
 }
 
@@ -153,6 +167,75 @@ extern "C" __global__ void glu_backward(void* dgu, int dgu_f32, const void* dout
   }
 }
 
+// glu_forward and glu_backward for bf16 buffers, act 0 or 1 ([gate | up] columns), inter a
+// multiple of 8 and 16-byte-aligned starts: each thread takes 8 columns of a row as one 16-byte
+// vector (`vecs` = inter / 8 per row), rows on the grid's y axis, so there is no per-element
+// index division or precision flag. The math is glu_gated's, element for element, so the bits
+// match the generic kernels'. Grid (ceil(vecs / blockDim.x), min(rows, 65535)).
+template <int ACT>
+__device__ __forceinline__ uint4 glu8(uint4 g, uint4 u) {
+  float gf[8], uf[8], o[8];
+  unpack8(g, gf);
+  unpack8(u, uf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float dg, du;
+    o[e] = glu_gated(gf[e], uf[e], ACT, &dg, &du);
+  }
+  return pack8(o);
+}
+
+extern "C" __global__ void glu_forward_vec(uint4* __restrict__ out, const uint4* __restrict__ gu,
+                                           long long rows, int vecs, int act) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= vecs) return;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    const uint4 g = gu[r * 2 * vecs + c], u = gu[r * 2 * vecs + vecs + c];
+    out[r * vecs + c] = act == 0 ? glu8<0>(g, u) : glu8<1>(g, u);
+  }
+}
+
+template <int ACT>
+__device__ __forceinline__ void glu8_backward(uint4 d, uint4 g, uint4 u, uint4* dg, uint4* du) {
+  float df[8], gf[8], uf[8], dgf[8], duf[8];
+  unpack8(d, df);
+  unpack8(g, gf);
+  unpack8(u, uf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float pg, pu;
+    glu_gated(gf[e], uf[e], ACT, &pg, &pu);
+    dgf[e] = df[e] * pg;
+    duf[e] = df[e] * pu;
+  }
+  *dg = pack8(dgf);
+  *du = pack8(duf);
+}
+
+extern "C" __global__ void glu_backward_vec(uint4* __restrict__ dgu,
+                                            const uint4* __restrict__ dout,
+                                            const uint4* __restrict__ gu, long long rows,
+                                            int vecs, int act) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= vecs) return;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    const long long gi = r * 2 * vecs + c, ui = gi + vecs;
+    const uint4 d = dout[r * vecs + c], g = gu[gi], u = gu[ui];
+    if (act == 0) {
+      glu8_backward<0>(d, g, u, &dgu[gi], &dgu[ui]);
+    } else {
+      glu8_backward<1>(d, g, u, &dgu[gi], &dgu[ui]);
+    }
+  }
+}
+
+// (x, y) turned by (c, s), each sum with its fma written out (see glu_act) so that rope and
+// rope_vec round alike.
+__device__ __forceinline__ void rotate(float x, float y, float c, float s, float* a, float* b) {
+  *a = __fmaf_rn(x, c, -__fmul_rn(y, s));
+  *b = __fmaf_rn(x, s, __fmul_rn(y, c));
+}
+
 // Rotates the first 2 * half dims of every q and k head of qkv [T, width] in place: element e <
 // half pairs with e + half and turns by theta = pos[t] * inv_freq[e] (sign -1: the transpose),
 // cos and sin multiplied by scale (rounded in f32, as the CPU reference does); dims 2 * half..hd
@@ -170,9 +253,41 @@ extern "C" __global__ void rope(void* qkv, int qkv_f32, const int* pos, const vo
     c *= scale;
     s = sign * (s * scale);
     const long long lo = t * width + (long long)h * hd + e, hi = lo + half;
-    const float x = ld(qkv, qkv_f32, lo), y = ld(qkv, qkv_f32, hi);
-    st(qkv, qkv_f32, lo, x * c - y * s);
-    st(qkv, qkv_f32, hi, y * c + x * s);
+    float a, b;
+    rotate(ld(qkv, qkv_f32, lo), ld(qkv, qkv_f32, hi), c, s, &a, &b);
+    st(qkv, qkv_f32, lo, a);
+    st(qkv, qkv_f32, hi, b);
+  }
+}
+
+// rope for bf16 qkv with head_dim and half multiples of 8, half <= 256 and a 16-byte-aligned
+// start: one block per token. The token's cos and sin are computed once per frequency (not once per
+// head) into shared memory, then each thread turns 8 pairs (e, e + half) of one head as two
+// 16-byte vectors. Same expressions as rope, so the same bits. Grid (tokens).
+extern "C" __global__ void rope_vec(uint4* __restrict__ qkv, const int* __restrict__ pos,
+                                    const void* inv_freq, int freq_f32, long long width,
+                                    int heads, int hd, int half, float scale, float sign) {
+  __shared__ float cs[2][256];
+  const long long t = blockIdx.x;
+  for (int e = threadIdx.x; e < half; e += blockDim.x) {
+    const float theta = (float)pos[t] * ld(inv_freq, freq_f32, e);
+    float s, c;
+    sincosf(theta, &s, &c);
+    cs[0][e] = c * scale;
+    cs[1][e] = sign * (s * scale);
+  }
+  __syncthreads();
+  const int nv = half / 8;
+  for (int k = threadIdx.x; k < heads * nv; k += blockDim.x) {
+    const int h = k / nv, e0 = (k - h * nv) * 8;
+    const long long lo = (t * width + (long long)h * hd + e0) / 8, hi = lo + half / 8;
+    float x[8], y[8], a[8], b[8];
+    unpack8(qkv[lo], x);
+    unpack8(qkv[hi], y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) rotate(x[e], y[e], cs[0][e0 + e], cs[1][e0 + e], &a[e], &b[e]);
+    qkv[lo] = pack8(a);
+    qkv[hi] = pack8(b);
   }
 }
 
