@@ -41,6 +41,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
         weights: WeightSource::Master,
         ring_slots: RING_SLOTS,
         disk: None,
+        kept: Vec::new(),
     }
 }
 

@@ -1677,6 +1677,16 @@ fn streaming_schedule_matches_the_reference_loop() {
                     dir: tier_dir.path().to_path_buf(),
                     units: (0..spec.layers + 2).collect(),
                 }),
+                // Dense layers with every input checkpointed on the device keep layer 0's
+                // activations (no recompute) beside layer 1's recompute.
+                kept: if checkpoints == CheckpointTier::Device
+                    && interval == 1
+                    && spec.moe.is_none()
+                {
+                    vec![0]
+                } else {
+                    Vec::new()
+                },
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");
@@ -2113,6 +2123,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
         weights: WeightSource::Master,
         ring_slots: RING_SLOTS,
         disk: None,
+        kept: Vec::new(),
     };
     let second = match sluice_engine::backend::cuda::probe().expect("GPUs") {
         n if n >= 2 => Some(Cuda::new(1).expect("GPU 1")),

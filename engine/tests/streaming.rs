@@ -60,17 +60,18 @@ fn check_ring(
     resident: Vec<usize>,
     weights: WeightSource,
 ) {
-    check_disk(case, checkpointing, ring, clip, (resident, weights), &[]);
+    check_disk(case, checkpointing, ring, clip, (resident, weights), (&[], &[]));
 }
 
-/// [`check_ring`] with the Adam moments of units `disk` on the disk tier.
+/// [`check_ring`] with the Adam moments of units `disk` on the disk tier and the activations of
+/// layers `kept` kept from the forward to the backward.
 fn check_disk(
     case: &str,
     (checkpoints, checkpoint_interval): (CheckpointTier, usize),
     (gradients, ring_slots): (GradientTier, usize),
     clip: Option<f32>,
     (resident, weights): (Vec<usize>, WeightSource),
-    disk: &[usize],
+    (disk, kept): (&[usize], &[usize]),
 ) {
     let (spec, params): (ModelSpec, HostParams) = if case == "tiny" {
         // The 4-layer preset: deep enough for several checkpoint groups.
@@ -100,6 +101,7 @@ fn check_disk(
         ring_slots,
         disk: (!disk.is_empty())
             .then(|| DiskOptions { dir: tier_dir.path().to_path_buf(), units: disk.to_vec() }),
+        kept: kept.to_vec(),
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     let files = || std::fs::read_dir(tier_dir.path()).expect("tier folder").count();
@@ -229,6 +231,75 @@ fn resident_units_give_the_same_results_with_less_traffic() {
 }
 
 #[test]
+fn kept_activations_give_the_same_results_without_the_recompute() {
+    // The forward writes a kept layer's state where its backward reads it; the recompute it
+    // replaces computed the same values, so the results are the reference's bits. Every dense
+    // family, with one layer kept (beside recomputed ones) and all of them.
+    let dense = FAMILIES
+        .into_iter()
+        .filter(|c| !["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"].contains(c));
+    for case in dense.chain(["tiny"]) {
+        let layers = if case == "tiny" { 4 } else { 2 };
+        let all: Vec<usize> = (0..layers).collect();
+        for kept in [&[1][..], &all] {
+            check_disk(
+                case,
+                (CheckpointTier::Device, 1),
+                (GradientTier::DeviceStore, RING_SLOTS),
+                Some(1.0),
+                (vec![0, 1], COPY),
+                (&[], kept),
+            );
+            check_disk(
+                case,
+                (CheckpointTier::Device, 1),
+                (GradientTier::HostRing, RING_SLOTS),
+                None,
+                (Vec::new(), MASTER),
+                (&[], kept),
+            );
+        }
+    }
+}
+
+/// A mixture of experts keeps no activations, and kept activations need every layer's input
+/// checkpointed on the device: the streamer refuses other options rather than run them.
+#[test]
+fn kept_activations_are_refused_where_the_schedule_cannot_keep_them() {
+    let cpu = Cpu;
+    let options = |checkpoints, interval| ScheduleOptions {
+        max_tokens: 32,
+        grad_accum: G,
+        checkpoints,
+        checkpoint_interval: interval,
+        optimizer_threads: 1,
+        resident: Vec::new(),
+        gradients: GradientTier::HostStore,
+        weights: COPY,
+        ring_slots: RING_SLOTS,
+        disk: None,
+        kept: vec![0],
+    };
+    let spec = sluice_engine::spec::preset("tiny").expect("tiny preset");
+    let params = || HostParams::random(&spec, 5);
+    for (tier, k) in [(CheckpointTier::Host, 1), (CheckpointTier::Device, 2)] {
+        let err = Streamer::new(&cpu, &spec, params(), config(None), options(tier, k))
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("checkpointed on the device"), "{err}");
+    }
+    let beyond = ScheduleOptions { kept: vec![4], ..options(CheckpointTier::Device, 1) };
+    let err = Streamer::new(&cpu, &spec, params(), config(None), beyond).err().expect("no layer 4");
+    assert!(err.to_string().contains("no layer 4"), "{err}");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/mixtral");
+    let (moe, p) = HostParams::load_dir(&dir).expect("model");
+    let err = Streamer::new(&cpu, &moe, p, config(None), options(CheckpointTier::Device, 1))
+        .err()
+        .expect("a mixture of experts");
+    assert!(err.to_string().contains("mixture of experts"), "{err}");
+}
+
+#[test]
 fn a_checkpoint_interval_recomputes_to_the_same_results() {
     // Over 4 layers: K = 2 makes two groups of two, K = 3 a group of three under a group of
     // one, K = 8 one group with every input but the first recomputed; in both tiers. The
@@ -311,9 +382,12 @@ fn moments_on_the_disk_tier_equal_the_reference() {
         let units = if case == "tiny" { 6 } else { 4 };
         let all: Vec<usize> = (0..units).collect();
         let ring = (GradientTier::HostRing, RING_SLOTS);
-        check_disk(case, (CheckpointTier::Device, 1), ring, None, (Vec::new(), MASTER), &all);
+        let no_kept: &[usize] = &[];
+        let (ckpt, copy) = ((CheckpointTier::Device, 1), (Vec::new(), MASTER));
+        check_disk(case, ckpt, ring, None, copy, (&all, no_kept));
         let store = (GradientTier::HostStore, RING_SLOTS);
-        check_disk(case, (CheckpointTier::Host, 1), store, Some(1.0), (vec![0], COPY), &[1, 2]);
+        let (ckpt, copy) = ((CheckpointTier::Host, 1), (vec![0], COPY));
+        check_disk(case, ckpt, store, Some(1.0), copy, (&[1, 2], no_kept));
         let device = (GradientTier::DeviceStore, 2);
         check_disk(
             case,
@@ -321,7 +395,7 @@ fn moments_on_the_disk_tier_equal_the_reference() {
             device,
             Some(1.0),
             (Vec::new(), MASTER),
-            &[0, units - 1],
+            (&[0, units - 1], no_kept),
         );
     }
 }
@@ -351,6 +425,7 @@ fn the_device_store_gives_back_the_steps_gradients() {
         weights: COPY,
         ring_slots: RING_SLOTS,
         disk: None,
+        kept: Vec::new(),
     };
     let store = options(GradientTier::DeviceStore);
     let mut streamer =

@@ -122,6 +122,8 @@ enum ScratchUse {
     Training,
     /// Forward only against a key/value cache: gathered queries, no gradients.
     Generation,
+    /// A layer's kept forward state for one micro-batch (see [`LayerScratch::for_kept`]).
+    Kept,
 }
 
 impl<B: Backend> LayerScratch<B> {
@@ -133,6 +135,43 @@ impl<B: Backend> LayerScratch<B> {
     /// Buffers for the forward of up to `tokens` new tokens against a key/value cache.
     pub fn for_generation(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
         Self::alloc(b, spec, tokens, ScratchUse::Generation)
+    }
+
+    /// Only what a layer's backward reads of its forward (norm inputs and outputs, q/k/v,
+    /// attention output and log-sum-exp, the MLP's gate/up and activation, their reciprocal
+    /// RMS), for one micro-batch of `tokens`: a layer whose activations are kept hands its
+    /// forward's buffers to these (see [`LayerScratch::swap_kept`]) and runs its backward from
+    /// them, without the recompute. Dense MLPs only: a mixture of experts has no kept form.
+    pub fn for_kept(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
+        if spec.moe.is_some() {
+            return Err(crate::error::Error::invalid(
+                "a mixture of experts' layer activations cannot be kept; they are recomputed",
+            ));
+        }
+        Self::alloc(b, spec, tokens, ScratchUse::Kept)
+    }
+
+    /// Exchanges the forward state of `self` and `kept` (buffer handles, no copies): after a
+    /// kept layer's forward, so the kept set holds it, and around its backward, so the backward
+    /// reads it.
+    pub fn swap_kept(&mut self, kept: &mut LayerScratch<B>) {
+        use std::mem::swap;
+        swap(&mut self.ln1, &mut kept.ln1);
+        swap(&mut self.ln1_rstd, &mut kept.ln1_rstd);
+        swap(&mut self.qkv_pre, &mut kept.qkv_pre);
+        swap(&mut self.qk_rstd, &mut kept.qk_rstd);
+        swap(&mut self.qkv, &mut kept.qkv);
+        swap(&mut self.att, &mut kept.att);
+        swap(&mut self.lse, &mut kept.lse);
+        swap(&mut self.x1, &mut kept.x1);
+        swap(&mut self.ln2, &mut kept.ln2);
+        swap(&mut self.ln2_rstd, &mut kept.ln2_rstd);
+        swap(&mut self.gate_up, &mut kept.gate_up);
+        swap(&mut self.act, &mut kept.act);
+        swap(&mut self.o_pre, &mut kept.o_pre);
+        swap(&mut self.o_rstd, &mut kept.o_rstd);
+        swap(&mut self.m_pre, &mut kept.m_pre);
+        swap(&mut self.m_rstd, &mut kept.m_rstd);
     }
 
     fn alloc(b: &B, spec: &ModelSpec, tokens: usize, purpose: ScratchUse) -> Result<Self> {
@@ -153,10 +192,13 @@ impl<B: Backend> LayerScratch<B> {
         let sandwich = usize::from(spec.sandwich_norms);
         let offset = usize::from(spec.norm_offset != 0.0);
         // Buffers only one use needs are empty in the other.
-        let (train, generate) = match purpose {
-            ScratchUse::Training => (1, 0),
-            ScratchUse::Generation => (0, 1),
+        let (train, generate, work) = match purpose {
+            ScratchUse::Training => (1, 0, 1),
+            ScratchUse::Generation => (0, 1, 1),
+            ScratchUse::Kept => (0, 0, 0),
         };
+        // The kept form holds the log-sum-exp the backward reads.
+        let lse = if purpose == ScratchUse::Generation { 0 } else { t * spec.q_heads };
         let mut scratch = LayerScratch {
             ln1: act(t * h)?,
             ln1_rstd: acc(t)?,
@@ -164,13 +206,13 @@ impl<B: Backend> LayerScratch<B> {
             qk_rstd: acc(if spec.qk_norm { t * (spec.q_heads + spec.kv_heads) } else { 0 })?,
             qkv: act(t * dqkv)?,
             att: act(t * datt)?,
-            lse: acc(train * t * spec.q_heads)?,
+            lse: acc(lse)?,
             x1: act(t * h)?,
             ln2: act(t * h)?,
             ln2_rstd: acc(t)?,
             gate_up: act(t * 2 * i)?,
             act: act(t * i)?,
-            tmp_h: act(t * h)?,
+            tmp_h: act(work * t * h)?,
             d_act: act(train * t * i)?,
             d_gate_up: act(train * t * 2 * i)?,
             d_x1: act(train * t * h)?,
@@ -183,12 +225,12 @@ impl<B: Backend> LayerScratch<B> {
             m_pre: act(sandwich * t * h)?,
             m_rstd: acc(sandwich * t)?,
             d_pre: act(train * sandwich * t * h)?,
-            norm_w: acc(offset * h.max(2 * spec.head_dim))?,
+            norm_w: acc(work * offset * h.max(2 * spec.head_dim))?,
             moe: None,
             bytes: 0,
         };
         scratch.bytes = bytes.get();
-        if spec.moe.is_some() {
+        if spec.moe.is_some() && purpose != ScratchUse::Kept {
             let (moe, moe_bytes) = MoeScratch::new(b, spec, t, purpose == ScratchUse::Training)?;
             scratch.moe = Some(moe);
             scratch.bytes += moe_bytes;

@@ -146,6 +146,9 @@ pub struct Layout {
     pub resident: Vec<bool>,
     /// Per unit: whether its Adam moments live on the disk tier.
     pub disk: Vec<bool>,
+    /// Per unit: whether a decoder layer's activations stay on the device from the forward to
+    /// the backward (no recompute).
+    pub kept: Vec<bool>,
 }
 
 impl Layout {
@@ -220,6 +223,13 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
         }
     }
     parts.push(("layer scratch (one micro-batch)".to_string(), s.layer_scratch));
+    let kept = l.kept.iter().filter(|&&k| k).count() as u64;
+    if kept > 0 {
+        parts.push((
+            format!("kept activations ({kept} layers x {g} micro-batches, no recompute)"),
+            kept * g * s.kept_layer,
+        ));
+    }
     parts.push(("head: final norm and chunked cross-entropy".to_string(), s.head_workspace));
     parts.push((
         "current unit's activations or their gradients, in and out (2 x G micro-batches, bf16)"

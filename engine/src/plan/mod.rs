@@ -137,6 +137,9 @@ pub struct Capabilities {
     pub disk_moments: bool,
     /// Where the user wants the Adam moments.
     pub moments: MomentsPolicy,
+    /// Dense layers' activations can stay on the device from the forward to the backward,
+    /// sparing their recompute, where device memory is left over.
+    pub keep_activations: bool,
 }
 
 /// Where Adam moments live: the user's choice.
@@ -190,6 +193,7 @@ impl Capabilities {
         only_gradients: None,
         disk_moments: true,
         moments: MomentsPolicy::Auto,
+        keep_activations: true,
     };
 }
 
@@ -225,6 +229,10 @@ pub struct Placement {
     /// Slots of the host gradient ring (device store and host ring), each the largest unit's
     /// fp32 gradients: [`RING_SLOTS`], or 2 where host memory is short.
     pub ring_slots: usize,
+    /// Decoder layers (0-based) whose activations stay on the device from the forward to the
+    /// backward, so their backward skips the recompute: as many as the device's spare memory
+    /// holds.
+    pub kept_layers: Vec<usize>,
     /// What the weights stream from: the fp32 master (less host memory) unless PCIe bounds
     /// the step, where a half-size copy is faster.
     pub weights: WeightSource,
@@ -599,6 +607,7 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
                     weights,
                     resident: vec![false; s.units.len()],
                     disk: vec![false; s.units.len()],
+                    kept: vec![false; s.units.len()],
                 };
                 place_moments(s, &mut layout, input);
                 // Within a weight source, a simpler checkpoint or gradient placement at the
@@ -715,6 +724,35 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, memory: &MachineMemory) {
     }
 }
 
+/// Keeps the activations of as many decoder layers as the device's memory left over holds, the
+/// last layers first (the order does not change the time: every kept layer spares one
+/// recompute). Only with every layer's input checkpointed on the device (a recompute group of
+/// K > 1 layers recomputes them all), for dense layers (a mixture of experts' routing buffers
+/// have no kept form), and on a GPU.
+fn fill_kept(s: &Sizes, layout: &mut Layout, input: &PlanInput<'_>) {
+    if !input.supports.keep_activations
+        || input.memory.shared()
+        || s.kept_layer == 0
+        || layout.checkpoints != CheckpointTier::Device
+        || layout.interval != 1
+    {
+        return;
+    }
+    // A layer's set is the same size whichever layer it is: count how many fit at once.
+    let free = budget_for(s, layout, &input.memory);
+    let spare = input.memory.gpu_bytes.saturating_sub(free.device.used);
+    let per_layer = s.kept_layer * s.batch.grad_accum as u64;
+    let n = (spare / per_layer.max(1)).min(s.layers as u64) as usize;
+    for u in (1..=s.layers).rev().take(n) {
+        layout.kept[u] = true;
+    }
+    while layout.kept.contains(&true) && budget_for(s, layout, &input.memory).device_over() > 0 {
+        if let Some(u) = layout.kept.iter().position(|&k| k) {
+            layout.kept[u] = false;
+        }
+    }
+}
+
 /// The best fitting layout (`None` when none fits), with the fastest fitting step of the other
 /// weight source (`None` when that source fits nowhere), so the plan can say why it chose.
 fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> {
@@ -741,7 +779,15 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
                 (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
             },
         )?;
-    let best = fitting.swap_remove(at);
+    let mut best = fitting.swap_remove(at);
+    // Kept activations take only what the chosen placement leaves of the device: they never
+    // push gradients or weights elsewhere (the host's memory is the scarcer).
+    fill_kept(s, &mut best.layout, input);
+    if best.layout.kept.contains(&true) {
+        best.budget = budget_for(s, &best.layout, &input.memory);
+        best.cost =
+            timing::simulate(s, &best.layout, &input.rates, input.memory.disk.as_ref(), 1.0);
+    }
     let source = best.layout.weights;
     let other =
         fitting.iter().filter(|e| e.layout.weights != source).map(|e| e.cost.step).reduce(f64::min);
@@ -809,6 +855,7 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
     let resident: Vec<usize> = (0..s.units.len()).filter(|&u| l.resident[u]).collect();
     let disk_units = l.disk_units();
     Placement {
+        kept_layers: (0..s.units.len()).filter(|&u| l.kept[u]).map(|u| u - 1).collect(),
         resident_summary: report::unit_ranges(s, &resident),
         streamed_units: s.units.len() - resident.len(),
         resident_units: resident,

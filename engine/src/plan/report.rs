@@ -175,6 +175,15 @@ impl fmt::Display for Plan {
             },
             p.checkpoint_interval
         )?;
+        if !p.kept_layers.is_empty() {
+            writeln!(
+                f,
+                "  kept activations: {} of {} layers keep their activations from the forward to \
+                 the backward (no recompute) in the device's spare memory",
+                p.kept_layers.len(),
+                m.layers
+            )?;
+        }
         writeln!(
             f,
             "  gradients: {}; optimizer {}",

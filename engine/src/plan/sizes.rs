@@ -117,6 +117,9 @@ pub struct Sizes {
     pub batch: BatchShape,
     /// Device bytes of one layer's scratch for one micro-batch.
     pub layer_scratch: u64,
+    /// Device bytes of one layer's kept forward state for one micro-batch (0: a mixture of
+    /// experts, whose activations are always recomputed).
+    pub kept_layer: u64,
     /// Device bytes of the head's norm and chunked cross-entropy workspace.
     pub head_workspace: u64,
     /// Attention FLOPs of one layer's forward over the whole step (all micro-batches).
@@ -165,6 +168,7 @@ impl Sizes {
             active_params: spec.active_params() as u64,
             batch,
             layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
+            kept_layer: kept_layer_bytes(spec, batch.micro_tokens()),
             head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
             capped_attention: spec.attn_softcap.is_some(),
@@ -219,6 +223,35 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
         if spec.norm_offset != 0.0 { spec.hidden.max(2 * spec.head_dim) as u64 } else { 0 };
     bf16_elems * BF16 + (f32_elems + norm_w) * F32 + moe_scratch_bytes(spec, t)
 }
+
+/// `LayerScratch::for_kept` in `model::decoder`, for `t` tokens: what a layer's backward reads
+/// of its forward. bf16: ln1, x1, ln2 (H each), q/k/v (and before the q/k norm), the attention
+/// output, gate/up (2I) and the activation (I), Gemma's post-norm inputs; f32: the norms'
+/// reciprocal RMS and attention's log-sum-exp. Each buffer is counted at the device
+/// allocator's 2 MiB granularity: a model keeps up to layers x micro-batches of these sets, so
+/// rounding is not negligible. 0 for a mixture of experts.
+pub fn kept_layer_bytes(spec: &ModelSpec, t: u64) -> u64 {
+    if spec.moe.is_some() {
+        return 0;
+    }
+    let (h, i) = (spec.hidden as u64, spec.intermediate as u64);
+    let (dqkv, datt) = (spec.qkv_width() as u64, spec.attn_width() as u64);
+    let (nq, nkv) = (spec.q_heads as u64, spec.kv_heads as u64);
+    let qk = spec.qk_norm;
+    let sandwich = spec.sandwich_norms;
+    let bf16 = [h, h, h, dqkv, datt, 2 * i, i];
+    let bf16_opt = [(qk, dqkv), (sandwich, h), (sandwich, h)];
+    let f32s = [1, 1, nq];
+    let f32_opt = [(qk, nq + nkv), (sandwich, 1), (sandwich, 1)];
+    let buf = |elems: u64, size: u64| (t * elems * size).next_multiple_of(ALLOC_GRANULARITY);
+    bf16.iter().map(|&e| buf(e, BF16)).sum::<u64>()
+        + bf16_opt.iter().filter(|o| o.0).map(|o| buf(o.1, BF16)).sum::<u64>()
+        + f32s.iter().map(|&e| buf(e, F32)).sum::<u64>()
+        + f32_opt.iter().filter(|o| o.0).map(|o| buf(o.1, F32)).sum::<u64>()
+}
+
+/// The device allocator's granularity, to which every kept buffer is rounded up.
+const ALLOC_GRANULARITY: u64 = 2 << 20;
 
 /// `MoeScratch` in `model::moe` for `t` tokens: every token is routed to `k` experts, so the
 /// expert activations are `t k` rows whatever the router's counts (each expert's share of them

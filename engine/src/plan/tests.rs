@@ -313,6 +313,23 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
             + g * t * 16 + g * 4 // token batches
             + 4 * (shape.vocab * shape.hidden + shape.hidden).min(CAST_CHUNK as u64) // staging
             + GIB; // runtime reserve
+        // What the device has left keeps whole layers' activations (their forward state for
+        // every micro-batch), as many as fit, so their backward skips the recompute.
+        let buf = |bytes: u64| bytes.next_multiple_of(2 << 20);
+        let bf16 = [h, h, h, shape.qkv(), shape.att(), 2 * shape.inter, shape.inter];
+        let per_layer = g
+            * (bf16.iter().map(|&e| buf(t * e * 2)).sum::<u64>()
+                + 2 * buf(t * 4)
+                + buf(t * shape.q_heads * 4));
+        let kept = plan.placement.kept_layers.len() as u64;
+        assert!(
+            kept > 0,
+            "{name}: room for kept activations
+{plan}"
+        );
+        assert_eq!(b.device.part("kept activations"), kept * per_layer, "{name}");
+        assert!(device + (kept + 1) * per_layer > 139 * GIB, "{name}: one more would fit");
+        let device = device + kept * per_layer;
         assert_eq!(b.device.part("layer scratch"), scratch, "{name}");
         assert_eq!(b.device.part("checkpoints"), (shape.layers + 1) * g * t * h * 2, "{name}");
         assert_eq!(b.device.used, device, "{name}\n{plan}");
@@ -483,14 +500,21 @@ fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
     let s = &QWEN7;
     let rates = MachineRates::default();
     let gemm_params = s.layers * (s.qkv() + s.att() + 3 * s.inter) * s.hidden;
-    let gemm = 8.0 * gemm_params as f64 * n / 700e12;
+    // Layers whose activations are kept skip the recompute: 6 FLOPs per parameter and token,
+    // 3.5 forward attentions, the forward's elementwise bytes once.
+    let kept = plan.placement.kept_layers.len() as f64;
+    let layers = s.layers as f64;
+    let share = (8.0 * (layers - kept) + 6.0 * kept) / (8.0 * layers);
+    let gemm = 8.0 * gemm_params as f64 * n / 700e12 * share;
     // The LM head: forward, logits recomputed, backward, at its own rate.
     let head = 8.0 * (s.vocab * s.hidden) as f64 * n / rates.head_flops;
     // Causal: 4096 * 4097 / 2 query-key pairs per row, 4 hd FLOPs per head per pair forward;
     // forward + recompute + 2.5 x forward for the backward.
     let pairs = 4096.0 * 4097.0 / 2.0;
     let rate = rates.attention_rate(4096);
-    let attn = 4.5 * s.layers as f64 * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64 / rate;
+    let attn =
+        (4.5 * (layers - kept) + 3.5 * kept) * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64
+            / rate;
     // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), the q/k/v bias
     // and RoPE on q and k (read and write), the gated activation (3 I), two residual adds
     // (3 H each); backward 3 H per norm, the bias read once, RoPE, 5 I, the adds again. The
@@ -499,7 +523,8 @@ fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
     let rotated = ((s.q_heads + s.kv_heads) * s.head_dim) as f64;
     let fwd = 4.0 * h + 2.0 * (qkv + rotated) + 3.0 * i + 6.0 * h;
     let bwd = 6.0 * h + qkv + 2.0 * rotated + 5.0 * i + 6.0 * h;
-    let elementwise = s.layers as f64 * (2.0 * fwd + bwd) * 2.0 * n / rates.elementwise_bytes;
+    let elementwise = ((layers - kept) * (2.0 * fwd + bwd) + kept * (fwd + bwd)) * 2.0 * n
+        / rates.elementwise_bytes;
     let t = &plan.time;
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b;
     assert!(close(t.gemm_s, gemm), "{} vs {gemm}", t.gemm_s);
@@ -596,6 +621,7 @@ fn only_placements_the_schedule_implements_are_offered() {
         only_gradients: None,
         disk_moments: false,
         moments: MomentsPolicy::Auto,
+        keep_activations: false,
     };
     let memory = MachineMemory::given(H200.0, H200.1);
     let r = refused(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), host_only_grads));

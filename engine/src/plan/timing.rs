@@ -114,8 +114,13 @@ pub fn simulate(
         u if u == head => 8.0 * s.units[u].gemm_params as f64 * n / r.head_flops,
         u => 2.0 * gemm(u) + attn + ew_fwd,
     };
-    let bwd_secs =
-        |u: usize| if u == 0 { 0.0 } else { 6.0 * gemm(u) + 3.5 * attn + ew_fwd + ew_bwd };
+    // A kept layer's backward skips the recompute of its forward.
+    let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
+    let bwd_secs = |u: usize| match u {
+        0 => 0.0,
+        u if kept(u) => 4.0 * gemm(u) + 2.5 * attn + ew_bwd,
+        u => 6.0 * gemm(u) + 3.5 * attn + ew_fwd + ew_bwd,
+    };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
     let emb_resident = l.embedding_resident();
     let host_ckpt = l.checkpoints == CheckpointTier::Host;
@@ -276,10 +281,10 @@ pub fn simulate(
 
         cost = StepCost {
             step: 0.0,
-            gemm: (1..head).map(|u| 8.0 * gemm(u)).sum(),
+            gemm: (1..head).map(|u| if kept(u) { 6.0 } else { 8.0 } * gemm(u)).sum(),
             head: fwd_secs(head),
-            attention: s.layers as f64 * 4.5 * attn,
-            elementwise: s.layers as f64 * (2.0 * ew_fwd + ew_bwd),
+            attention: (1..head).map(|u| if kept(u) { 3.5 } else { 4.5 } * attn).sum(),
+            elementwise: (1..head).map(|u| if kept(u) { 1.0 } else { 2.0 } * ew_fwd + ew_bwd).sum(),
             h2d_bytes,
             d2h_bytes,
             h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],

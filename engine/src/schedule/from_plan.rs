@@ -18,6 +18,7 @@ pub const STREAMER: Capabilities = Capabilities {
     only_gradients: None,
     disk_moments: true,
     moments: crate::plan::MomentsPolicy::Auto,
+    keep_activations: true,
 };
 
 /// The streamer's options for `plan`, with `optimizer_threads` threads for AdamW (0: one per
@@ -46,6 +47,7 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
         gradients: p.gradients,
         weights: p.weights,
         ring_slots: p.ring_slots,
+        kept: p.kept_layers.clone(),
         disk: match (&plan.memory.disk, p.disk_units.is_empty()) {
             (_, true) => None,
             (Some(d), false) => {

@@ -86,6 +86,10 @@ pub struct ScheduleOptions {
     pub ring_slots: usize,
     /// Units whose Adam moments live on the disk tier, and where; `None`: all in host memory.
     pub disk: Option<DiskOptions>,
+    /// Decoder layers whose activations stay on the device from the forward to the backward,
+    /// one set per micro-batch, so their backward skips the recompute (dense layers, device
+    /// checkpoints of every layer).
+    pub kept: Vec<usize>,
 }
 
 /// The disk tier of a run: the folder its moments file is created in (removed when the run
@@ -202,6 +206,9 @@ pub struct Streamer<'b, B: Backend> {
     aux_share: Option<f64>,
     layer_out: B::Floats,
     scratch: LayerScratch<B>,
+    /// `kept[l][mb]`: layer `l`'s forward state for micro-batch `mb`, where its activations are
+    /// kept (empty otherwise).
+    kept: Vec<Vec<LayerScratch<B>>>,
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
@@ -390,6 +397,24 @@ impl<'b, B: Backend> Streamer<'b, B> {
         counted.set(counted.get() + grad_bytes);
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;
+        if !options.kept.is_empty() && (k != 1 || options.checkpoints != CheckpointTier::Device) {
+            return Err(Error::invalid(
+                "kept activations need every layer's input checkpointed on the device",
+            ));
+        }
+        let mut kept_sets: Vec<Vec<LayerScratch<B>>> = (0..layers).map(|_| Vec::new()).collect();
+        for &l in &options.kept {
+            let set = kept_sets
+                .get_mut(l)
+                .ok_or_else(|| Error::invalid(format!("no layer {l} to keep activations of")))?;
+            if set.is_empty() {
+                for _ in 0..g {
+                    let s = LayerScratch::for_kept(b, spec, t)?;
+                    counted.set(counted.get() + s.bytes);
+                    set.push(s);
+                }
+            }
+        }
         // Token ids, positions, targets and document bounds: four i32 arrays per micro-batch.
         let batch_bytes = g * (4 * t + 1) * 4;
         let mut streamer = Streamer {
@@ -435,6 +460,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             layer_out: act(t * h)?,
             device_bytes: 0,
             scratch,
+            kept: kept_sets,
             head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
@@ -896,6 +922,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     &mut self.scratch,
                     LayerAt::packed(batch, l).with_router(router),
                 )?;
+                // A kept layer's forward state moves into its micro-batch's kept set (buffer
+                // handles trade places: the scratch takes the set's previous buffers).
+                if let Some(k) = self.kept[l].get_mut(mb).filter(|_| keep) {
+                    self.scratch.swap_kept(k);
+                }
                 if copy_out {
                     let n = batch.tokens * h;
                     let dst = &mut self.ckpt_host[next][mb];
@@ -1061,18 +1092,24 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
                     let w = &self.slots[slot];
                     let router = || complete(&self.router_stats, mb, self.aux_weight);
-                    self.decoder.layer_forward(
-                        b,
-                        &mut self.layer_out,
-                        x_in,
-                        w,
-                        &mut self.scratch,
-                        LayerAt::packed(batch, l).with_router(router()),
-                    )?;
+                    // A kept layer's forward state is still on the device: no recompute.
+                    let kept = self.kept[l].get_mut(mb);
+                    let is_kept = kept.is_some();
+                    match kept {
+                        Some(k) => self.scratch.swap_kept(k),
+                        None => self.decoder.layer_forward(
+                            b,
+                            &mut self.layer_out,
+                            x_in,
+                            w,
+                            &mut self.scratch,
+                            LayerAt::packed(batch, l).with_router(router()),
+                        )?,
+                    }
                     let [d0, d1] = &mut self.dx;
                     let (dx_out, dx_in) =
                         if cur == 0 { (&d0[mb], &mut d1[mb]) } else { (&d1[mb], &mut d0[mb]) };
-                    self.decoder.layer_backward(
+                    let run = self.decoder.layer_backward(
                         b,
                         dx_in,
                         self.grads.acc(l + 1),
@@ -1081,7 +1118,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         w,
                         &mut self.scratch,
                         LayerAt::packed(batch, l).with_router(router()),
-                    )?;
+                    );
+                    if is_kept && let Some(k) = self.kept[l].get_mut(mb) {
+                        self.scratch.swap_kept(k);
+                    }
+                    run?;
                 }
                 cur = 1 - cur;
             }

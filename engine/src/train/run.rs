@@ -88,6 +88,9 @@ pub struct RunPlacement {
     /// Units whose Adam moments live on the disk tier, and its folder; `None`: host memory.
     #[serde(default)]
     pub disk: Option<DiskOptions>,
+    /// Decoder layers whose activations stay on the device between forward and backward.
+    #[serde(default)]
+    pub kept: Vec<usize>,
 }
 
 impl Default for RunPlacement {
@@ -102,6 +105,7 @@ impl Default for RunPlacement {
             weights: None,
             ring_slots: None,
             disk: None,
+            kept: Vec::new(),
         }
     }
 }
@@ -118,6 +122,7 @@ impl RunPlacement {
             weights: Some(schedule.weights),
             ring_slots: Some(schedule.ring_slots),
             disk: schedule.disk,
+            kept: schedule.kept,
         })
     }
 
@@ -458,6 +463,7 @@ fn run_with<S: Stepper>(
         weights: placement.weights.unwrap_or(WeightSource::StreamingCopy),
         ring_slots: placement.ring_slots.unwrap_or(RING_SLOTS),
         disk: placement.disk.clone(),
+        kept: placement.kept.clone(),
     };
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).

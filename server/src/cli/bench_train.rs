@@ -253,11 +253,12 @@ fn print_plan(p: &Plan) {
         p.batch.grad_accum, p.batch.micro_batch, p.batch.seq_len, p.tokens_per_step
     );
     println!(
-        "plan: {} of {} units resident ({}), checkpoints {:?}, gradients {:?}, weights from {:?} \
-         ({}); device {} of {}, host {} of {}",
+        "plan: {} of {} units resident ({}), activations of {} layers kept, checkpoints {:?}, \
+         gradients {:?}, weights from {:?} ({}); device {} of {}, host {} of {}",
         p.placement.resident_units.len(),
         m.units,
         p.placement.resident_summary,
+        p.placement.kept_layers.len(),
         p.placement.checkpoints,
         p.placement.gradients,
         p.placement.weights,
@@ -345,6 +346,7 @@ fn bench<B: Backend>(
         println!("profile: only the CUDA backend times its ops; --profile ignored");
     }
     let mut profiles = Vec::new();
+    let mut last_timeline = Vec::new();
     for step in 1..=args.steps {
         let micro = if step == 1 || args.repeat_batch {
             first.clone()
@@ -405,6 +407,7 @@ fn bench<B: Backend>(
         };
         print_record(&r);
         records.push(r);
+        last_timeline = m.timeline;
     }
     // Dropping the streamer waits for the last step's updates (the optimizer worker finishes
     // its queue) and frees everything; `finish` would also copy the master weights out. (An
@@ -429,6 +432,7 @@ fn bench<B: Backend>(
             "plan": plan,
             "steps": records,
             "summary": summary,
+            "last_step_timeline": last_timeline,
             "last_updates_and_teardown_s": drain.as_secs_f64(),
         });
         let text = serde_json::to_string_pretty(&report)?;
