@@ -1265,7 +1265,7 @@ fn cross_entropy() {
             check(&format!("cross_entropy_backward dw ({label})"), &get(g, &dw), &want_dw, 4e-3);
         }
     }
-    g.set_loss_chunk_logits(1 << 26);
+    g.set_loss_chunk_logits(sluice_engine::placement::LOSS_CHUNK_LOGITS);
 }
 
 // ---- a decoder layer and whole training steps ---------------------------------------------

@@ -31,7 +31,8 @@ pub struct MachineRates {
     /// about 29.6 s of it attention's 1.0e14 FLOPs (forward, recompute and backward): 3.5 TFLOPS.
     pub scalar_attention_flops: f64,
     /// FLOP/s of the chunked LM head (its GEMMs with the softmax and loss between them).
-    /// Measured (profile, H200, 2026-12-03): 386 TFLOPS at hidden 1536, 454 at 3584.
+    /// Measured (profile, H200, 2026-12-03): 566 TFLOPS at hidden 3584 with chunks of 2^28
+    /// logits (`placement::LOSS_CHUNK_LOGITS`; 454 with 2^26, 386 at hidden 1536).
     pub head_flops: f64,
     /// Effective bytes/s of a layer's elementwise kernels (norms, RoPE, biases, the gated
     /// activation, residual adds) over the bytes they must move (`Sizes::elementwise_*`).
@@ -57,7 +58,7 @@ impl Default for MachineRates {
             attention_flops: 213e12,
             attention_half_seq: 628.0,
             scalar_attention_flops: 3.5e12,
-            head_flops: 430e12,
+            head_flops: 520e12,
             elementwise_bytes: 1.2e12,
             adam_params: 5e9,
             host_memcpy: 60e9,

@@ -15,10 +15,6 @@ use crate::spec::ModelSpec;
 pub const BF16: u64 = 2;
 /// fp32 bytes per element.
 pub const F32: u64 = 4;
-/// Tokens whose logits the head materialises at once on the device (`[chunk, V]`, f32 logits
-/// plus their bf16 gradient): large enough for full-speed GEMMs, small enough that a 152k
-/// vocabulary costs under 1 GB.
-pub const CE_CHUNK_TOKENS: u64 = 1024;
 /// The `i32` arrays each micro-batch keeps on the device: ids, positions, targets and document
 /// bounds (at most one per token, plus one).
 pub const TOKEN_ARRAYS: u64 = 4;
@@ -276,7 +272,7 @@ fn moe_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 /// f32) plus one chunk of logits: `[chunk, V]` f32 and its bf16 gradient.
 pub fn head_workspace_bytes(spec: &ModelSpec, t: u64) -> u64 {
     let (h, v) = (spec.hidden as u64, spec.vocab as u64);
-    let chunk = t.min(CE_CHUNK_TOKENS);
+    let chunk = t.min((crate::placement::LOSS_CHUNK_LOGITS as u64 / v.max(1)).max(1));
     2 * t * h * BF16 + 3 * t * F32 + chunk * v * (F32 + BF16)
 }
 

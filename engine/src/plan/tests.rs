@@ -303,7 +303,8 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
         assert_eq!(plan.placement.checkpoint_interval, 1, "{name}");
         let scratch = t * (5 * h + 2 * shape.qkv() + 2 * shape.att() + 6 * shape.inter) * 2
             + t * (2 + 2 * shape.q_heads) * 4;
-        let head = 2 * t * h * 2 + 3 * t * 4 + 1024 * shape.vocab * 6;
+        // One chunk of logits: 2^28 of them over the vocabulary, f32 plus their bf16 gradient.
+        let head = 2 * t * h * 2 + 3 * t * 4 + ((1 << 28) / shape.vocab) * shape.vocab * 6;
         let device = 2 * p // resident bf16 weights
             + 4 * p // gradient store
             + scratch

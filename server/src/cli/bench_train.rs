@@ -100,7 +100,7 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     profile: bool,
 
-    /// Most logits the GPU's chunked cross-entropy holds at once (default 2^26), to measure
+    /// Most logits the GPU's chunked cross-entropy holds at once (default 2^28), to measure
     /// the LM head's chunk size; the planner's workspace figure assumes the default.
     #[arg(long, value_name = "N")]
     loss_chunk_logits: Option<usize>,

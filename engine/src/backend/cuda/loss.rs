@@ -11,8 +11,8 @@ use super::{Cuda, Floats, Ints, View, ViewMut, check};
 use crate::backend::{FloatKind, IGNORE};
 use crate::error::Result;
 
-/// Default logits per chunk (256 MiB of f32, plus half that for the bf16 gradient).
-pub(super) const LOGITS_BUDGET: usize = 1 << 26;
+/// Default logits per chunk: the planner's budget for the head's workspace.
+pub(super) const LOGITS_BUDGET: usize = crate::placement::LOSS_CHUNK_LOGITS;
 
 fn row_config(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 }

@@ -216,8 +216,8 @@ impl Cuda {
         self.grouped_gemm.store(on, Ordering::Relaxed);
     }
 
-    /// Caps the logits the chunked cross-entropy materialises at once (default 2^26, 256 MiB of
-    /// f32): the chunk is `max(1, n / vocab)` tokens. Results do not depend on it beyond
+    /// Caps the logits the chunked cross-entropy materialises at once (default
+    /// `placement::LOSS_CHUNK_LOGITS`, 1 GiB of f32): the chunk is `max(1, n / vocab)` tokens. Results do not depend on it beyond
     /// rounding of the weight gradient's sum over chunks.
     pub fn set_loss_chunk_logits(&self, n: usize) {
         self.loss_chunk_logits.store(n.max(1), Ordering::Relaxed);
