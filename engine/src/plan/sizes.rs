@@ -116,8 +116,10 @@ pub struct Sizes {
     /// Device bytes of one layer's kept forward state for one micro-batch (0: a mixture of
     /// experts, whose activations are always recomputed).
     pub kept_layer: u64,
-    /// Device bytes of the head's norm and chunked cross-entropy workspace.
+    /// Device bytes of the head's norm and chunked cross-entropy workspace on a GPU.
     pub head_workspace: u64,
+    /// The same on the CPU backend, whose chunks are smaller.
+    pub head_workspace_host: u64,
     /// Attention FLOPs of one layer's forward over the whole step (all micro-batches).
     pub attention_fwd_flops: f64,
     /// Whether attention is soft-capped (Gemma 2), which the GPU runs on its scalar kernels.
@@ -165,7 +167,16 @@ impl Sizes {
             batch,
             layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
             kept_layer: kept_layer_bytes(spec, batch.micro_tokens()),
-            head_workspace: head_workspace_bytes(spec, batch.micro_tokens()),
+            head_workspace: head_workspace_bytes(
+                spec,
+                batch.micro_tokens(),
+                crate::placement::LOSS_CHUNK_LOGITS as u64 / (spec.vocab as u64).max(1),
+            ),
+            head_workspace_host: head_workspace_bytes(
+                spec,
+                batch.micro_tokens(),
+                crate::backend::cpu::LOSS_CHUNK_TOKENS as u64,
+            ),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
             capped_attention: spec.attn_softcap.is_some(),
             elementwise_fwd_bytes: elementwise_bytes(spec, batch.step_tokens()).0,
@@ -269,10 +280,10 @@ fn moe_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 }
 
 /// `HeadScratch` for `t` tokens (normed input and its gradient in bf16; rstd, losses and lse in
-/// f32) plus one chunk of logits: `[chunk, V]` f32 and its bf16 gradient.
-pub fn head_workspace_bytes(spec: &ModelSpec, t: u64) -> u64 {
+/// f32) plus one chunk of up to `chunk` tokens' logits: `[chunk, V]` f32 and its bf16 gradient.
+pub fn head_workspace_bytes(spec: &ModelSpec, t: u64, chunk: u64) -> u64 {
     let (h, v) = (spec.hidden as u64, spec.vocab as u64);
-    let chunk = t.min((crate::placement::LOSS_CHUNK_LOGITS as u64 / v.max(1)).max(1));
+    let chunk = t.min(chunk.max(1));
     2 * t * h * BF16 + 3 * t * F32 + chunk * v * (F32 + BF16)
 }
 

@@ -19,7 +19,7 @@ use crate::error::Result;
 
 /// Tokens whose logits are materialised together: enough rows for the GEMMs to run at full speed
 /// on every thread, few enough to keep the scratch small.
-const CHUNK_TOKENS: usize = 128;
+pub const CHUNK_TOKENS: usize = 128;
 
 /// `log Σ_v exp(z_v)`, with the max subtracted and the sum in f64.
 fn log_sum_exp(z: &[f32]) -> f32 {

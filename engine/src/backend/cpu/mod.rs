@@ -32,7 +32,7 @@ pub use attention::{
 pub use decode::attention_decode;
 pub use elementwise::{add, add_assign, sum, sum_squares};
 pub use embedding::{embedding_backward, embedding_forward};
-pub use loss::{cross_entropy_backward, cross_entropy_forward};
+pub use loss::{CHUNK_TOKENS as LOSS_CHUNK_TOKENS, cross_entropy_backward, cross_entropy_forward};
 pub use matmul::{bias_backward, bias_forward, matmul_backward, matmul_forward};
 pub use mlp::{glu_backward, glu_forward};
 pub use moe::{
