@@ -147,9 +147,13 @@ impl RunPlacement {
             Some(WeightSource::Master) => "weights stream from the fp32 master",
             Some(WeightSource::StreamingCopy) | None => "weights stream from a copy",
         };
+        let kept = match self.kept.len() {
+            0 => String::new(),
+            n => format!(", activations of {n} layers kept (no recompute)"),
+        };
         format!(
-            "{} of {units} units resident, checkpoints {checkpoints} {interval}, {gradients}, \
-             {weights}",
+            "{} of {units} units resident, checkpoints {checkpoints} {interval}{kept}, \
+             {gradients}, {weights}",
             self.resident.len()
         )
     }
