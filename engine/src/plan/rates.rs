@@ -36,8 +36,8 @@ pub struct MachineRates {
     pub head_flops: f64,
     /// Effective bytes/s of a layer's elementwise kernels (norms, RoPE, biases, the gated
     /// activation, residual adds) over the bytes they must move (`Sizes::elementwise_*`).
-    /// Measured (profile, H200, 2026-12-03): 1.16 TB/s at Qwen2.5-7B, 1.21 at 1.5B, 1.40 at
-    /// 7B with 32K rows, a quarter of the HBM's bandwidth.
+    /// Measured (profile, H200, 2026-12-03): 2.75 TB/s at Qwen2.5-7B and 2.69 at 1.5B with the
+    /// vectorized kernels (1.16 and 1.21 before them).
     pub elementwise_bytes: f64,
     /// Parameters/s of the CPU AdamW on all cores. Measured: torch's fused CPU AdamW 4.67
     /// Gparam/s on the 16 cores; 5e9 is the target of Sluice's fused update.
@@ -59,7 +59,7 @@ impl Default for MachineRates {
             attention_half_seq: 628.0,
             scalar_attention_flops: 3.5e12,
             head_flops: 520e12,
-            elementwise_bytes: 1.2e12,
+            elementwise_bytes: 2.7e12,
             adam_params: 5e9,
             host_memcpy: 60e9,
         }

@@ -672,7 +672,7 @@ fn on_the_cpu_one_memory_holds_the_state_and_the_buffers() {
 }
 
 /// Qwen2.5-7B, 16 micro-batches of 4096 tokens, on 1, 2 and 4 H200s. Two GPUs halve the compute
-/// (8.2 s to 4.1 s) and each link gets a quarter of the host's 120 GB/s of memory traffic (30 GB/s
+/// (7.0 s to 3.5 s) and each link gets a quarter of the host's 120 GB/s of memory traffic (30 GB/s
 /// each way), but the one CPU AdamW (1.5 s a step whatever the GPU count) no longer hides behind
 /// the shorter step and the all-reduce adds 0.3 s: about 1.6x. Four GPUs get 15 GB/s each and the
 /// step becomes PCIe-bound: about 1.9x. Host bandwidth and the CPU optimizer, not the GPUs, bound
