@@ -40,6 +40,27 @@ fn config(clip: Option<f32>) -> TrainConfig {
     }
 }
 
+/// The streamer's options for these tests' micro-batches: nothing resident, weights from a
+/// copy, a full ring, no disk tier, every activation recomputed.
+fn options(
+    (checkpoints, checkpoint_interval): (CheckpointTier, usize),
+    gradients: GradientTier,
+) -> ScheduleOptions {
+    ScheduleOptions {
+        max_tokens: 32,
+        grad_accum: G,
+        checkpoints,
+        checkpoint_interval,
+        optimizer_threads: 2,
+        resident: Vec::new(),
+        gradients,
+        weights: COPY,
+        ring_slots: RING_SLOTS,
+        disk: None,
+        kept: Vec::new(),
+    }
+}
+
 fn check(
     case: &str,
     checkpointing: (CheckpointTier, usize),
@@ -90,18 +111,13 @@ fn check_disk(
         Trainer::new(&cpu, &spec, params.clone(), config(clip), 32).expect("trainer");
     let tier_dir = tempfile::tempdir().expect("a folder for the disk tier");
     let options = ScheduleOptions {
-        max_tokens: 32,
-        grad_accum: G,
-        checkpoints,
-        checkpoint_interval,
-        optimizer_threads: 2,
         resident,
-        gradients,
         weights,
         ring_slots,
         disk: (!disk.is_empty())
             .then(|| DiskOptions { dir: tier_dir.path().to_path_buf(), units: disk.to_vec() }),
         kept: kept.to_vec(),
+        ..options((checkpoints, checkpoint_interval), gradients)
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
     let files = || std::fs::read_dir(tier_dir.path()).expect("tier folder").count();
@@ -268,17 +284,8 @@ fn kept_activations_give_the_same_results_without_the_recompute() {
 fn kept_activations_are_refused_where_the_schedule_cannot_keep_them() {
     let cpu = Cpu;
     let options = |checkpoints, interval| ScheduleOptions {
-        max_tokens: 32,
-        grad_accum: G,
-        checkpoints,
-        checkpoint_interval: interval,
-        optimizer_threads: 1,
-        resident: Vec::new(),
-        gradients: GradientTier::HostStore,
-        weights: COPY,
-        ring_slots: RING_SLOTS,
-        disk: None,
         kept: vec![0],
+        ..options((checkpoints, interval), GradientTier::HostStore)
     };
     let spec = sluice_engine::spec::preset("tiny").expect("tiny preset");
     let params = || HostParams::random(&spec, 5);
@@ -414,20 +421,7 @@ fn the_device_store_gives_back_the_steps_gradients() {
         Trainer::new(&cpu, &spec, params.clone(), config(Some(1.0)), 32).expect("trainer");
     let (_, want) = reference.loss_and_grads(&micro).expect("reference gradients");
     let want = want.to_vec();
-    let options = |gradients| ScheduleOptions {
-        max_tokens: 32,
-        grad_accum: G,
-        checkpoints: CheckpointTier::Device,
-        checkpoint_interval: 1,
-        optimizer_threads: 2,
-        resident: Vec::new(),
-        gradients,
-        weights: COPY,
-        ring_slots: RING_SLOTS,
-        disk: None,
-        kept: Vec::new(),
-    };
-    let store = options(GradientTier::DeviceStore);
+    let store = options((CheckpointTier::Device, 1), GradientTier::DeviceStore);
     let mut streamer =
         Streamer::new(&cpu, &spec, params.clone(), config(Some(1.0)), store).expect("streamer");
     streamer.step(&micro).expect("step");
@@ -444,7 +438,7 @@ fn the_device_store_gives_back_the_steps_gradients() {
     }
     assert!(streamer.stored_gradients(want.len()).is_err(), "a unit past the last");
     drop(streamer);
-    let host = options(GradientTier::HostStore);
+    let host = options((CheckpointTier::Device, 1), GradientTier::HostStore);
     let mut streamer = Streamer::new(&cpu, &spec, params, config(Some(1.0)), host).expect("host");
     streamer.step(&micro).expect("step");
     let err = streamer.stored_gradients(1).expect_err("host store keeps none on the device");

@@ -142,6 +142,8 @@ impl Sizes {
     }
 
     pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
+        let (elementwise_fwd_bytes, elementwise_bwd_bytes) =
+            elementwise_bytes(spec, batch.step_tokens());
         let (h, v) = (spec.hidden as u64, spec.vocab as u64);
         let attn_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64) * h;
         let mut units = vec![UnitInfo { name: "embedding".into(), params: v * h, gemm_params: 0 }];
@@ -179,8 +181,8 @@ impl Sizes {
             ),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
             capped_attention: spec.attn_softcap.is_some(),
-            elementwise_fwd_bytes: elementwise_bytes(spec, batch.step_tokens()).0,
-            elementwise_bwd_bytes: elementwise_bytes(spec, batch.step_tokens()).1,
+            elementwise_fwd_bytes,
+            elementwise_bwd_bytes,
         }
     }
 

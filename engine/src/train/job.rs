@@ -572,19 +572,7 @@ mod tests {
         let spec = crate::spec::preset("qwen2.5-7b").expect("preset");
         let gib = 1u64 << 30;
         let memory = MachineMemory::given(24 * gib, 125 * gib);
-        let job = |gradients| Job {
-            model: ModelSource::Preset("qwen2.5-7b".into()),
-            data: DatasetSource::File("d.jsonl".into()),
-            eval_data: None,
-            devices: Devices::Cuda(vec![0]),
-            settings: JobSettings {
-                seq_len: 1024,
-                micro_batch: 8,
-                grad_accum: 8,
-                gradients,
-                ..Default::default()
-            },
-        };
+        let job = |gradients| seven_b(JobSettings { gradients, ..seven_b_shape() });
         let planned = |policy| {
             crate::plan::plan(&job(policy).plan_input(&spec, memory.clone())).expect("plan")
         };
@@ -594,6 +582,22 @@ mod tests {
         assert_eq!(tier(planned(GradientPolicy::HostBf16)), GradientTier::HostStoreBf16);
         let refused = planned(GradientPolicy::Device).into_plan().expect_err("no room");
         assert!(refused.to_string().contains("does not fit"), "{refused}");
+    }
+
+    /// Qwen2.5-7B on GPU 0 with `settings`.
+    fn seven_b(settings: JobSettings) -> Job {
+        Job {
+            model: ModelSource::Preset("qwen2.5-7b".into()),
+            data: DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices: Devices::Cuda(vec![0]),
+            settings,
+        }
+    }
+
+    /// 8 micro-batches of 8 x 1024 tokens, the rest default.
+    fn seven_b_shape() -> JobSettings {
+        JobSettings { seq_len: 1024, micro_batch: 8, grad_accum: 8, ..Default::default() }
     }
 
     #[test]
@@ -627,19 +631,7 @@ mod tests {
         };
         let memory =
             MachineMemory { disk: Some(disk), ..MachineMemory::given(139 * gib, 64 * gib) };
-        let job = |moments| Job {
-            model: ModelSource::Preset("qwen2.5-7b".into()),
-            data: DatasetSource::File("d.jsonl".into()),
-            eval_data: None,
-            devices: Devices::Cuda(vec![0]),
-            settings: JobSettings {
-                seq_len: 1024,
-                micro_batch: 8,
-                grad_accum: 8,
-                moments,
-                ..Default::default()
-            },
-        };
+        let job = |moments| seven_b(JobSettings { moments, ..seven_b_shape() });
         let planned = |moments| {
             crate::plan::plan(&job(moments).plan_input(&spec, memory.clone())).expect("plan")
         };

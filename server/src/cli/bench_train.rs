@@ -535,25 +535,24 @@ fn print_profile(t: &Value) {
         Some(x) => format!("{x:>w$.p$}"),
         None => format!("{:>w$}", "-"),
     };
-    for c in t["classes"].as_array().into_iter().flatten() {
+    // A class's row, then its ops' indented below it (they have no ideal of their own).
+    let row = |indent: usize, name: &Value, r: &Value| {
         println!(
-            "  {:<28} {:>9.0} {:>9.3} {:>6.1}% {} {}",
-            c["class"].as_str().unwrap_or("?"),
-            f(&c["calls"]),
-            f(&c["seconds"]),
-            100.0 * f(&c["seconds"]) / step,
-            opt(&c["tflops"], 8, 1),
-            opt(&c["ideal_seconds"], 9, 3),
+            "  {:indent$}{:<w$} {:>9.0} {:>9.3} {:>6.1}% {} {}",
+            "",
+            name.as_str().unwrap_or("?"),
+            f(&r["calls"]),
+            f(&r["seconds"]),
+            100.0 * f(&r["seconds"]) / step,
+            opt(&r["tflops"], 8, 1),
+            if indent == 0 { opt(&r["ideal_seconds"], 9, 3) } else { String::new() },
+            w = 28 - indent,
         );
+    };
+    for c in t["classes"].as_array().into_iter().flatten() {
+        row(0, &c["class"], c);
         for o in c["ops"].as_array().into_iter().flatten() {
-            println!(
-                "    {:<26} {:>9.0} {:>9.3} {:>6.1}% {}",
-                o["op"].as_str().unwrap_or("?"),
-                f(&o["calls"]),
-                f(&o["seconds"]),
-                100.0 * f(&o["seconds"]) / step,
-                opt(&o["tflops"], 8, 1),
-            );
+            row(2, &o["op"], o);
         }
     }
     let (busy, window) = (f(&t["busy_s"]), f(&t["window_s"]));

@@ -19,6 +19,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use super::Cuda;
 use super::device::{drv, err};
 use crate::error::Result;
+use crate::plan::sizes::causal_pairs;
 
 /// The kernel classes a profile groups ops into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -233,19 +234,8 @@ pub(super) fn attention_flops(
     head_dim: usize,
     window: Option<usize>,
 ) -> f64 {
-    let pairs: f64 = cu_seqlens
-        .windows(2)
-        .map(|w| {
-            let len = (w[1] - w[0]).max(0) as f64;
-            match window {
-                Some(win) if (win as f64) < len => {
-                    let win = win as f64;
-                    // Rows before the window fills see i + 1 keys, the rest `win`.
-                    win * (win + 1.0) / 2.0 + (len - win) * win
-                }
-                _ => len * (len + 1.0) / 2.0,
-            }
-        })
-        .sum();
-    4.0 * pairs * q_heads as f64 * head_dim as f64
+    let window = window.map(|w| w as u64);
+    let pairs: u64 =
+        cu_seqlens.windows(2).map(|w| causal_pairs((w[1] - w[0]).max(0) as u64, window)).sum();
+    4.0 * pairs as f64 * q_heads as f64 * head_dim as f64
 }
