@@ -25,11 +25,11 @@ use rand_chacha::ChaCha8Rng;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{
-    AttentionShape, Backend, ExpertLayout, FloatKind, GluAct, GroupedShape, IGNORE, MoeShape,
-    RouterKind,
+    AttentionOut, AttentionShape, Backend, ExpertLayout, FloatKind, GluAct, Grads, GroupedShape,
+    IGNORE, LossShape, MatmulShape, MoeShape, NormShape, Operands, RouterKind, Routing,
 };
 use sluice_engine::data::MicroBatch;
-use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerScratch};
+use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerGrads, LayerScratch};
 use sluice_engine::schedule::{
     CheckpointTier, DiskOptions, GradientTier, RING_SLOTS, ScheduleOptions, Streamer, WeightSource,
 };
@@ -226,8 +226,7 @@ fn bad_arguments_are_errors_not_panics() {
     let (mut o, mut l) = (nan(g, 3 * 2 * 64, Activation), nan(g, 6, Accum));
     let e = g
         .attention_forward(
-            all_mut(g, &mut o),
-            all_mut(g, &mut l),
+            AttentionOut { out: all_mut(g, &mut o), lse: all_mut(g, &mut l) },
             all(g, &qkv),
             &ints(g, &[0, 2]),
             &shape,
@@ -237,8 +236,7 @@ fn bad_arguments_are_errors_not_panics() {
     let mut l16 = nan(g, 6, Activation);
     let e = g
         .attention_forward(
-            all_mut(g, &mut o),
-            all_mut(g, &mut l16),
+            AttentionOut { out: all_mut(g, &mut o), lse: all_mut(g, &mut l16) },
             all(g, &qkv),
             &ints(g, &[0, 3]),
             &shape,
@@ -282,12 +280,18 @@ fn matmul_and_bias() {
     let (k, n) = (H, 3 * 67);
     let (inp, w) =
         (round_bf16(&uniform(&mut r, T * k, 1.0)), round_bf16(&uniform(&mut r, n * k, 0.2)));
+    let shape = MatmulShape { rows: T, k, n };
     let mut want = vec![0.0; T * n];
-    c.matmul_forward(&mut want, &inp, &w, T, k, n).expect("cpu");
+    c.matmul_forward(&mut want, Operands { inp: &inp, w: &w }, &shape).expect("cpu");
     let (di, dw) = (put(g, &inp, Activation), put(g, &w, Activation));
     for kind in [Activation, Accum] {
         let mut out = nan(g, T * n, kind);
-        g.matmul_forward(all_mut(g, &mut out), all(g, &di), all(g, &dw), T, k, n).expect("gpu");
+        g.matmul_forward(
+            all_mut(g, &mut out),
+            Operands { inp: all(g, &di), w: all(g, &dw) },
+            &shape,
+        )
+        .expect("gpu");
         // f32 accumulation on both sides; a bf16 output adds its rounding (2^-9 per element).
         let tol = if kind == Activation { 4e-3 } else { 1e-5 };
         check(&format!("matmul_forward -> {kind:?}"), &get(g, &out), &want, tol);
@@ -295,18 +299,20 @@ fn matmul_and_bias() {
     let dout = round_bf16(&uniform(&mut r, T * n, 1.0));
     let dw0 = uniform(&mut r, n * k, 1.0);
     let (mut want_dinp, mut want_dw) = (vec![0.0; T * k], dw0.clone());
-    c.matmul_backward(&mut want_dinp, &mut want_dw, &dout, &inp, &w, T, k, n).expect("cpu");
+    c.matmul_backward(
+        Grads { dinp: &mut want_dinp, dw: &mut want_dw },
+        &dout,
+        Operands { inp: &inp, w: &w },
+        &shape,
+    )
+    .expect("cpu");
     let mut ddinp = nan(g, T * k, Activation);
     let mut ddw = put(g, &dw0, Accum);
     g.matmul_backward(
-        all_mut(g, &mut ddinp),
-        all_mut(g, &mut ddw),
+        Grads { dinp: all_mut(g, &mut ddinp), dw: all_mut(g, &mut ddw) },
         all(g, &put(g, &dout, Activation)),
-        all(g, &di),
-        all(g, &dw),
-        T,
-        k,
-        n,
+        Operands { inp: all(g, &di), w: all(g, &dw) },
+        &shape,
     )
     .expect("gpu");
     check("matmul_backward dinp (bf16)", &get(g, &ddinp), &want_dinp, 4e-3);
@@ -315,8 +321,8 @@ fn matmul_and_bias() {
 
     // A view that starts at an odd element offset (alignment 2 bytes) must work too.
     let mut big = nan(g, 1 + T * n, Activation);
-    g.matmul_forward(g.view_mut(&mut big, 1..1 + T * n), all(g, &di), all(g, &dw), T, k, n)
-        .expect("unaligned");
+    let operands = Operands { inp: all(g, &di), w: all(g, &dw) };
+    g.matmul_forward(g.view_mut(&mut big, 1..1 + T * n), operands, &shape).expect("unaligned");
     check("matmul_forward (unaligned output view)", &get(g, &big)[1..], &want, 4e-3);
 
     let bias = round_bf16(&uniform(&mut r, n, 1.0));
@@ -343,18 +349,16 @@ fn rmsnorm() {
     let eps = 1e-6;
     let x = round_bf16(&uniform(&mut r, T * H, 2.0));
     let w = round_bf16(&uniform(&mut r, H, 1.0).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
+    let shape = NormShape { rows: T, dim: H, eps };
     let (mut want, mut want_r) = (vec![0.0; T * H], vec![0.0; T]);
-    c.rmsnorm_forward(&mut want, &mut want_r, &x, &w, T, H, eps).expect("cpu");
+    c.rmsnorm_forward(&mut want, &mut want_r, Operands { inp: &x, w: &w }, &shape).expect("cpu");
     let (dx, dw) = (put(g, &x, Activation), put(g, &w, Activation));
     let (mut out, mut rstd) = (nan(g, T * H, Activation), nan(g, T, Accum));
     g.rmsnorm_forward(
         all_mut(g, &mut out),
         all_mut(g, &mut rstd),
-        all(g, &dx),
-        all(g, &dw),
-        T,
-        H,
-        eps,
+        Operands { inp: all(g, &dx), w: all(g, &dw) },
+        &shape,
     )
     .expect("gpu");
     check("rmsnorm_forward out (bf16)", &get(g, &out), &want, 4e-3);
@@ -363,17 +367,21 @@ fn rmsnorm() {
     let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
     let dw0 = uniform(&mut r, H, 1.0);
     let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
-    c.rmsnorm_backward(&mut want_dx, &mut want_dw, &dout, &x, &w, &want_r, T, H).expect("cpu");
+    c.rmsnorm_backward(
+        Grads { dinp: &mut want_dx, dw: &mut want_dw },
+        &dout,
+        Operands { inp: &x, w: &w },
+        &want_r,
+        &shape,
+    )
+    .expect("cpu");
     let (mut ddx, mut ddw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
     g.rmsnorm_backward(
-        all_mut(g, &mut ddx),
-        all_mut(g, &mut ddw),
+        Grads { dinp: all_mut(g, &mut ddx), dw: all_mut(g, &mut ddw) },
         all(g, &put(g, &dout, Activation)),
-        all(g, &dx),
-        all(g, &dw),
+        Operands { inp: all(g, &dx), w: all(g, &dw) },
         all(g, &rstd),
-        T,
-        H,
+        &shape,
     )
     .expect("gpu");
     // dx is a difference of two terms of similar size: 2 bf16 ulps of the scale.
@@ -396,14 +404,14 @@ fn rmsnorm() {
         let x = round_bf16(&uniform(&mut r, T * width, 2.0));
         let w = round_bf16(&uniform(&mut r, 2 * hd, 1.0));
         let (mut want, mut want_r) = (vec![0.0; T * width], vec![0.0; T * 8]);
-        c.head_rmsnorm_forward(&mut want, &mut want_r, &x, &w, &shape, eps).expect("cpu");
+        c.head_rmsnorm_forward(&mut want, &mut want_r, Operands { inp: &x, w: &w }, &shape, eps)
+            .expect("cpu");
         let (dx, dw) = (put(g, &x, Activation), put(g, &w, Activation));
         let (mut out, mut rstd) = (nan(g, T * width, Activation), nan(g, T * 8, Accum));
         g.head_rmsnorm_forward(
             all_mut(g, &mut out),
             all_mut(g, &mut rstd),
-            all(g, &dx),
-            all(g, &dw),
+            Operands { inp: all(g, &dx), w: all(g, &dw) },
             &shape,
             eps,
         )
@@ -413,15 +421,19 @@ fn rmsnorm() {
         let dout = round_bf16(&uniform(&mut r, T * width, 1.0));
         let dw0 = uniform(&mut r, 2 * hd, 1.0);
         let (mut want_dx, mut want_dw) = (vec![0.0; T * width], dw0.clone());
-        c.head_rmsnorm_backward(&mut want_dx, &mut want_dw, &dout, &x, &w, &want_r, &shape)
-            .expect("cpu");
+        c.head_rmsnorm_backward(
+            Grads { dinp: &mut want_dx, dw: &mut want_dw },
+            &dout,
+            Operands { inp: &x, w: &w },
+            &want_r,
+            &shape,
+        )
+        .expect("cpu");
         let (mut ddx, mut ddw) = (nan(g, T * width, Activation), put(g, &dw0, Accum));
         g.head_rmsnorm_backward(
-            all_mut(g, &mut ddx),
-            all_mut(g, &mut ddw),
+            Grads { dinp: all_mut(g, &mut ddx), dw: all_mut(g, &mut ddw) },
             all(g, &put(g, &dout, Activation)),
-            all(g, &dx),
-            all(g, &dw),
+            Operands { inp: all(g, &dx), w: all(g, &dw) },
             all(g, &rstd),
             &shape,
         )
@@ -581,13 +593,13 @@ fn attention_case(case: &AttentionCase, seed: u64) {
     // Scaled up so some softmax rows are far from uniform.
     let qkv = round_bf16(&uniform(&mut r, t * width, 2.5));
     let (mut want, mut want_lse) = (vec![0.0; t * nq * hd], vec![0.0; t * nq]);
-    c.attention_forward(&mut want, &mut want_lse, &qkv, &cu.to_vec(), &shape).expect("cpu");
+    let want_att = AttentionOut { out: &mut want[..], lse: &mut want_lse[..] };
+    c.attention_forward(want_att, &qkv, &cu.to_vec(), &shape).expect("cpu");
     let (qkv_d, cu_d) = (put_at(g, &qkv, offset, Activation), ints(g, cu));
     let mut out = put_at(g, &vec![f32::NAN; t * nq * hd], offset, Activation);
     let mut lse = put_at(g, &vec![f32::NAN; t * nq], offset, Accum);
     g.attention_forward(
-        from_mut(g, &mut out, offset),
-        from_mut(g, &mut lse, offset),
+        AttentionOut { out: from_mut(g, &mut out, offset), lse: from_mut(g, &mut lse, offset) },
         from(g, &qkv_d, offset),
         &cu_d,
         &shape,
@@ -604,8 +616,8 @@ fn attention_case(case: &AttentionCase, seed: u64) {
     // The backward from the GPU's own (bf16) forward output, as training runs it.
     let dout = round_bf16(&uniform(&mut r, t * nq * hd, 1.0));
     let mut want_d = vec![0.0; t * width];
-    c.attention_backward(&mut want_d, &dout, &qkv, &out_h, &lse_h, &cu.to_vec(), &shape)
-        .expect("cpu");
+    let att_h = AttentionOut { out: &out_h[..], lse: &lse_h[..] };
+    c.attention_backward(&mut want_d, &dout, &qkv, att_h, &cu.to_vec(), &shape).expect("cpu");
     let dout_d = put_at(g, &dout, offset, Activation);
     let mut runs = Vec::new();
     for _ in 0..2 {
@@ -614,8 +626,7 @@ fn attention_case(case: &AttentionCase, seed: u64) {
             from_mut(g, &mut d, offset),
             from(g, &dout_d, offset),
             from(g, &qkv_d, offset),
-            from(g, &out, offset),
-            from(g, &lse, offset),
+            AttentionOut { out: from(g, &out, offset), lse: from(g, &lse, offset) },
             &cu_d,
             &shape,
         )
@@ -722,18 +733,21 @@ fn sinks_case(cu: &[i32], hd: usize, seed: u64) {
     // Around the rows' own log-sum-exps (a few units), so the sinks take a real share.
     let sinks = round_bf16(&uniform(&mut r, nq, 3.0).iter().map(|s| s + 2.0).collect::<Vec<_>>());
     let (mut want, mut want_lse) = (vec![0.0; t * nq * hd], vec![0.0; t * nq]);
-    c.attention_forward(&mut want, &mut want_lse, &qkv, &cu.to_vec(), &shape).expect("cpu");
-    c.attention_sinks_forward(&mut want, &mut want_lse, &sinks, &shape).expect("cpu");
+    let want_att = AttentionOut { out: &mut want[..], lse: &mut want_lse[..] };
+    c.attention_forward(want_att, &qkv, &cu.to_vec(), &shape).expect("cpu");
+    let want_att = AttentionOut { out: &mut want[..], lse: &mut want_lse[..] };
+    c.attention_sinks_forward(want_att, &sinks, &shape).expect("cpu");
 
     let (qkv_d, cu_d, sinks_d) =
         (put(g, &qkv, Activation), ints(g, cu), put(g, &sinks, Activation));
     let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
-    g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv_d), &cu_d, &shape)
-        .expect("gpu");
+    let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
+    g.attention_forward(att, all(g, &qkv_d), &cu_d, &shape).expect("gpu");
     let (mut alone, mut alone_lse) = (get(g, &out), get(g, &lse));
-    c.attention_sinks_forward(&mut alone, &mut alone_lse, &sinks, &shape).expect("cpu");
-    g.attention_sinks_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &sinks_d), &shape)
-        .expect("gpu");
+    let alone_att = AttentionOut { out: &mut alone[..], lse: &mut alone_lse[..] };
+    c.attention_sinks_forward(alone_att, &sinks, &shape).expect("cpu");
+    let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
+    g.attention_sinks_forward(att, all(g, &sinks_d), &shape).expect("gpu");
     let (out_h, lse_h) = (get(g, &out), get(g, &lse));
     // The op alone: one factor per row from exp and log (f32 ulps apart), one bf16 rounding.
     check(&format!("attention_sinks_forward out {name}"), &out_h, &alone, 5e-3);
@@ -745,7 +759,8 @@ fn sinks_case(cu: &[i32], hd: usize, seed: u64) {
     let dout = round_bf16(&uniform(&mut r, t * nq * hd, 1.0));
     let ds0 = uniform(&mut r, nq, 1.0);
     let mut want = ds0.clone();
-    c.attention_sinks_backward(&mut want, &dout, &out_h, &lse_h, &sinks, &shape).expect("cpu");
+    let att_h = AttentionOut { out: &out_h[..], lse: &lse_h[..] };
+    c.attention_sinks_backward(&mut want, &dout, att_h, &sinks, &shape).expect("cpu");
     let dout_d = put(g, &dout, Activation);
     let mut runs = Vec::new();
     for _ in 0..2 {
@@ -753,8 +768,7 @@ fn sinks_case(cu: &[i32], hd: usize, seed: u64) {
         g.attention_sinks_backward(
             all_mut(g, &mut ds),
             all(g, &dout_d),
-            all(g, &out),
-            all(g, &lse),
+            AttentionOut { out: all(g, &out), lse: all(g, &lse) },
             all(g, &sinks_d),
             &shape,
         )
@@ -768,15 +782,13 @@ fn sinks_case(cu: &[i32], hd: usize, seed: u64) {
         "attention_sinks_backward {name}: two runs differ"
     );
     let mut want_d = vec![0.0; t * shape.qkv_width()];
-    c.attention_backward(&mut want_d, &dout, &qkv, &out_h, &lse_h, &cu.to_vec(), &shape)
-        .expect("cpu");
+    c.attention_backward(&mut want_d, &dout, &qkv, att_h, &cu.to_vec(), &shape).expect("cpu");
     let mut d = nan(g, t * shape.qkv_width(), Activation);
     g.attention_backward(
         all_mut(g, &mut d),
         all(g, &dout_d),
         all(g, &qkv_d),
-        all(g, &out),
-        all(g, &lse),
+        AttentionOut { out: all(g, &out), lse: all(g, &lse) },
         &cu_d,
         &shape,
     )
@@ -866,9 +878,7 @@ fn moe_routing_and_its_backward() {
                 c.moe_route_backward(
                     &mut want,
                     &dw,
-                    &w,
-                    &p,
-                    &ids,
+                    Routing { weights: &w, probs: &p, experts: &ids },
                     aux.map(|s| (&counts[..], s)),
                     &shape,
                 )
@@ -877,9 +887,7 @@ fn moe_routing_and_its_backward() {
                 g.moe_route_backward(
                     all_mut(g, &mut dz),
                     all(g, &dw_d),
-                    all(g, &wd),
-                    all(g, &pd),
-                    &ids_d,
+                    Routing { weights: all(g, &wd), probs: all(g, &pd), experts: &ids_d },
                     aux.map(|s| (all(g, &counts_d), s)),
                     &shape,
                 )
@@ -1018,11 +1026,11 @@ fn moe_gather_and_combine() {
 
     let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
     let (mut want_dy, mut want_dw) = (vec![0.0; pairs * H], vec![0.0; pairs]);
-    c.moe_combine_backward(&mut want_dy, &mut want_dw, &dout, &y, &w, &rows, &shape).expect("cpu");
+    let want_grads = Grads { dinp: &mut want_dy[..], dw: &mut want_dw[..] };
+    c.moe_combine_backward(want_grads, &dout, &y, &w, &rows, &shape).expect("cpu");
     let (mut dy, mut dw) = (nan(g, pairs * H, Activation), nan(g, pairs, Accum));
     g.moe_combine_backward(
-        all_mut(g, &mut dy),
-        all_mut(g, &mut dw),
+        Grads { dinp: all_mut(g, &mut dy), dw: all_mut(g, &mut dw) },
         all(g, &put(g, &dout, Activation)),
         all(g, &y_d),
         all(g, &w_d),
@@ -1046,15 +1054,19 @@ fn sigmoid_gate() {
     z[0] = 30.0;
     z[1] = -30.0;
     let dout = round_bf16(&uniform(&mut r, T * H, 1.0));
+    // The shared expert is not routed: of the shape only tokens and hidden matter.
+    let shape =
+        MoeShape { tokens: T, hidden: H, experts: 1, top_k: 1, router: RouterKind::TopKSoftmax };
     let mut want = base.clone();
-    c.sigmoid_gate_forward(&mut want, &y, &z, T, H).expect("cpu");
+    c.sigmoid_gate_forward(&mut want, &y, &z, &shape).expect("cpu");
     let (y_d, z_d, dout_d) = (put(g, &y, Activation), put(g, &z, Accum), put(g, &dout, Activation));
     let mut out_d = put(g, &base, Activation);
-    g.sigmoid_gate_forward(all_mut(g, &mut out_d), all(g, &y_d), all(g, &z_d), T, H).expect("gpu");
+    g.sigmoid_gate_forward(all_mut(g, &mut out_d), all(g, &y_d), all(g, &z_d), &shape)
+        .expect("gpu");
     // One product and one add rounded to bf16.
     check("sigmoid_gate_forward", &get(g, &out_d), &want, 4e-3);
     let (mut dy, mut dz) = (vec![0.0; T * H], vec![0.0; T]);
-    c.sigmoid_gate_backward(&mut dy, &mut dz, &dout, &y, &z, T, H).expect("cpu");
+    c.sigmoid_gate_backward(&mut dy, &mut dz, &dout, &y, &z, &shape).expect("cpu");
     let (mut dy_d, mut dz_d) = (nan(g, T * H, Activation), nan(g, T, Activation));
     g.sigmoid_gate_backward(
         all_mut(g, &mut dy_d),
@@ -1062,8 +1074,7 @@ fn sigmoid_gate() {
         all(g, &dout_d),
         all(g, &y_d),
         all(g, &z_d),
-        T,
-        H,
+        &shape,
     )
     .expect("gpu");
     check("sigmoid_gate_backward dy", &get(g, &dy_d), &dy, 4e-3);
@@ -1103,13 +1114,13 @@ fn grouped_matmul() {
             for (with_bias, kind) in [(false, Activation), (false, Accum), (true, Activation)] {
                 let mut want = vec![0.0; rows * n];
                 let b = with_bias.then_some(&bias[..]);
-                c.grouped_matmul_forward(&mut want, &inp, &w, b, &gs).expect("cpu");
+                c.grouped_matmul_forward(&mut want, Operands { inp: &inp, w: &w }, b, &gs)
+                    .expect("cpu");
                 let mut out = nan(g, rows * n, kind);
                 let b = with_bias.then(|| all(g, &bias_d));
                 g.grouped_matmul_forward(
                     all_mut(g, &mut out),
-                    all(g, &inp_d),
-                    all(g, &w_d),
+                    Operands { inp: all(g, &inp_d), w: all(g, &w_d) },
                     b,
                     &gs,
                 )
@@ -1127,8 +1138,7 @@ fn grouped_matmul() {
                 let mut again = nan(g, rows * n, kind);
                 g.grouped_matmul_forward(
                     all_mut(g, &mut again),
-                    all(g, &inp_d),
-                    all(g, &w_d),
+                    Operands { inp: all(g, &inp_d), w: all(g, &w_d) },
                     with_bias.then(|| all(g, &bias_d)),
                     &gs,
                 )
@@ -1142,16 +1152,19 @@ fn grouped_matmul() {
             let dout = round_bf16(&uniform(&mut r, rows * n, 1.0));
             let dw0 = uniform(&mut r, e * n * k, 1.0);
             let (mut want_di, mut want_dw) = (vec![0.0; rows * k], dw0.clone());
-            c.grouped_matmul_backward(&mut want_di, &mut want_dw, &dout, &inp, &w, &gs)
-                .expect("cpu");
+            c.grouped_matmul_backward(
+                Grads { dinp: &mut want_di, dw: &mut want_dw },
+                &dout,
+                Operands { inp: &inp, w: &w },
+                &gs,
+            )
+            .expect("cpu");
             let dout_d = put(g, &dout, Activation);
             let (mut di, mut dw) = (nan(g, rows * k, Activation), put(g, &dw0, Accum));
             g.grouped_matmul_backward(
-                all_mut(g, &mut di),
-                all_mut(g, &mut dw),
+                Grads { dinp: all_mut(g, &mut di), dw: all_mut(g, &mut dw) },
                 all(g, &dout_d),
-                all(g, &inp_d),
-                all(g, &w_d),
+                Operands { inp: all(g, &inp_d), w: all(g, &w_d) },
                 &gs,
             )
             .expect("gpu");
@@ -1204,24 +1217,21 @@ fn cross_entropy() {
             .collect();
     // Plain, and with Gemma 2's final soft-cap low enough (2.0) to bend these logits.
     for cap in [None, Some(2.0)] {
+        let shape = LossShape { tokens: T, hidden: H, vocab: V, softcap: cap };
         let (mut want_l, mut want_lse) = (vec![0.0; T], vec![0.0; T]);
-        c.cross_entropy_forward(&mut want_l, &mut want_lse, &x, &w, &targets, T, H, V, cap)
+        let operands = Operands { inp: &x[..], w: &w[..] };
+        c.cross_entropy_forward(&mut want_l, &mut want_lse, operands, &targets, &shape)
             .expect("cpu");
         let dw0 = uniform(&mut r, V * H, 0.1);
         let scale = 1.0 / targets.iter().filter(|&&y| y != IGNORE).count() as f32;
         let (mut want_dx, mut want_dw) = (vec![0.0; T * H], dw0.clone());
         c.cross_entropy_backward(
-            &mut want_dx,
-            &mut want_dw,
-            &x,
-            &w,
+            Grads { dinp: &mut want_dx, dw: &mut want_dw },
+            operands,
             &want_lse,
             &targets,
             scale,
-            T,
-            H,
-            V,
-            cap,
+            &shape,
         )
         .expect("cpu");
         let (dx_in, dw_in, dt) =
@@ -1233,13 +1243,9 @@ fn cross_entropy() {
             g.cross_entropy_forward(
                 all_mut(g, &mut l),
                 all_mut(g, &mut lse),
-                all(g, &dx_in),
-                all(g, &dw_in),
+                Operands { inp: all(g, &dx_in), w: all(g, &dw_in) },
                 &dt,
-                T,
-                H,
-                V,
-                cap,
+                &shape,
             )
             .expect("gpu");
             // f32 logits from a bf16 GEMM, f32 softmax: 1e-5 of the scale.
@@ -1247,17 +1253,12 @@ fn cross_entropy() {
             check(&format!("cross_entropy_forward lse ({label})"), &get(g, &lse), &want_lse, 1e-5);
             let (mut dx, mut dw) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
             g.cross_entropy_backward(
-                all_mut(g, &mut dx),
-                all_mut(g, &mut dw),
-                all(g, &dx_in),
-                all(g, &dw_in),
+                Grads { dinp: all_mut(g, &mut dx), dw: all_mut(g, &mut dw) },
+                Operands { inp: all(g, &dx_in), w: all(g, &dw_in) },
                 all(g, &lse),
                 &dt,
                 scale,
-                T,
-                H,
-                V,
-                cap,
+                &shape,
             )
             .expect("gpu");
             // The logits' gradient is rounded to bf16 (2^-9 relative) before both GEMMs.
@@ -1415,8 +1416,8 @@ fn run_layer<B: Backend>(
     let mut s = LayerScratch::new(b, spec, T).expect("scratch");
     let at = || LayerAt::packed(&batch, 0);
     dec.layer_forward(b, &mut out, &x_in, &w, &mut s, at()).expect("layer forward");
-    dec.layer_backward(b, &mut dx_in, &mut grad, &dxo, &x_in, &w, &mut s, at())
-        .expect("layer backward");
+    let grads = LayerGrads { dx_out: &dxo, dx_in: &mut dx_in, weights: &mut grad };
+    dec.layer_backward(b, grads, &x_in, &w, &mut s, at()).expect("layer backward");
     let router = s.router_logits(b, T).expect("router logits");
     LayerResult { out: get(b, &out), dx_in: get(b, &dx_in), grad: get(b, &grad), router }
 }
@@ -1855,16 +1856,15 @@ fn attention_speed(docs: usize, seq: usize) {
     let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
     let mut dqkv = nan(g, t * shape.qkv_width(), Activation);
     let fwd = median_seconds(9, &mut || {
-        g.attention_forward(all_mut(g, &mut out), all_mut(g, &mut lse), all(g, &qkv), &cu, &shape)
-            .expect("fwd")
+        let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
+        g.attention_forward(att, all(g, &qkv), &cu, &shape).expect("fwd")
     });
     let bwd = median_seconds(9, &mut || {
         g.attention_backward(
             all_mut(g, &mut dqkv),
             all(g, &dout),
             all(g, &qkv),
-            all(g, &out),
-            all(g, &lse),
+            AttentionOut { out: all(g, &out), lse: all(g, &lse) },
             &cu,
             &shape,
         )
@@ -1892,8 +1892,10 @@ fn speed_at_7b_layer_shapes() {
     let x = put(g, &uniform(&mut r, t * h, 1.0), Activation);
     let w = put(g, &uniform(&mut r, 2 * inter * h, 0.02), Activation);
     let mut y = nan(g, t * 2 * inter, Activation);
+    let shape = MatmulShape { rows: t, k: h, n: 2 * inter };
     let mm = median_seconds(5, &mut || {
-        g.matmul_forward(all_mut(g, &mut y), all(g, &x), all(g, &w), t, h, 2 * inter).expect("gemm")
+        let operands = Operands { inp: all(g, &x), w: all(g, &w) };
+        g.matmul_forward(all_mut(g, &mut y), operands, &shape).expect("gemm")
     });
     println!(
         "GEMM [4096 x 3584] x [37888 x 3584]^T: {:.2} ms ({:.0} TFLOPS)",

@@ -3,7 +3,10 @@
 //!
 //! Conventions, shared by every op on every backend:
 //! - Arguments come in the order outputs, inputs, sizes. Every tensor is row-major; its shape is
-//!   written beside it as `[rows, cols]`.
+//!   written beside it as `[rows, cols]`. An op that applies a weight takes its input and weight
+//!   as [`Operands`], and its backward writes their gradients as [`Grads`]; the sizes of an op
+//!   family travel as one shape ([`MatmulShape`], [`NormShape`], [`AttentionShape`],
+//!   [`MoeShape`], [`LossShape`], ...).
 //! - Parameter gradients accumulate (`+=`); activation gradients and forward outputs overwrite
 //!   (`=`). Each op's doc names which of its outputs accumulate.
 //! - `T` is the number of tokens in the micro-batch (rows of the packed batch, flattened), `H` the
@@ -208,6 +211,93 @@ impl DecodeShape {
     }
 }
 
+impl AttentionShape {
+    /// The same attention for `tokens` new queries at positions `past..past + tokens` against a
+    /// key/value cache (one sequence, no documents).
+    pub fn decode(&self, past: usize) -> DecodeShape {
+        DecodeShape {
+            past,
+            tokens: self.tokens,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            window: self.window,
+            scale_dim: self.scale_dim,
+            softcap: self.softcap,
+        }
+    }
+}
+
+/// The shape of `nn.Linear`'s product `out [rows, n] = inp [rows, k] · wᵀ`, w `[n, k]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulShape {
+    /// Rows of the input and of the output (tokens).
+    pub rows: usize,
+    /// Input width, the dimension the product sums over.
+    pub k: usize,
+    /// Output width.
+    pub n: usize,
+}
+
+/// The shape of an RMSNorm: `rows` rows of `dim` elements, each normalised as a whole.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormShape {
+    pub rows: usize,
+    pub dim: usize,
+    /// Added to each row's mean square before the square root. The backward reads the forward's
+    /// `rstd` instead, so the same shape serves both.
+    pub eps: f32,
+}
+
+/// The shape of the LM head's cross-entropy: `tokens` rows of `hidden` against `vocab` logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossShape {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// The logits `z` become `cap · tanh(z / cap)` before the softmax (Gemma 2's
+    /// `final_logit_softcapping`); `None` leaves them alone.
+    pub softcap: Option<f32>,
+}
+
+/// An op's input and the weight it applies to it, which its backward reads again. The two
+/// views have a type each because a backend's views are invariant in their lifetime: the weight
+/// (a view of a slab, often held across ops) must not stretch the borrow of the input.
+#[derive(Debug, Clone, Copy)]
+pub struct Operands<I, W = I> {
+    pub inp: I,
+    pub w: W,
+}
+
+/// What a backward writes for an input and the weight applied to it: `dinp`, which overwrites,
+/// and `dw`, which accumulates where the weight is a parameter (each op's doc says which).
+#[derive(Debug)]
+pub struct Grads<M> {
+    pub dinp: M,
+    pub dw: M,
+}
+
+/// An attention's output and the log-sum-exp of each query's scaled scores: the forward writes
+/// them, the sinks rescale them in place, and both backwards read them.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionOut<V> {
+    /// `[T, nq hd]`.
+    pub out: V,
+    /// `[T, nq]` (Accum).
+    pub lse: V,
+}
+
+/// A router's decisions as [`Backend::moe_route`] wrote them, which its backward reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Routing<V, I> {
+    /// `[T, k]` (Accum).
+    pub weights: V,
+    /// `[T, E]` (Accum).
+    pub probs: V,
+    /// `[T, k]`.
+    pub experts: I,
+}
+
 /// A compute device and its memory. Only the schedule in `train` drives it.
 /// One rank's link to the other ranks of a data-parallel group: sums a buffer over every rank,
 /// in place. Implementations: NCCL on GPUs (`cuda::nccl`), shared memory between threads on the
@@ -402,25 +492,17 @@ pub trait Backend: Send + Sync {
     fn matmul_forward(
         &self,
         out: Self::ViewMut<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()>;
     /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
     /// dinp `[T, K]`, dw `[N, K]`, dout `[T, N]`, inp `[T, K]`, w `[N, K]`.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_backward(
         &self,
-        dinp: Self::ViewMut<'_>,
-        dw: Self::ViewMut<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
         dout: Self::View<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()>;
     /// `out[t] += bias` for every row. out `[T, N]`, bias `[N]`.
     fn bias_forward(
@@ -445,30 +527,22 @@ pub trait Backend: Send + Sync {
     /// `rstd[r] = 1 / sqrt(mean(inp[r]²) + eps)` kept for the backward.
     /// out `[R, D]`, rstd `[R]` (Accum), inp `[R, D]`, w `[D]`.
     /// Reference: `LlamaRMSNorm` in transformers' modeling_llama.py.
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_forward(
         &self,
         out: Self::ViewMut<'_>,
         rstd: Self::ViewMut<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &NormShape,
     ) -> Result<()>;
     /// dinp `[R, D]` (overwrites), dw `[D]` (accumulates), dout `[R, D]`, inp `[R, D]`, w `[D]`,
     /// rstd `[R]`.
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &self,
-        dinp: Self::ViewMut<'_>,
-        dw: Self::ViewMut<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
         dout: Self::View<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         rstd: Self::View<'_>,
-        rows: usize,
-        dim: usize,
+        shape: &NormShape,
     ) -> Result<()>;
     /// Qwen3's per-head RMSNorm of the query and key heads inside a fused `qkv` row; the value
     /// heads are copied unchanged. out and inp `[T, Dqkv]`, rstd `[T, nq + nkv]` (Accum),
@@ -477,20 +551,16 @@ pub trait Backend: Send + Sync {
         &self,
         out: Self::ViewMut<'_>,
         rstd: Self::ViewMut<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()>;
     /// dinp `[T, Dqkv]` (overwrites; value heads pass through), dw `[2 hd]` (accumulates).
-    #[allow(clippy::too_many_arguments)]
     fn head_rmsnorm_backward(
         &self,
-        dinp: Self::ViewMut<'_>,
-        dw: Self::ViewMut<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
         dout: Self::View<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         rstd: Self::View<'_>,
         shape: &AttentionShape,
     ) -> Result<()>;
@@ -526,25 +596,22 @@ pub trait Backend: Send + Sync {
     // ---- attention ------------------------------------------------------------------------
 
     /// Causal grouped-query attention within documents, scale `1/sqrt(hd)`.
-    /// out `[T, nq hd]`, lse `[T, nq]` (Accum: the log-sum-exp of each query's scaled scores),
-    /// qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
+    /// att.out `[T, nq hd]`, att.lse `[T, nq]` (Accum: the log-sum-exp of each query's scaled
+    /// scores), qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
     fn attention_forward(
         &self,
-        out: Self::ViewMut<'_>,
-        lse: Self::ViewMut<'_>,
+        att: AttentionOut<Self::ViewMut<'_>>,
         qkv: Self::View<'_>,
         cu_seqlens: &Self::Ints,
         shape: &AttentionShape,
     ) -> Result<()>;
-    /// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv, out and lse from the forward.
-    #[allow(clippy::too_many_arguments)]
+    /// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv and att from the forward.
     fn attention_backward(
         &self,
         dqkv: Self::ViewMut<'_>,
         dout: Self::View<'_>,
         qkv: Self::View<'_>,
-        out: Self::View<'_>,
-        lse: Self::View<'_>,
+        att: AttentionOut<Self::View<'_>>,
         cu_seqlens: &Self::Ints,
         shape: &AttentionShape,
     ) -> Result<()>;
@@ -556,7 +623,6 @@ pub trait Backend: Send + Sync {
     /// `[past + tokens, nkv hd]` (keys after RoPE; the new tokens' rows already appended).
     /// With `sinks` `[nq]` (GPT-OSS), each head's softmax denominator also holds `exp(sink)`,
     /// as [`Backend::attention_sinks_forward`] describes.
-    #[allow(clippy::too_many_arguments)]
     fn attention_decode(
         &self,
         out: Self::ViewMut<'_>,
@@ -572,24 +638,21 @@ pub trait Backend: Send + Sync {
     /// (`eager_attention_forward` in modeling_gpt_oss.py), so `lse' = log(exp(lse) +
     /// exp(sink))` and `out *= exp(lse - lse')`, both in place. [`Backend::attention_backward`]
     /// given the new `out` and `lse` is then the backward of the sinked attention as it stands.
-    /// out `[T, nq hd]`, lse `[T, nq]` (Accum), sinks `[nq]`.
+    /// att.out `[T, nq hd]`, att.lse `[T, nq]` (Accum), sinks `[nq]`.
     fn attention_sinks_forward(
         &self,
-        out: Self::ViewMut<'_>,
-        lse: Self::ViewMut<'_>,
+        att: AttentionOut<Self::ViewMut<'_>>,
         sinks: Self::View<'_>,
         shape: &AttentionShape,
     ) -> Result<()>;
     /// `dsinks[h] += -Σ_t exp(sinks[h] - lse[t, h]) · (dout[t, h] · out[t, h])` (accumulates),
     /// with `out` and `lse` as [`Backend::attention_sinks_forward`] left them. dsinks `[nq]`
-    /// (Accum), dout and out `[T, nq hd]`, lse `[T, nq]`.
-    #[allow(clippy::too_many_arguments)]
+    /// (Accum), dout and att.out `[T, nq hd]`, att.lse `[T, nq]`.
     fn attention_sinks_backward(
         &self,
         dsinks: Self::ViewMut<'_>,
         dout: Self::View<'_>,
-        out: Self::View<'_>,
-        lse: Self::View<'_>,
+        att: AttentionOut<Self::View<'_>>,
         sinks: Self::View<'_>,
         shape: &AttentionShape,
     ) -> Result<()>;
@@ -642,14 +705,12 @@ pub trait Backend: Send + Sync {
     /// `scale · p_e (c_e − Σ_j p_j c_j)` where `c = counts [E]` (Accum) are the step's counts
     /// of pairs per expert (transformers' `load_balancing_loss_func`: the loss is
     /// `E Σ_e c_e P_e / N²`, `P_e` the summed probabilities, and the counts carry no gradient).
-    #[allow(clippy::too_many_arguments)]
+    /// `routing` is what [`Backend::moe_route`] wrote.
     fn moe_route_backward(
         &self,
         dlogits: Self::ViewMut<'_>,
         dweights: Self::View<'_>,
-        weights: Self::View<'_>,
-        probs: Self::View<'_>,
-        experts: &Self::Ints,
+        routing: Routing<Self::View<'_>, &Self::Ints>,
         aux: Option<(Self::View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()>;
@@ -701,13 +762,11 @@ pub trait Backend: Send + Sync {
         shape: &MoeShape,
     ) -> Result<()>;
     /// `dy[rows[t k + j]] = weights[t, j] · dout[t]` and `dweights[t, j] = dout[t] ·
-    /// y[rows[t k + j]]` (both overwrite; the dot in f32). dy `[T k, H]`, dweights `[T, k]`
-    /// (Accum), dout `[T, H]`.
-    #[allow(clippy::too_many_arguments)]
+    /// y[rows[t k + j]]` (both overwrite; the dot in f32): `grads.dinp` is dy `[T k, H]`,
+    /// `grads.dw` dweights `[T, k]` (Accum). dout `[T, H]`.
     fn moe_combine_backward(
         &self,
-        dy: Self::ViewMut<'_>,
-        dweights: Self::ViewMut<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
         dout: Self::View<'_>,
         y: Self::View<'_>,
         weights: Self::View<'_>,
@@ -715,19 +774,18 @@ pub trait Backend: Send + Sync {
         shape: &MoeShape,
     ) -> Result<()>;
     /// Qwen2 MoE's gated shared expert: `out[t] += sigmoid(logits[t]) · y[t]` (accumulates onto
-    /// the routed experts' output). out and y `[T, H]`, logits `[T]` (Accum).
+    /// the routed experts' output). out and y `[T, H]`, logits `[T]` (Accum); of the shape only
+    /// `tokens` and `hidden` matter (the shared expert is not routed).
     /// Reference: `Qwen2MoeSparseMoeBlock.forward`.
     fn sigmoid_gate_forward(
         &self,
         out: Self::ViewMut<'_>,
         y: Self::View<'_>,
         logits: Self::View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()>;
     /// `dy[t] = sigmoid(logits[t]) · dout[t]` and `dlogits[t] = σ'(logits[t]) · (dout[t] ·
     /// y[t])` with `σ' = σ (1 − σ)`, the dot in f32 (both overwrite). dy `[T, H]`, dlogits `[T]`.
-    #[allow(clippy::too_many_arguments)]
     fn sigmoid_gate_backward(
         &self,
         dy: Self::ViewMut<'_>,
@@ -735,8 +793,7 @@ pub trait Backend: Send + Sync {
         dout: Self::View<'_>,
         y: Self::View<'_>,
         logits: Self::View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()>;
     /// Every expert's GEMM over its rows, `out[r] = inp[r] · W_e(ᵀ) (+ bias[e])` for `r` in
     /// expert `e`'s rows. out `[R, N]`, inp `[R, K]`, w `[E, N, K]` or `[E, K, N]` as
@@ -744,19 +801,16 @@ pub trait Backend: Send + Sync {
     fn grouped_matmul_forward(
         &self,
         out: Self::ViewMut<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         bias: Option<Self::View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()>;
     /// dinp `[R, K]` (overwrites), dw like w (accumulates).
     fn grouped_matmul_backward(
         &self,
-        dinp: Self::ViewMut<'_>,
-        dw: Self::ViewMut<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
         dout: Self::View<'_>,
-        inp: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()>;
     /// `dbias[e] += Σ_{r in expert e's rows} dout[r]` (accumulates). dbias `[E, N]`,
@@ -773,37 +827,25 @@ pub trait Backend: Send + Sync {
     /// Cross-entropy of the LM head's logits `x · wᵀ` against `targets`, computed a chunk of the
     /// vocabulary or of the tokens at a time so `[T, V]` logits never exist at once.
     /// losses `[T]` (Accum; 0 where the target is [`IGNORE`]), lse `[T]` (Accum: log-sum-exp of
-    /// each token's logits, kept for the backward), x `[T, H]`, w `[V, H]`, targets `[T]`.
-    /// With `softcap`, the logits `z` become `cap · tanh(z / cap)` first (Gemma 2's
-    /// `final_logit_softcapping`).
-    #[allow(clippy::too_many_arguments)]
+    /// each token's logits, kept for the backward), x = `operands.inp` `[T, H]`, w `[V, H]`,
+    /// targets `[T]`. With `shape.softcap`, the logits `z` become `cap · tanh(z / cap)` first.
     fn cross_entropy_forward(
         &self,
         losses: Self::ViewMut<'_>,
         lse: Self::ViewMut<'_>,
-        x: Self::View<'_>,
-        w: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         targets: &Self::Ints,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()>;
-    /// Gradient of `scale · Σ_t losses[t]`: dx `[T, H]` (overwrites), dw `[V, H]`
+    /// Gradient of `scale · Σ_t losses[t]`: dinp `[T, H]` (overwrites), dw `[V, H]`
     /// (accumulates). `scale` is 1 / (trained tokens in the whole optimizer step).
-    #[allow(clippy::too_many_arguments)]
     fn cross_entropy_backward(
         &self,
-        dx: Self::ViewMut<'_>,
-        dw: Self::ViewMut<'_>,
-        x: Self::View<'_>,
-        w: Self::View<'_>,
+        grads: Grads<Self::ViewMut<'_>>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         lse: Self::View<'_>,
         targets: &Self::Ints,
         scale: f32,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()>;
 }

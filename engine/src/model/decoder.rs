@@ -25,8 +25,11 @@
 //! scratch buffer before each norm (its gradient is the gradient of `w`).
 
 use super::layout::{HeadRanges, LayerRanges, MlpRanges};
-use super::moe::{MoeScratch, RouterStats};
-use crate::backend::{AttentionShape, Backend, DecodeShape, FloatKind};
+use super::moe::{MoeAt, MoeScratch, RouterStats};
+use crate::backend::{
+    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, Grads, LossShape, MatmulShape,
+    NormShape, Operands,
+};
 use crate::error::Result;
 use crate::spec::ModelSpec;
 
@@ -316,6 +319,30 @@ impl<B: Backend> Clone for HeadWeights<'_, B> {
 
 impl<B: Backend> Copy for HeadWeights<'_, B> {}
 
+/// The gradients a layer's backward reads and writes.
+pub struct LayerGrads<'a, B: Backend> {
+    /// `∂L/∂x_out` `[T, H]`, from the layer above.
+    pub dx_out: &'a B::Floats,
+    /// `∂L/∂x_in` `[T, H]` (overwritten).
+    pub dx_in: &'a mut B::Floats,
+    /// The layer's weight gradients, a slab laid out like its weights (accumulated).
+    pub weights: &'a mut B::Floats,
+}
+
+/// The gradients the head's backward reads and writes, for the loss `scale · Σ_t losses[t]`.
+pub struct HeadGrads<'a, B: Backend> {
+    /// `∂L/∂(Σ_t losses[t])`: 1 / (trained tokens in the whole optimizer step).
+    pub scale: f32,
+    /// `∂L/∂x` `[T, H]` (overwritten).
+    pub dx: &'a mut B::Floats,
+    /// The final norm's and an untied LM head's gradients, a slab laid out like the head's
+    /// (accumulated).
+    pub head: &'a mut B::Floats,
+    /// A tied LM head's gradient: the embedding's slab (accumulated; required when tied,
+    /// ignored otherwise).
+    pub embed: Option<&'a mut B::Floats>,
+}
+
 /// The decoder bound to a spec and its RoPE tables on the device.
 pub struct Decoder<B: Backend> {
     pub spec: ModelSpec,
@@ -431,6 +458,21 @@ impl<B: Backend> Decoder<B> {
         })
     }
 
+    /// The RMSNorms over the hidden size of `rows` tokens.
+    fn norm_shape(&self, rows: usize) -> NormShape {
+        NormShape { rows, dim: self.spec.hidden, eps: self.spec.rms_eps }
+    }
+
+    /// The LM head's cross-entropy over `tokens` tokens.
+    fn loss_shape(&self, tokens: usize) -> LossShape {
+        LossShape {
+            tokens,
+            hidden: self.spec.hidden,
+            vocab: self.spec.vocab,
+            softcap: self.spec.final_softcap,
+        }
+    }
+
     fn attention_shape(&self, batch: &DeviceBatch<B>, layer: usize) -> AttentionShape {
         AttentionShape {
             tokens: batch.tokens,
@@ -491,27 +533,21 @@ impl<B: Backend> Decoder<B> {
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
         let th = all(b, x_in, t * h);
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
-        let eps = spec.rms_eps;
+        let norm = self.norm_shape(t);
 
         let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln1, th.clone()),
             b.view_mut(&mut s.ln1_rstd, 0..t),
-            b.view(x_in, th.clone()),
-            ln1_w,
-            t,
-            h,
-            eps,
+            Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
+            &norm,
         )?;
         // The projection lands in `qkv` directly unless a q/k norm needs its input kept.
         let proj = if spec.qk_norm { &mut s.qkv_pre } else { &mut s.qkv };
         b.matmul_forward(
             b.view_mut(proj, 0..t * dqkv),
-            b.view(&s.ln1, th.clone()),
-            wv(&r.qkv_w),
-            t,
-            h,
-            dqkv,
+            Operands { inp: b.view(&s.ln1, th.clone()), w: wv(&r.qkv_w) },
+            &MatmulShape { rows: t, k: h, n: dqkv },
         )?;
         if let Some(bias) = &r.qkv_b {
             b.bias_forward(b.view_mut(proj, 0..t * dqkv), wv(bias), t, dqkv)?;
@@ -522,10 +558,9 @@ impl<B: Backend> Decoder<B> {
             b.head_rmsnorm_forward(
                 b.view_mut(&mut s.qkv, 0..t * dqkv),
                 b.view_mut(&mut s.qk_rstd, 0..t * heads),
-                b.view(&s.qkv_pre, 0..t * dqkv),
-                qk_w,
+                Operands { inp: b.view(&s.qkv_pre, 0..t * dqkv), w: qk_w },
                 &shape,
-                eps,
+                spec.rms_eps,
             )?;
         }
         b.rope_forward(
@@ -539,32 +574,35 @@ impl<B: Backend> Decoder<B> {
         match keys {
             Keys::Packed => {
                 b.attention_forward(
-                    b.view_mut(&mut s.att, 0..t * datt),
-                    b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                    AttentionOut {
+                        out: b.view_mut(&mut s.att, 0..t * datt),
+                        lse: b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                    },
                     b.view(&s.qkv, 0..t * dqkv),
                     &batch.cu_seqlens,
                     &shape,
                 )?;
                 if let Some(sinks) = sinks {
                     b.attention_sinks_forward(
-                        b.view_mut(&mut s.att, 0..t * datt),
-                        b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                        AttentionOut {
+                            out: b.view_mut(&mut s.att, 0..t * datt),
+                            lse: b.view_mut(&mut s.lse, 0..t * spec.q_heads),
+                        },
                         sinks,
                         &shape,
                     )?;
                 }
             }
-            Keys::Cached { k, v, past } => self.attend_cached(b, s, k, v, past, sinks, &shape)?,
+            Keys::Cached { k, v, past } => {
+                self.attend_cached(b, s, k, v, sinks, &shape.decode(past))?
+            }
         }
         // The o projection lands in `tmp_h`, or in `o_pre` when a post-attention norm follows.
         let o_out = if r.post_attn_norm.is_some() { &mut s.o_pre } else { &mut s.tmp_h };
         b.matmul_forward(
             b.view_mut(o_out, th.clone()),
-            b.view(&s.att, 0..t * datt),
-            wv(&r.o_w),
-            t,
-            datt,
-            h,
+            Operands { inp: b.view(&s.att, 0..t * datt), w: wv(&r.o_w) },
+            &MatmulShape { rows: t, k: datt, n: h },
         )?;
         if let Some(bias) = &r.o_b {
             b.bias_forward(b.view_mut(o_out, th.clone()), wv(bias), t, h)?;
@@ -574,11 +612,8 @@ impl<B: Backend> Decoder<B> {
             b.rmsnorm_forward(
                 b.view_mut(&mut s.tmp_h, th.clone()),
                 b.view_mut(&mut s.o_rstd, 0..t),
-                b.view(&s.o_pre, th.clone()),
-                post_w,
-                t,
-                h,
-                eps,
+                Operands { inp: b.view(&s.o_pre, th.clone()), w: post_w },
+                &norm,
             )?;
         }
         b.add(
@@ -591,11 +626,8 @@ impl<B: Backend> Decoder<B> {
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln2, th.clone()),
             b.view_mut(&mut s.ln2_rstd, 0..t),
-            b.view(&s.x1, th.clone()),
-            ln2_w,
-            t,
-            h,
-            eps,
+            Operands { inp: b.view(&s.x1, th.clone()), w: ln2_w },
+            &norm,
         )?;
         // The MLP's output lands in `tmp_h`, or in `m_pre` when a post-MLP norm follows.
         let into_pre = r.post_mlp_norm.is_some();
@@ -603,11 +635,8 @@ impl<B: Backend> Decoder<B> {
             MlpRanges::Dense { gate_up_w, down_w } => {
                 b.matmul_forward(
                     b.view_mut(&mut s.gate_up, 0..t * 2 * i),
-                    b.view(&s.ln2, th.clone()),
-                    wv(gate_up_w),
-                    t,
-                    h,
-                    2 * i,
+                    Operands { inp: b.view(&s.ln2, th.clone()), w: wv(gate_up_w) },
+                    &MatmulShape { rows: t, k: h, n: 2 * i },
                 )?;
                 b.glu_forward(
                     b.view_mut(&mut s.act, 0..t * i),
@@ -619,19 +648,14 @@ impl<B: Backend> Decoder<B> {
                 let down_out = if into_pre { &mut s.m_pre } else { &mut s.tmp_h };
                 b.matmul_forward(
                     b.view_mut(down_out, th.clone()),
-                    b.view(&s.act, 0..t * i),
-                    wv(down_w),
-                    t,
-                    i,
-                    h,
+                    Operands { inp: b.view(&s.act, 0..t * i), w: wv(down_w) },
+                    &MatmulShape { rows: t, k: i, n: h },
                 )?;
             }
             MlpRanges::Moe(m) => {
-                let stats = match router {
-                    RouterStats::Record(stats) => Some(stats),
-                    _ => None,
-                };
-                self.moe_forward(b, w, s, m, self.moe_spec(layer)?, stats, t, into_pre)?;
+                let moe = self.moe_spec(layer)?;
+                let at = MoeAt { ranges: m, moe, tokens: t, post_norm: into_pre, router };
+                self.moe_forward(b, w, s, at)?;
             }
         }
         if let Some(post) = &r.post_mlp_norm {
@@ -639,31 +663,28 @@ impl<B: Backend> Decoder<B> {
             b.rmsnorm_forward(
                 b.view_mut(&mut s.tmp_h, th.clone()),
                 b.view_mut(&mut s.m_rstd, 0..t),
-                b.view(&s.m_pre, th.clone()),
-                post_w,
-                t,
-                h,
-                eps,
+                Operands { inp: b.view(&s.m_pre, th.clone()), w: post_w },
+                &norm,
             )?;
         }
         b.add(b.view_mut(x_out, th.clone()), b.view(&s.x1, th.clone()), b.view(&s.tmp_h, th))
     }
 
     /// Attention of `shape.tokens` new rows of `s.qkv` against a key/value cache: their keys
-    /// and values go to the cache's rows `past..`, their queries are gathered contiguously, and
-    /// `s.att` gets the attention over every cached row up to each query's own.
-    #[allow(clippy::too_many_arguments)]
+    /// and values go to the cache's rows `shape.past..`, their queries are gathered
+    /// contiguously, and `s.att` gets the attention over every cached row up to each query's
+    /// own.
     fn attend_cached(
         &self,
         b: &B,
         s: &mut LayerScratch<B>,
         k_cache: &mut B::Floats, // [capacity, nkv hd]
         v_cache: &mut B::Floats, // [capacity, nkv hd]
-        past: usize,
         sinks: Option<B::View<'_>>,
-        shape: &AttentionShape,
+        shape: &DecodeShape,
     ) -> Result<()> {
-        let (n, dqkv, datt) = (shape.tokens, shape.qkv_width(), self.spec.attn_width());
+        let (n, past) = (shape.tokens, shape.past);
+        let (dqkv, datt) = (self.spec.qkv_width(), self.spec.attn_width());
         let kv_width = shape.kv_heads * shape.head_dim;
         let end = (past + n) * kv_width;
         if end > b.len(k_cache).min(b.len(v_cache)) {
@@ -696,35 +717,25 @@ impl<B: Backend> Decoder<B> {
             b.view(k_cache, 0..end),
             b.view(v_cache, 0..end),
             sinks,
-            &DecodeShape {
-                past,
-                tokens: n,
-                q_heads: shape.q_heads,
-                kv_heads: shape.kv_heads,
-                head_dim: shape.head_dim,
-                window: shape.window,
-                scale_dim: shape.scale_dim,
-                softcap: shape.softcap,
-            },
+            shape,
         )
     }
 
     /// Backward of one layer whose internals `s` hold the forward of `x_in` (run
-    /// [`Decoder::layer_forward`] first to recompute them). `dx_in = ∂L/∂x_in` (overwritten);
-    /// the layer's weight gradients accumulate into `grad` (a slab laid out like `w`).
-    #[allow(clippy::too_many_arguments)]
+    /// [`Decoder::layer_forward`] first to recompute them): from `grads.dx_out`, overwrites
+    /// `grads.dx_in` and accumulates the weight gradients into `grads.weights` (a slab laid out
+    /// like `w`).
     pub fn layer_backward(
         &self,
         b: &B,
-        dx_in: &mut B::Floats,
-        grad: &mut B::Floats,
-        dx_out: &B::Floats,
+        grads: LayerGrads<'_, B>,
         x_in: &B::Floats,
         w: &B::Floats,
         s: &mut LayerScratch<B>,
         at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
+        let LayerGrads { dx_out, dx_in, weights: grad } = grads;
         let LayerAt { layer, batch, keys, router } = at;
         let r = self.ranges(layer)?;
         if !matches!(keys, Keys::Packed) {
@@ -737,20 +748,21 @@ impl<B: Backend> Decoder<B> {
         let (dqkv, datt) = (spec.qkv_width(), spec.attn_width());
         let th = all(b, x_in, t * h);
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
+        let norm = self.norm_shape(t);
 
         // MLP branch: out = x1 + post_mlp(down(act(gate_up(ln2(x1))))).
         let d_down = match &r.post_mlp_norm {
             Some(post) => {
                 let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
                 b.rmsnorm_backward(
-                    b.view_mut(&mut s.d_pre, th.clone()),
-                    b.view_mut(grad, post.clone()),
+                    Grads {
+                        dinp: b.view_mut(&mut s.d_pre, th.clone()),
+                        dw: b.view_mut(grad, post.clone()),
+                    },
                     b.view(dx_out, th.clone()),
-                    b.view(&s.m_pre, th.clone()),
-                    post_w,
+                    Operands { inp: b.view(&s.m_pre, th.clone()), w: post_w },
                     b.view(&s.m_rstd, 0..t),
-                    t,
-                    h,
+                    &norm,
                 )?;
                 b.view(&s.d_pre, th.clone())
             }
@@ -759,14 +771,13 @@ impl<B: Backend> Decoder<B> {
         match &r.mlp {
             MlpRanges::Dense { gate_up_w, down_w } => {
                 b.matmul_backward(
-                    b.view_mut(&mut s.d_act, 0..t * i),
-                    b.view_mut(grad, down_w.clone()),
+                    Grads {
+                        dinp: b.view_mut(&mut s.d_act, 0..t * i),
+                        dw: b.view_mut(grad, down_w.clone()),
+                    },
                     d_down,
-                    b.view(&s.act, 0..t * i),
-                    wv(down_w),
-                    t,
-                    i,
-                    h,
+                    Operands { inp: b.view(&s.act, 0..t * i), w: wv(down_w) },
+                    &MatmulShape { rows: t, k: i, n: h },
                 )?;
                 b.glu_backward(
                     b.view_mut(&mut s.d_gate_up, 0..t * 2 * i),
@@ -778,38 +789,31 @@ impl<B: Backend> Decoder<B> {
                 )?;
                 // d(ln2 output) reuses tmp_h.
                 b.matmul_backward(
-                    b.view_mut(&mut s.tmp_h, th.clone()),
-                    b.view_mut(grad, gate_up_w.clone()),
+                    Grads {
+                        dinp: b.view_mut(&mut s.tmp_h, th.clone()),
+                        dw: b.view_mut(grad, gate_up_w.clone()),
+                    },
                     b.view(&s.d_gate_up, 0..t * 2 * i),
-                    b.view(&s.ln2, th.clone()),
-                    wv(gate_up_w),
-                    t,
-                    h,
-                    2 * i,
+                    Operands { inp: b.view(&s.ln2, th.clone()), w: wv(gate_up_w) },
+                    &MatmulShape { rows: t, k: h, n: 2 * i },
                 )?;
             }
             MlpRanges::Moe(m) => {
-                let moe = self.moe_spec(layer)?;
-                let aux = match router {
-                    RouterStats::Complete { stats, weight } if weight != 0.0 => {
-                        Some((stats, weight))
-                    }
-                    _ => None,
-                };
-                let from_pre = r.post_mlp_norm.is_some();
-                self.moe_backward(b, grad, dx_out, w, s, m, moe, aux, t, from_pre)?;
+                let (moe, post_norm) = (self.moe_spec(layer)?, r.post_mlp_norm.is_some());
+                let at = MoeAt { ranges: m, moe, tokens: t, post_norm, router };
+                self.moe_backward(b, grad, dx_out, w, s, at)?;
             }
         }
         let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_backward(
-            b.view_mut(&mut s.d_x1, th.clone()),
-            b.view_mut(grad, r.ln2.clone()),
+            Grads {
+                dinp: b.view_mut(&mut s.d_x1, th.clone()),
+                dw: b.view_mut(grad, r.ln2.clone()),
+            },
             b.view(&s.tmp_h, th.clone()),
-            b.view(&s.x1, th.clone()),
-            ln2_w,
+            Operands { inp: b.view(&s.x1, th.clone()), w: ln2_w },
             b.view(&s.ln2_rstd, 0..t),
-            t,
-            h,
+            &norm,
         )?;
         // The residual carries dx_out straight to x1.
         b.add_assign(b.view_mut(&mut s.d_x1, th.clone()), b.view(dx_out, th.clone()))?;
@@ -819,14 +823,14 @@ impl<B: Backend> Decoder<B> {
             Some(post) => {
                 let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
                 b.rmsnorm_backward(
-                    b.view_mut(&mut s.d_pre, th.clone()),
-                    b.view_mut(grad, post.clone()),
+                    Grads {
+                        dinp: b.view_mut(&mut s.d_pre, th.clone()),
+                        dw: b.view_mut(grad, post.clone()),
+                    },
                     b.view(&s.d_x1, th.clone()),
-                    b.view(&s.o_pre, th.clone()),
-                    post_w,
+                    Operands { inp: b.view(&s.o_pre, th.clone()), w: post_w },
                     b.view(&s.o_rstd, 0..t),
-                    t,
-                    h,
+                    &norm,
                 )?;
                 b.view(&s.d_pre, th.clone())
             }
@@ -836,21 +840,23 @@ impl<B: Backend> Decoder<B> {
             b.bias_backward(b.view_mut(grad, bias.clone()), d_o, t, h)?;
         }
         b.matmul_backward(
-            b.view_mut(&mut s.d_att, 0..t * datt),
-            b.view_mut(grad, r.o_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut s.d_att, 0..t * datt),
+                dw: b.view_mut(grad, r.o_w.clone()),
+            },
             d_o,
-            b.view(&s.att, 0..t * datt),
-            wv(&r.o_w),
-            t,
-            datt,
-            h,
+            Operands { inp: b.view(&s.att, 0..t * datt), w: wv(&r.o_w) },
+            &MatmulShape { rows: t, k: datt, n: h },
         )?;
+        let att = AttentionOut {
+            out: b.view(&s.att, 0..t * datt),
+            lse: b.view(&s.lse, 0..t * spec.q_heads),
+        };
         if let Some(sinks) = &r.sinks {
             b.attention_sinks_backward(
                 b.view_mut(grad, sinks.clone()),
                 b.view(&s.d_att, 0..t * datt),
-                b.view(&s.att, 0..t * datt),
-                b.view(&s.lse, 0..t * spec.q_heads),
+                att,
                 wv(sinks),
                 &shape,
             )?;
@@ -859,8 +865,7 @@ impl<B: Backend> Decoder<B> {
             b.view_mut(&mut s.d_qkv, 0..t * dqkv),
             b.view(&s.d_att, 0..t * datt),
             b.view(&s.qkv, 0..t * dqkv),
-            b.view(&s.att, 0..t * datt),
-            b.view(&s.lse, 0..t * spec.q_heads),
+            att,
             &batch.cu_seqlens,
             &shape,
         )?;
@@ -872,15 +877,16 @@ impl<B: Backend> Decoder<B> {
             &shape,
         )?;
         // Gradient with respect to the projection's output.
-        let d_proj = if let Some(norm) = &r.qk_norm {
+        let d_proj = if let Some(qk_norm) = &r.qk_norm {
             let heads = spec.q_heads + spec.kv_heads;
-            let qk_w = self.norm_weight(b, w, norm, &mut s.norm_w)?;
+            let qk_w = self.norm_weight(b, w, qk_norm, &mut s.norm_w)?;
             b.head_rmsnorm_backward(
-                b.view_mut(&mut s.d_qkv_pre, 0..t * dqkv),
-                b.view_mut(grad, norm.clone()),
+                Grads {
+                    dinp: b.view_mut(&mut s.d_qkv_pre, 0..t * dqkv),
+                    dw: b.view_mut(grad, qk_norm.clone()),
+                },
                 b.view(&s.d_qkv, 0..t * dqkv),
-                b.view(&s.qkv_pre, 0..t * dqkv),
-                qk_w,
+                Operands { inp: b.view(&s.qkv_pre, 0..t * dqkv), w: qk_w },
                 b.view(&s.qk_rstd, 0..t * heads),
                 &shape,
             )?;
@@ -893,25 +899,21 @@ impl<B: Backend> Decoder<B> {
         }
         // d(ln1 output) reuses tmp_h.
         b.matmul_backward(
-            b.view_mut(&mut s.tmp_h, th.clone()),
-            b.view_mut(grad, r.qkv_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut s.tmp_h, th.clone()),
+                dw: b.view_mut(grad, r.qkv_w.clone()),
+            },
             b.view(d_proj, 0..t * dqkv),
-            b.view(&s.ln1, th.clone()),
-            wv(&r.qkv_w),
-            t,
-            h,
-            dqkv,
+            Operands { inp: b.view(&s.ln1, th.clone()), w: wv(&r.qkv_w) },
+            &MatmulShape { rows: t, k: h, n: dqkv },
         )?;
         let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
         b.rmsnorm_backward(
-            b.view_mut(dx_in, th.clone()),
-            b.view_mut(grad, r.ln1.clone()),
+            Grads { dinp: b.view_mut(dx_in, th.clone()), dw: b.view_mut(grad, r.ln1.clone()) },
             b.view(&s.tmp_h, th.clone()),
-            b.view(x_in, th.clone()),
-            ln1_w,
+            Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
             b.view(&s.ln1_rstd, 0..t),
-            t,
-            h,
+            &norm,
         )?;
         b.add_assign(b.view_mut(dx_in, th.clone()), b.view(&s.d_x1, th))
     }
@@ -934,48 +936,38 @@ impl<B: Backend> Decoder<B> {
         w: HeadWeights<'_, B>,
         batch: &DeviceBatch<B>,
     ) -> Result<f64> {
-        let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
+        let (t, h) = (batch.tokens, self.spec.hidden);
         let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.normed, 0..t * h),
             b.view_mut(&mut s.rstd, 0..t),
-            b.view(x, 0..t * h),
-            norm_w,
-            t,
-            h,
-            self.spec.rms_eps,
+            Operands { inp: b.view(x, 0..t * h), w: norm_w },
+            &self.norm_shape(t),
         )?;
         let (lm, lm_range) = self.lm_weight(w);
         b.cross_entropy_forward(
             b.view_mut(&mut s.losses, 0..t),
             b.view_mut(&mut s.lse, 0..t),
-            b.view(&s.normed, 0..t * h),
-            b.view(lm, lm_range),
+            Operands { inp: b.view(&s.normed, 0..t * h), w: b.view(lm, lm_range) },
             &batch.targets,
-            t,
-            h,
-            v,
-            self.spec.final_softcap,
+            &self.loss_shape(t),
         )?;
         b.sum(b.view(&s.losses, 0..t))
     }
 
-    /// Backward of the head for loss `scale · Σ losses`: `dx` overwritten; the final norm's and
-    /// (untied) LM head's gradients accumulate into `head_grad`, a tied LM head's into
-    /// `embed_grad` (required when tied, ignored otherwise). Needs the scratch of [`Decoder::head_forward`] on the same batch.
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of the head for the loss `grads.scale · Σ losses`: overwrites `grads.dx` and
+    /// accumulates the weight gradients into `grads.head` and (a tied LM head's) `grads.embed`.
+    /// Needs the scratch of [`Decoder::head_forward`] on the same batch.
     pub fn head_backward(
         &self,
         b: &B,
-        dx: &mut B::Floats,
-        head_grad: &mut B::Floats,
-        embed_grad: Option<&mut B::Floats>,
+        grads: HeadGrads<'_, B>,
         s: &mut HeadScratch<B>,
         x: &B::Floats,
         w: HeadWeights<'_, B>,
         batch: &DeviceBatch<B>,
-        scale: f32,
     ) -> Result<()> {
+        let HeadGrads { scale, dx, head: head_grad, embed: embed_grad } = grads;
         let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
         let (lm, lm_range) = self.lm_weight(w);
         let d_lm = match (&self.head.lm_head, embed_grad) {
@@ -988,27 +980,23 @@ impl<B: Backend> Decoder<B> {
             }
         };
         b.cross_entropy_backward(
-            b.view_mut(&mut s.d_normed, 0..t * h),
-            d_lm,
-            b.view(&s.normed, 0..t * h),
-            b.view(lm, lm_range),
+            Grads { dinp: b.view_mut(&mut s.d_normed, 0..t * h), dw: d_lm },
+            Operands { inp: b.view(&s.normed, 0..t * h), w: b.view(lm, lm_range) },
             b.view(&s.lse, 0..t),
             &batch.targets,
             scale,
-            t,
-            h,
-            v,
-            self.spec.final_softcap,
+            &self.loss_shape(t),
         )?;
+        let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
         b.rmsnorm_backward(
-            b.view_mut(dx, 0..t * h),
-            b.view_mut(head_grad, self.head.norm.clone()),
+            Grads {
+                dinp: b.view_mut(dx, 0..t * h),
+                dw: b.view_mut(head_grad, self.head.norm.clone()),
+            },
             b.view(&s.d_normed, 0..t * h),
-            b.view(x, 0..t * h),
-            self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?,
+            Operands { inp: b.view(x, 0..t * h), w: norm_w },
             b.view(&s.rstd, 0..t),
-            t,
-            h,
+            &self.norm_shape(t),
         )
     }
 
@@ -1026,23 +1014,18 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let (h, v) = (self.spec.hidden, self.spec.vocab);
         let tokens = rows.len();
+        let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.normed, 0..tokens * h),
             b.view_mut(&mut s.rstd, 0..tokens),
-            b.view(x, rows.start * h..rows.end * h),
-            self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?,
-            tokens,
-            h,
-            self.spec.rms_eps,
+            Operands { inp: b.view(x, rows.start * h..rows.end * h), w: norm_w },
+            &self.norm_shape(tokens),
         )?;
         let (lm, lm_range) = self.lm_weight(w);
         b.matmul_forward(
             b.view_mut(out, 0..tokens * v),
-            b.view(&s.normed, 0..tokens * h),
-            b.view(lm, lm_range),
-            tokens,
-            h,
-            v,
+            Operands { inp: b.view(&s.normed, 0..tokens * h), w: b.view(lm, lm_range) },
+            &MatmulShape { rows: tokens, k: h, n: v },
         )
     }
 

@@ -7,7 +7,10 @@ pub mod layout;
 pub mod moe;
 pub mod params;
 
-pub use decoder::{Decoder, DeviceBatch, HeadScratch, HeadWeights, Keys, LayerAt, LayerScratch};
+pub use decoder::{
+    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, Keys, LayerAt, LayerGrads,
+    LayerScratch,
+};
 pub use layout::{
     LayerRanges, MlpRanges, ModelLayout, MoeRanges, TensorSlot, UnitKind, UnitLayout,
 };

@@ -16,7 +16,9 @@
 
 use super::decoder::{Decoder, LayerScratch};
 use super::layout::MoeRanges;
-use crate::backend::{Backend, FloatKind, GroupedShape, MoeShape};
+use crate::backend::{
+    Backend, FloatKind, Grads, GroupedShape, MatmulShape, MoeShape, Operands, Routing,
+};
 use crate::error::{Error, Result};
 use crate::spec::{ModelSpec, MoeSpec};
 
@@ -30,6 +32,21 @@ pub enum RouterStats<'a, B: Backend> {
     /// A recompute or a backward after the whole forward: the totals are complete, and the
     /// backward adds the load-balancing loss's gradient times `weight` (`∂ loss / ∂ aux`).
     Complete { stats: &'a B::Floats, weight: f32 },
+}
+
+/// Which MoE MLP a layer call runs, on how many tokens, where its output goes, and what its
+/// router keeps.
+pub(super) struct MoeAt<'a, B: Backend> {
+    pub ranges: &'a MoeRanges,
+    pub moe: &'a MoeSpec,
+    pub tokens: usize,
+    /// A post-MLP norm follows (Gemma's sandwich norms): the forward's output goes to
+    /// `s.m_pre` rather than `s.tmp_h`, and the backward finds its output's gradient in
+    /// `s.d_pre`, where that norm's backward left it, rather than in `dx_out`.
+    pub post_norm: bool,
+    /// The forward records into [`RouterStats::Record`]; the backward adds the load-balancing
+    /// loss's gradient from [`RouterStats::Complete`] when its weight is not zero.
+    pub router: RouterStats<'a, B>,
 }
 
 /// The MoE intermediates of one layer for `T` tokens (`R = T k` routed rows).
@@ -174,20 +191,20 @@ impl<B: Backend> Decoder<B> {
         Ok(e as f64 * dot / (n * n))
     }
 
-    /// The MoE MLP's forward: `moe(s.ln2)` into `s.m_pre` when `into_pre` (a post-MLP norm
-    /// follows), else `s.tmp_h`; weights from slab `w`.
-    #[allow(clippy::too_many_arguments)]
+    /// The MoE MLP's forward: `moe(s.ln2)` into `s.m_pre` or `s.tmp_h` as `at.post_norm`
+    /// says; weights from slab `w`.
     pub(super) fn moe_forward(
         &self,
         b: &B,
         w: &B::Floats,
         s: &mut LayerScratch<B>,
-        r: &MoeRanges,
-        m: &MoeSpec,
-        stats: Option<&mut B::Floats>,
-        tokens: usize,
-        into_pre: bool,
+        at: MoeAt<'_, B>,
     ) -> Result<()> {
+        let MoeAt { ranges: r, moe: m, tokens, post_norm: into_pre, router } = at;
+        let stats = match router {
+            RouterStats::Record(stats) => Some(stats),
+            _ => None,
+        };
         let shape = self.moe_shape(m, tokens);
         let (t, h, e, i) = (tokens, self.spec.hidden, m.experts, m.inter);
         let rows = shape.rows();
@@ -196,11 +213,8 @@ impl<B: Backend> Decoder<B> {
         let x = s.moe.as_mut().ok_or_else(|| Error::invalid("layer scratch has no MoE buffers"))?;
         b.matmul_forward(
             b.view_mut(&mut x.logits, 0..t * e),
-            ln2,
-            b.view(w, r.router_w.clone()),
-            t,
-            h,
-            e,
+            Operands { inp: ln2, w: b.view(w, r.router_w.clone()) },
+            &MatmulShape { rows: t, k: h, n: e },
         )?;
         if let Some(bias) = &r.router_b {
             b.bias_forward(b.view_mut(&mut x.logits, 0..t * e), b.view(w, bias.clone()), t, e)?;
@@ -226,8 +240,7 @@ impl<B: Backend> Decoder<B> {
         let down = GroupedShape { offsets: &x.offsets, k: i, n: h, layout: m.layout };
         b.grouped_matmul_forward(
             b.view_mut(&mut x.gate_up, 0..rows * 2 * i),
-            b.view(&x.xs, 0..rows * h),
-            b.view(w, r.gate_up_w.clone()),
+            Operands { inp: b.view(&x.xs, 0..rows * h), w: b.view(w, r.gate_up_w.clone()) },
             r.gate_up_b.as_ref().map(|bias| b.view(w, bias.clone())),
             &up,
         )?;
@@ -240,8 +253,7 @@ impl<B: Backend> Decoder<B> {
         )?;
         b.grouped_matmul_forward(
             b.view_mut(&mut x.y, 0..rows * h),
-            b.view(&x.act, 0..rows * i),
-            b.view(w, r.down_w.clone()),
+            Operands { inp: b.view(&x.act, 0..rows * i), w: b.view(w, r.down_w.clone()) },
             r.down_b.as_ref().map(|bias| b.view(w, bias.clone())),
             &down,
         )?;
@@ -261,11 +273,8 @@ impl<B: Backend> Decoder<B> {
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
         b.matmul_forward(
             b.view_mut(&mut x.s_gate_up, 0..t * 2 * si),
-            ln2,
-            wv(&sr.gate_up_w),
-            t,
-            h,
-            2 * si,
+            Operands { inp: ln2, w: wv(&sr.gate_up_w) },
+            &MatmulShape { rows: t, k: h, n: 2 * si },
         )?;
         b.glu_forward(
             b.view_mut(&mut x.s_act, 0..t * si),
@@ -276,22 +285,20 @@ impl<B: Backend> Decoder<B> {
         )?;
         b.matmul_forward(
             b.view_mut(&mut x.s_y, 0..t * h),
-            b.view(&x.s_act, 0..t * si),
-            wv(&sr.down_w),
-            t,
-            si,
-            h,
+            Operands { inp: b.view(&x.s_act, 0..t * si), w: wv(&sr.down_w) },
+            &MatmulShape { rows: t, k: si, n: h },
         )?;
-        b.matmul_forward(b.view_mut(&mut x.s_logit, 0..t), ln2, wv(&sr.gate_w), t, h, 1)?;
-        b.sigmoid_gate_forward(out, b.view(&x.s_y, 0..t * h), b.view(&x.s_logit, 0..t), t, h)
+        b.matmul_forward(
+            b.view_mut(&mut x.s_logit, 0..t),
+            Operands { inp: ln2, w: wv(&sr.gate_w) },
+            &MatmulShape { rows: t, k: h, n: 1 },
+        )?;
+        b.sigmoid_gate_forward(out, b.view(&x.s_y, 0..t * h), b.view(&x.s_logit, 0..t), &shape)
     }
 
     /// The MoE MLP's backward after [`Decoder::moe_forward`] on the same scratch: the gradient
-    /// of the MLP's output is `s.d_pre` when `from_pre` (a post-MLP norm's backward left it
-    /// there), else `dx_out`; the gradient of its input `s.ln2` goes to `s.tmp_h`
-    /// (overwritten); weight gradients accumulate into `grad`. `aux` is the micro-batch's
-    /// complete statistics and the load-balancing loss's weight in the loss, when it counts.
-    #[allow(clippy::too_many_arguments)]
+    /// of the MLP's output is `s.d_pre` or `dx_out` as `at.post_norm` says; the gradient of its
+    /// input `s.ln2` goes to `s.tmp_h` (overwritten); weight gradients accumulate into `grad`.
     pub(super) fn moe_backward(
         &self,
         b: &B,
@@ -299,12 +306,13 @@ impl<B: Backend> Decoder<B> {
         dx_out: &B::Floats,
         w: &B::Floats,
         s: &mut LayerScratch<B>,
-        r: &MoeRanges,
-        m: &MoeSpec,
-        aux: Option<(&B::Floats, f32)>,
-        tokens: usize,
-        from_pre: bool,
+        at: MoeAt<'_, B>,
     ) -> Result<()> {
+        let MoeAt { ranges: r, moe: m, tokens, post_norm: from_pre, router } = at;
+        let aux = match router {
+            RouterStats::Complete { stats, weight } if weight != 0.0 => Some((stats, weight)),
+            _ => None,
+        };
         let shape = self.moe_shape(m, tokens);
         let (t, h, e, i) = (tokens, self.spec.hidden, m.experts, m.inter);
         let rows = shape.rows();
@@ -315,8 +323,10 @@ impl<B: Backend> Decoder<B> {
         let up = GroupedShape { offsets: &x.offsets, k: h, n: 2 * i, layout: m.layout };
         let down = GroupedShape { offsets: &x.offsets, k: i, n: h, layout: m.layout };
         b.moe_combine_backward(
-            b.view_mut(&mut x.d_y, 0..rows * h),
-            b.view_mut(&mut x.d_weights, 0..rows),
+            Grads {
+                dinp: b.view_mut(&mut x.d_y, 0..rows * h),
+                dw: b.view_mut(&mut x.d_weights, 0..rows),
+            },
             d_out,
             b.view(&x.y, 0..rows * h),
             b.view(&x.weights, 0..rows),
@@ -331,11 +341,12 @@ impl<B: Backend> Decoder<B> {
             )?;
         }
         b.grouped_matmul_backward(
-            b.view_mut(&mut x.d_act, 0..rows * i),
-            b.view_mut(grad, r.down_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_act, 0..rows * i),
+                dw: b.view_mut(grad, r.down_w.clone()),
+            },
             b.view(&x.d_y, 0..rows * h),
-            b.view(&x.act, 0..rows * i),
-            b.view(w, r.down_w.clone()),
+            Operands { inp: b.view(&x.act, 0..rows * i), w: b.view(w, r.down_w.clone()) },
             &down,
         )?;
         b.glu_backward(
@@ -351,11 +362,12 @@ impl<B: Backend> Decoder<B> {
             b.grouped_bias_backward(b.view_mut(grad, bias.clone()), d, &up)?;
         }
         b.grouped_matmul_backward(
-            b.view_mut(&mut x.d_xs, 0..rows * h),
-            b.view_mut(grad, r.gate_up_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_xs, 0..rows * h),
+                dw: b.view_mut(grad, r.gate_up_w.clone()),
+            },
             b.view(&x.d_gate_up, 0..rows * 2 * i),
-            b.view(&x.xs, 0..rows * h),
-            b.view(w, r.gate_up_w.clone()),
+            Operands { inp: b.view(&x.xs, 0..rows * h), w: b.view(w, r.gate_up_w.clone()) },
             &up,
         )?;
         b.moe_gather_backward(
@@ -370,9 +382,11 @@ impl<B: Backend> Decoder<B> {
         b.moe_route_backward(
             b.view_mut(&mut x.d_logits, 0..t * e),
             b.view(&x.d_weights, 0..rows),
-            b.view(&x.weights, 0..rows),
-            b.view(&x.probs, 0..t * e),
-            &x.experts,
+            Routing {
+                weights: b.view(&x.weights, 0..rows),
+                probs: b.view(&x.probs, 0..t * e),
+                experts: &x.experts,
+            },
             aux,
             &shape,
         )?;
@@ -381,14 +395,13 @@ impl<B: Backend> Decoder<B> {
         }
         // d_y is free again: it takes the router's share of the input gradient.
         b.matmul_backward(
-            b.view_mut(&mut x.d_y, 0..t * h),
-            b.view_mut(grad, r.router_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_y, 0..t * h),
+                dw: b.view_mut(grad, r.router_w.clone()),
+            },
             b.view(&x.d_logits, 0..t * e),
-            ln2,
-            b.view(w, r.router_w.clone()),
-            t,
-            h,
-            e,
+            Operands { inp: ln2, w: b.view(w, r.router_w.clone()) },
+            &MatmulShape { rows: t, k: h, n: e },
         )?;
         b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))?;
         let (Some(sr), Some(si)) = (&r.shared, m.shared_inter) else { return Ok(()) };
@@ -400,18 +413,16 @@ impl<B: Backend> Decoder<B> {
             d_out,
             b.view(&x.s_y, 0..t * h),
             b.view(&x.s_logit, 0..t),
-            t,
-            h,
+            &shape,
         )?;
         b.matmul_backward(
-            b.view_mut(&mut x.d_s_act, 0..t * si),
-            b.view_mut(grad, sr.down_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_s_act, 0..t * si),
+                dw: b.view_mut(grad, sr.down_w.clone()),
+            },
             b.view(&x.d_s_y, 0..t * h),
-            b.view(&x.s_act, 0..t * si),
-            wv(&sr.down_w),
-            t,
-            si,
-            h,
+            Operands { inp: b.view(&x.s_act, 0..t * si), w: wv(&sr.down_w) },
+            &MatmulShape { rows: t, k: si, n: h },
         )?;
         b.glu_backward(
             b.view_mut(&mut x.d_s_gate_up, 0..t * 2 * si),
@@ -422,25 +433,23 @@ impl<B: Backend> Decoder<B> {
             self.spec.glu_act,
         )?;
         b.matmul_backward(
-            b.view_mut(&mut x.d_y, 0..t * h),
-            b.view_mut(grad, sr.gate_up_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_y, 0..t * h),
+                dw: b.view_mut(grad, sr.gate_up_w.clone()),
+            },
             b.view(&x.d_s_gate_up, 0..t * 2 * si),
-            ln2,
-            wv(&sr.gate_up_w),
-            t,
-            h,
-            2 * si,
+            Operands { inp: ln2, w: wv(&sr.gate_up_w) },
+            &MatmulShape { rows: t, k: h, n: 2 * si },
         )?;
         b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))?;
         b.matmul_backward(
-            b.view_mut(&mut x.d_y, 0..t * h),
-            b.view_mut(grad, sr.gate_w.clone()),
+            Grads {
+                dinp: b.view_mut(&mut x.d_y, 0..t * h),
+                dw: b.view_mut(grad, sr.gate_w.clone()),
+            },
             b.view(&x.d_s_logit, 0..t),
-            ln2,
-            wv(&sr.gate_w),
-            t,
-            h,
-            1,
+            Operands { inp: ln2, w: wv(&sr.gate_w) },
+            &MatmulShape { rows: t, k: h, n: 1 },
         )?;
         b.add_assign(b.view_mut(d_in, 0..t * h), b.view(&x.d_y, 0..t * h))
     }

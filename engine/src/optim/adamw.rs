@@ -156,23 +156,29 @@ impl Coeffs {
     }
 }
 
+/// The per-step arguments of [`adamw_step`] for one tensor.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorStep {
+    /// 1-based step count, including this step.
+    pub step: u64,
+    /// This step's learning rate (the schedule's value; `hp.lr` is not used).
+    pub lr: f32,
+    pub hp: AdamW,
+    /// Whether weight decay applies to this tensor (see [`decays`]).
+    pub decay: bool,
+}
+
 /// One AdamW step on one tensor, in place: `params`, `m` (first moment) and `v` (second moment)
-/// are updated from `grads`. `step` is 1-based (the number of steps including this one), `lr` the
-/// learning rate for this step (the schedule's value; `hp.lr` is not used), `decay` whether
-/// weight decay applies (see [`decays`]). Runs on the current rayon pool.
+/// are updated from `grads` as `args` says. Runs on the current rayon pool.
 ///
-/// Errors if the four slices differ in length, `step` is 0, or a hyperparameter is out of range;
-/// nothing is modified then.
-#[allow(clippy::too_many_arguments)] // the signature mirrors torch's per-tensor update
+/// Errors if the four slices differ in length, `args.step` is 0, or a hyperparameter is out of
+/// range; nothing is modified then.
 pub fn adamw_step(
     params: &mut [f32], // [n]
     grads: &[f32],      // [n]
     m: &mut [f32],      // [n]
     v: &mut [f32],      // [n]
-    step: u64,
-    lr: f32,
-    hp: &AdamW,
-    decay: bool,
+    args: &TensorStep,
 ) -> Result<()> {
     let n = params.len();
     if grads.len() != n || m.len() != n || v.len() != n {
@@ -183,7 +189,7 @@ pub fn adamw_step(
             v.len()
         )));
     }
-    let c = Coeffs::new(hp, lr, step, decay)?;
+    let c = Coeffs::new(&args.hp, args.lr, args.step, args.decay)?;
     params
         .par_chunks_mut(CHUNK)
         .zip(grads.par_chunks(CHUNK))
@@ -643,8 +649,8 @@ mod tests {
         let mut p = [0.5f32, -1.25, 2.0];
         let (mut m, mut v) = ([0.0f32; 3], [0.0f32; 3]);
         for (i, g) in steps.iter().enumerate() {
-            adamw_step(&mut p, g, &mut m, &mut v, i as u64 + 1, hp.lr, hp, decay)
-                .expect("valid step");
+            let args = TensorStep { step: i as u64 + 1, lr: hp.lr, hp: *hp, decay };
+            adamw_step(&mut p, g, &mut m, &mut v, &args).expect("valid step");
         }
         (p, m, v)
     }
@@ -726,18 +732,18 @@ mod tests {
     fn bad_input_is_an_error_and_changes_nothing() {
         let mut p = [1.0f32, 2.0];
         let (mut m, mut v) = ([0.0f32; 2], [0.0f32; 2]);
-        let err = adamw_step(&mut p, &[0.1], &mut m, &mut v, 1, 1e-3, &hp(), true)
-            .expect_err("length mismatch");
+        let args = TensorStep { step: 1, lr: 1e-3, hp: hp(), decay: true };
+        let err = adamw_step(&mut p, &[0.1], &mut m, &mut v, &args).expect_err("length mismatch");
         assert!(err.to_string().contains("grads 1"), "{err}");
-        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 0, 1e-3, &hp(), true)
+        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, &TensorStep { step: 0, ..args })
             .expect_err("step 0");
         assert!(err.to_string().contains("1-based"), "{err}");
-        let bad = AdamW { beta2: 1.0, ..hp() };
-        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 1, 1e-3, &bad, true)
-            .expect_err("beta2 = 1");
+        let bad = TensorStep { hp: AdamW { beta2: 1.0, ..hp() }, ..args };
+        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, &bad).expect_err("beta2 = 1");
         assert!(err.to_string().contains("beta2"), "{err}");
-        let err = adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, 1, f32::NAN, &hp(), true)
-            .expect_err("NaN lr");
+        let err =
+            adamw_step(&mut p, &[0.1, 0.2], &mut m, &mut v, &TensorStep { lr: f32::NAN, ..args })
+                .expect_err("NaN lr");
         assert!(err.to_string().contains("learning rate"), "{err}");
         assert_eq!((p, m, v), ([1.0, 2.0], [0.0; 2], [0.0; 2]));
     }
@@ -836,10 +842,7 @@ mod tests {
                 &g[r.clone()],
                 &mut want.m[r.clone()],
                 &mut want.v[r.clone()],
-                3,
-                1e-2,
-                &hp(),
-                decay,
+                &TensorStep { step: 3, lr: 1e-2, hp: hp(), decay },
             )
             .expect("valid");
         }

@@ -19,8 +19,8 @@ pub mod pool;
 pub mod schedule;
 
 pub use adamw::{
-    AdamW, FusedStep, GradIn, UnitState, adamw_fused, adamw_fused_from, adamw_fused_scalar,
-    adamw_step, as_written, bf16_bits, decays, fused_isa,
+    AdamW, FusedStep, GradIn, TensorStep, UnitState, adamw_fused, adamw_fused_from,
+    adamw_fused_scalar, adamw_step, as_written, bf16_bits, decays, fused_isa,
 };
 pub use clip::{clip_coef, clip_grad_norm, scale, sum_of_squares};
 pub use pool::AdamPool;

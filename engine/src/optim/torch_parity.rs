@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::{AdamW, LrSchedule, Schedule, adamw_step, clip_coef, sum_of_squares};
+use super::{AdamW, LrSchedule, Schedule, TensorStep, adamw_step, clip_coef, sum_of_squares};
 
 struct Fixture {
     path: PathBuf,
@@ -80,7 +80,8 @@ fn adamw_matches_torch_on_loose_tensors() {
         for (i, &lr) in lrs.iter().enumerate() {
             let step = i + 1;
             let g = fx.f32(&format!("{key}.grad.{step}"));
-            adamw_step(&mut p, &g, &mut m, &mut v, step as u64, lr, &hp, decay).expect("valid");
+            let args = TensorStep { step: step as u64, lr, hp, decay };
+            adamw_step(&mut p, &g, &mut m, &mut v, &args).expect("valid");
             // The moments do not involve sqrt: bit for bit.
             assert_eq!(m, fx.f32(&format!("{key}.m.{step}")), "{key} m after step {step}");
             assert_eq!(v, fx.f32(&format!("{key}.v.{step}")), "{key} v after step {step}");

@@ -36,6 +36,17 @@ struct Landing {
     job: Option<AdamJob>,
 }
 
+/// What shipping a unit's gradients needs of the schedule: the backend, the host store they land
+/// in, the optimizer worker their updates go to, and the two streams each copy is ordered
+/// between (queued on `d2h` after `compute`'s backward).
+pub(super) struct GradPath<'a, B: Backend> {
+    pub b: &'a B,
+    pub store: &'a HostStore,
+    pub worker: &'a OptimizerWorker,
+    pub compute: &'a B::Stream,
+    pub d2h: &'a B::Stream,
+}
+
 /// What [`Grads::end`] and [`Grads::pump`] report back to the schedule.
 #[derive(Debug, Default, Clone)]
 pub(super) struct Landed {
@@ -156,20 +167,16 @@ impl<B: Backend> Grads<B> {
         slot
     }
 
-    /// Unit `u`'s gradients are complete (queued on `compute`): records their sum of squares
-    /// and, in the host tiers, ships them: to the unit's own slab, or to a ring slot with the
-    /// update `job` that consumes them. The device store keeps them where they are.
-    #[allow(clippy::too_many_arguments)]
+    /// Unit `u`'s gradients are complete (queued on `path.compute`): records their sum of
+    /// squares and, in the host tiers, ships them: to the unit's own slab, or to a ring slot
+    /// with the update `job` that consumes them. The device store keeps them where they are.
     pub fn end(
         &mut self,
-        b: &B,
-        store: &HostStore,
-        worker: &OptimizerWorker,
-        compute: &B::Stream,
-        d2h: &B::Stream,
+        path: &GradPath<'_, B>,
         u: usize,
         job: Option<AdamJob>,
     ) -> Result<Landed> {
+        let (b, store, worker) = (path.b, path.store, path.worker);
         let len = self.lens[u];
         // Waits for the unit's backward: the schedule prefetched the next unit's weights before
         // calling this, so the device keeps copying while the host waits.
@@ -187,7 +194,7 @@ impl<B: Backend> Grads<B> {
             }
             _ => GradAt::Unit,
         };
-        landed.bytes = self.ship(b, store, compute, d2h, lane, self.current, u, dest)?;
+        landed.bytes = self.ship(path, lane, self.current, u, dest)?;
         landed.units.push(u);
         let job = job.map(|j| AdamJob { grad: dest, ..j });
         self.in_flight[lane] = Some(Landing { unit: u, job });
@@ -197,20 +204,17 @@ impl<B: Backend> Grads<B> {
         Ok(landed)
     }
 
-    /// Queues the copy of accumulator `acc` (unit `u`'s gradients) to `dest` on `d2h` after
-    /// the compute that produced them; returns the bytes.
-    #[allow(clippy::too_many_arguments)]
+    /// Queues the copy of accumulator `acc` (unit `u`'s gradients) to `dest` on `path.d2h`
+    /// after the compute that produced them; returns the bytes.
     fn ship(
         &mut self,
-        b: &B,
-        store: &HostStore,
-        compute: &B::Stream,
-        d2h: &B::Stream,
+        path: &GradPath<'_, B>,
         lane: usize,
         acc: usize,
         u: usize,
         dest: GradAt,
     ) -> Result<u64> {
+        let GradPath { b, store, compute, d2h, .. } = *path;
         let len = self.lens[u];
         let mut elem = 4;
         if let Some(rounded) = self.rounded.get_mut(acc) {
@@ -275,16 +279,8 @@ impl<B: Backend> Grads<B> {
     /// the update of every landed unit but the newest (and of unit `upto` in any case). Unit
     /// `upto`'s update is then queued, so the caller may wait for it, while the updates of the
     /// next units queue behind it and their copies run.
-    #[allow(clippy::too_many_arguments)]
-    pub fn pump(
-        &mut self,
-        b: &B,
-        store: &HostStore,
-        worker: &OptimizerWorker,
-        compute: &B::Stream,
-        d2h: &B::Stream,
-        upto: Option<usize>,
-    ) -> Result<Landed> {
+    pub fn pump(&mut self, path: &GradPath<'_, B>, upto: Option<usize>) -> Result<Landed> {
+        let (b, store, worker) = (path.b, path.store, path.worker);
         let mut landed = Landed::default();
         let bound = upto.unwrap_or(usize::MAX);
         let lanes = self.landed.len();
@@ -301,7 +297,7 @@ impl<B: Backend> Grads<B> {
             store.ring().acquire(lane)?;
             landed.waited += started.elapsed();
             let dest = GradAt::Ring(lane);
-            landed.bytes += self.ship(b, store, compute, d2h, lane, job.unit, job.unit, dest)?;
+            landed.bytes += self.ship(path, lane, job.unit, job.unit, dest)?;
             landed.units.push(job.unit);
             let job = AdamJob { grad: dest, ..job };
             self.in_flight[lane] = Some(Landing { unit: job.unit, job: Some(job) });

@@ -41,15 +41,15 @@ use crate::backend::{AllReduce, Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{
-    Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
-    RouterStats,
+    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, HostParams, LayerAt, LayerGrads,
+    LayerScratch, ModelLayout, RouterStats,
 };
 use crate::optim::{AdamW, clip_coef};
 pub use crate::placement::{CAST_CHUNK, CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
 use crate::spec::ModelSpec;
 use crate::step::{Span, StepMetrics, TrainConfig};
 use crate::store::{GradLanding, HostSlab, HostStore};
-use grads::Grads;
+use grads::{GradPath, Grads};
 
 /// Adam's first and second moments, one vector per unit.
 pub type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
@@ -611,8 +611,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
             coef: 1.0,
             grad: GradAt::Unit,
         });
-        let landed =
-            self.grads.end(self.b, &self.store, &self.worker, &self.compute, &self.d2h, u, job)?;
+        let path = GradPath {
+            b: self.b,
+            store: &self.store,
+            worker: &self.worker,
+            compute: &self.compute,
+            d2h: &self.d2h,
+        };
+        let landed = self.grads.end(&path, u, job)?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -624,8 +630,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
             return Ok(());
         }
         let started = Instant::now();
-        let (b, store, worker) = (self.b, &self.store, &self.worker);
-        let landed = self.grads.pump(b, store, worker, &self.compute, &self.d2h, upto)?;
+        let path = GradPath {
+            b: self.b,
+            store: &self.store,
+            worker: &self.worker,
+            compute: &self.compute,
+            d2h: &self.d2h,
+        };
+        let landed = self.grads.pump(&path, upto)?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -1014,17 +1026,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
             let w = HeadWeights { head: head_w, embed: table };
             loss += self.decoder.head_forward(b, &mut self.head, x, w, batch)?;
             let Some((scale, _)) = train else { continue };
-            self.decoder.head_backward(
-                b,
-                &mut self.dx[0][mb],
-                self.grads.acc(head_unit),
-                self.tied_grad.as_mut(),
-                &mut self.head,
-                x,
-                w,
-                batch,
+            let grads = HeadGrads {
                 scale,
-            )?;
+                dx: &mut self.dx[0][mb],
+                head: self.grads.acc(head_unit),
+                embed: self.tied_grad.as_mut(),
+            };
+            self.decoder.head_backward(b, grads, &mut self.head, x, w, batch)?;
         }
         self.release_slot(slot)?;
         self.span(head_unit, "compute", started);
@@ -1111,9 +1119,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         if cur == 0 { (&d0[mb], &mut d1[mb]) } else { (&d1[mb], &mut d0[mb]) };
                     let run = self.decoder.layer_backward(
                         b,
-                        dx_in,
-                        self.grads.acc(l + 1),
-                        dx_out,
+                        LayerGrads { dx_out, dx_in, weights: self.grads.acc(l + 1) },
                         x_in,
                         w,
                         &mut self.scratch,

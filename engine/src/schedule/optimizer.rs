@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use crate::backend::WeightDtype;
 use crate::error::{Error, Result};
 use crate::model::ModelLayout;
-use crate::optim::{AdamPool, AdamW, FusedStep, GradIn, adamw_fused_from, adamw_step, scale};
+use crate::optim::{
+    AdamPool, AdamW, FusedStep, GradIn, TensorStep, adamw_fused_from, adamw_step, scale,
+};
 use crate::store::{HostSlab, HostStore, refresh_stream};
 
 /// Where an update finds its unit's gradients.
@@ -256,10 +258,7 @@ fn unfused(
             &grad[r.clone()],
             &mut m[r.clone()],
             &mut v[r],
-            job.step,
-            job.lr,
-            hp,
-            t.decay,
+            &TensorStep { step: job.step, lr: job.lr, hp: *hp, decay: t.decay },
         )?;
     }
     Ok(())

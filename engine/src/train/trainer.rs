@@ -15,10 +15,10 @@ use crate::backend::{Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{
-    Decoder, DeviceBatch, HeadScratch, HeadWeights, HostParams, LayerAt, LayerScratch, ModelLayout,
-    RouterStats,
+    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, HostParams, LayerAt, LayerGrads,
+    LayerScratch, ModelLayout, RouterStats,
 };
-use crate::optim::{AdamW, adamw_step, clip_grad_norm, sum_of_squares};
+use crate::optim::{AdamW, TensorStep, adamw_step, clip_grad_norm, sum_of_squares};
 use crate::spec::ModelSpec;
 
 /// Training state: master weights and Adam moments on the host, a working copy of every unit
@@ -208,14 +208,16 @@ impl<'b, B: Backend> Trainer<'b, B> {
             let (embed_g, rest_g) = self.grads.split_at_mut(1);
             d.head_backward(
                 b,
-                &mut self.dx[0],
-                &mut rest_g[head - 1],
-                Some(&mut embed_g[0]),
+                HeadGrads {
+                    scale,
+                    dx: &mut self.dx[0],
+                    head: &mut rest_g[head - 1],
+                    embed: Some(&mut embed_g[0]),
+                },
                 &mut self.head,
                 &self.checkpoints[layers],
                 HeadWeights { head: &rest_w[head - 1], embed: &embed_w[0] },
                 &self.batch,
-                scale,
             )?;
         }
         fn complete<B: Backend>(stats: &Option<B::Floats>, weight: f32) -> RouterStats<'_, B> {
@@ -237,9 +239,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
             let [dx_out, dx_in] = &mut self.dx;
             d.layer_backward(
                 b,
-                dx_in,
-                &mut self.grads[l + 1],
-                dx_out,
+                LayerGrads { dx_out, dx_in, weights: &mut self.grads[l + 1] },
                 &self.checkpoints[l],
                 &self.weights[l + 1],
                 &mut self.scratch,
@@ -331,10 +331,7 @@ impl<'b, B: Backend> Trainer<'b, B> {
                 &self.host_grads[u][r.clone()],
                 &mut self.m[u][r.clone()],
                 &mut self.v[u][r],
-                self.step,
-                lr,
-                &hp,
-                t.decay,
+                &TensorStep { step: self.step, lr, hp, decay: t.decay },
             )?;
         }
         for (dev, host) in self.weights.iter_mut().zip(&self.params.units) {

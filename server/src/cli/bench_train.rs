@@ -29,7 +29,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use sluice_engine::backend::Backend;
 use sluice_engine::backend::cpu::Cpu;
-use sluice_engine::backend::cuda::{Cuda, OpClass, OpProfile, OpTime};
+use sluice_engine::backend::cuda::{Cuda, Gap, OpClass, OpProfile, OpTime};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
@@ -447,6 +447,9 @@ fn bench<B: Backend>(
 /// planner's rate, which is what Sluice's kernels measured.
 const IDEAL_ATTENTION_FLOPS: f64 = 450e12;
 
+/// Pairs of consecutive ops the profile lists the stream's idle time between, longest first.
+const PROFILE_GAPS: usize = 10;
+
 /// The mean per step of `profiles` (steps 3..N), per class and op, with the ideal time of the
 /// counted FLOPs and of the step's PCIe bytes at the planner's rates.
 fn profile_table(profiles: &[OpProfile], records: &[Record], plan: &Plan) -> Value {
@@ -468,7 +471,33 @@ fn profile_table(profiles: &[OpProfile], records: &[Record], plan: &Plan) -> Val
             }
         }
     }
-    let merged = OpProfile { ops, window_s: profiles.iter().map(|p| p.window_s).sum() };
+    let mut gaps: Vec<Gap> = Vec::new();
+    for g in profiles.iter().flat_map(|p| &p.gaps) {
+        match gaps.iter_mut().find(|x| x.after == g.after && x.before == g.before) {
+            Some(x) => {
+                x.count += g.count;
+                x.seconds += g.seconds;
+                x.longest = x.longest.max(g.longest);
+            }
+            None => gaps.push(g.clone()),
+        }
+    }
+    gaps.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    let gaps: Vec<Value> = gaps
+        .iter()
+        .take(PROFILE_GAPS)
+        .map(|g| {
+            json!({
+                "after": g.after,
+                "before": g.before,
+                "count": g.count as f64 / n,
+                "seconds": g.seconds / n,
+                "longest_s": g.longest,
+            })
+        })
+        .collect();
+    let merged =
+        OpProfile { ops, window_s: profiles.iter().map(|p| p.window_s).sum(), gaps: vec![] };
     let classes: Vec<Value> = merged
         .classes()
         .into_iter()
@@ -511,6 +540,7 @@ fn profile_table(profiles: &[OpProfile], records: &[Record], plan: &Plan) -> Val
         "predicted_step_s": plan.time.total_s,
         "h2d_ideal_s": mean(|r| r.h2d_bytes as f64) / rates.pcie_h2d,
         "d2h_ideal_s": mean(|r| r.d2h_bytes as f64) / rates.pcie_d2h,
+        "gaps": gaps,
         "gemm_rate": rates.gemm_flops,
         "attention_rate": IDEAL_ATTENTION_FLOPS,
         "pcie_rate": rates.pcie_h2d,
@@ -565,6 +595,17 @@ fn print_profile(t: &Value) {
         f(&t["h2d_ideal_s"]),
         f(&t["d2h_ideal_s"]),
     );
+    println!("  longest idle time between ops, per step:");
+    for g in t["gaps"].as_array().into_iter().flatten() {
+        println!(
+            "    {:>7.3} s in {:>5.0} gaps (longest {:.2} ms) after {} before {}",
+            f(&g["seconds"]),
+            f(&g["count"]),
+            f(&g["longest_s"]) * 1e3,
+            g["after"].as_str().unwrap_or("?"),
+            g["before"].as_str().unwrap_or("?"),
+        );
+    }
 }
 
 /// Gigabytes per second of `bytes` moved in `busy` (0 when nothing moved).

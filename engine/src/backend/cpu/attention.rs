@@ -22,7 +22,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::check;
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionOut, AttentionShape};
 use crate::error::Result;
 
 /// Where each head of a token lives inside the fused `qkv` rows, and which tokens see which.
@@ -108,15 +108,16 @@ pub(super) fn capped(s: f32, cap: Option<f32>) -> (f32, f32) {
     }
 }
 
-/// out `[T, nq hd]`, lse `[T, nq]`, qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
+/// att.out `[T, nq hd]`, att.lse `[T, nq]`, qkv `[T, Dqkv]` (after RoPE), cu_seqlens
+/// `[docs + 1]`.
 pub fn attention_forward(
-    out: &mut [f32],
-    lse: &mut [f32],
+    att: AttentionOut<&mut [f32]>,
     qkv: &[f32],
     cu_seqlens: &[i32],
     shape: &AttentionShape,
 ) -> Result<()> {
     const OP: &str = "attention_forward";
+    let AttentionOut { out, lse } = att;
     let at = Layout::new(OP, qkv, cu_seqlens, shape)?;
     let (hd, nq) = (at.hd, at.nq);
     check::len(OP, "out", out.len(), &[shape.tokens, nq, hd])?;
@@ -151,19 +152,18 @@ pub fn attention_forward(
     Ok(())
 }
 
-/// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv `[T, Dqkv]`, out `[T, nq hd]`,
-/// lse `[T, nq]` (the last three from the forward), cu_seqlens `[docs + 1]`.
-#[allow(clippy::too_many_arguments)]
+/// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv `[T, Dqkv]`, att.out `[T, nq hd]`,
+/// att.lse `[T, nq]` (the last three from the forward), cu_seqlens `[docs + 1]`.
 pub fn attention_backward(
     dqkv: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
+    att: AttentionOut<&[f32]>,
     cu_seqlens: &[i32],
     shape: &AttentionShape,
 ) -> Result<()> {
     const OP: &str = "attention_backward";
+    let AttentionOut { out, lse } = att;
     let at = Layout::new(OP, qkv, cu_seqlens, shape)?;
     let (hd, nq, nkv, t) = (at.hd, at.nq, at.nkv, shape.tokens);
     check::len(OP, "dqkv", dqkv.len(), &[t, at.width])?;
@@ -224,14 +224,14 @@ pub(super) fn sink(lse: f32, sink: f32) -> (f32, f32) {
 
 /// GPT-OSS's attention sinks applied to a finished attention (`eager_attention_forward` in
 /// modeling_gpt_oss.py appends `sinks[h]` to every row of scores, softmaxes, and drops it).
-/// out `[T, nq hd]` and lse `[T, nq]` in place, sinks `[nq]`.
+/// att.out `[T, nq hd]` and att.lse `[T, nq]` in place, sinks `[nq]`.
 pub fn attention_sinks_forward(
-    out: &mut [f32],
-    lse: &mut [f32],
+    att: AttentionOut<&mut [f32]>,
     sinks: &[f32],
     shape: &AttentionShape,
 ) -> Result<()> {
     const OP: &str = "attention_sinks_forward";
+    let AttentionOut { out, lse } = att;
     let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
     check::len(OP, "out", out.len(), &[t, nq, hd])?;
     check::len(OP, "lse", lse.len(), &[t, nq])?;
@@ -249,17 +249,17 @@ pub fn attention_sinks_forward(
     Ok(())
 }
 
-/// dsinks `[nq]` (accumulates; summed over tokens in order, in f64), dout and out
-/// `[T, nq hd]`, lse `[T, nq]` (after the sinks), sinks `[nq]`.
+/// dsinks `[nq]` (accumulates; summed over tokens in order, in f64), dout and att.out
+/// `[T, nq hd]`, att.lse `[T, nq]` (after the sinks), sinks `[nq]`.
 pub fn attention_sinks_backward(
     dsinks: &mut [f32],
     dout: &[f32],
-    out: &[f32],
-    lse: &[f32],
+    att: AttentionOut<&[f32]>,
     sinks: &[f32],
     shape: &AttentionShape,
 ) -> Result<()> {
     const OP: &str = "attention_sinks_backward";
+    let AttentionOut { out, lse } = att;
     let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
     check::len(OP, "dsinks", dsinks.len(), &[nq])?;
     check::len(OP, "dout", dout.len(), &[t, nq, hd])?;
@@ -361,7 +361,7 @@ mod tests {
     fn forward(qkv: &[f32], cu: &[i32], shape: &AttentionShape) -> Result<(Vec<f32>, Vec<f32>)> {
         let mut out = vec![f32::NAN; shape.tokens * shape.q_heads * shape.head_dim];
         let mut lse = vec![f32::NAN; shape.tokens * shape.q_heads];
-        attention_forward(&mut out, &mut lse, qkv, cu, shape)?;
+        attention_forward(AttentionOut { out: &mut out, lse: &mut lse }, qkv, cu, shape)?;
         Ok((out, lse))
     }
 
@@ -398,7 +398,14 @@ mod tests {
             let r64 = to_f64(&r);
             let (out, lse) = forward(&qkv, cu, shape)?;
             let mut dqkv = vec![f32::NAN; qkv.len()];
-            attention_backward(&mut dqkv, &r, &qkv, &out, &lse, cu, shape)?;
+            attention_backward(
+                &mut dqkv,
+                &r,
+                &qkv,
+                AttentionOut { out: &out, lse: &lse },
+                cu,
+                shape,
+            )?;
             let want = numeric_grad(&to_f64(&qkv), |x| {
                 attention64(x, cu, shape).0.iter().zip(&r64).map(|(o, r)| o * r).sum()
             });
@@ -416,7 +423,7 @@ mod tests {
             let qkv = inputs(150 + n as u64, shape);
             let sinks: Vec<f32> = (0..shape.q_heads).map(|h| 0.8 * h as f32 - 1.2).collect();
             let (mut out, mut lse) = forward(&qkv, cu, shape)?;
-            attention_sinks_forward(&mut out, &mut lse, &sinks, shape)?;
+            attention_sinks_forward(AttentionOut { out: &mut out, lse: &mut lse }, &sinks, shape)?;
             let (q64, s64) = (to_f64(&qkv), to_f64(&sinks));
             let (want_out, want_lse) = attention64_sinks(&q64, cu, shape, Some(&s64));
             assert_close(&format!("sinked out, case {n}"), &out, &want_out, TOL);
@@ -429,11 +436,19 @@ mod tests {
                 o.iter().zip(&r64).map(|(o, r)| o * r).sum()
             };
             let mut dqkv = vec![f32::NAN; qkv.len()];
-            attention_backward(&mut dqkv, &r, &qkv, &out, &lse, cu, shape)?;
+            attention_backward(
+                &mut dqkv,
+                &r,
+                &qkv,
+                AttentionOut { out: &out, lse: &lse },
+                cu,
+                shape,
+            )?;
             let want = numeric_grad(&q64, |x| loss(x, &s64));
             assert_close(&format!("sinked dqkv, case {n}"), &dqkv, &want, TOL);
             let mut dsinks = vec![0.5f32; shape.q_heads];
-            attention_sinks_backward(&mut dsinks, &r, &out, &lse, &sinks, shape)?;
+            let att = AttentionOut { out: &out[..], lse: &lse[..] };
+            attention_sinks_backward(&mut dsinks, &r, att, &sinks, shape)?;
             let want: Vec<f64> =
                 numeric_grad(&s64, |s| loss(&q64, s)).iter().map(|g| g + 0.5).collect();
             assert_close(&format!("dsinks (accumulated onto 0.5), case {n}"), &dsinks, &want, TOL);
@@ -490,17 +505,16 @@ mod tests {
             (&[0, 3], "`cu_seqlens` has 2 elements"),
         ];
         for (cu, why) in bad {
-            let e = attention_forward(&mut out, &mut lse, &qkv, cu, &SHAPE)
-                .expect_err("must be rejected")
-                .to_string();
+            let att = AttentionOut { out: &mut out[..], lse: &mut lse[..] };
+            let e =
+                attention_forward(att, &qkv, cu, &SHAPE).expect_err("must be rejected").to_string();
             assert!(e.contains("attention_forward") && e.contains(why), "{cu:?}: {e}");
         }
-        let e = attention_forward(&mut out, &mut lse, &qkv, &[0, 3, 9], &SHAPE)
-            .expect_err("must be rejected");
+        let att = AttentionOut { out: &mut out[..], lse: &mut lse[..] };
+        let e = attention_forward(att, &qkv, &[0, 3, 9], &SHAPE).expect_err("must be rejected");
         assert!(e.to_string().contains("exceeds the token count"), "{e}");
         let e = attention_forward(
-            &mut out,
-            &mut lse,
+            AttentionOut { out: &mut out, lse: &mut lse },
             &qkv,
             &CU,
             &AttentionShape { window: Some(0), ..SHAPE },
@@ -508,17 +522,16 @@ mod tests {
         .expect_err("must be rejected");
         assert!(e.to_string().contains("window"), "{e}");
         let e = attention_forward(
-            &mut out,
-            &mut lse,
+            AttentionOut { out: &mut out, lse: &mut lse },
             &qkv,
             &CU,
             &AttentionShape { q_heads: 3, ..SHAPE },
         )
         .expect_err("must be rejected");
         assert!(e.to_string().contains("not a multiple"), "{e}");
-        let e =
-            attention_backward(&mut vec![0.0; qkv.len()], &out, &qkv, &out, &lse[1..], &CU, &SHAPE)
-                .expect_err("must be rejected");
+        let att = AttentionOut { out: &out[..], lse: &lse[1..] };
+        let e = attention_backward(&mut vec![0.0; qkv.len()], &out, &qkv, att, &CU, &SHAPE)
+            .expect_err("must be rejected");
         assert!(
             e.to_string().contains("attention_backward") && e.to_string().contains("`lse`"),
             "{e}"

@@ -79,9 +79,9 @@ pub fn attention_decode(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::AttentionShape;
     use crate::backend::cpu::testutil::{rng, uniform};
     use crate::backend::cpu::{attention_forward, attention_sinks_forward};
+    use crate::backend::{AttentionOut, AttentionShape};
     use crate::error::Result;
 
     /// One sequence of `shape.tokens` tokens: (q rows, key cache, value cache) cut out of fused
@@ -139,9 +139,18 @@ mod tests {
             let t = shape.tokens as i32;
             let mut want = vec![f32::NAN; shape.tokens * shape.q_heads * shape.head_dim];
             let mut lse = vec![0.0; shape.tokens * shape.q_heads];
-            attention_forward(&mut want, &mut lse, &qkv, &[0, t], &shape)?;
+            attention_forward(
+                AttentionOut { out: &mut want, lse: &mut lse },
+                &qkv,
+                &[0, t],
+                &shape,
+            )?;
             if let Some(sinks) = sinks {
-                attention_sinks_forward(&mut want, &mut lse, sinks, &shape)?;
+                attention_sinks_forward(
+                    AttentionOut { out: &mut want, lse: &mut lse },
+                    sinks,
+                    &shape,
+                )?;
             }
 
             let (q, k, v) = split(&qkv, &shape);

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::check;
 use super::matmul::{linear, linear_dinp, linear_dw};
-use crate::backend::{IGNORE, softcap as capped};
+use crate::backend::{Grads, IGNORE, LossShape, Operands, softcap as capped};
 use crate::error::Result;
 
 /// Tokens whose logits are materialised together: enough rows for the GEMMs to run at full speed
@@ -29,16 +29,14 @@ fn log_sum_exp(z: &[f32]) -> f32 {
 }
 
 /// Checks the shared arguments and returns the targets prefix actually used.
-#[allow(clippy::too_many_arguments)]
 fn check_args<'a>(
     op: &str,
-    x: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     targets: &'a [i32],
-    tokens: usize,
-    hidden: usize,
-    vocab: usize,
+    shape: &LossShape,
 ) -> Result<&'a [i32]> {
+    let Operands { inp: x, w } = operands;
+    let &LossShape { tokens, hidden, vocab, .. } = shape;
     check::nonzero(op, "hidden", hidden)?;
     check::nonzero(op, "vocab", vocab)?;
     check::len(op, "x", x.len(), &[tokens, hidden])?;
@@ -48,21 +46,19 @@ fn check_args<'a>(
     Ok(targets)
 }
 
-/// losses `[T]` (0 where the target is IGNORE), lse `[T]`, x `[T, H]`, w `[V, H]`, targets `[T]`.
-#[allow(clippy::too_many_arguments)]
+/// losses `[T]` (0 where the target is IGNORE), lse `[T]`, x = `operands.inp` `[T, H]`,
+/// w `[V, H]`, targets `[T]`.
 pub fn cross_entropy_forward(
     losses: &mut [f32],
     lse: &mut [f32],
-    x: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     targets: &[i32],
-    tokens: usize,
-    hidden: usize,
-    vocab: usize,
-    softcap: Option<f32>,
+    shape: &LossShape,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward";
-    let targets = check_args(OP, x, w, targets, tokens, hidden, vocab)?;
+    let targets = check_args(OP, operands, targets, shape)?;
+    let Operands { inp: x, w } = operands;
+    let &LossShape { tokens, hidden, vocab, softcap } = shape;
     check::len(OP, "losses", losses.len(), &[tokens])?;
     check::len(OP, "lse", lse.len(), &[tokens])?;
     let mut logits = vec![0.0f32; CHUNK_TOKENS.min(tokens) * vocab];
@@ -89,24 +85,22 @@ pub fn cross_entropy_forward(
     Ok(())
 }
 
-/// Gradient of `scale · Σ_t losses[t]`: dx `[T, H]` (overwrites), dw `[V, H]` (accumulates),
-/// x `[T, H]`, w `[V, H]`, lse `[T]` (from the forward), targets `[T]`.
-#[allow(clippy::too_many_arguments)]
+/// Gradient of `scale · Σ_t losses[t]`: dx = `grads.dinp` `[T, H]` (overwrites), dw `[V, H]`
+/// (accumulates), x = `operands.inp` `[T, H]`, w `[V, H]`, lse `[T]` (from the forward),
+/// targets `[T]`.
 pub fn cross_entropy_backward(
-    dx: &mut [f32],
-    dw: &mut [f32],
-    x: &[f32],
-    w: &[f32],
+    grads: Grads<&mut [f32]>,
+    operands: Operands<&[f32]>,
     lse: &[f32],
     targets: &[i32],
     scale: f32,
-    tokens: usize,
-    hidden: usize,
-    vocab: usize,
-    softcap: Option<f32>,
+    shape: &LossShape,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    let targets = check_args(OP, x, w, targets, tokens, hidden, vocab)?;
+    let targets = check_args(OP, operands, targets, shape)?;
+    let Grads { dinp: dx, dw } = grads;
+    let Operands { inp: x, w } = operands;
+    let &LossShape { tokens, hidden, vocab, softcap } = shape;
     check::len(OP, "dx", dx.len(), &[tokens, hidden])?;
     check::len(OP, "dw", dw.len(), &[vocab, hidden])?;
     check::len(OP, "lse", lse.len(), &[tokens])?;
@@ -165,6 +159,10 @@ mod tests {
     const HIDDEN: usize = 5;
     const VOCAB: usize = 37;
 
+    fn shape(softcap: Option<f32>) -> LossShape {
+        LossShape { tokens: TOKENS, hidden: HIDDEN, vocab: VOCAB, softcap }
+    }
+
     fn targets() -> Vec<i32> {
         let mut rng = rng(90);
         (0..TOKENS)
@@ -222,7 +220,8 @@ mod tests {
     fn forward_case(cap: Option<f32>) -> Result<()> {
         let ((x, w), targets) = (inputs(), targets());
         let (mut losses, mut lse) = (vec![f32::NAN; TOKENS], vec![f32::NAN; TOKENS]);
-        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB, cap)?;
+        let operands = Operands { inp: &x[..], w: &w[..] };
+        cross_entropy_forward(&mut losses, &mut lse, operands, &targets, &shape(cap))?;
         let (want_losses, want_lse) = cross_entropy64(&to_f64(&x), &to_f64(&w), &targets, cap);
         assert_close(&format!("cross-entropy losses, cap {cap:?}"), &losses, &want_losses, TOL);
         assert_close(&format!("cross-entropy lse, cap {cap:?}"), &lse, &want_lse, TOL);
@@ -243,12 +242,12 @@ mod tests {
         let trained = targets.iter().filter(|&&y| y != IGNORE).count();
         let scale = 1.0 / trained as f32;
         let (mut losses, mut lse) = (vec![0.0; TOKENS], vec![0.0; TOKENS]);
-        cross_entropy_forward(&mut losses, &mut lse, &x, &w, &targets, TOKENS, HIDDEN, VOCAB, cap)?;
+        let operands = Operands { inp: &x[..], w: &w[..] };
+        cross_entropy_forward(&mut losses, &mut lse, operands, &targets, &shape(cap))?;
         let dw0 = uniform(&mut rng(92), VOCAB * HIDDEN);
         let (mut dx, mut dw) = (vec![f32::NAN; TOKENS * HIDDEN], dw0.clone());
-        cross_entropy_backward(
-            &mut dx, &mut dw, &x, &w, &lse, &targets, scale, TOKENS, HIDDEN, VOCAB, cap,
-        )?;
+        let grads = Grads { dinp: &mut dx[..], dw: &mut dw[..] };
+        cross_entropy_backward(grads, operands, &lse, &targets, scale, &shape(cap))?;
 
         let (x64, w64) = (to_f64(&x), to_f64(&w));
         let loss = |x: &[f64], w: &[f64]| {
@@ -275,13 +274,9 @@ mod tests {
             let e = cross_entropy_forward(
                 &mut losses,
                 &mut lse,
-                &x,
-                &w,
+                Operands { inp: &x, w: &w },
                 &[0, bad],
-                2,
-                HIDDEN,
-                VOCAB,
-                None,
+                &LossShape { tokens: 2, ..shape(None) },
             )
             .expect_err("must be rejected");
             assert!(
@@ -293,17 +288,12 @@ mod tests {
         let mut dx = vec![0.0; 2 * HIDDEN];
         let mut dw = vec![0.0; VOCAB * HIDDEN - 1];
         let e = cross_entropy_backward(
-            &mut dx,
-            &mut dw,
-            &x,
-            &w,
+            Grads { dinp: &mut dx, dw: &mut dw },
+            Operands { inp: &x, w: &w },
             &lse,
             &[0, 1],
             1.0,
-            2,
-            HIDDEN,
-            VOCAB,
-            None,
+            &LossShape { tokens: 2, ..shape(None) },
         )
         .expect_err("must be rejected");
         assert!(

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::check::{self, err};
 use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
+use crate::backend::{Grads, MatmulShape, Operands};
 use crate::error::Result;
 
 /// Fewest rows worth a task of their own: below this, packing the right operand again for
@@ -249,13 +250,12 @@ pub(crate) fn linear_kn_dw(
 /// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
 pub fn matmul_forward(
     out: &mut [f32],
-    inp: &[f32],
-    w: &[f32],
-    rows: usize,
-    k: usize,
-    n: usize,
+    operands: Operands<&[f32]>,
+    shape: &MatmulShape,
 ) -> Result<()> {
     const OP: &str = "matmul_forward";
+    let Operands { inp, w } = operands;
+    let &MatmulShape { rows, k, n } = shape;
     check::len(OP, "out", out.len(), &[rows, n])?;
     check::len(OP, "inp", inp.len(), &[rows, k])?;
     check::len(OP, "w", w.len(), &[n, k])?;
@@ -264,18 +264,16 @@ pub fn matmul_forward(
 
 /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
 /// dinp `[rows, k]`, dw `[n, k]`, dout `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
-    dinp: &mut [f32],
-    dw: &mut [f32],
+    grads: Grads<&mut [f32]>,
     dout: &[f32],
-    inp: &[f32],
-    w: &[f32],
-    rows: usize,
-    k: usize,
-    n: usize,
+    operands: Operands<&[f32]>,
+    shape: &MatmulShape,
 ) -> Result<()> {
     const OP: &str = "matmul_backward";
+    let Grads { dinp, dw } = grads;
+    let Operands { inp, w } = operands;
+    let &MatmulShape { rows, k, n } = shape;
     check::len(OP, "dinp", dinp.len(), &[rows, k])?;
     check::len(OP, "dw", dw.len(), &[n, k])?;
     check::len(OP, "dout", dout.len(), &[rows, n])?;
@@ -344,13 +342,14 @@ mod tests {
     const ROWS: usize = 37;
     const K: usize = 13;
     const N: usize = 11;
+    const SHAPE: MatmulShape = MatmulShape { rows: ROWS, k: K, n: N };
 
     #[test]
     fn forward_matches_twin() -> Result<()> {
         let mut rng = rng(1);
         let (inp, w) = (uniform(&mut rng, ROWS * K), uniform(&mut rng, N * K));
         let mut out = vec![f32::NAN; ROWS * N];
-        matmul_forward(&mut out, &inp, &w, ROWS, K, N)?;
+        matmul_forward(&mut out, Operands { inp: &inp, w: &w }, &SHAPE)?;
         assert_close(
             "matmul forward",
             &out,
@@ -369,7 +368,8 @@ mod tests {
         let (inp64, w64, r64) = (to_f64(&inp), to_f64(&w), to_f64(&r));
         let mut dinp = vec![f32::NAN; ROWS * K];
         let mut dw = dw0.clone();
-        matmul_backward(&mut dinp, &mut dw, &r, &inp, &w, ROWS, K, N)?;
+        let grads = Grads { dinp: &mut dinp[..], dw: &mut dw[..] };
+        matmul_backward(grads, &r, Operands { inp: &inp, w: &w }, &SHAPE)?;
 
         let want_dinp = numeric_grad(&inp64, |x| dot(&linear64(x, &w64, ROWS, K, N), &r64));
         let grad_w = numeric_grad(&w64, |w| dot(&linear64(&inp64, w, ROWS, K, N), &r64));
@@ -401,7 +401,11 @@ mod tests {
     #[test]
     fn empty_inner_dimension_gives_zeros() -> Result<()> {
         let mut out = vec![f32::NAN; 6];
-        matmul_forward(&mut out, &[], &[], 2, 0, 3)?;
+        matmul_forward(
+            &mut out,
+            Operands { inp: &[], w: &[] },
+            &MatmulShape { rows: 2, k: 0, n: 3 },
+        )?;
         assert_eq!(out, vec![0.0; 6]);
         Ok(())
     }
@@ -436,7 +440,8 @@ mod tests {
     #[test]
     fn wrong_length_names_the_op_and_the_tensor() -> Result<()> {
         let mut out = vec![0.0; ROWS * N];
-        let e = matmul_forward(&mut out, &vec![0.0; ROWS * K], &vec![0.0; N * K - 1], ROWS, K, N)
+        let (inp, w) = (vec![0.0; ROWS * K], vec![0.0; N * K - 1]);
+        let e = matmul_forward(&mut out, Operands { inp: &inp, w: &w }, &SHAPE)
             .expect_err("must be rejected");
         let msg = e.to_string();
         assert!(
@@ -444,7 +449,8 @@ mod tests {
             "{msg}"
         );
         let mut dw = vec![0.0; N * K];
-        let e = matmul_backward(&mut out, &mut dw, &[], &[], &[], ROWS, K, N)
+        let grads = Grads { dinp: &mut out[..], dw: &mut dw[..] };
+        let e = matmul_backward(grads, &[], Operands { inp: &[], w: &[] }, &SHAPE)
             .expect_err("must be rejected");
         assert!(e.to_string().contains("matmul_backward"), "{e}");
         let e = bias_backward(&mut [0.0; 3], &[0.0; 7], 2, 3).expect_err("must be rejected");

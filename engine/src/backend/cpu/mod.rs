@@ -44,7 +44,8 @@ pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rm
 pub use rope::{rope_backward, rope_forward};
 
 use super::{
-    AttentionShape, Backend, DecodeShape, FloatKind, GluAct, GroupedShape, MoeShape, WeightDtype,
+    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
+    LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -254,27 +255,20 @@ impl Backend for Cpu {
     fn matmul_forward(
         &self,
         out: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<&[f32]>,
+        shape: &MatmulShape,
     ) -> Result<()> {
-        matmul_forward(out, inp, w, rows, k, n)
+        matmul_forward(out, operands, shape)
     }
 
     fn matmul_backward(
         &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
+        grads: Grads<&mut [f32]>,
         dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<&[f32]>,
+        shape: &MatmulShape,
     ) -> Result<()> {
-        matmul_backward(dinp, dw, dout, inp, w, rows, k, n)
+        matmul_backward(grads, dout, operands, shape)
     }
 
     fn bias_forward(&self, out: &mut [f32], bias: &[f32], rows: usize, n: usize) -> Result<()> {
@@ -289,52 +283,43 @@ impl Backend for Cpu {
         &self,
         out: &mut [f32],
         rstd: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        operands: Operands<&[f32]>,
+        shape: &NormShape,
     ) -> Result<()> {
-        rmsnorm_forward(out, rstd, inp, w, rows, dim, eps)
+        rmsnorm_forward(out, rstd, operands, shape)
     }
 
     fn rmsnorm_backward(
         &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
+        grads: Grads<&mut [f32]>,
         dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         rstd: &[f32],
-        rows: usize,
-        dim: usize,
+        shape: &NormShape,
     ) -> Result<()> {
-        rmsnorm_backward(dinp, dw, dout, inp, w, rstd, rows, dim)
+        rmsnorm_backward(grads, dout, operands, rstd, shape)
     }
 
     fn head_rmsnorm_forward(
         &self,
         out: &mut [f32],
         rstd: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()> {
-        head_rmsnorm_forward(out, rstd, inp, w, shape, eps)
+        head_rmsnorm_forward(out, rstd, operands, shape, eps)
     }
 
     fn head_rmsnorm_backward(
         &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
+        grads: Grads<&mut [f32]>,
         dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         rstd: &[f32],
         shape: &AttentionShape,
     ) -> Result<()> {
-        head_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, shape)
+        head_rmsnorm_backward(grads, dout, operands, rstd, shape)
     }
 
     fn rope_forward(
@@ -361,13 +346,12 @@ impl Backend for Cpu {
 
     fn attention_forward(
         &self,
-        out: &mut [f32],
-        lse: &mut [f32],
+        att: AttentionOut<&mut [f32]>,
         qkv: &[f32],
         cu_seqlens: &Vec<i32>,
         shape: &AttentionShape,
     ) -> Result<()> {
-        attention_forward(out, lse, qkv, cu_seqlens, shape)
+        attention_forward(att, qkv, cu_seqlens, shape)
     }
 
     fn attention_backward(
@@ -375,12 +359,11 @@ impl Backend for Cpu {
         dqkv: &mut [f32],
         dout: &[f32],
         qkv: &[f32],
-        out: &[f32],
-        lse: &[f32],
+        att: AttentionOut<&[f32]>,
         cu_seqlens: &Vec<i32>,
         shape: &AttentionShape,
     ) -> Result<()> {
-        attention_backward(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+        attention_backward(dqkv, dout, qkv, att, cu_seqlens, shape)
     }
 
     fn attention_decode(
@@ -397,24 +380,22 @@ impl Backend for Cpu {
 
     fn attention_sinks_forward(
         &self,
-        out: &mut [f32],
-        lse: &mut [f32],
+        att: AttentionOut<&mut [f32]>,
         sinks: &[f32],
         shape: &AttentionShape,
     ) -> Result<()> {
-        attention_sinks_forward(out, lse, sinks, shape)
+        attention_sinks_forward(att, sinks, shape)
     }
 
     fn attention_sinks_backward(
         &self,
         dsinks: &mut [f32],
         dout: &[f32],
-        out: &[f32],
-        lse: &[f32],
+        att: AttentionOut<&[f32]>,
         sinks: &[f32],
         shape: &AttentionShape,
     ) -> Result<()> {
-        attention_sinks_backward(dsinks, dout, out, lse, sinks, shape)
+        attention_sinks_backward(dsinks, dout, att, sinks, shape)
     }
 
     fn moe_route(
@@ -432,13 +413,13 @@ impl Backend for Cpu {
         &self,
         dlogits: &mut [f32],
         dweights: &[f32],
-        weights: &[f32],
-        probs: &[f32],
-        experts: &Vec<i32>,
+        routing: Routing<&[f32], &Vec<i32>>,
         aux: Option<(&[f32], f32)>,
         shape: &MoeShape,
     ) -> Result<()> {
-        moe_route_backward(dlogits, dweights, weights, probs, experts, aux, shape)
+        let Routing { weights, probs, experts } = routing;
+        let routing = Routing { weights, probs, experts: experts.as_slice() };
+        moe_route_backward(dlogits, dweights, routing, aux, shape)
     }
 
     fn moe_router_stats(
@@ -494,15 +475,14 @@ impl Backend for Cpu {
 
     fn moe_combine_backward(
         &self,
-        dy: &mut [f32],
-        dweights: &mut [f32],
+        grads: Grads<&mut [f32]>,
         dout: &[f32],
         y: &[f32],
         weights: &[f32],
         rows: &Vec<i32>,
         shape: &MoeShape,
     ) -> Result<()> {
-        moe_combine_backward(dy, dweights, dout, y, weights, rows, shape)
+        moe_combine_backward(grads, dout, y, weights, rows, shape)
     }
 
     fn sigmoid_gate_forward(
@@ -510,10 +490,9 @@ impl Backend for Cpu {
         out: &mut [f32],
         y: &[f32],
         logits: &[f32],
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
-        sigmoid_gate_forward(out, y, logits, rows, n)
+        sigmoid_gate_forward(out, y, logits, shape)
     }
 
     fn sigmoid_gate_backward(
@@ -523,33 +502,29 @@ impl Backend for Cpu {
         dout: &[f32],
         y: &[f32],
         logits: &[f32],
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
-        sigmoid_gate_backward(dy, dlogits, dout, y, logits, rows, n)
+        sigmoid_gate_backward(dy, dlogits, dout, y, logits, shape)
     }
 
     fn grouped_matmul_forward(
         &self,
         out: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         bias: Option<&[f32]>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
-        grouped_matmul_forward(out, inp, w, bias, g)
+        grouped_matmul_forward(out, operands, bias, g)
     }
 
     fn grouped_matmul_backward(
         &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
+        grads: Grads<&mut [f32]>,
         dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
-        grouped_matmul_backward(dinp, dw, dout, inp, w, g)
+        grouped_matmul_backward(grads, dout, operands, g)
     }
 
     fn grouped_bias_backward(
@@ -588,32 +563,23 @@ impl Backend for Cpu {
         &self,
         losses: &mut [f32],
         lse: &mut [f32],
-        x: &[f32],
-        w: &[f32],
+        operands: Operands<&[f32]>,
         targets: &Vec<i32>,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
-        cross_entropy_forward(losses, lse, x, w, targets, tokens, hidden, vocab, softcap)
+        cross_entropy_forward(losses, lse, operands, targets, shape)
     }
 
     fn cross_entropy_backward(
         &self,
-        dx: &mut [f32],
-        dw: &mut [f32],
-        x: &[f32],
-        w: &[f32],
+        grads: Grads<&mut [f32]>,
+        operands: Operands<&[f32]>,
         lse: &[f32],
         targets: &Vec<i32>,
         scale: f32,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
-        cross_entropy_backward(dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab, softcap)
+        cross_entropy_backward(grads, operands, lse, targets, scale, shape)
     }
 }
 
@@ -657,18 +623,17 @@ mod tests {
         let run = || -> Result<_> {
             let (mut dinp, mut dw, mut dbias) =
                 (vec![0.0; rows * k], vec![0.0; n * k], vec![0.0; n]);
-            matmul_backward(&mut dinp, &mut dw, &dout, &inp, &w, rows, k, n)?;
+            let grads = Grads { dinp: &mut dinp[..], dw: &mut dw[..] };
+            let shape = MatmulShape { rows, k, n };
+            matmul_backward(grads, &dout, Operands { inp: &inp, w: &w }, &shape)?;
             bias_backward(&mut dbias, &dout, rows, n)?;
             let (mut dnorm, mut dnw) = (vec![0.0; rows * n], vec![0.0; n]);
             rmsnorm_backward(
-                &mut dnorm,
-                &mut dnw,
+                Grads { dinp: &mut dnorm, dw: &mut dnw },
                 &dout,
-                &dout,
-                &dbias,
+                Operands { inp: &dout, w: &dbias },
                 &vec![0.5; rows],
-                rows,
-                n,
+                &NormShape { rows, dim: n, eps: 1e-6 },
             )?;
             Ok((dinp, dw, dbias, dnorm, dnw, sum_squares(&dout)?))
         };

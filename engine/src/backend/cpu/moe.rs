@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use super::check::{self, err};
 use super::matmul::{linear, linear_dinp, linear_dw, linear_kn, linear_kn_dinp, linear_kn_dw};
-use crate::backend::{ExpertLayout, GroupedShape, MoeShape, RouterKind};
+use crate::backend::{ExpertLayout, Grads, GroupedShape, MoeShape, Operands, RouterKind, Routing};
 use crate::error::Result;
 
 fn check_shape(op: &str, shape: &MoeShape) -> Result<()> {
@@ -107,19 +107,17 @@ fn chosen_ids(op: &str, ids: &[i32], experts: usize) -> Result<()> {
     }
 }
 
-/// dlogits `[T, E]` (overwrites), dweights and weights `[T, k]`, probs `[T, E]`, experts
-/// `[T, k]`, aux: counts `[E]` and the loss gradient's scale.
-#[allow(clippy::too_many_arguments)]
+/// dlogits `[T, E]` (overwrites), dweights and routing.weights `[T, k]`, routing.probs
+/// `[T, E]`, routing.experts `[T, k]`, aux: counts `[E]` and the loss gradient's scale.
 pub fn moe_route_backward(
     dlogits: &mut [f32],
     dweights: &[f32],
-    weights: &[f32],
-    probs: &[f32],
-    experts: &[i32],
+    routing: Routing<&[f32], &[i32]>,
     aux: Option<(&[f32], f32)>,
     shape: &MoeShape,
 ) -> Result<()> {
     const OP: &str = "moe_route_backward";
+    let Routing { weights, probs, experts } = routing;
     check_shape(OP, shape)?;
     let (t, e, k) = (shape.tokens, shape.experts, shape.top_k);
     check::len(OP, "dlogits", dlogits.len(), &[t, e])?;
@@ -320,12 +318,10 @@ pub fn moe_combine(
     Ok(())
 }
 
-/// dy `[T k, H]` and dweights `[T, k]` (overwrite), dout `[T, H]`, y `[T k, H]`, weights
-/// `[T, k]`, rows `[T k]`.
-#[allow(clippy::too_many_arguments)]
+/// dy = `grads.dinp` `[T k, H]` and dweights = `grads.dw` `[T, k]` (overwrite), dout `[T, H]`,
+/// y `[T k, H]`, weights `[T, k]`, rows `[T k]`.
 pub fn moe_combine_backward(
-    dy: &mut [f32],
-    dweights: &mut [f32],
+    grads: Grads<&mut [f32]>,
     dout: &[f32],
     y: &[f32],
     weights: &[f32],
@@ -333,6 +329,7 @@ pub fn moe_combine_backward(
     shape: &MoeShape,
 ) -> Result<()> {
     const OP: &str = "moe_combine_backward";
+    let Grads { dinp: dy, dw: dweights } = grads;
     check_shape(OP, shape)?;
     let (t, h, k, pairs) = (shape.tokens, shape.hidden, shape.top_k, shape.rows());
     check::len(OP, "dy", dy.len(), &[pairs, h])?;
@@ -370,15 +367,16 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// out `[rows, n]` (accumulates `sigmoid(logits[t]) · y[t]`), y `[rows, n]`, logits `[rows]`.
+/// out `[T, H]` (accumulates `sigmoid(logits[t]) · y[t]`), y `[T, H]`, logits `[T]`; of the
+/// shape only `tokens` and `hidden` are read.
 pub fn sigmoid_gate_forward(
     out: &mut [f32],
     y: &[f32],
     logits: &[f32],
-    rows: usize,
-    n: usize,
+    shape: &MoeShape,
 ) -> Result<()> {
     const OP: &str = "sigmoid_gate_forward";
+    let (rows, n) = (shape.tokens, shape.hidden);
     check::len(OP, "out", out.len(), &[rows, n])?;
     check::len(OP, "y", y.len(), &[rows, n])?;
     check::len(OP, "logits", logits.len(), &[rows])?;
@@ -392,18 +390,17 @@ pub fn sigmoid_gate_forward(
     Ok(())
 }
 
-/// dy `[rows, n]` and dlogits `[rows]` (overwrite), dout and y `[rows, n]`, logits `[rows]`.
-#[allow(clippy::too_many_arguments)]
+/// dy `[T, H]` and dlogits `[T]` (overwrite), dout and y `[T, H]`, logits `[T]`.
 pub fn sigmoid_gate_backward(
     dy: &mut [f32],
     dlogits: &mut [f32],
     dout: &[f32],
     y: &[f32],
     logits: &[f32],
-    rows: usize,
-    n: usize,
+    shape: &MoeShape,
 ) -> Result<()> {
     const OP: &str = "sigmoid_gate_backward";
+    let (rows, n) = (shape.tokens, shape.hidden);
     check::len(OP, "dy", dy.len(), &[rows, n])?;
     check::len(OP, "dlogits", dlogits.len(), &[rows])?;
     check::len(OP, "dout", dout.len(), &[rows, n])?;
@@ -437,12 +434,12 @@ fn check_grouped(op: &str, g: &GroupedShape<'_>) -> Result<()> {
 /// out `[R, N]`, inp `[R, K]`, w `[E, N, K]` or `[E, K, N]`, bias `[E, N]`.
 pub fn grouped_matmul_forward(
     out: &mut [f32],
-    inp: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     bias: Option<&[f32]>,
     g: &GroupedShape<'_>,
 ) -> Result<()> {
     const OP: &str = "grouped_matmul_forward";
+    let Operands { inp, w } = operands;
     check_grouped(OP, g)?;
     let (r, k, n, e) = (g.rows(), g.k, g.n, g.experts());
     check::len(OP, "out", out.len(), &[r, n])?;
@@ -470,14 +467,14 @@ pub fn grouped_matmul_forward(
 
 /// dinp `[R, K]` (overwrites), dw like w (accumulates), dout `[R, N]`, inp `[R, K]`.
 pub fn grouped_matmul_backward(
-    dinp: &mut [f32],
-    dw: &mut [f32],
+    grads: Grads<&mut [f32]>,
     dout: &[f32],
-    inp: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     g: &GroupedShape<'_>,
 ) -> Result<()> {
     const OP: &str = "grouped_matmul_backward";
+    let Grads { dinp, dw } = grads;
+    let Operands { inp, w } = operands;
     check_grouped(OP, g)?;
     let (r, k, n, e) = (g.rows(), g.k, g.n, g.experts());
     check::len(OP, "dinp", dinp.len(), &[r, k])?;
@@ -584,7 +581,8 @@ mod tests {
                 let (w, p, ids) = route(&logits, &s);
                 let mut dz = vec![0.0; 12];
                 let a = aux.map(|scale| (&counts[..], scale));
-                moe_route_backward(&mut dz, &dw, &w, &p, &ids, a, &s).unwrap();
+                let routing = Routing { weights: &w[..], probs: &p[..], experts: &ids[..] };
+                moe_route_backward(&mut dz, &dw, routing, a, &s).unwrap();
                 let f = |z: &[f64]| {
                     let z32: Vec<f32> = z.iter().map(|&x| x as f32).collect();
                     let (w, p, _) = route(&z32, &s);
@@ -647,7 +645,8 @@ mod tests {
         }
         let dout = uniform(&mut r, 30);
         let (mut dy, mut dwts) = (vec![0.0; 60], vec![0.0; 12]);
-        moe_combine_backward(&mut dy, &mut dwts, &dout, &y, &w, &rows, &s).unwrap();
+        let grads = Grads { dinp: &mut dy[..], dw: &mut dwts[..] };
+        moe_combine_backward(grads, &dout, &y, &w, &rows, &s).unwrap();
         let mut dx = vec![0.0; 30];
         moe_gather_backward(&mut dx, &dy, &rows, &s).unwrap();
         for t in 0..6 {
@@ -674,7 +673,8 @@ mod tests {
         for layout in [ExpertLayout::Rows, ExpertLayout::Cols] {
             let g = GroupedShape { offsets: &offsets, k, n, layout };
             let mut out = vec![0.0; 7 * n];
-            grouped_matmul_forward(&mut out, &inp, &w, Some(&bias), &g).unwrap();
+            grouped_matmul_forward(&mut out, Operands { inp: &inp, w: &w }, Some(&bias), &g)
+                .unwrap();
             let at = |x: usize, o: usize, i: usize| match layout {
                 ExpertLayout::Rows => w[x * n * k + o * k + i],
                 ExpertLayout::Cols => w[x * n * k + i * n + o],
@@ -690,7 +690,8 @@ mod tests {
             let dout = uniform(&mut r, 7 * n);
             let (mut dinp, mut dw, mut db) =
                 (vec![0.0; 7 * k], vec![0.0; 3 * n * k], vec![0.0; 3 * n]);
-            grouped_matmul_backward(&mut dinp, &mut dw, &dout, &inp, &w, &g).unwrap();
+            let grads = Grads { dinp: &mut dinp[..], dw: &mut dw[..] };
+            grouped_matmul_backward(grads, &dout, Operands { inp: &inp, w: &w }, &g).unwrap();
             grouped_bias_backward(&mut db, &dout, &g).unwrap();
             // The idle expert 1 gets no gradient.
             assert!(dw[n * k..2 * n * k].iter().all(|&v| v == 0.0));
@@ -724,10 +725,11 @@ mod tests {
     fn sigmoid_gate_matches_numeric_gradients() {
         let mut r = rng(12);
         let (rows, n) = (5, 7);
+        let s = MoeShape { tokens: rows, hidden: n, ..shape(rows, ROUTERS[0]) };
         let (y, z) = (uniform(&mut r, rows * n), uniform(&mut r, rows));
         let (base, d) = (uniform(&mut r, rows * n), uniform(&mut r, rows * n));
         let mut out = base.clone();
-        sigmoid_gate_forward(&mut out, &y, &z, rows, n).unwrap();
+        sigmoid_gate_forward(&mut out, &y, &z, &s).unwrap();
         for t in 0..rows {
             let g = 1.0 / (1.0 + (-z[t]).exp());
             for c in 0..n {
@@ -736,7 +738,7 @@ mod tests {
             }
         }
         let (mut dy, mut dz) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows]);
-        sigmoid_gate_backward(&mut dy, &mut dz, &d, &y, &z, rows, n).unwrap();
+        sigmoid_gate_backward(&mut dy, &mut dz, &d, &y, &z, &s).unwrap();
         let loss = |yv: &[f64], zv: &[f64]| -> f64 {
             (0..rows * n).map(|i| f64::from(d[i]) * yv[i] / (1.0 + (-zv[i / n]).exp())).sum()
         };
@@ -752,7 +754,9 @@ mod tests {
         let e = moe_sort(&mut o, &mut r, &[0, 4], &s).unwrap_err().to_string();
         assert!(e.contains("expert id 4"), "{e}");
         let g = GroupedShape { offsets: &[0, 2, 1], k: 1, n: 1, layout: ExpertLayout::Rows };
-        let e = grouped_matmul_forward(&mut [0.0], &[0.0], &[0.0; 2], None, &g).unwrap_err();
+        let e =
+            grouped_matmul_forward(&mut [0.0], Operands { inp: &[0.0], w: &[0.0; 2] }, None, &g)
+                .unwrap_err();
         assert!(e.to_string().contains("never decrease"), "{e}");
     }
 }

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::check;
 use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, Grads, NormShape, Operands};
 use crate::error::Result;
 
 /// Normalises one row and returns its `r = 1 / sqrt(mean(x²) + eps)`; the mean is summed in f64.
@@ -41,17 +41,15 @@ fn row_backward(dx: &mut [f32], dw: &mut [f64], g: &[f32], x: &[f32], w: &[f32],
 
 /// `out = inp / sqrt(mean(inp²) + eps) * w`, and `rstd[r]` kept for the backward.
 /// out `[rows, dim]`, rstd `[rows]`, inp `[rows, dim]`, w `[dim]`.
-#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_forward(
     out: &mut [f32],
     rstd: &mut [f32],
-    inp: &[f32],
-    w: &[f32],
-    rows: usize,
-    dim: usize,
-    eps: f32,
+    operands: Operands<&[f32]>,
+    shape: &NormShape,
 ) -> Result<()> {
     const OP: &str = "rmsnorm_forward";
+    let Operands { inp, w } = operands;
+    let &NormShape { rows, dim, eps } = shape;
     check::nonzero(OP, "dim", dim)?;
     check::len(OP, "out", out.len(), &[rows, dim])?;
     check::len(OP, "rstd", rstd.len(), &[rows])?;
@@ -67,18 +65,17 @@ pub fn rmsnorm_forward(
 
 /// dinp `[rows, dim]` (overwrites), dw `[dim]` (accumulates), dout `[rows, dim]`,
 /// inp `[rows, dim]`, w `[dim]`, rstd `[rows]`.
-#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_backward(
-    dinp: &mut [f32],
-    dw: &mut [f32],
+    grads: Grads<&mut [f32]>,
     dout: &[f32],
-    inp: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     rstd: &[f32],
-    rows: usize,
-    dim: usize,
+    shape: &NormShape,
 ) -> Result<()> {
     const OP: &str = "rmsnorm_backward";
+    let Grads { dinp, dw } = grads;
+    let Operands { inp, w } = operands;
+    let &NormShape { rows, dim, .. } = shape;
     check::nonzero(OP, "dim", dim)?;
     check::len(OP, "dinp", dinp.len(), &[rows, dim])?;
     check::len(OP, "dw", dw.len(), &[dim])?;
@@ -128,12 +125,12 @@ fn head_shape(
 pub fn head_rmsnorm_forward(
     out: &mut [f32],
     rstd: &mut [f32],
-    inp: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     shape: &AttentionShape,
     eps: f32,
 ) -> Result<()> {
     const OP: &str = "head_rmsnorm_forward";
+    let Operands { inp, w } = operands;
     let (width, heads) = head_shape(OP, shape, inp.len(), rstd.len(), w.len())?;
     check::len(OP, "out", out.len(), &[shape.tokens, width])?;
     let (hd, nq) = (shape.head_dim, shape.q_heads);
@@ -154,17 +151,16 @@ pub fn head_rmsnorm_forward(
 
 /// dinp `[T, Dqkv]` (overwrites; value heads pass through), dw `[2 hd]` (accumulates),
 /// dout `[T, Dqkv]`, inp `[T, Dqkv]`, w `[2 hd]`, rstd `[T, nq + nkv]`.
-#[allow(clippy::too_many_arguments)]
 pub fn head_rmsnorm_backward(
-    dinp: &mut [f32],
-    dw: &mut [f32],
+    grads: Grads<&mut [f32]>,
     dout: &[f32],
-    inp: &[f32],
-    w: &[f32],
+    operands: Operands<&[f32]>,
     rstd: &[f32],
     shape: &AttentionShape,
 ) -> Result<()> {
     const OP: &str = "head_rmsnorm_backward";
+    let Grads { dinp, dw } = grads;
+    let Operands { inp, w } = operands;
     let (width, heads) = head_shape(OP, shape, inp.len(), rstd.len(), w.len())?;
     check::len(OP, "dinp", dinp.len(), &[shape.tokens, width])?;
     check::len(OP, "dout", dout.len(), &[shape.tokens, width])?;
@@ -257,7 +253,8 @@ mod tests {
         );
         let (x64, w64, r64) = (to_f64(&x), to_f64(&w), to_f64(&r));
         let (mut out, mut rstd) = (vec![f32::NAN; rows * dim], vec![f32::NAN; rows]);
-        rmsnorm_forward(&mut out, &mut rstd, &x, &w, rows, dim, EPS)?;
+        let shape = NormShape { rows, dim, eps: EPS };
+        rmsnorm_forward(&mut out, &mut rstd, Operands { inp: &x, w: &w }, &shape)?;
         assert_close("rmsnorm forward", &out, &rmsnorm64(&x64, &w64, dim), TOL);
         let want_rstd: Vec<f64> = x64
             .chunks(dim)
@@ -268,7 +265,8 @@ mod tests {
         assert_close("rmsnorm rstd", &rstd, &want_rstd, TOL);
 
         let (mut dx, mut dw) = (vec![f32::NAN; rows * dim], dw0.clone());
-        rmsnorm_backward(&mut dx, &mut dw, &r, &x, &w, &rstd, rows, dim)?;
+        let grads = Grads { dinp: &mut dx[..], dw: &mut dw[..] };
+        rmsnorm_backward(grads, &r, Operands { inp: &x, w: &w }, &rstd, &shape)?;
         let want_dx = numeric_grad(&x64, |x| dot(&rmsnorm64(x, &w64, dim), &r64));
         let grad_w = numeric_grad(&w64, |w| dot(&rmsnorm64(&x64, w, dim), &r64));
         let want_dw: Vec<f64> = grad_w.iter().zip(&dw0).map(|(g, &d)| g + f64::from(d)).collect();
@@ -289,11 +287,12 @@ mod tests {
         );
         let (x64, w64, r64) = (to_f64(&x), to_f64(&w), to_f64(&r));
         let (mut out, mut rstd) = (vec![f32::NAN; t * width], vec![f32::NAN; t * heads]);
-        head_rmsnorm_forward(&mut out, &mut rstd, &x, &w, &SHAPE, EPS)?;
+        head_rmsnorm_forward(&mut out, &mut rstd, Operands { inp: &x, w: &w }, &SHAPE, EPS)?;
         assert_close("head_rmsnorm forward", &out, &head64(&x64, &w64), TOL);
 
         let (mut dx, mut dw) = (vec![f32::NAN; t * width], dw0.clone());
-        head_rmsnorm_backward(&mut dx, &mut dw, &r, &x, &w, &rstd, &SHAPE)?;
+        let grads = Grads { dinp: &mut dx[..], dw: &mut dw[..] };
+        head_rmsnorm_backward(grads, &r, Operands { inp: &x, w: &w }, &rstd, &SHAPE)?;
         let want_dx = numeric_grad(&x64, |x| dot(&head64(x, &w64), &r64));
         let grad_w = numeric_grad(&w64, |w| dot(&head64(&x64, w), &r64));
         let want_dw: Vec<f64> = grad_w.iter().zip(&dw0).map(|(g, &d)| g + f64::from(d)).collect();
@@ -305,17 +304,21 @@ mod tests {
     #[test]
     fn wrong_lengths_are_rejected_before_writing() -> Result<()> {
         let mut out = vec![1.0; 12];
-        let e = rmsnorm_forward(&mut out, &mut [0.0; 2], &[0.0; 12], &[0.0; 5], 2, 6, EPS)
-            .expect_err("must be rejected");
+        let shape = NormShape { rows: 2, dim: 6, eps: EPS };
+        let e = rmsnorm_forward(
+            &mut out,
+            &mut [0.0; 2],
+            Operands { inp: &[0.0; 12], w: &[0.0; 5] },
+            &shape,
+        )
+        .expect_err("must be rejected");
         assert!(e.to_string().contains("rmsnorm_forward") && e.to_string().contains("`w`"), "{e}");
         assert_eq!(out, vec![1.0; 12], "a rejected call must not write");
         let width = SHAPE.qkv_width();
         let e = head_rmsnorm_backward(
-            &mut vec![0.0; 7 * width],
-            &mut [0.0; 12],
+            Grads { dinp: &mut vec![0.0; 7 * width], dw: &mut [0.0; 12] },
             &vec![0.0; 7 * width],
-            &vec![0.0; 7 * width],
-            &[0.0; 12],
+            Operands { inp: &vec![0.0; 7 * width], w: &[0.0; 12] },
             &[0.0; 41],
             &SHAPE,
         )

@@ -11,7 +11,7 @@ use cudarc::driver::LaunchConfig;
 use super::device::{Arg, base_ptr, scratch};
 use super::elementwise::COLUMN_CHUNKS;
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::{AttentionShape, FloatKind};
+use crate::backend::{AttentionOut, AttentionShape, FloatKind};
 use crate::error::Result;
 
 /// The scalar kernels' instantiation for a head size: (bucket, rows per warp).
@@ -224,15 +224,14 @@ impl Cuda {
 
     pub(super) fn attention_forward_op(
         &self,
-        out: ViewMut<'_>,
-        lse: ViewMut<'_>,
+        att: AttentionOut<ViewMut<'_>>,
         qkv: View<'_>,
         cu: &Ints,
         shape: &AttentionShape,
     ) -> Result<()> {
         const OP: &str = "attention_forward";
         let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
-        let (o, l) = (out.as_view(), lse.as_view());
+        let (o, l) = (att.out.as_view(), att.lse.as_view());
         check::len(OP, "out", o.len, &[shape.tokens, shape.q_heads, shape.head_dim])?;
         check::len(OP, "lse", l.len, &[shape.tokens, shape.q_heads])?;
         check::kind(OP, "out", &o, FloatKind::Activation)?;
@@ -265,18 +264,17 @@ impl Cuda {
         self.launch(&name, scalar_config(t.div_ceil(4 * qw), nq), &args)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward_op(
         &self,
         dqkv: ViewMut<'_>,
         dout: View<'_>,
         qkv: View<'_>,
-        out: View<'_>,
-        lse: View<'_>,
+        att: AttentionOut<View<'_>>,
         cu: &Ints,
         shape: &AttentionShape,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
+        let AttentionOut { out, lse } = att;
         let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
         let (t, nq) = (shape.tokens, shape.q_heads);
         let d = dqkv.as_view();
@@ -348,14 +346,13 @@ impl Cuda {
     /// GPT-OSS's sinks on `attention_forward`'s out and lse, one warp per (token, head).
     pub(super) fn attention_sinks_forward_op(
         &self,
-        out: ViewMut<'_>,
-        lse: ViewMut<'_>,
+        att: AttentionOut<ViewMut<'_>>,
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         const OP: &str = "attention_sinks_forward";
         let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
-        let (o, l) = (out.as_view(), lse.as_view());
+        let (o, l) = (att.out.as_view(), att.lse.as_view());
         check::len(OP, "out", o.len, &[t, nq, hd])?;
         check::len(OP, "lse", l.len, &[t, nq])?;
         check::len(OP, "sinks", sinks.len, &[nq])?;
@@ -388,17 +385,16 @@ impl Cuda {
 
     /// The sinks' gradient: per-head partial sums over fixed chunks of tokens, then the chunks
     /// in order (`finish_columns`), so the sum over tokens is deterministic.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_sinks_backward_op(
         &self,
         dsinks: ViewMut<'_>,
         dout: View<'_>,
-        out: View<'_>,
-        lse: View<'_>,
+        att: AttentionOut<View<'_>>,
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         const OP: &str = "attention_sinks_backward";
+        let AttentionOut { out, lse } = att;
         let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
         check::len(OP, "dsinks", dsinks.len, &[nq])?;
         check::len(OP, "dout", dout.len, &[t, nq, hd])?;

@@ -7,8 +7,9 @@
 use cudarc::driver::LaunchConfig;
 
 use super::device::{Arg, scratch};
+use super::matmul::GemmCall;
 use super::{Cuda, Floats, Ints, View, ViewMut, check};
-use crate::backend::{FloatKind, IGNORE};
+use crate::backend::{FloatKind, Grads, IGNORE, LossShape, Operands};
 use crate::error::Result;
 
 /// Default logits per chunk: the planner's budget for the head's workspace.
@@ -24,16 +25,14 @@ fn scratch_view(buf: &Floats, len: usize) -> View<'_> {
 }
 
 impl Cuda {
-    #[allow(clippy::too_many_arguments)]
     fn check_head<'a>(
         op: &str,
-        x: &View<'_>,
-        w: &View<'_>,
+        operands: &Operands<View<'_>>,
         targets: &'a Ints,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
+        shape: &LossShape,
     ) -> Result<&'a [i32]> {
+        let Operands { inp: x, w } = operands;
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
         check::nonzero(op, "hidden", hidden)?;
         check::nonzero(op, "vocab", vocab)?;
         check::len(op, "x", x.len, &[tokens, hidden])?;
@@ -43,21 +42,18 @@ impl Cuda {
         Ok(host)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn cross_entropy_forward_op(
         &self,
         losses: ViewMut<'_>,
         lse: ViewMut<'_>,
-        x: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         targets: &Ints,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_forward";
-        Self::check_head(OP, &x, &w, targets, tokens, hidden, vocab)?;
+        Self::check_head(OP, &operands, targets, shape)?;
+        let Operands { inp: x, w } = operands;
+        let &LossShape { tokens, hidden, vocab, softcap } = shape;
         let (lo, ls) = (losses.as_view(), lse.as_view());
         check::len(OP, "losses", lo.len, &[tokens])?;
         check::len(OP, "lse", ls.len, &[tokens])?;
@@ -75,12 +71,14 @@ impl Cuda {
             let z = scratch_view(&logits, m * vocab);
             self.gemm(
                 OP,
-                (true, false),
-                (vocab, m, hidden),
-                (&w, hidden),
-                (&xc, hidden),
-                (&z, vocab),
-                false,
+                &GemmCall {
+                    trans: (true, false),
+                    dims: (vocab, m, hidden),
+                    a: (w, hidden),
+                    b: (xc, hidden),
+                    c: (z, vocab),
+                    accumulate: false,
+                },
             )?;
             self.launch(
                 "cross_entropy_rows",
@@ -98,24 +96,20 @@ impl Cuda {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn cross_entropy_backward_op(
         &self,
-        dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
-        x: View<'_>,
-        w: View<'_>,
+        grads: Grads<ViewMut<'_>>,
+        operands: Operands<View<'_>>,
         lse: View<'_>,
         targets: &Ints,
         scale: f32,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_backward";
-        let host = Self::check_head(OP, &x, &w, targets, tokens, hidden, vocab)?;
-        let (dxv, dwv) = (dx.as_view(), dw.as_view());
+        let host = Self::check_head(OP, &operands, targets, shape)?;
+        let Operands { inp: x, w } = operands;
+        let &LossShape { tokens, hidden, vocab, softcap } = shape;
+        let (dxv, dwv) = (grads.dinp.as_view(), grads.dw.as_view());
         check::len(OP, "dx", dxv.len, &[tokens, hidden])?;
         check::len(OP, "dw", dwv.len, &[vocab, hidden])?;
         check::len(OP, "lse", lse.len, &[tokens])?;
@@ -139,12 +133,14 @@ impl Cuda {
             let (z, g) = (scratch_view(&logits, m * vocab), scratch_view(&grad, m * vocab));
             self.gemm(
                 OP,
-                (true, false),
-                (vocab, m, hidden),
-                (&w, hidden),
-                (&xc, hidden),
-                (&z, vocab),
-                false,
+                &GemmCall {
+                    trans: (true, false),
+                    dims: (vocab, m, hidden),
+                    a: (w, hidden),
+                    b: (xc, hidden),
+                    c: (z, vocab),
+                    accumulate: false,
+                },
             )?;
             self.launch(
                 "cross_entropy_grad_rows",
@@ -162,22 +158,26 @@ impl Cuda {
             // dx = G · w: dxᵀ[H, m] = wᵀ · Gᵀ.
             self.gemm(
                 OP,
-                (false, false),
-                (hidden, m, vocab),
-                (&w, hidden),
-                (&g, vocab),
-                (&dxc, hidden),
-                false,
+                &GemmCall {
+                    trans: (false, false),
+                    dims: (hidden, m, vocab),
+                    a: (w, hidden),
+                    b: (g, vocab),
+                    c: (dxc, hidden),
+                    accumulate: false,
+                },
             )?;
             // dw += Gᵀ · x: dwᵀ[H, V] += xᵀ · G.
             self.gemm(
                 OP,
-                (false, true),
-                (hidden, vocab, m),
-                (&xc, hidden),
-                (&g, vocab),
-                (&dwv, hidden),
-                true,
+                &GemmCall {
+                    trans: (false, true),
+                    dims: (hidden, vocab, m),
+                    a: (xc, hidden),
+                    b: (g, vocab),
+                    c: (dwv, hidden),
+                    accumulate: true,
+                },
             )?;
         }
         Ok(())

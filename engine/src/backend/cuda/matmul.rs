@@ -12,10 +12,10 @@
 
 use super::blas::{Blas, Gemm};
 use super::{Cuda, View, ViewMut, check};
-use crate::backend::FloatKind;
+use crate::backend::{FloatKind, Grads, MatmulShape, Operands};
 use crate::error::Result;
 
-/// One GEMM of [`Cuda::gemm_group`], with [`Cuda::gemm`]'s arguments: (trans_a, trans_b),
+/// One column-major GEMM for [`Cuda::gemm`] and [`Cuda::gemm_group`]: (trans_a, trans_b),
 /// (m, n, k), A, B and C with their leading dimensions, and whether C accumulates.
 #[derive(Clone, Copy)]
 pub(super) struct GemmCall<'a> {
@@ -51,29 +51,20 @@ fn gemm_of(
 
 impl Cuda {
     /// `out = a · bᵀ`-style products on row-major views: see the module doc for the mapping.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm(
-        &self,
-        op: &str,
-        (trans_a, trans_b): (bool, bool),
-        (m, n, k): (usize, usize, usize),
-        a: (&View<'_>, usize),
-        b: (&View<'_>, usize),
-        c: (&View<'_>, usize),
-        accumulate: bool,
-    ) -> Result<()> {
-        check::kind(op, "the first GEMM operand", a.0, FloatKind::Activation)?;
-        check::kind(op, "the second GEMM operand", b.0, FloatKind::Activation)?;
+    pub(super) fn gemm(&self, op: &str, call: &GemmCall<'_>) -> Result<()> {
+        let &GemmCall { trans, dims: (m, n, k), a, b, c, accumulate } = call;
+        check::kind(op, "the first GEMM operand", &a.0, FloatKind::Activation)?;
+        check::kind(op, "the second GEMM operand", &b.0, FloatKind::Activation)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
         if k == 0 {
             // An empty sum: the product is zero.
-            return if accumulate { Ok(()) } else { self.zero_view(c.0) };
+            return if accumulate { Ok(()) } else { self.zero_view(&c.0) };
         }
         self.bind()?;
-        let g = gemm_of((trans_a, trans_b), (m, n, k), (a.1, b.1, c.1), c.0, accumulate);
-        self.blas.gemm(g, self.ptr(a.0), self.ptr(b.0), self.ptr(c.0))
+        let g = gemm_of(trans, (m, n, k), (a.1, b.1, c.1), &c.0, accumulate);
+        self.blas.gemm(g, self.ptr(&a.0), self.ptr(&b.0), self.ptr(&c.0))
     }
 
     /// Every call of `calls`, as [`Cuda::gemm`] would run them one by one: one cuBLASLt GEMM per
@@ -99,8 +90,8 @@ impl Cuda {
             self.bind()?;
             return self.blas.grouped_gemm(&problems);
         }
-        for &&GemmCall { trans, dims, a, b, c, accumulate } in &calls {
-            self.gemm(op, trans, dims, (&a.0, a.1), (&b.0, b.1), (&c.0, c.1), accumulate)?;
+        for call in calls {
+            self.gemm(op, call)?;
         }
         Ok(())
     }
@@ -120,40 +111,66 @@ impl Cuda {
     pub(super) fn matmul_forward_op(
         &self,
         out: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()> {
         const OP: &str = "matmul_forward";
+        let Operands { inp, w } = operands;
+        let &MatmulShape { rows, k, n } = shape;
         check::len(OP, "out", out.len, &[rows, n])?;
         check::len(OP, "inp", inp.len, &[rows, k])?;
         check::len(OP, "w", w.len, &[n, k])?;
         let o = out.as_view();
-        self.gemm(OP, (true, false), (n, rows, k), (&w, k), (&inp, k), (&o, n), false)
+        self.gemm(
+            OP,
+            &GemmCall {
+                trans: (true, false),
+                dims: (n, rows, k),
+                a: (w, k),
+                b: (inp, k),
+                c: (o, n),
+                accumulate: false,
+            },
+        )
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_backward_op(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()> {
         const OP: &str = "matmul_backward";
-        check::len(OP, "dinp", dinp.len, &[rows, k])?;
-        check::len(OP, "dw", dw.len, &[n, k])?;
+        let Operands { inp, w } = operands;
+        let &MatmulShape { rows, k, n } = shape;
+        check::len(OP, "dinp", grads.dinp.len, &[rows, k])?;
+        check::len(OP, "dw", grads.dw.len, &[n, k])?;
         check::len(OP, "dout", dout.len, &[rows, n])?;
         check::len(OP, "inp", inp.len, &[rows, k])?;
         check::len(OP, "w", w.len, &[n, k])?;
-        let (di, dwv) = (dinp.as_view(), dw.as_view());
-        self.gemm(OP, (false, false), (k, rows, n), (&w, k), (&dout, n), (&di, k), false)?;
-        self.gemm(OP, (false, true), (k, n, rows), (&inp, k), (&dout, n), (&dwv, k), true)
+        let (di, dwv) = (grads.dinp.as_view(), grads.dw.as_view());
+        self.gemm(
+            OP,
+            &GemmCall {
+                trans: (false, false),
+                dims: (k, rows, n),
+                a: (w, k),
+                b: (dout, n),
+                c: (di, k),
+                accumulate: false,
+            },
+        )?;
+        self.gemm(
+            OP,
+            &GemmCall {
+                trans: (false, true),
+                dims: (k, n, rows),
+                a: (inp, k),
+                b: (dout, n),
+                c: (dwv, k),
+                accumulate: true,
+            },
+        )
     }
 }

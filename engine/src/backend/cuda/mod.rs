@@ -42,10 +42,11 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 pub use device::{PinnedBuffer, device_memory, probe};
-pub use profile::{OpClass, OpProfile, OpTime};
+pub use profile::{Gap, OpClass, OpProfile, OpTime};
 
 use super::{
-    AttentionShape, Backend, DecodeShape, FloatKind, GluAct, GroupedShape, MoeShape, WeightDtype,
+    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
+    LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -468,29 +469,24 @@ impl Backend for Cuda {
     fn matmul_forward(
         &self,
         out: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
         let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
-        self.matmul_forward_op(out, inp, w, rows, k, n)
+        self.matmul_forward_op(out, operands, shape)
     }
 
     fn matmul_backward(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        k: usize,
-        n: usize,
+        operands: Operands<View<'_>>,
+        shape: &MatmulShape,
     ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
         let _t = self.timed("matmul_backward", OpClass::Gemm, 4.0 * (rows * k * n) as f64);
-        self.matmul_backward_op(dinp, dw, dout, inp, w, rows, k, n)
+        self.matmul_backward_op(grads, dout, operands, shape)
     }
 
     fn bias_forward(&self, out: ViewMut<'_>, bias: View<'_>, rows: usize, n: usize) -> Result<()> {
@@ -513,56 +509,47 @@ impl Backend for Cuda {
         &self,
         out: ViewMut<'_>,
         rstd: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        operands: Operands<View<'_>>,
+        shape: &NormShape,
     ) -> Result<()> {
         let _t = self.timed("rmsnorm_forward", OpClass::Norm, 0.0);
-        self.rmsnorm_forward_op(out, rstd, inp, w, rows, dim, eps)
+        self.rmsnorm_forward_op(out, rstd, operands, shape)
     }
 
     fn rmsnorm_backward(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         rstd: View<'_>,
-        rows: usize,
-        dim: usize,
+        shape: &NormShape,
     ) -> Result<()> {
         let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
-        self.rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, rows, dim)
+        self.rmsnorm_backward_op(grads, dout, operands, rstd, shape)
     }
 
     fn head_rmsnorm_forward(
         &self,
         out: ViewMut<'_>,
         rstd: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()> {
         let _t = self.timed("head_rmsnorm_forward", OpClass::Norm, 0.0);
-        self.head_rmsnorm_forward_op(out, rstd, inp, w, shape, eps)
+        self.head_rmsnorm_forward_op(out, rstd, operands, shape, eps)
     }
 
     fn head_rmsnorm_backward(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         rstd: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         let _t = self.timed("head_rmsnorm_backward", OpClass::Norm, 0.0);
-        self.head_rmsnorm_backward_op(dinp, dw, dout, inp, w, rstd, shape)
+        self.head_rmsnorm_backward_op(grads, dout, operands, rstd, shape)
     }
 
     fn rope_forward(
@@ -591,8 +578,7 @@ impl Backend for Cuda {
 
     fn attention_forward(
         &self,
-        out: ViewMut<'_>,
-        lse: ViewMut<'_>,
+        att: AttentionOut<ViewMut<'_>>,
         qkv: View<'_>,
         cu_seqlens: &Ints,
         shape: &AttentionShape,
@@ -602,7 +588,7 @@ impl Backend for Cuda {
             OpClass::Attention,
             profile::attention_flops(&cu_seqlens.host, shape.q_heads, shape.head_dim, shape.window),
         );
-        self.attention_forward_op(out, lse, qkv, cu_seqlens, shape)
+        self.attention_forward_op(att, qkv, cu_seqlens, shape)
     }
 
     fn attention_backward(
@@ -610,8 +596,7 @@ impl Backend for Cuda {
         dqkv: ViewMut<'_>,
         dout: View<'_>,
         qkv: View<'_>,
-        out: View<'_>,
-        lse: View<'_>,
+        att: AttentionOut<View<'_>>,
         cu_seqlens: &Ints,
         shape: &AttentionShape,
     ) -> Result<()> {
@@ -625,7 +610,7 @@ impl Backend for Cuda {
                 shape.window,
             ),
         );
-        self.attention_backward_op(dqkv, dout, qkv, out, lse, cu_seqlens, shape)
+        self.attention_backward_op(dqkv, dout, qkv, att, cu_seqlens, shape)
     }
 
     fn attention_decode(
@@ -643,26 +628,24 @@ impl Backend for Cuda {
 
     fn attention_sinks_forward(
         &self,
-        out: ViewMut<'_>,
-        lse: ViewMut<'_>,
+        att: AttentionOut<ViewMut<'_>>,
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         let _t = self.timed("attention_sinks_forward", OpClass::Attention, 0.0);
-        self.attention_sinks_forward_op(out, lse, sinks, shape)
+        self.attention_sinks_forward_op(att, sinks, shape)
     }
 
     fn attention_sinks_backward(
         &self,
         dsinks: ViewMut<'_>,
         dout: View<'_>,
-        out: View<'_>,
-        lse: View<'_>,
+        att: AttentionOut<View<'_>>,
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         let _t = self.timed("attention_sinks_backward", OpClass::Attention, 0.0);
-        self.attention_sinks_backward_op(dsinks, dout, out, lse, sinks, shape)
+        self.attention_sinks_backward_op(dsinks, dout, att, sinks, shape)
     }
 
     fn glu_forward(
@@ -706,14 +689,12 @@ impl Backend for Cuda {
         &self,
         dlogits: ViewMut<'_>,
         dweights: View<'_>,
-        weights: View<'_>,
-        probs: View<'_>,
-        experts: &Ints,
+        routing: Routing<View<'_>, &Ints>,
         aux: Option<(View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()> {
         let _t = self.timed("moe_route_backward", OpClass::Routing, 0.0);
-        self.moe_route_backward_op(dlogits, dweights, weights, probs, experts, aux, shape)
+        self.moe_route_backward_op(dlogits, dweights, routing, aux, shape)
     }
 
     fn moe_router_stats(
@@ -774,8 +755,7 @@ impl Backend for Cuda {
 
     fn moe_combine_backward(
         &self,
-        dy: ViewMut<'_>,
-        dweights: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
         y: View<'_>,
         weights: View<'_>,
@@ -783,14 +763,13 @@ impl Backend for Cuda {
         shape: &MoeShape,
     ) -> Result<()> {
         let _t = self.timed("moe_combine_backward", OpClass::Routing, 0.0);
-        self.moe_combine_backward_op(dy, dweights, dout, y, weights, rows, shape)
+        self.moe_combine_backward_op(grads, dout, y, weights, rows, shape)
     }
 
     fn grouped_matmul_forward(
         &self,
         out: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         bias: Option<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
@@ -799,16 +778,14 @@ impl Backend for Cuda {
             OpClass::Gemm,
             2.0 * (g.rows() * g.k * g.n) as f64,
         );
-        self.grouped_matmul_forward_op(out, inp, w, bias, g)
+        self.grouped_matmul_forward_op(out, operands, bias, g)
     }
 
     fn grouped_matmul_backward(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
         let _t = self.timed(
@@ -816,7 +793,7 @@ impl Backend for Cuda {
             OpClass::Gemm,
             4.0 * (g.rows() * g.k * g.n) as f64,
         );
-        self.grouped_matmul_backward_op(dinp, dw, dout, inp, w, g)
+        self.grouped_matmul_backward_op(grads, dout, operands, g)
     }
 
     fn sigmoid_gate_forward(
@@ -824,11 +801,10 @@ impl Backend for Cuda {
         out: ViewMut<'_>,
         y: View<'_>,
         logits: View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
         let _t = self.timed("sigmoid_gate_forward", OpClass::Activation, 0.0);
-        self.sigmoid_gate_forward_op(out, y, logits, rows, n)
+        self.sigmoid_gate_forward_op(out, y, logits, shape)
     }
 
     fn sigmoid_gate_backward(
@@ -838,11 +814,10 @@ impl Backend for Cuda {
         dout: View<'_>,
         y: View<'_>,
         logits: View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
         let _t = self.timed("sigmoid_gate_backward", OpClass::Activation, 0.0);
-        self.sigmoid_gate_backward_op(dy, dlogits, dout, y, logits, rows, n)
+        self.sigmoid_gate_backward_op(dy, dlogits, dout, y, logits, shape)
     }
 
     fn grouped_bias_backward(
@@ -859,44 +834,35 @@ impl Backend for Cuda {
         &self,
         losses: ViewMut<'_>,
         lse: ViewMut<'_>,
-        x: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         targets: &Ints,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
         let _t = self.timed(
             "cross_entropy_forward",
             OpClass::Loss,
             2.0 * (tokens * hidden * vocab) as f64,
         );
-        self.cross_entropy_forward_op(losses, lse, x, w, targets, tokens, hidden, vocab, softcap)
+        self.cross_entropy_forward_op(losses, lse, operands, targets, shape)
     }
 
     fn cross_entropy_backward(
         &self,
-        dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
-        x: View<'_>,
-        w: View<'_>,
+        grads: Grads<ViewMut<'_>>,
+        operands: Operands<View<'_>>,
         lse: View<'_>,
         targets: &Ints,
         scale: f32,
-        tokens: usize,
-        hidden: usize,
-        vocab: usize,
-        softcap: Option<f32>,
+        shape: &LossShape,
     ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
         let _t = self.timed(
             "cross_entropy_backward",
             OpClass::Loss,
             6.0 * (tokens * hidden * vocab) as f64,
         );
-        self.cross_entropy_backward_op(
-            dx, dw, x, w, lse, targets, scale, tokens, hidden, vocab, softcap,
-        )
+        self.cross_entropy_backward_op(grads, operands, lse, targets, scale, shape)
     }
 }
 

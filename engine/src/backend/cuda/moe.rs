@@ -21,7 +21,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
 use super::matmul::GemmCall;
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::{ExpertLayout, FloatKind, GroupedShape, MoeShape, RouterKind};
+use crate::backend::{
+    ExpertLayout, FloatKind, Grads, GroupedShape, MoeShape, Operands, RouterKind, Routing,
+};
 use crate::error::Result;
 
 /// Pairs per chunk of the sort's counting passes; one warp walks a chunk in the scatter.
@@ -126,18 +128,16 @@ impl Cuda {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_route_backward_op(
         &self,
         dlogits: ViewMut<'_>,
         dweights: View<'_>,
-        weights: View<'_>,
-        probs: View<'_>,
-        experts: &Ints,
+        routing: Routing<View<'_>, &Ints>,
         aux: Option<(View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()> {
         const OP: &str = "moe_route_backward";
+        let Routing { weights, probs, experts } = routing;
         let pairs = moe_shape(OP, shape)?;
         let (t, e, k) = (shape.tokens, shape.experts, shape.top_k);
         let dz = dlogits.as_view();
@@ -377,10 +377,10 @@ impl Cuda {
         out: ViewMut<'_>,
         y: View<'_>,
         logits: View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
         const OP: &str = "sigmoid_gate_forward";
+        let (rows, n) = (shape.tokens, shape.hidden);
         let o = out.as_view();
         check::len(OP, "out", o.len, &[rows, n])?;
         check::len(OP, "y", y.len, &[rows, n])?;
@@ -404,7 +404,6 @@ impl Cuda {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn sigmoid_gate_backward_op(
         &self,
         dy: ViewMut<'_>,
@@ -412,10 +411,10 @@ impl Cuda {
         dout: View<'_>,
         y: View<'_>,
         logits: View<'_>,
-        rows: usize,
-        n: usize,
+        shape: &MoeShape,
     ) -> Result<()> {
         const OP: &str = "sigmoid_gate_backward";
+        let (rows, n) = (shape.tokens, shape.hidden);
         let (d, dz) = (dy.as_view(), dlogits.as_view());
         check::len(OP, "dy", d.len, &[rows, n])?;
         check::len(OP, "dlogits", dz.len, &[rows])?;
@@ -480,11 +479,9 @@ impl Cuda {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_combine_backward_op(
         &self,
-        dy: ViewMut<'_>,
-        dweights: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
         y: View<'_>,
         weights: View<'_>,
@@ -494,7 +491,7 @@ impl Cuda {
         const OP: &str = "moe_combine_backward";
         let pairs = moe_shape(OP, shape)?;
         let (t, h, k) = (shape.tokens, shape.hidden, shape.top_k);
-        let (d, dw) = (dy.as_view(), dweights.as_view());
+        let (d, dw) = (grads.dinp.as_view(), grads.dw.as_view());
         check::len(OP, "dy", d.len, &[pairs, h])?;
         check::len(OP, "dweights", dw.len, &[t, k])?;
         check::len(OP, "dout", dout.len, &[t, h])?;
@@ -542,12 +539,12 @@ impl Cuda {
     pub(super) fn grouped_matmul_forward_op(
         &self,
         out: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         bias: Option<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
         const OP: &str = "grouped_matmul_forward";
+        let Operands { inp, w } = operands;
         grouped_shape(OP, g)?;
         let (r, k, n, e) = (g.rows(), g.k, g.n, g.experts());
         let o = out.as_view();
@@ -613,17 +610,16 @@ impl Cuda {
     /// `dw_eᵀ[N, K] += doutᵀ · inp` (beta = 1 into the f32 accumulator).
     pub(super) fn grouped_matmul_backward_op(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
         const OP: &str = "grouped_matmul_backward";
+        let Operands { inp, w } = operands;
         grouped_shape(OP, g)?;
         let (r, k, n, e) = (g.rows(), g.k, g.n, g.experts());
-        let (di, dwv) = (dinp.as_view(), dw.as_view());
+        let (di, dwv) = (grads.dinp.as_view(), grads.dw.as_view());
         check::len(OP, "dinp", di.len, &[r, k])?;
         check::len(OP, "dw", dwv.len, &[e, n, k])?;
         check::len(OP, "dout", dout.len, &[r, n])?;

@@ -8,7 +8,7 @@ use cudarc::driver::LaunchConfig;
 use super::device::{Arg, base_ptr, scratch};
 use super::elementwise::COLUMN_CHUNKS;
 use super::{Cuda, View, ViewMut, check};
-use crate::backend::{AttentionShape, FloatKind};
+use crate::backend::{AttentionShape, FloatKind, Grads, NormShape, Operands};
 use crate::error::Result;
 
 /// How a norm call lays its rows out.
@@ -48,17 +48,16 @@ fn vec_threads(r: &Rows, vpt: usize, max_threads: usize) -> Option<u32> {
 }
 
 impl Cuda {
-    #[allow(clippy::too_many_arguments)]
     fn norm_forward(
         &self,
         op: &str,
         out: &ViewMut<'_>,
         rstd: &ViewMut<'_>,
-        inp: &View<'_>,
-        w: &View<'_>,
+        operands: &Operands<View<'_>>,
         r: &Rows,
         eps: f32,
     ) -> Result<()> {
+        let Operands { inp, w } = operands;
         let (o, rs) = (out.as_view(), rstd.as_view());
         check::kind(op, "rstd", &rs, FloatKind::Accum)?;
         if let Some(threads) = vec_threads(r, FWD_VPT, FWD_MAX_THREADS)
@@ -107,18 +106,17 @@ impl Cuda {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn norm_backward(
         &self,
         op: &str,
-        dinp: &ViewMut<'_>,
-        dw: &ViewMut<'_>,
+        grads: &Grads<ViewMut<'_>>,
         dout: &View<'_>,
-        inp: &View<'_>,
-        w: &View<'_>,
+        operands: &Operands<View<'_>>,
         rstd: &View<'_>,
         r: &Rows,
     ) -> Result<()> {
+        let Grads { dinp, dw } = grads;
+        let Operands { inp, w } = operands;
         check::kind(op, "rstd", rstd, FloatKind::Accum)?;
         if r.tokens == 0 {
             return Ok(());
@@ -184,49 +182,43 @@ impl Cuda {
         self.finish_columns(dw, pp, chunks, wlen)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn rmsnorm_forward_op(
         &self,
         out: ViewMut<'_>,
         rstd: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        operands: Operands<View<'_>>,
+        shape: &NormShape,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_forward";
+        let &NormShape { rows, dim, eps } = shape;
         check::nonzero(OP, "dim", dim)?;
         check::len(OP, "out", out.len, &[rows, dim])?;
         check::len(OP, "rstd", rstd.len, &[rows])?;
-        check::len(OP, "inp", inp.len, &[rows, dim])?;
-        check::len(OP, "w", w.len, &[dim])?;
+        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
+        check::len(OP, "w", operands.w.len, &[dim])?;
         let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        self.norm_forward(OP, &out, &rstd, &inp, &w, &r, eps)
+        self.norm_forward(OP, &out, &rstd, &operands, &r, eps)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn rmsnorm_backward_op(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         rstd: View<'_>,
-        rows: usize,
-        dim: usize,
+        shape: &NormShape,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_backward";
+        let &NormShape { rows, dim, .. } = shape;
         check::nonzero(OP, "dim", dim)?;
-        check::len(OP, "dinp", dinp.len, &[rows, dim])?;
-        check::len(OP, "dw", dw.len, &[dim])?;
+        check::len(OP, "dinp", grads.dinp.len, &[rows, dim])?;
+        check::len(OP, "dw", grads.dw.len, &[dim])?;
         check::len(OP, "dout", dout.len, &[rows, dim])?;
-        check::len(OP, "inp", inp.len, &[rows, dim])?;
-        check::len(OP, "w", w.len, &[dim])?;
+        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
+        check::len(OP, "w", operands.w.len, &[dim])?;
         check::len(OP, "rstd", rstd.len, &[rows])?;
         let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        self.norm_backward(OP, &dinp, &dw, &dout, &inp, &w, &rstd, &r)
+        self.norm_backward(OP, &grads, &dout, &operands, &rstd, &r)
     }
 
     /// Checks a per-head norm's buffers and returns its row layout.
@@ -256,34 +248,30 @@ impl Cuda {
         &self,
         out: ViewMut<'_>,
         rstd: ViewMut<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()> {
         const OP: &str = "head_rmsnorm_forward";
-        let r = Self::head_rows(OP, shape, inp.len, rstd.len, w.len)?;
+        let r = Self::head_rows(OP, shape, operands.inp.len, rstd.len, operands.w.len)?;
         check::len(OP, "out", out.len, &[shape.tokens, r.stride])?;
-        self.norm_forward(OP, &out, &rstd, &inp, &w, &r, eps)
+        self.norm_forward(OP, &out, &rstd, &operands, &r, eps)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn head_rmsnorm_backward_op(
         &self,
-        dinp: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
-        inp: View<'_>,
-        w: View<'_>,
+        operands: Operands<View<'_>>,
         rstd: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
         const OP: &str = "head_rmsnorm_backward";
-        let r = Self::head_rows(OP, shape, inp.len, rstd.len, w.len)?;
-        check::len(OP, "dinp", dinp.len, &[shape.tokens, r.stride])?;
+        let r = Self::head_rows(OP, shape, operands.inp.len, rstd.len, operands.w.len)?;
+        check::len(OP, "dinp", grads.dinp.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dout", dout.len, &[shape.tokens, r.stride])?;
-        check::len(OP, "dw", dw.len, &[2, shape.head_dim])?;
-        self.norm_backward(OP, &dinp, &dw, &dout, &inp, &w, &rstd, &r)
+        check::len(OP, "dw", grads.dw.len, &[2, shape.head_dim])?;
+        self.norm_backward(OP, &grads, &dout, &operands, &rstd, &r)
     }
 }
 

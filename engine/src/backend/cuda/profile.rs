@@ -7,7 +7,9 @@
 //! stream spent between its two events: its kernels, and any host time between their launches
 //! when the stream ran dry (cuBLAS's heuristics, a host wait inside the op). The gaps between
 //! ops (waits for transfers on other streams, host work between ops) are the window less the
-//! ops' sum.
+//! ops' sum; each gap is also counted against the pair of ops around it ([`Gap`]), which says
+//! where the stream waits: before a layer's first GEMM (its weights), after a reduction the host
+//! reads back (a host sync), and so on.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,6 +56,19 @@ pub struct OpTime {
     pub flops: f64,
 }
 
+/// The stream's idle time between one op and the next, summed over every such pair.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Gap {
+    /// The op that ended before the gap.
+    pub after: &'static str,
+    /// The op that started after it.
+    pub before: &'static str,
+    pub count: u64,
+    pub seconds: f64,
+    /// The longest single gap: says whether the time is many short waits or a few long ones.
+    pub longest: f64,
+}
+
 /// What the compute stream did between two [`Cuda::take_profile`] calls.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct OpProfile {
@@ -61,6 +76,8 @@ pub struct OpProfile {
     pub ops: Vec<OpTime>,
     /// From the first op's start to the last op's end.
     pub window_s: f64,
+    /// Per pair of consecutive ops, the stream's idle time between them, longest first.
+    pub gaps: Vec<Gap>,
 }
 
 impl OpProfile {
@@ -187,6 +204,7 @@ impl Cuda {
             std::mem::take(&mut p.samples)
         };
         let mut by: BTreeMap<(OpClass, &'static str), (u64, f64, f64)> = BTreeMap::new();
+        let mut gaps: BTreeMap<(&'static str, &'static str), (u64, f64, f64)> = BTreeMap::new();
         let mut window = 0.0f64;
         if let Some(first) = samples.first() {
             for s in &samples {
@@ -195,6 +213,15 @@ impl Cuda {
                 e.0 += 1;
                 e.1 += f64::from(ms) / 1e3;
                 e.2 += s.flops;
+            }
+            for pair in samples.windows(2) {
+                let ms = drv("reading a gap", pair[0].end.elapsed_ms(&pair[1].start))?;
+                let e = gaps.entry((pair[0].op, pair[1].op)).or_default();
+                e.0 += 1;
+                // Events on one stream complete in order; a negative reading is timer noise.
+                let seconds = f64::from(ms.max(0.0)) / 1e3;
+                e.1 += seconds;
+                e.2 = e.2.max(seconds);
             }
             let last = &samples[samples.len() - 1];
             window = f64::from(drv("reading the window", first.start.elapsed_ms(&last.end))?) / 1e3;
@@ -210,13 +237,24 @@ impl Cuda {
             })
             .collect();
         ops.sort_by(|a, b| a.class.cmp(&b.class).then(b.seconds.total_cmp(&a.seconds)));
+        let mut gaps: Vec<Gap> = gaps
+            .into_iter()
+            .map(|((after, before), (count, seconds, longest))| Gap {
+                after,
+                before,
+                count,
+                seconds,
+                longest,
+            })
+            .collect();
+        gaps.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
         if let Ok(mut p) = self.profiler.pending.lock() {
             for s in samples {
                 p.free.push(s.start);
                 p.free.push(s.end);
             }
         }
-        Ok(OpProfile { ops, window_s: window })
+        Ok(OpProfile { ops, window_s: window, gaps })
     }
 
     /// Times the op that holds the returned scope (see the module docs).
