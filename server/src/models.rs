@@ -19,8 +19,12 @@ pub struct ModelView {
     pub id: String,
     pub name: String,
     /// `model_type` as transformers writes it: llama, qwen2, qwen3, mistral, phi3, gemma2,
-    /// gemma3_text, mixtral, qwen3_moe, gpt_oss.
+    /// gemma3_text, gemma3 (a multimodal folder, whose text model is trained), mixtral,
+    /// qwen3_moe, qwen2_moe, gpt_oss.
     pub family: &'static str,
+    /// What to know before training it, if anything: for a multimodal folder, that only its
+    /// text model is trained.
+    pub note: Option<String>,
     pub params: usize,
     /// "preset" (random weights) or "local" (real weights on this machine).
     pub kind: &'static str,
@@ -122,6 +126,7 @@ pub fn all(state: &AppState) -> Vec<ModelView> {
                 id: format!("preset:{name}"),
                 name: (*name).to_string(),
                 family: spec.family.model_type(),
+                note: None,
                 params: spec.total_params(),
                 kind: "preset",
                 origin: "preset",
@@ -182,7 +187,8 @@ pub(crate) fn hub_view(
     Ok(ModelView {
         id: cached.id(),
         name: cached.repo.clone(),
-        family: spec.family.model_type(),
+        family: family(&spec),
+        note: note(&spec),
         params: spec.total_params(),
         kind: "local",
         origin,
@@ -196,11 +202,29 @@ pub(crate) fn local_view(folder: &str, dir: &Path) -> sluice_engine::Result<Mode
     Ok(ModelView {
         id: format!("local:{folder}"),
         name: folder.to_string(),
-        family: spec.family.model_type(),
+        family: family(&spec),
+        note: note(&spec),
         params: spec.total_params(),
         kind: "local",
         origin: "folder",
         description: format!("model folder models/{folder}"),
+    })
+}
+
+/// The `model_type` a folder's config names: the multimodal wrapper's for such a folder.
+fn family(spec: &ModelSpec) -> &'static str {
+    spec.multimodal.as_ref().map_or(spec.family.model_type(), |m| m.model_type)
+}
+
+/// The note a listing carries: a multimodal folder trains its text model only (the parameters
+/// shown are the text model's).
+fn note(spec: &ModelSpec) -> Option<String> {
+    spec.multimodal.as_ref().map(|m| {
+        format!(
+            "{}: only the text model is trained; the vision tower and projector are copied into \
+             every checkpoint unchanged",
+            m.architecture
+        )
     })
 }
 

@@ -4,9 +4,12 @@
 //! q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), a sliding window (mistral), RoPE scaling
 //! (llama3, linear and Phi-3's longrope), partial rotary embedding, projections stored fused in
 //! the checkpoint (phi3), tied embeddings. Every default is decided in [`ModelSpec::from_hf`] and
-//! nowhere else.
+//! nowhere else. A multimodal folder whose text model Sluice trains (Gemma 3's
+//! `Gemma3ForConditionalGeneration`) resolves to its text model's spec, which records the
+//! wrapper ([`Multimodal`]).
 
 mod config;
+mod multimodal;
 mod preset;
 
 use std::path::Path;
@@ -14,6 +17,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 pub use config::HfConfig;
+pub use multimodal::Multimodal;
 pub use preset::{PRESETS, preset};
 
 use crate::backend::{ExpertLayout, GluAct, RouterKind};
@@ -30,7 +34,8 @@ pub enum Family {
     Phi3,
     /// Gemma 2 (`Gemma2ForCausalLM`).
     Gemma2,
-    /// Gemma 3's text model (`Gemma3ForCausalLM`).
+    /// Gemma 3's text model (`Gemma3ForCausalLM`, and inside `Gemma3ForConditionalGeneration`
+    /// folders: see [`Multimodal`]).
     Gemma3,
     /// Mixtral's sparse mixture of experts.
     Mixtral,
@@ -235,8 +240,13 @@ pub struct ModelSpec {
     pub attn_sinks: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// The `config.json` this spec was read from, kept so an export writes back every field.
+    /// The `config.json` this spec was read from, kept so an export writes back every field;
+    /// for a multimodal folder, its text model's part (`text_config` with what it inherits from
+    /// the top level, see [`Multimodal`]).
     pub raw: Value,
+    /// The multimodal wrapper the text model was read from, whose class and config a checkpoint
+    /// is written back as; `None` for a text model's own folder.
+    pub multimodal: Option<Multimodal>,
 }
 
 impl ModelSpec {
@@ -249,18 +259,50 @@ impl ModelSpec {
         ModelSpec::from_hf(raw, &file)
     }
 
-    /// Resolves a parsed `config.json`; `origin` names it in errors.
+    /// Resolves a parsed `config.json`; `origin` names it in errors. A multimodal wrapper's
+    /// config (Gemma 3's `gemma3`) resolves to its text model, from `text_config`.
     pub fn from_hf(raw: Value, origin: &Path) -> Result<ModelSpec> {
+        let Some((text, wrapper)) =
+            multimodal::unwrap_text(&raw).map_err(|m| Error::config(origin, m))?
+        else {
+            return ModelSpec::resolve(raw, origin);
+        };
+        let mut spec = ModelSpec::resolve(text, origin).map_err(|e| match e {
+            Error::Config { path, message } => {
+                Error::config(path, format!("text_config: {message}"))
+            }
+            other => other,
+        })?;
+        spec.multimodal = Some(wrapper);
+        Ok(spec)
+    }
+
+    /// Resolves a text model's config.
+    fn resolve(raw: Value, origin: &Path) -> Result<ModelSpec> {
         let err = |m: String| Error::config(origin, m);
         let cfg: HfConfig = serde_json::from_value(raw.clone())
             .map_err(|e| err(format!("unexpected field type: {e}")))?;
-        let model_type = cfg.model_type.as_deref().ok_or_else(|| err("no model_type".into()))?;
+        let model_type = cfg.model_type.clone().ok_or_else(|| err("no model_type".into()))?;
+        let model_type = model_type.as_str();
         let family = Family::from_model_type(model_type).ok_or_else(|| {
-            err(format!(
-                "unsupported model_type {model_type:?}; supported: {}",
-                Family::ALL.map(Family::model_type).join(", ")
-            ))
+            err(multimodal::unsupported(&raw, model_type).unwrap_or_else(|| {
+                format!(
+                    "unsupported model_type {model_type:?}; supported: {}",
+                    Family::ALL.map(Family::model_type).join(", ")
+                )
+            }))
         })?;
+        // Gemma3TextConfig gives every field a default, which a multimodal folder's
+        // `text_config` relies on; the other families' sizes must be written out.
+        let cfg: HfConfig = match family {
+            Family::Gemma3 => {
+                let defaulted =
+                    multimodal::with_defaults(&raw, &multimodal::gemma3_text_defaults());
+                serde_json::from_value(defaulted)
+                    .map_err(|e| err(format!("unexpected field type: {e}")))?
+            }
+            _ => cfg,
+        };
         let need = |v: Option<usize>, name: &str| {
             v.filter(|&n| n > 0).ok_or_else(|| err(format!("{name} is missing or zero")))
         };
@@ -342,7 +384,7 @@ impl ModelSpec {
             return Err(err(format!("rms_norm_eps must be in (0, 1), got {rms_eps}")));
         }
         let max_positions = cfg.max_position_embeddings.unwrap_or(4096);
-        let rope = resolve_rope(&cfg, max_positions).map_err(err)?;
+        let rope = resolve_rope(&cfg, family, max_positions).map_err(err)?;
         let (rope_theta, rope_scaling) = (rope.theta, rope.scaling);
         // transformers: `dim = int(head_dim * partial_rotary_factor)`, truncated.
         let rotary_dim = (head_dim as f64 * rope.partial_rotary_factor) as usize;
@@ -430,6 +472,7 @@ impl ModelSpec {
             bos_token_id: ids(&cfg.bos_token_id).first().copied(),
             eos_token_ids: ids(&cfg.eos_token_id),
             raw,
+            multimodal: None,
         })
     }
 
@@ -679,7 +722,9 @@ impl ModelSpec {
     }
 
     /// The `config.json` to write beside exported weights: the original fields, with the
-    /// resolved values that transformers needs spelled out.
+    /// resolved values that transformers needs spelled out. For a model read from a multimodal
+    /// folder this is its text model's own (a `Gemma3ForCausalLM` folder, what the training
+    /// state is saved as); its checkpoints carry [`ModelSpec::wrapper_config`].
     pub fn to_hf_config(&self) -> Value {
         let mut out = match &self.raw {
             Value::Object(_) => self.raw.clone(),
@@ -693,6 +738,20 @@ impl ModelSpec {
             map.insert("tie_word_embeddings".into(), json!(self.tie_embeddings));
         }
         out
+    }
+
+    /// For a model read from a multimodal folder, the `config.json` its checkpoints carry: the
+    /// wrapper's as it was read (`architectures`, `text_config`, `vision_config` and the rest
+    /// untouched) but for the dtype at its top level, float32 as in [`ModelSpec::to_hf_config`]
+    /// (transformers 5 loads a composite model in the top level's dtype); `None` for a text
+    /// model's own folder.
+    pub fn wrapper_config(&self) -> Option<Value> {
+        let mut out = self.multimodal.as_ref()?.config.clone();
+        if let Value::Object(map) = &mut out {
+            map.insert("torch_dtype".into(), json!("float32"));
+            map.remove("dtype");
+        }
+        Some(out)
     }
 }
 
@@ -786,7 +845,11 @@ struct ResolvedRope {
     partial_rotary_factor: f64,
 }
 
-fn resolve_rope(cfg: &HfConfig, max_positions: usize) -> std::result::Result<ResolvedRope, String> {
+fn resolve_rope(
+    cfg: &HfConfig,
+    family: Family,
+    max_positions: usize,
+) -> std::result::Result<ResolvedRope, String> {
     // transformers 5 folds theta and scaling into `rope_parameters`; older configs use
     // `rope_theta` + `rope_scaling`. Accept both, preferring the newer one. Gemma 3 nests one
     // set per layer type: the full-attention layers' is the model's RoPE, the sliding layers'
@@ -794,19 +857,24 @@ fn resolve_rope(cfg: &HfConfig, max_positions: usize) -> std::result::Result<Res
     let params =
         cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref()).filter(|v| !v.is_null());
     let params = params.map(|p| p.get("full_attention").filter(|v| v.is_object()).unwrap_or(p));
-    resolve_rope_params(cfg, params, max_positions)
+    // Gemma3TextConfig's `default_theta["global"]`; every other config class defaults to 1e4.
+    let default_theta = if family == Family::Gemma3 { 1_000_000.0 } else { 10_000.0 };
+    resolve_rope_params(cfg, params, cfg.rope_theta.unwrap_or(default_theta), max_positions)
 }
 
 /// The sliding layers' RoPE of a Gemma 3 config: `rope_parameters.sliding_attention`
-/// (transformers 5), else `rope_local_base_freq` without scaling (transformers 4).
+/// (transformers 5), else `rope_local_base_freq` without scaling (transformers 4); its base
+/// defaults to `rope_local_base_freq`, then 1e4, as `Gemma3TextConfig.convert_rope_params_to_dict`
+/// does.
 fn resolve_local_rope(cfg: &HfConfig) -> std::result::Result<Option<LocalRope>, String> {
     let nested = cfg.rope_parameters.as_ref().and_then(|p| p.get("sliding_attention"));
+    let base = cfg.rope_local_base_freq.unwrap_or(10_000.0);
     let (theta, scaling) = match nested.filter(|v| v.is_object()) {
         Some(p) => {
-            let r = resolve_rope_params(cfg, Some(p), usize::MAX)?;
+            let r = resolve_rope_params(cfg, Some(p), base, usize::MAX)?;
             (r.theta, r.scaling)
         }
-        None => (cfg.rope_local_base_freq.unwrap_or(10_000.0), RopeScaling::None),
+        None => (base, RopeScaling::None),
     };
     if theta.is_nan() || theta <= 0.0 {
         return Err(format!("the sliding layers' rope_theta must be positive, got {theta}"));
@@ -814,18 +882,16 @@ fn resolve_local_rope(cfg: &HfConfig) -> std::result::Result<Option<LocalRope>, 
     Ok(Some(LocalRope { theta, scaling }))
 }
 
-/// RoPE from one parameter object (`rope_parameters`, or the legacy `rope_scaling`), with the
-/// config's top-level fields as fallbacks.
+/// RoPE from one parameter object (`rope_parameters`, or the legacy `rope_scaling`), with
+/// `theta` (the config's top-level base or its default) and the config's other top-level
+/// fields as fallbacks.
 fn resolve_rope_params(
     cfg: &HfConfig,
     params: Option<&Value>,
+    theta: f64,
     max_positions: usize,
 ) -> std::result::Result<ResolvedRope, String> {
-    let theta = params
-        .and_then(|p| p.get("rope_theta"))
-        .and_then(Value::as_f64)
-        .or(cfg.rope_theta)
-        .unwrap_or(10_000.0);
+    let theta = params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).unwrap_or(theta);
     if theta.is_nan() || theta <= 0.0 {
         return Err(format!("rope_theta must be positive, got {theta}"));
     }

@@ -56,20 +56,21 @@ fn gpt_oss(layers: usize, experts: usize) -> Value {
     })
 }
 
-/// Gemma 3's text `config.json` for a size, as transformers 5 writes it: every sixth layer
-/// global (full attention, RoPE base 1e6 with `scaling`), the rest local (a sliding window, base
-/// 1e4).
-#[allow(clippy::too_many_arguments)]
-fn gemma3(
+/// The sizes that tell one release of a family from another.
+struct Size {
     hidden: usize,
     inter: usize,
     layers: usize,
     heads: usize,
     kv: usize,
     vocab: usize,
-    window: usize,
-    global_rope: Value,
-) -> Value {
+}
+
+/// Gemma 3's text `config.json` for a size, as transformers 5 writes it: every sixth layer
+/// global (full attention, RoPE base 1e6 with `scaling`), the rest local (a sliding window of
+/// `window`, base 1e4).
+fn gemma3(size: Size, window: usize, global_rope: Value) -> Value {
+    let Size { hidden, inter, layers, heads, kv, vocab } = size;
     let types: Vec<&str> = (0..layers)
         .map(|i| if (i + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" })
         .collect();
@@ -88,17 +89,10 @@ fn gemma3(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn qwen2(
-    hidden: usize,
-    inter: usize,
-    layers: usize,
-    heads: usize,
-    kv: usize,
-    vocab: usize,
-    tied: bool,
-    eps: f64,
-) -> Value {
+/// Qwen2.5's `config.json` for a size: the releases up to 3B tie their embeddings (`tied`), and
+/// those from 14B up use an `rms_norm_eps` of 1e-5 (`eps`).
+fn qwen2(size: Size, tied: bool, eps: f64) -> Value {
+    let Size { hidden, inter, layers, heads, kv, vocab } = size;
     json!({
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
@@ -132,13 +126,41 @@ fn preset_config(name: &str) -> Option<Value> {
             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "tie_word_embeddings": true, "bos_token_id": null, "eos_token_id": 2,
         }),
-        "qwen2.5-0.5b" => qwen2(896, 4864, 24, 14, 2, 151936, true, 1e-6),
-        "qwen2.5-1.5b" => qwen2(1536, 8960, 28, 12, 2, 151936, true, 1e-6),
-        "qwen2.5-3b" => qwen2(2048, 11008, 36, 16, 2, 151936, true, 1e-6),
-        "qwen2.5-7b" => qwen2(3584, 18944, 28, 28, 4, 152064, false, 1e-6),
-        "qwen2.5-14b" => qwen2(5120, 13824, 48, 40, 8, 152064, false, 1e-5),
-        "qwen2.5-32b" => qwen2(5120, 27648, 64, 40, 8, 152064, false, 1e-5),
-        "qwen2.5-72b" => qwen2(8192, 29568, 80, 64, 8, 152064, false, 1e-5),
+        "qwen2.5-0.5b" => qwen2(
+            Size { hidden: 896, inter: 4864, layers: 24, heads: 14, kv: 2, vocab: 151936 },
+            true,
+            1e-6,
+        ),
+        "qwen2.5-1.5b" => qwen2(
+            Size { hidden: 1536, inter: 8960, layers: 28, heads: 12, kv: 2, vocab: 151936 },
+            true,
+            1e-6,
+        ),
+        "qwen2.5-3b" => qwen2(
+            Size { hidden: 2048, inter: 11008, layers: 36, heads: 16, kv: 2, vocab: 151936 },
+            true,
+            1e-6,
+        ),
+        "qwen2.5-7b" => qwen2(
+            Size { hidden: 3584, inter: 18944, layers: 28, heads: 28, kv: 4, vocab: 152064 },
+            false,
+            1e-6,
+        ),
+        "qwen2.5-14b" => qwen2(
+            Size { hidden: 5120, inter: 13824, layers: 48, heads: 40, kv: 8, vocab: 152064 },
+            false,
+            1e-5,
+        ),
+        "qwen2.5-32b" => qwen2(
+            Size { hidden: 5120, inter: 27648, layers: 64, heads: 40, kv: 8, vocab: 152064 },
+            false,
+            1e-5,
+        ),
+        "qwen2.5-72b" => qwen2(
+            Size { hidden: 8192, inter: 29568, layers: 80, heads: 64, kv: 8, vocab: 152064 },
+            false,
+            1e-5,
+        ),
         "llama3-8b" => llama3(4096, 14336, 32, 32),
         "llama3-70b" => llama3(8192, 28672, 80, 64),
         "qwen3-8b" => json!({
@@ -176,22 +198,12 @@ fn preset_config(name: &str) -> Option<Value> {
             "bos_token_id": 2, "eos_token_id": [1, 107],
         }),
         "gemma-3-1b" => gemma3(
-            1152,
-            6912,
-            26,
-            4,
-            1,
-            262144,
+            Size { hidden: 1152, inter: 6912, layers: 26, heads: 4, kv: 1, vocab: 262144 },
             512,
             json!({"rope_type": "default", "rope_theta": 1000000.0}),
         ),
         "gemma-3-12b" => gemma3(
-            3840,
-            15360,
-            48,
-            16,
-            8,
-            262208,
+            Size { hidden: 3840, inter: 15360, layers: 48, heads: 16, kv: 8, vocab: 262208 },
             1024,
             json!({"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}),
         ),

@@ -199,8 +199,12 @@ fn phi3_longrope_partial_rotary_in_both_config_generations() {
 
 #[test]
 fn gemma3_as_data_in_both_config_generations() {
+    // Gemma3TextConfig's head_dim defaults to 256, not hidden / heads: these name theirs.
+    let mut gemma3 = base("gemma3_text");
+    assert_eq!(check(gemma3.clone()).unwrap().head_dim, 256);
+    gemma3["head_dim"] = json!(8);
     // transformers 5: layer types and a RoPE per layer type.
-    let mut new = base("gemma3_text");
+    let mut new = gemma3.clone();
     new["num_hidden_layers"] = json!(3);
     new["sliding_window"] = json!(5);
     new["query_pre_attn_scalar"] = json!(4);
@@ -209,7 +213,7 @@ fn gemma3_as_data_in_both_config_generations() {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}});
     // transformers 4: a sliding pattern, the local base apart, the global scaling.
-    let mut old = base("gemma3_text");
+    let mut old = gemma3.clone();
     old["num_hidden_layers"] = json!(3);
     old["sliding_window"] = json!(5);
     old["query_pre_attn_scalar"] = json!(4);
@@ -274,4 +278,118 @@ fn gemma2_caps_and_alternation_by_default() {
     llama["final_logit_softcapping"] = json!(30.0);
     assert!(message(check(llama)).contains("final_logit_softcapping is not supported for llama"));
     assert_eq!(preset("gemma-2-9b").unwrap().windows[..2], [Some(4096), None]);
+}
+
+/// A Gemma 3 multimodal folder's `config.json` in the shape the hub's gemma-3 4B/12B/27B folders
+/// have it (transformers 4.50): `text_config` names the text model's sizes, window and global
+/// RoPE scaling, and `Gemma3TextConfig`'s defaults supply the rest; the vision tower is cut short.
+fn gemma3_12b_folder() -> Value {
+    json!({
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+            "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+        },
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
+            "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": false},
+    })
+}
+
+#[test]
+fn gemma3_multimodal_folder_resolves_to_its_text_model() {
+    let folder = gemma3_12b_folder();
+    let spec = check(folder.clone()).unwrap();
+    // The 12B text shape written out in full (transformers 5's form, every default spelled
+    // out) is the same model: the defaults filled in are Gemma3TextConfig's, the RoPE bases
+    // 1e6 and 1e4, the eos ids the wrapper's.
+    let written_out = preset("gemma-3-12b").unwrap();
+    let mut text = spec.clone();
+    text.raw = written_out.raw.clone();
+    text.multimodal = None;
+    assert_eq!(text, written_out);
+    let m = spec.multimodal.as_ref().unwrap();
+    assert_eq!((m.model_type, m.architecture), ("gemma3", "Gemma3ForConditionalGeneration"));
+    assert_eq!(m.config, folder);
+    // Checkpoints carry the wrapper's config as read, in float32; the text model's own config
+    // (the training state's, a reduced depth's) is a Gemma3ForCausalLM one.
+    let wrapper = spec.wrapper_config().unwrap();
+    for key in ["architectures", "model_type", "text_config", "vision_config", "eos_token_id"] {
+        assert_eq!(wrapper[key], folder[key], "{key}");
+    }
+    assert_eq!(wrapper["torch_dtype"], "float32");
+    let own = spec.to_hf_config();
+    assert_eq!(
+        (own["model_type"].as_str(), &own["architectures"]),
+        (Some("gemma3_text"), &json!(["Gemma3ForCausalLM"]))
+    );
+    let again = check(own).unwrap();
+    assert_eq!((again.multimodal, again.layers, again.vocab), (None, 48, 262_208));
+    assert!(spec.with_layers(6).unwrap().multimodal.is_none());
+    assert!(written_out.wrapper_config().is_none());
+
+    // The 4B's text_config leaves out its heads too: Gemma3TextConfig's 8 and 4.
+    let mut four = folder.clone();
+    four["text_config"] = json!({"hidden_size": 2560, "intermediate_size": 10240,
+        "model_type": "gemma3_text", "num_hidden_layers": 34, "sliding_window": 1024,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}});
+    let four = check(four).unwrap();
+    assert_eq!((four.q_heads, four.kv_heads, four.head_dim, four.vocab), (8, 4, 256, 262_208));
+    assert_eq!(four.windows.iter().filter(|w| w.is_none()).count(), 5, "every sixth of 34");
+    // Tied by the wrapper's own flag (transformers 5), whatever text_config says; a
+    // final_logit_softcapping there is not applied by Gemma3ForConditionalGeneration.
+    let mut untied = folder.clone();
+    untied["tie_word_embeddings"] = json!(false);
+    untied["text_config"]["tie_word_embeddings"] = json!(true);
+    untied["text_config"]["final_logit_softcapping"] = json!(30.0);
+    let untied = check(untied).unwrap();
+    assert!(!untied.tie_embeddings);
+    assert_eq!(untied.final_softcap, None);
+    let mut tied = folder.clone();
+    tied["text_config"]["tie_word_embeddings"] = json!(false);
+    assert!(check(tied).unwrap().tie_embeddings);
+}
+
+#[test]
+fn other_multimodal_folders_are_refused_by_name() {
+    let llava = json!({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}});
+    let e = message(check(llava));
+    assert!(
+        e.contains(
+            "multimodal model_type \"llava\" (LlavaForConditionalGeneration) is not supported; \
+             of multimodal folders Sluice trains only the text model of gemma3 \
+             (Gemma3ForConditionalGeneration)"
+        ),
+        "{e}"
+    );
+    let mut qwen_vl = base("qwen2_5_vl");
+    qwen_vl["vision_config"] = json!({"depth": 32});
+    assert!(message(check(qwen_vl)).contains("multimodal model_type \"qwen2_5_vl\""));
+    // A text family that is not supported is still named as such.
+    assert!(message(check(base("gpt2"))).contains("unsupported model_type \"gpt2\""));
+
+    let mut classifier = gemma3_12b_folder();
+    classifier["architectures"] = json!(["Gemma3ForSequenceClassification"]);
+    let e = message(check(classifier));
+    assert!(e.contains("architecture \"Gemma3ForSequenceClassification\" of model_type \"gemma3\" is not supported"), "{e}");
+    let mut bare = gemma3_12b_folder();
+    bare.as_object_mut().unwrap().remove("text_config");
+    assert!(message(check(bare)).contains("needs text_config"));
+    let mut other = gemma3_12b_folder();
+    other["text_config"]["model_type"] = json!("gemma2");
+    assert!(
+        message(check(other))
+            .contains("text_config.model_type of a gemma3 config must be \"gemma3_text\"")
+    );
+    let mut heads = gemma3_12b_folder();
+    heads["text_config"]["num_attention_heads"] = json!(12);
+    let e = message(check(heads));
+    assert!(
+        e.contains("test/config.json: text_config: num_attention_heads (12) is not a multiple"),
+        "{e}"
+    );
 }

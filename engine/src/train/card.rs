@@ -80,8 +80,12 @@ pub fn model_card(dir: &Path, options: &RunOptions, curves: &Curves) -> String {
     if let Some(b) = &base {
         let _ = writeln!(s, "base_model: {}", yaml_string(b));
     }
+    // A multimodal checkpoint (Gemma3ForConditionalGeneration) stays an image-text model; only
+    // its text model was trained.
+    let multimodal = config.get("text_config").is_some_and(Value::is_object);
     let _ = writeln!(s, "library_name: transformers");
-    let _ = writeln!(s, "pipeline_tag: text-generation");
+    let pipeline = if multimodal { "image-text-to-text" } else { "text-generation" };
+    let _ = writeln!(s, "pipeline_tag: {pipeline}");
     let _ = writeln!(s, "tags:\n- sluice\n- fine-tuned\n- {}", yaml_string(model_type));
     s.push_str("---\n\n");
     let title = dir.file_name().map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned());
@@ -98,6 +102,12 @@ pub fn model_card(dir: &Path, options: &RunOptions, curves: &Curves) -> String {
         }
     );
 
+    if multimodal {
+        s.push_str(
+            "Only the text model was trained: the vision tower and the projector are the base \
+             model's, unchanged.\n\n",
+        );
+    }
     s.push_str("## Results\n\n| measure | value |\n| --- | --- |\n");
     let _ = writeln!(s, "| steps | {} |", curves.step);
     let since = if curves.from_step > 0 {

@@ -25,18 +25,23 @@ use crate::schedule::{
 use crate::spec::{self, ModelSpec};
 use crate::store::{HostStore, StoreBytes};
 use crate::weights::{
-    DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorSource, save_hf_folder,
+    DEFAULT_MAX_SHARD_BYTES, HfFolder, Passthrough, SaveDtype, TensorSource, save_hf_folder,
     write_file_atomically,
 };
 use std::sync::Arc;
 
-/// Files of a model folder that travel with its weights into every checkpoint.
-const TOKENIZER_FILES: [&str; 5] = [
+/// Files of a model folder that travel with its weights into every checkpoint: the tokenizer's,
+/// and a multimodal model's processor files (the image preprocessor's settings, the processor's
+/// and its chat template).
+const TOKENIZER_FILES: [&str; 8] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
     "generation_config.json",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 ];
 
 /// Where the model comes from.
@@ -175,6 +180,9 @@ pub struct LoadedModel {
     pub params: HostParams,
     pub tokenizer: Tokenizer,
     pub extra_files: Vec<(String, Vec<u8>)>,
+    /// A multimodal model's untrained tensors (vision tower, projector) and how its checkpoints
+    /// are written back as the wrapper; `None` for a text model.
+    pub passthrough: Option<Passthrough>,
 }
 
 /// The model's shape alone (`config.json` or the preset), for planning before anything is
@@ -200,7 +208,14 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
         ModelSource::Dir(dir) => {
             let spec = model_spec(source)?;
             let tokenizer = Tokenizer::from_dir(dir)?;
-            let params = HostParams::load(&spec, &TensorSource::open(dir)?)?;
+            let weights = TensorSource::open(dir)?;
+            let params = HostParams::load(&spec, &weights)?;
+            // The source stays mapped for the run: each checkpoint copies the untrained tensors
+            // out of it.
+            let passthrough = spec
+                .wrapper_config()
+                .map(|config| Passthrough::new(config, weights))
+                .transpose()?;
             let mut extra_files = Vec::new();
             for name in TOKENIZER_FILES {
                 let path = dir.join(name);
@@ -211,7 +226,7 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
                     ));
                 }
             }
-            Ok(LoadedModel { spec, params, tokenizer, extra_files })
+            Ok(LoadedModel { spec, params, tokenizer, extra_files, passthrough })
         }
         ModelSource::Preset(name) => {
             let mut spec = spec::preset(name)?;
@@ -229,7 +244,7 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
                 .iter()
                 .map(|(name, bytes)| (name.to_string(), bytes.to_vec()))
                 .collect();
-            Ok(LoadedModel { spec, params, tokenizer, extra_files })
+            Ok(LoadedModel { spec, params, tokenizer, extra_files, passthrough: None })
         }
     }
 }
@@ -242,7 +257,7 @@ impl RunOptions {
     }
 }
 
-/// Writes the current weights as a Hugging Face folder.
+/// Writes the current weights as a Hugging Face folder (a multimodal model's as its wrapper's).
 pub fn save_checkpoint(
     dir: &Path,
     model: &LoadedModel,
@@ -256,7 +271,10 @@ pub fn save_checkpoint(
         config: model.spec.to_hf_config(),
         extra_files: model.extra_files.clone(),
     };
-    save_hf_folder(dir, &folder)
+    match &model.passthrough {
+        Some(p) => p.save(dir, folder),
+        None => save_hf_folder(dir, &folder),
+    }
 }
 
 /// Reads the options a run folder was started with.
@@ -520,7 +538,8 @@ fn run_with<S: Stepper>(
         let layout = &model.params.layout;
         let config = model.spec.to_hf_config();
         let extra = model.extra_files.clone();
-        save_checkpoint_from(dir, &store, layout, config, extra, settings.save_dtype)?;
+        let passthrough = model.passthrough.as_ref();
+        save_checkpoint_from(dir, &store, layout, config, extra, settings.save_dtype, passthrough)?;
         super::card::write_model_card(dir, options, &curves.get())?;
         let position =
             Position { step: streamer.taken(), cursor, data_fingerprint: fingerprint.clone() };

@@ -16,7 +16,7 @@ use crate::model::{HostParams, ModelLayout};
 use crate::spec::ModelSpec;
 use crate::store::HostStore;
 use crate::weights::{
-    DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorData, TensorRef, TensorSource,
+    DEFAULT_MAX_SHARD_BYTES, HfFolder, Passthrough, SaveDtype, TensorData, TensorRef, TensorSource,
     save_hf_folder,
 };
 
@@ -136,7 +136,7 @@ fn master_refs<'a>(layout: &'a ModelLayout, readers: &'a Readers<'_>) -> Vec<Ten
 }
 
 /// Writes the master weights held in a settled host store as a checkpoint folder, without a
-/// copy of them in memory.
+/// copy of them in memory; with `passthrough` (a multimodal model's), as the wrapper's folder.
 pub fn save_checkpoint_from(
     dir: &Path,
     store: &HostStore,
@@ -144,6 +144,7 @@ pub fn save_checkpoint_from(
     config: serde_json::Value,
     extra_files: Vec<(String, Vec<u8>)>,
     dtype: SaveDtype,
+    passthrough: Option<&Passthrough>,
 ) -> Result<()> {
     let reader = StoreReader { store, disk: Mutex::new(None) };
     let master = readers(&reader, layout, Array::Master);
@@ -154,7 +155,10 @@ pub fn save_checkpoint_from(
         config,
         extra_files,
     };
-    save_hf_folder(dir, &folder)
+    match passthrough {
+        Some(p) => p.save(dir, folder),
+        None => save_hf_folder(dir, &folder),
+    }
 }
 
 impl TrainingState {

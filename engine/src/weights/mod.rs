@@ -13,6 +13,10 @@
 //!   under its final name.
 //! - [`Bf16Safetensors`] reads an f32 safetensors file as its bf16 twin, converted while read
 //!   (downloads in bf16 of checkpoints saved in f32).
+//! - [`multimodal`]: a multimodal checkpoint's text model (Gemma 3's
+//!   `Gemma3ForConditionalGeneration`) is read under either of its prefixes ([`TextPrefix`]), and
+//!   [`Passthrough`] writes checkpoints back as the wrapper, the vision tower and projector copied
+//!   through bit for bit.
 
 mod atomic;
 mod bf16_stream;
@@ -21,6 +25,7 @@ pub use atomic::write_file_atomically;
 pub use bf16_stream::Bf16Safetensors;
 mod folder;
 pub mod gguf;
+pub mod multimodal;
 pub mod mxfp4;
 mod read;
 mod write;
@@ -29,6 +34,7 @@ mod write;
 mod tests;
 
 pub use folder::{CONFIG_FILE, HfFolder, save_hf_folder};
+pub use multimodal::{Passthrough, TextPrefix};
 pub use read::{Dtype, INDEX_FILE, SINGLE_FILE, TensorSource};
 pub use write::{
     DEFAULT_MAX_SHARD_BYTES, ReadValues, SaveDtype, TensorData, TensorRef, shard_file_name,

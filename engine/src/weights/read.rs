@@ -15,6 +15,10 @@
 //! with the dequantised shape. Nothing is decoded until it is read, and a pair is checked only
 //! when its tensor is asked for, so a file whose other tensors happen to end in `_blocks` opens
 //! as before.
+//!
+//! A multimodal checkpoint's text tensors (`language_model.model.*` or
+//! `model.language_model.*`, see [`super::multimodal`]) are also served under the text model's
+//! own names (`model.*`, `lm_head.weight`), so its text model loads as from its own folder.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -26,6 +30,7 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use serde::Deserialize;
 
+use super::multimodal::TextPrefix;
 use super::mxfp4::{self, Mxfp4Shape};
 use crate::error::{Error, Result};
 
@@ -61,6 +66,11 @@ pub struct TensorSource {
     /// Tensors stored as MXFP4 pairs, under the name they dequantise to; never a name in
     /// `tensors` (a tensor stored under its own name wins over a pair).
     packed: BTreeMap<String, PackedPair>,
+    /// How a multimodal checkpoint names its text model, if this is one.
+    text_prefix: Option<TextPrefix>,
+    /// A multimodal checkpoint's text tensors by the text model's own name, to the name they
+    /// are stored (or, for an MXFP4 pair, served) under; never a name in `tensors` or `packed`.
+    aliases: BTreeMap<String, String>,
 }
 
 /// The two stored tensors of an MXFP4 pair.
@@ -126,16 +136,16 @@ impl TensorSource {
     fn open_single(path: &Path) -> Result<Self> {
         let (file, entries) = map_and_parse(path)?;
         let tensors = entries.into_iter().map(|(name, entry)| (name, entry.in_file(0))).collect();
-        Ok(Self::assemble(path, vec![file], tensors))
+        Self::assemble(path, vec![file], tensors)
     }
 
     /// The source over its mapped files, with the MXFP4 pairs among `tensors` found (a pair's
-    /// tensors may lie in different shards).
+    /// tensors may lie in different shards) and a multimodal checkpoint's text tensors named.
     fn assemble(
         origin: &Path,
         files: Vec<MappedFile>,
         tensors: BTreeMap<String, TensorEntry>,
-    ) -> Self {
+    ) -> Result<Self> {
         let mut packed = BTreeMap::new();
         for (blocks_name, blocks) in &tensors {
             let Some(base) = blocks_name.strip_suffix(BLOCKS_SUFFIX) else { continue };
@@ -151,7 +161,18 @@ impl TensorSource {
                 packed.insert(base.to_string(), pair);
             }
         }
-        Self { origin: origin.to_path_buf(), files, tensors, packed }
+        let text_prefix = TextPrefix::detect(tensors.keys().map(String::as_str))
+            .map_err(|message| Error::weights(origin, message))?;
+        let mut aliases = BTreeMap::new();
+        if let Some(prefix) = text_prefix {
+            for stored in tensors.keys().chain(packed.keys()) {
+                let Some(text) = prefix.text(stored) else { continue };
+                if !tensors.contains_key(&text) && !packed.contains_key(&text) {
+                    aliases.insert(text, stored.clone());
+                }
+            }
+        }
+        Ok(Self { origin: origin.to_path_buf(), files, tensors, packed, text_prefix, aliases })
     }
 
     fn open_sharded(index_path: &Path) -> Result<Self> {
@@ -191,7 +212,7 @@ impl TensorSource {
             })?;
             tensors.insert(name.clone(), entry.clone().in_file(id));
         }
-        Ok(Self::assemble(index_path, files, tensors))
+        Self::assemble(index_path, files, tensors)
     }
 
     /// The names of the tensors as stored, sorted: an MXFP4 pair appears as its `_blocks` and
@@ -200,9 +221,31 @@ impl TensorSource {
         self.tensors.keys().cloned().collect()
     }
 
-    /// Whether `name` can be read: a stored tensor, or the tensor an MXFP4 pair dequantises to.
+    /// Whether `name` can be read: a stored tensor, the tensor an MXFP4 pair dequantises to, or
+    /// a multimodal checkpoint's text tensor by the text model's own name.
     pub fn contains(&self, name: &str) -> bool {
+        let name = self.resolve(name);
         self.tensors.contains_key(name) || self.packed.contains_key(name)
+    }
+
+    /// How this multimodal checkpoint names its text model's tensors; `None` for any other
+    /// checkpoint.
+    pub fn text_prefix(&self) -> Option<TextPrefix> {
+        self.text_prefix
+    }
+
+    /// The name `name` is stored (or served, for an MXFP4 pair) under: itself, or for a
+    /// multimodal checkpoint's text tensor asked for by the text model's name, the prefixed one.
+    fn resolve<'n>(&'n self, name: &'n str) -> &'n str {
+        self.aliases.get(name).map_or(name, String::as_str)
+    }
+
+    /// A stored tensor as it lies in the file: its dtype, shape and bytes (borrowed from the
+    /// mapping), for copying it unchanged.
+    pub(crate) fn stored(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8])> {
+        let entry = self.entry(name)?;
+        let (_, bytes) = self.bytes(name, entry)?;
+        Ok((entry.dtype, entry.shape.clone(), bytes))
     }
 
     /// Number of tensors as stored (as [`names`](Self::names) lists them).
@@ -222,6 +265,7 @@ impl TensorSource {
     /// The shape [`read_f32`](Self::read_f32) returns: as stored, or for an MXFP4 pair the
     /// dequantised `[experts, in, out]` (checking the pair's shapes and dtypes).
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let name = self.resolve(name);
         match self.packed.get(name) {
             Some(pair) => Ok(self.packed_shape(name, pair)?.dequantized().to_vec()),
             None => Ok(self.entry(name)?.shape.clone()),
@@ -230,6 +274,7 @@ impl TensorSource {
 
     /// The dtype stored in the file; [`Dtype::F4`] for a tensor stored as an MXFP4 pair.
     pub fn dtype(&self, name: &str) -> Result<Dtype> {
+        let name = self.resolve(name);
         match self.packed.get(name) {
             Some(_) => Ok(Dtype::F4),
             None => Ok(self.entry(name)?.dtype),
@@ -238,6 +283,7 @@ impl TensorSource {
 
     /// Number of elements (the product of [`shape`](Self::shape)).
     pub fn numel(&self, name: &str) -> Result<usize> {
+        let name = self.resolve(name);
         match self.packed.get(name) {
             // At most twice the blocks' bytes, which lie inside the file, so a header cannot
             // make `read_f32` allocate more than 8 bytes per byte on disk.
@@ -257,6 +303,7 @@ impl TensorSource {
     /// Like [`read_f32`](Self::read_f32), into a buffer the caller owns (a slab of the host
     /// store, say), whose length must equal the tensor's element count.
     pub fn read_f32_into(&self, name: &str, out: &mut [f32]) -> Result<()> {
+        let name = self.resolve(name);
         if let Some(pair) = self.packed.get(name) {
             return self.read_packed_into(name, pair, out);
         }
@@ -324,12 +371,23 @@ impl TensorSource {
             let half = [(BLOCKS_SUFFIX, SCALES_SUFFIX), (SCALES_SUFFIX, BLOCKS_SUFFIX)]
                 .into_iter()
                 .find(|(have, _)| self.tensors.contains_key(&format!("{name}{have}")));
-            let message = match half {
-                Some((have, lack)) => format!(
+            // A multimodal checkpoint's text tensor, asked for by the text model's name, is
+            // missing under its stored name.
+            let stored = self
+                .text_prefix
+                .filter(|p| p.text(name).is_none())
+                .map(|p| p.stored(name))
+                .filter(|s| s != name);
+            let message = match (half, stored) {
+                (Some((have, lack)), _) => format!(
                     "no tensor named '{name}': there is '{name}{have}' but not '{name}{lack}', \
                      the other half of the MXFP4 pair that would store it"
                 ),
-                None => format!("no tensor named '{name}'"),
+                (None, Some(stored)) => format!(
+                    "no tensor named '{stored}', where this multimodal checkpoint would store \
+                     its text model's '{name}'"
+                ),
+                (None, None) => format!("no tensor named '{name}'"),
             };
             Error::weights(&self.origin, message)
         })
@@ -358,6 +416,7 @@ impl fmt::Debug for TensorSource {
             .field("files", &self.files.len())
             .field("tensors", &self.tensors.len())
             .field("packed", &self.packed.len())
+            .field("text_prefix", &self.text_prefix)
             .finish()
     }
 }

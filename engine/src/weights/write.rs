@@ -4,7 +4,9 @@
 //! `huggingface_hub.split_torch_state_dict_into_shards`).
 //!
 //! Every file is written atomically; for a sharded checkpoint the index is written last, so it
-//! never names a shard that is not complete.
+//! never names a shard that is not complete. A tensor may also be given as the bytes it is stored
+//! as elsewhere ([`TensorData::Stored`]), copied in its own dtype: a multimodal model's vision
+//! tower, which Sluice does not train.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
@@ -16,13 +18,16 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::weights::atomic::{sync_dir, write_file_atomically};
-use crate::weights::read::{INDEX_FILE, SINGLE_FILE};
+use crate::weights::read::{Dtype, INDEX_FILE, SINGLE_FILE};
 
 /// transformers' default `max_shard_size` ("5GB").
 pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
 
 /// Elements encoded per write call: bounds the staging buffer, keeps writes large.
 const ENCODE_CHUNK: usize = 1 << 20;
+/// Bytes of a stored tensor copied per write call, so a large one pages through its source's
+/// mapping a piece at a time.
+const COPY_CHUNK: usize = 8 << 20;
 
 /// The dtype tensors are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -60,7 +65,8 @@ impl SaveDtype {
     }
 }
 
-/// A named tensor to write: row-major f32 data of the given shape.
+/// A named tensor to write: row-major data of the given shape, f32 values written in the
+/// folder's [`SaveDtype`], or stored bytes written as they are.
 #[derive(Clone)]
 pub struct TensorRef<'a> {
     pub name: &'a str,
@@ -72,18 +78,31 @@ pub struct TensorRef<'a> {
 pub type ReadValues<'a> = &'a (dyn Fn(usize, &mut [f32]) -> Result<()> + Sync);
 
 /// A tensor's values: in memory, or read a chunk at a time as they are written (a training
-/// state saved straight from the host store and the disk tier, without a copy of it all).
+/// state saved straight from the host store and the disk tier, without a copy of it all), or
+/// bytes in a dtype of their own, copied unchanged (a tensor of another checkpoint, from its
+/// memory mapping).
 #[derive(Clone)]
 pub enum TensorData<'a> {
     Slice(&'a [f32]),
     Read { len: usize, read: ReadValues<'a> },
+    Stored { dtype: Dtype, bytes: &'a [u8] },
 }
 
 impl<'a> TensorData<'a> {
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
             TensorData::Slice(s) => s.len(),
             TensorData::Read { len, .. } => *len,
+            TensorData::Stored { dtype, bytes } => bytes.len() * 8 / dtype.bitsize().max(1),
+        }
+    }
+
+    /// Bytes in the file when written in `dtype` (a stored tensor keeps its own).
+    fn bytes_as(&self, dtype: SaveDtype) -> usize {
+        match self {
+            TensorData::Stored { bytes, .. } => bytes.len(),
+            _ => self.len() * dtype.bytes_per_element(),
         }
     }
 
@@ -95,7 +114,7 @@ impl<'a> TensorData<'a> {
     pub fn as_slice(&self) -> Option<&'a [f32]> {
         match self {
             TensorData::Slice(s) => Some(s),
-            TensorData::Read { .. } => None,
+            TensorData::Read { .. } | TensorData::Stored { .. } => None,
         }
     }
 }
@@ -145,8 +164,7 @@ pub fn write_safetensors(
                 weight_map.insert(t.name.to_string(), file_name.clone());
             }
         }
-        let total_size: usize =
-            tensors.iter().map(|t| t.data.len() * dtype.bytes_per_element()).sum();
+        let total_size: usize = tensors.iter().map(|t| t.data.bytes_as(dtype)).sum();
         let index = serde_json::json!({
             "metadata": { "total_size": total_size },
             "weight_map": weight_map,
@@ -187,7 +205,18 @@ fn validate(tensors: &[TensorRef<'_>], max_shard_bytes: usize) -> Result<()> {
             return Err(Error::invalid(format!("tensor '{}' is given twice", t.name)));
         }
         let numel = t.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        if numel != Some(t.data.len()) {
+        if let TensorData::Stored { dtype, bytes } = t.data {
+            let bits = numel.and_then(|n| n.checked_mul(dtype.bitsize()));
+            let want = bits.filter(|b| b.is_multiple_of(8)).map(|b| b / 8);
+            if want != Some(bytes.len()) {
+                return Err(Error::invalid(format!(
+                    "tensor '{}': shape {:?} of {dtype} does not match its {} bytes",
+                    t.name,
+                    t.shape,
+                    bytes.len()
+                )));
+            }
+        } else if numel != Some(t.data.len()) {
             return Err(Error::invalid(format!(
                 "tensor '{}': shape {:?} does not match its {} values",
                 t.name,
@@ -208,7 +237,7 @@ fn plan_shards<'t, 'a>(
     let mut shards: Vec<Vec<&TensorRef<'a>>> = Vec::new();
     let mut current_bytes = 0usize;
     for t in tensors {
-        let bytes = t.data.len() * dtype.bytes_per_element();
+        let bytes = t.data.bytes_as(dtype);
         match shards.last_mut() {
             Some(current) if current_bytes.saturating_add(bytes) <= max_shard_bytes => {
                 current.push(t);
@@ -233,21 +262,32 @@ fn write_shard(path: &Path, tensors: &[&TensorRef<'_>], dtype: SaveDtype) -> Res
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
         let mut staging = Vec::with_capacity(ENCODE_CHUNK * dtype.bytes_per_element());
+        let mut encoded = |w: &mut std::io::BufWriter<fs::File>, values: &[f32]| {
+            staging.clear();
+            encode(values, dtype, &mut staging);
+            w.write_all(&staging)
+        };
         let mut values = Vec::new();
         for t in tensors {
-            let len = t.data.len();
-            for start in (0..len).step_by(ENCODE_CHUNK) {
-                let chunk = match &t.data {
-                    TensorData::Slice(s) => &s[start..(start + ENCODE_CHUNK).min(len)],
-                    TensorData::Read { read, .. } => {
+            match t.data {
+                TensorData::Slice(s) => {
+                    for chunk in s.chunks(ENCODE_CHUNK) {
+                        encoded(w, chunk)?;
+                    }
+                }
+                TensorData::Read { len, read } => {
+                    for start in (0..len).step_by(ENCODE_CHUNK) {
                         values.resize((len - start).min(ENCODE_CHUNK), 0.0);
                         read(start, &mut values).map_err(io::Error::other)?;
-                        &values[..]
+                        encoded(w, &values)?;
                     }
-                };
-                staging.clear();
-                encode(chunk, dtype, &mut staging);
-                w.write_all(&staging)?;
+                }
+                // Another checkpoint's bytes, in their own dtype, as they are.
+                TensorData::Stored { bytes, .. } => {
+                    for chunk in bytes.chunks(COPY_CHUNK) {
+                        w.write_all(chunk)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -261,14 +301,17 @@ fn header_bytes(tensors: &[&TensorRef<'_>], dtype: SaveDtype) -> Vec<u8> {
     let mut header = String::from(r#"{"__metadata__":{"format":"pt"}"#);
     let mut offset = 0usize;
     for t in tensors {
-        let end = offset + t.data.len() * dtype.bytes_per_element();
+        let end = offset + t.data.bytes_as(dtype);
         let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
+        let stored_as = match t.data {
+            TensorData::Stored { dtype, .. } => dtype.to_string(),
+            _ => dtype.safetensors_name().to_string(),
+        };
         // `write!` into a String cannot fail.
         let _ = write!(
             header,
-            r#",{}:{{"dtype":"{}","shape":[{}],"data_offsets":[{offset},{end}]}}"#,
+            r#",{}:{{"dtype":"{stored_as}","shape":[{}],"data_offsets":[{offset},{end}]}}"#,
             serde_json::Value::from(t.name),
-            dtype.safetensors_name(),
             shape.join(","),
         );
         offset = end;

@@ -12,9 +12,9 @@ use super::cache::{self, CachedModel, SINGLE_WEIGHTS, WEIGHTS_INDEX};
 use super::client::{Hub, RemoteFile};
 use super::{HubError, HubResult, check_repo, check_revision};
 
-/// Besides the weights: the config, generation defaults and every tokenizer file transformers
-/// may read.
-const WANTED: [&str; 11] = [
+/// Besides the weights: the config, generation defaults, every tokenizer file transformers
+/// may read, and a multimodal model's processor files (which its checkpoints carry on).
+const WANTED: [&str; 13] = [
     "config.json",
     "generation_config.json",
     "tokenizer.json",
@@ -26,6 +26,8 @@ const WANTED: [&str; 11] = [
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 ];
 
 /// What a pull will download.

@@ -321,3 +321,83 @@ async fn a_local_folder_of_every_family_is_listed_and_planned() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// A Gemma 3 multimodal folder (`Gemma3ForConditionalGeneration`: the golden gemma3 case's
+/// config under `text_config`, its tensors under `language_model.model.*`, a vision tensor
+/// beside them) is listed as `gemma3` with a note that only its text model is trained, counted
+/// at its text model's size, and planned; a multimodal family Sluice does not train is refused
+/// by name.
+#[tokio::test]
+async fn a_gemma3_multimodal_folder_is_listed_with_its_note_and_planned() -> anyhow::Result<()> {
+    use sluice_engine::weights::{SaveDtype, TensorRef, TensorSource, write_safetensors};
+
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/gemma3");
+    let text: Value = serde_json::from_str(&std::fs::read_to_string(golden.join("config.json"))?)?;
+    let config = serde_json::json!({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "mm_tokens_per_image": 4, "image_token_index": 95, "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 4},
+    });
+    let dir = app.state.models_dir().join("gemma3-mm");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("config.json"), config.to_string())?;
+    let source = TensorSource::open(&golden)?;
+    let mut tensors = Vec::new();
+    for name in source.names() {
+        tensors.push((
+            format!("language_model.{name}"),
+            source.shape(&name)?,
+            source.read_f32(&name)?,
+        ));
+    }
+    let vision = vec![0.5f32; 8];
+    tensors.push(("vision_tower.vision_model.post_layernorm.weight".into(), vec![8], vision));
+    let refs: Vec<TensorRef<'_>> = tensors
+        .iter()
+        .map(|(n, s, v)| TensorRef { name: n, shape: s.clone(), data: v[..].into() })
+        .collect();
+    write_safetensors(&dir, &refs, SaveDtype::F32, usize::MAX)?;
+    let llava = app.state.models_dir().join("llava");
+    std::fs::create_dir_all(&llava)?;
+    let llava_config = serde_json::json!({"model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"], "text_config": {"model_type": "llama"}});
+    std::fs::write(llava.join("config.json"), llava_config.to_string())?;
+
+    let listed = admin.get("/api/models").await?.json()?;
+    let listed = listed.as_array().cloned().unwrap_or_default();
+    let model = listed.iter().find(|m| m["id"] == "local:gemma3-mm");
+    let model = model.unwrap_or_else(|| panic!("the multimodal folder is not listed: {listed:?}"));
+    assert_eq!(model["family"], "gemma3", "{model}");
+    let note = model["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("Gemma3ForConditionalGeneration: only the text model is trained"),
+        "{model}"
+    );
+    let text_only = listed.iter().find(|m| m["family"] == "llama" && m["kind"] == "preset");
+    assert!(text_only.is_some_and(|m| m["note"].is_null()), "a text model has no note");
+    let spec = sluice_engine::spec::ModelSpec::from_path(&golden)?;
+    assert_eq!(model["params"].as_u64(), Some(spec.total_params() as u64), "the text model's size");
+    let plan = admin
+        .post(
+            "/api/plan",
+            serde_json::json!({"model": "local:gemma3-mm", "gpu": "cpu", "seq_len": 32}),
+        )
+        .await?;
+    assert_eq!(plan.status, StatusCode::OK, "{}", plan.text());
+
+    assert!(!listed.iter().any(|m| m["id"] == "local:llava"), "an unsupported family is listed");
+    let plan = admin
+        .post("/api/plan", serde_json::json!({"model": "local:llava", "gpu": "cpu", "seq_len": 32}))
+        .await?;
+    assert_eq!(plan.status, StatusCode::BAD_REQUEST, "{}", plan.text());
+    assert!(
+        plan.error().contains(
+            "multimodal model_type \"llava\" (LlavaForConditionalGeneration) is not supported"
+        ),
+        "{}",
+        plan.text()
+    );
+    Ok(())
+}

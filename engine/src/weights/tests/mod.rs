@@ -2,6 +2,7 @@
 //! promises, and the folder swap.
 
 mod folder;
+mod multimodal;
 mod mxfp4;
 mod read_errors;
 mod round_trip;

@@ -26,7 +26,7 @@ async function refresh() {
           el('td', { title: m.description || null }, m.kind === 'preset'
             ? [el('div', {}, 'Preset: random weights'), el('div', { class: 'small muted' }, 'for trying the appliance, not for real use')]
             : ORIGINS[m.origin] || m.kind || '—'),
-          el('td', {}, m.family || '—'),
+          el('td', {}, m.family || '—', m.note ? el('div', { class: 'small muted' }, m.note) : null),
           el('td', { class: 'num', title: typeof m.params === 'number' ? m.params.toLocaleString('en-US') : null }, fmtCount(m.params)),
           el('td', { class: 'actions' }, el('a', { class: 'btn small', href: `/jobs/new?model=${encodeURIComponent(m.id)}` }, 'Train')))))));
   } catch (err) {

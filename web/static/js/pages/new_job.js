@@ -84,7 +84,7 @@ function applyPreset(name) {
 
 function describeModel() {
   const m = selectedModel();
-  $('#model-hint').textContent = m ? [m.family, m.kind === 'preset' ? 'preset, starts from random weights' : 'local folder'].filter(Boolean).join(' · ') : '';
+  $('#model-hint').textContent = m ? [m.family, m.kind === 'preset' ? 'preset, starts from random weights' : 'local folder', m.note].filter(Boolean).join(' · ') : '';
   const random = !m || m.kind === 'preset';
   $('#lr-hint').textContent = `how far each step moves the model; empty: ${random ? '1e-3 (random weights learn fast)' : '2e-5 (keeps what the model knows)'}`;
   $('#lr').placeholder = random ? '1e-3' : '2e-5';
