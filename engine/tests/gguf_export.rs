@@ -124,6 +124,10 @@ fn fine_tuned_smollm2_exports_to_gguf_that_gguf_py_reads_and_sluice_imports_back
     let (_, tuned) = HostParams::load_dir(&checkpoint).expect("checkpoint loads");
     let (_, original) = HostParams::load_dir(&base).expect("base loads");
     assert_ne!(tuned.units[1], original.units[1], "layer 0 did not change");
+    drop((tuned, original));
+    // The test writes several copies of a 135M-parameter model; each goes as soon as it has
+    // served, so the test needs about a gigabyte of disk at a time, not several.
+    remove(&base);
 
     for ty in [GgufType::Q8_0, GgufType::F16] {
         let file = tmp.path().join(format!("smollm2-{ty}.gguf"));
@@ -137,5 +141,11 @@ fn fine_tuned_smollm2_exports_to_gguf_that_gguf_py_reads_and_sluice_imports_back
         let text = capital_of_france(&back);
         println!("{ty} continuation: {text:?}");
         assert!(text.starts_with(" Paris"), "{ty} continuation {text:?}");
+        remove(&back);
+        std::fs::remove_file(&file).expect("removes the exported file");
     }
+}
+
+fn remove(dir: &Path) {
+    std::fs::remove_dir_all(dir).unwrap_or_else(|e| panic!("removes {}: {e}", dir.display()));
 }
