@@ -1619,7 +1619,8 @@ fn training_step_every_family() {
 }
 
 /// The streaming schedule on the GPU (asynchronous copies on their own streams, weight
-/// prefetch, every gradient tier, both checkpoint tiers) against the reference loop on the GPU.
+/// prefetch, resident units beside streamed ones, every gradient tier, both checkpoint tiers)
+/// against the reference loop on the GPU.
 /// Untied models run the same ops in the same order, so the losses and the weights are equal
 /// bit for bit: a copy racing the compute that reads or reuses its buffer would show here. A
 /// tied embedding sums its two gradient parts in another order: 1e-5 of the loss (bf16
@@ -1655,10 +1656,17 @@ fn streaming_schedule_matches_the_reference_loop() {
             .map(|k| (0..3).map(|b| random_batch(spec.vocab, 2, 21, 60 + 3 * k + b)).collect())
             .collect();
         let tied = spec.tie_embeddings;
-        for &(checkpoints, interval, gradients, clip, weights, ring_slots, on_disk) in &tiers {
+        for (n, &(checkpoints, interval, gradients, clip, weights, ring_slots, on_disk)) in
+            tiers.iter().enumerate()
+        {
+            // Every other case keeps the odd units resident beside the streamed ones: their
+            // uploads are prefetched a layer ahead and wait only for their own slot's last read.
+            let resident: Vec<usize> =
+                if n % 2 == 1 { (1..spec.layers + 2).step_by(2).collect() } else { Vec::new() };
             let what = format!(
                 "{case} {checkpoints:?} checkpoints every {interval}, {gradients:?} \
-                 ({ring_slots} ring slots), {weights:?}, moments on disk: {on_disk}"
+                 ({ring_slots} ring slots), {weights:?}, moments on disk: {on_disk}, \
+                 resident units {resident:?}"
             );
             let tier_dir = tempfile::tempdir().expect("a folder for the disk tier");
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
@@ -1670,7 +1678,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                 checkpoints,
                 checkpoint_interval: interval,
                 optimizer_threads: 4,
-                resident: Vec::new(),
+                resident,
                 gradients,
                 weights,
                 ring_slots,

@@ -126,16 +126,15 @@ pub struct StepTraffic {
 
 /// Events ordering the three streams, named after what they guard.
 struct Events<B: Backend> {
-    /// The upload into slot i has finished: compute may read it.
-    weights_ready: [B::Event; 2],
-    /// Compute has finished reading slot i: the next upload may overwrite it.
-    slot_free: [B::Event; 2],
+    /// Per slot (streaming and resident): the upload into slot i has finished, compute may
+    /// read it.
+    weights_ready: Vec<B::Event>,
+    /// Per slot: compute has finished reading slot i, the next upload may overwrite it.
+    slot_free: Vec<B::Event>,
     /// Checkpoint transfers (either direction) queued so far have finished.
     checkpoints_moved: B::Event,
     /// Host tier: the copies out of working set i have finished; compute may overwrite it.
     work_free: [B::Event; 2],
-    /// A resident unit's new weights have arrived.
-    resident_ready: B::Event,
     /// Compute has produced the activations a checkpoint copy reads.
     activations_ready: B::Event,
 }
@@ -390,6 +389,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 slots.push(act(unit.len)?);
             }
         }
+        let slot_count = slots.len();
         let lens = layout.units.iter().map(|u| u.len).collect();
         let lands = peers.as_ref().is_none_or(|p| p.rank() == 0);
         let (grads, grad_bytes) =
@@ -430,12 +430,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
             compute: b.compute_stream(),
             d2h: b.new_stream()?,
             events: Events {
-                weights_ready: [b.new_event()?, b.new_event()?],
-                slot_free: [b.new_event()?, b.new_event()?],
+                weights_ready: (0..slot_count).map(|_| b.new_event()).collect::<Result<_>>()?,
+                slot_free: (0..slot_count).map(|_| b.new_event()).collect::<Result<_>>()?,
                 checkpoints_moved: b.new_event()?,
                 work_free: [b.new_event()?, b.new_event()?],
                 activations_ready: b.new_event()?,
-                resident_ready: b.new_event()?,
             },
             slots,
             cast_staging,
@@ -508,7 +507,13 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// Queues unit `u`'s upload into the free slot while the current unit computes, so its
     /// weights are there when compute needs them.
     fn prefetch(&mut self, u: usize) -> Result<()> {
-        if self.resident_slot[u].is_some() || self.slot_holds.contains(&Some((u, self.step))) {
+        if let Some(slot) = self.resident_slot[u] {
+            if self.resident_step[u] != Some(self.step) {
+                self.upload_resident(u, slot)?;
+            }
+            return Ok(());
+        }
+        if self.slot_holds.contains(&Some((u, self.step))) {
             return Ok(());
         }
         self.upload_unit(u, self.next_slot)?;
@@ -570,28 +575,36 @@ impl<'b, B: Backend> Streamer<'b, B> {
         Ok(())
     }
 
+    /// A resident unit: uploads this step's weights unless a prefetch already queued them;
+    /// compute waits for them (a no-op once they have arrived).
     fn load_resident(&mut self, u: usize, slot: usize) -> Result<usize> {
-        if self.resident_step[u] == Some(self.step) {
-            return Ok(slot);
+        if self.resident_step[u] != Some(self.step) {
+            self.upload_resident(u, slot)?;
         }
-        let b = self.b;
-        self.wait_updated(u)?;
-        // Compute may still read last step's weights: the upload waits for all work so far.
-        b.record(&self.events.activations_ready, &self.compute)?;
-        b.wait(&self.h2d, &self.events.activations_ready)?;
-        self.queue_weights(u, slot)?;
-        b.record(&self.events.resident_ready, &self.h2d)?;
-        b.wait(&self.compute, &self.events.resident_ready)?;
-        self.resident_step[u] = Some(self.step);
+        self.b.wait(&self.compute, &self.events.weights_ready[slot])?;
         Ok(slot)
     }
 
-    /// Marks the end of compute's use of `slot` (resident slots need no mark).
+    /// Queues the upload of resident unit `u`'s weights as of this step into its own slot,
+    /// once its update has been applied and compute has finished last step's reads of the
+    /// slot. Because the wait is on the slot's own release, not on all compute so far, the
+    /// upload overlaps the layers before it.
+    fn upload_resident(&mut self, u: usize, slot: usize) -> Result<()> {
+        let b = self.b;
+        self.wait_updated(u)?;
+        b.wait(&self.h2d, &self.events.slot_free[slot])?;
+        self.queue_weights(u, slot)?;
+        b.record(&self.events.weights_ready[slot], &self.h2d)?;
+        self.resident_step[u] = Some(self.step);
+        Ok(())
+    }
+
+    /// Marks the end of compute's use of `slot`: the slot's next upload waits for this mark.
     fn release_slot(&self, slot: usize) -> Result<()> {
-        match self.events.slot_free.get(slot) {
-            Some(event) => self.b.record(event, &self.compute),
-            None => Ok(()),
-        }
+        let event = self.events.slot_free.get(slot).ok_or_else(|| {
+            Error::invalid(format!("no weight slot {slot} ({} kept)", self.slots.len()))
+        })?;
+        self.b.record(event, &self.compute)
     }
 
     /// Unit `u`'s gradients are complete: see [`Grads::end`]. `early` carries the learning
