@@ -491,46 +491,51 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// resident unit is uploaded only once per step, a streamed one is found in a slot (still
     /// there, or prefetched) or uploaded into the next one. Compute waits for the upload.
     fn load_unit(&mut self, u: usize) -> Result<usize> {
-        if let Some(slot) = self.resident_slot[u] {
-            return self.load_resident(u, slot);
-        }
-        let slot = match self.slot_holds.iter().position(|h| *h == Some((u, self.step))) {
+        self.prefetch(u)?;
+        let slot = match self.resident_slot[u] {
             Some(slot) => slot,
-            None => self.upload_unit(u, self.next_slot)?,
+            None => {
+                let held = self.slot_holds.iter().position(|h| *h == Some((u, self.step)));
+                let slot = held.ok_or_else(|| {
+                    Error::invalid(format!("unit {u} is in no weight slot after its upload"))
+                })?;
+                // The next upload goes to the other slot, never over the one about to be read.
+                self.next_slot = 1 - slot;
+                slot
+            }
         };
-        // The next upload goes to the other slot, never over the one about to be read.
-        self.next_slot = 1 - slot;
         self.b.wait(&self.compute, &self.events.weights_ready[slot])?;
         Ok(slot)
     }
 
-    /// Queues unit `u`'s upload into the free slot while the current unit computes, so its
-    /// weights are there when compute needs them.
+    /// Queues unit `u`'s upload of this step's weights, unless already queued, while the
+    /// current unit computes, so its weights are there when compute needs them: into its own
+    /// slot when resident, else into the free half of the double buffer.
     fn prefetch(&mut self, u: usize) -> Result<()> {
-        if let Some(slot) = self.resident_slot[u] {
-            if self.resident_step[u] != Some(self.step) {
-                self.upload_resident(u, slot)?;
-            }
-            return Ok(());
-        }
-        if self.slot_holds.contains(&Some((u, self.step))) {
-            return Ok(());
-        }
-        self.upload_unit(u, self.next_slot)?;
-        Ok(())
+        let slot = match self.resident_slot[u] {
+            Some(_) if self.resident_step[u] == Some(self.step) => return Ok(()),
+            Some(slot) => slot,
+            None if self.slot_holds.contains(&Some((u, self.step))) => return Ok(()),
+            None => self.next_slot,
+        };
+        self.upload_unit(u, slot)
     }
 
-    /// Queues the upload of unit `u`'s weights as of this step into streaming slot `slot`,
-    /// once compute has finished with the slot's previous unit. Waits (on the host) for the
-    /// unit's pending update first.
-    fn upload_unit(&mut self, u: usize, slot: usize) -> Result<usize> {
+    /// Queues the upload of unit `u`'s weights as of this step into `slot` (a streaming slot,
+    /// or the unit's resident one), once compute has finished its reads of the slot's previous
+    /// contents: for a resident slot, last step's, so the upload overlaps the layers before it.
+    /// Waits (on the host) for the unit's pending update first.
+    fn upload_unit(&mut self, u: usize, slot: usize) -> Result<()> {
         let b = self.b;
         self.wait_updated(u)?;
         b.wait(&self.h2d, &self.events.slot_free[slot])?;
         self.queue_weights(u, slot)?;
         b.record(&self.events.weights_ready[slot], &self.h2d)?;
-        self.slot_holds[slot] = Some((u, self.step));
-        Ok(slot)
+        match self.resident_slot[u] {
+            Some(_) => self.resident_step[u] = Some(self.step),
+            None => self.slot_holds[slot] = Some((u, self.step)),
+        }
+        Ok(())
     }
 
     /// Queues the copy of unit `u`'s streaming weights into `slot` on `h2d` (the caller orders
@@ -575,34 +580,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
         Ok(())
     }
 
-    /// A resident unit: uploads this step's weights unless a prefetch already queued them;
-    /// compute waits for them (a no-op once they have arrived).
-    fn load_resident(&mut self, u: usize, slot: usize) -> Result<usize> {
-        if self.resident_step[u] != Some(self.step) {
-            self.upload_resident(u, slot)?;
-        }
-        self.b.wait(&self.compute, &self.events.weights_ready[slot])?;
-        Ok(slot)
-    }
-
-    /// Queues the upload of resident unit `u`'s weights as of this step into its own slot,
-    /// once its update has been applied and compute has finished last step's reads of the
-    /// slot. Because the wait is on the slot's own release, not on all compute so far, the
-    /// upload overlaps the layers before it.
-    fn upload_resident(&mut self, u: usize, slot: usize) -> Result<()> {
-        let b = self.b;
-        self.wait_updated(u)?;
-        b.wait(&self.h2d, &self.events.slot_free[slot])?;
-        self.queue_weights(u, slot)?;
-        b.record(&self.events.weights_ready[slot], &self.h2d)?;
-        self.resident_step[u] = Some(self.step);
-        Ok(())
-    }
-
     /// Marks the end of compute's use of `slot`: the slot's next upload waits for this mark.
     fn release_slot(&self, slot: usize) -> Result<()> {
         let event = self.events.slot_free.get(slot).ok_or_else(|| {
-            Error::invalid(format!("no weight slot {slot} ({} kept)", self.slots.len()))
+            Error::invalid(format!("no weight slot {slot} of {}", self.slots.len()))
         })?;
         self.b.record(event, &self.compute)
     }
@@ -624,6 +605,16 @@ impl<'b, B: Backend> Streamer<'b, B> {
             coef: 1.0,
             grad: GradAt::Unit,
         });
+        let landed = self.with_grads(|grads, path| grads.end(path, u, job))?;
+        self.note_landed(&landed, started);
+        Ok(())
+    }
+
+    /// Runs `f` on the gradient tiers with the path their copies and updates take.
+    fn with_grads<T>(
+        &mut self,
+        f: impl FnOnce(&mut Grads<B>, &GradPath<'_, B>) -> Result<T>,
+    ) -> Result<T> {
         let path = GradPath {
             b: self.b,
             store: &self.store,
@@ -631,9 +622,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             compute: &self.compute,
             d2h: &self.d2h,
         };
-        let landed = self.grads.end(&path, u, job)?;
-        self.note_landed(&landed, started);
-        Ok(())
+        f(&mut self.grads, &path)
     }
 
     /// Device store: lands gradients still on the device up to unit `upto` (all with `None`)
@@ -643,14 +632,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             return Ok(());
         }
         let started = Instant::now();
-        let path = GradPath {
-            b: self.b,
-            store: &self.store,
-            worker: &self.worker,
-            compute: &self.compute,
-            d2h: &self.d2h,
-        };
-        let landed = self.grads.pump(&path, upto)?;
+        let landed = self.with_grads(|grads, path| grads.pump(path, upto))?;
         self.note_landed(&landed, started);
         Ok(())
     }
