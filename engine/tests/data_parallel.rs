@@ -42,6 +42,7 @@ fn options(gradients: GradientTier) -> ScheduleOptions {
         ring_slots: RING_SLOTS,
         disk: None,
         kept: Vec::new(),
+        kept_attention: Vec::new(),
     }
 }
 

@@ -1669,6 +1669,7 @@ fn streaming_schedule_matches_the_reference_loop() {
                  resident units {resident:?}"
             );
             let tier_dir = tempfile::tempdir().expect("a folder for the disk tier");
+            let keeps = checkpoints == CheckpointTier::Device && interval == 1;
             let cfg = TrainConfig { max_grad_norm: clip, ..config() };
             let mut reference =
                 Trainer::new(gpu(), &spec, p.clone(), cfg.clone(), 42).expect("trainer");
@@ -1686,16 +1687,12 @@ fn streaming_schedule_matches_the_reference_loop() {
                     dir: tier_dir.path().to_path_buf(),
                     units: (0..spec.layers + 2).collect(),
                 }),
-                // Dense layers with every input checkpointed on the device keep layer 0's
-                // activations (no recompute) beside layer 1's recompute.
-                kept: if checkpoints == CheckpointTier::Device
-                    && interval == 1
-                    && spec.moe.is_none()
-                {
-                    vec![0]
-                } else {
-                    Vec::new()
-                },
+                // With every input checkpointed on the device, dense layers keep layer 0's
+                // activations (no recompute) beside layer 1's recompute, which in every other
+                // case skips its attention (its output kept); a mixture of experts keeps
+                // layer 1's attention output in those cases.
+                kept: if keeps && spec.moe.is_none() { vec![0] } else { Vec::new() },
+                kept_attention: if keeps && n % 2 == 0 { vec![1] } else { Vec::new() },
             };
             let mut streamer =
                 Streamer::new(gpu(), &spec, p.clone(), cfg, options).expect("streamer");
@@ -2134,6 +2131,7 @@ fn nccl_data_parallel_matches_the_single_gpu_streamer() {
         ring_slots: RING_SLOTS,
         disk: None,
         kept: Vec::new(),
+        kept_attention: Vec::new(),
     };
     let second = match sluice_engine::backend::cuda::probe().expect("GPUs") {
         n if n >= 2 => Some(Cuda::new(1).expect("GPU 1")),

@@ -58,6 +58,7 @@ fn options(
         ring_slots: RING_SLOTS,
         disk: None,
         kept: Vec::new(),
+        kept_attention: Vec::new(),
     }
 }
 
@@ -81,18 +82,27 @@ fn check_ring(
     resident: Vec<usize>,
     weights: WeightSource,
 ) {
-    check_disk(case, checkpointing, ring, clip, (resident, weights), (&[], &[]));
+    check_disk(case, checkpointing, ring, clip, (resident, weights), (&[], Kept::default()));
+}
+
+/// Decoder layers whose activations the streamer keeps from the forward to the backward: all
+/// of them (`layers`, no recompute) or only the attention's output (`attention`, the recompute
+/// skips the attention).
+#[derive(Debug, Clone, Copy, Default)]
+struct Kept<'a> {
+    layers: &'a [usize],
+    attention: &'a [usize],
 }
 
 /// [`check_ring`] with the Adam moments of units `disk` on the disk tier and the activations of
-/// layers `kept` kept from the forward to the backward.
+/// the layers in `kept` kept from the forward to the backward.
 fn check_disk(
     case: &str,
     (checkpoints, checkpoint_interval): (CheckpointTier, usize),
     (gradients, ring_slots): (GradientTier, usize),
     clip: Option<f32>,
     (resident, weights): (Vec<usize>, WeightSource),
-    (disk, kept): (&[usize], &[usize]),
+    (disk, kept): (&[usize], Kept<'_>),
 ) {
     let (spec, params): (ModelSpec, HostParams) = if case == "tiny" {
         // The 4-layer preset: deep enough for several checkpoint groups.
@@ -116,7 +126,8 @@ fn check_disk(
         ring_slots,
         disk: (!disk.is_empty())
             .then(|| DiskOptions { dir: tier_dir.path().to_path_buf(), units: disk.to_vec() }),
-        kept: kept.to_vec(),
+        kept: kept.layers.to_vec(),
+        kept_attention: kept.attention.to_vec(),
         ..options((checkpoints, checkpoint_interval), gradients)
     };
     let mut streamer = Streamer::new(&cpu, &spec, params, config(clip), options).expect("streamer");
@@ -248,16 +259,26 @@ fn resident_units_give_the_same_results_with_less_traffic() {
 
 #[test]
 fn kept_activations_give_the_same_results_without_the_recompute() {
-    // The forward writes a kept layer's state where its backward reads it; the recompute it
-    // replaces computed the same values, so the results are the reference's bits. Every dense
-    // family, with one layer kept (beside recomputed ones) and all of them.
-    let dense = FAMILIES
-        .into_iter()
-        .filter(|c| !["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"].contains(c));
-    for case in dense.chain(["tiny"]) {
+    // The forward writes a kept layer's state (or its attention output) where its backward
+    // reads it; the recompute it replaces computed the same values, so the results are the
+    // reference's bits. Every family: a dense one with one layer kept (beside recomputed ones),
+    // all of them, one kept beside one whose attention output is kept, and every attention
+    // output kept; a mixture of experts keeps attention outputs only.
+    for case in FAMILIES.into_iter().chain(["tiny"]) {
+        let moe = ["mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe"].contains(&case);
         let layers = if case == "tiny" { 4 } else { 2 };
         let all: Vec<usize> = (0..layers).collect();
-        for kept in [&[1][..], &all] {
+        let none: &[usize] = &[];
+        let dense_sets = [
+            Kept { layers: &[1], attention: none },
+            Kept { layers: &all, attention: none },
+            Kept { layers: &[0], attention: &[1] },
+            Kept { layers: none, attention: &all },
+        ];
+        let moe_sets =
+            [Kept { layers: none, attention: &[1] }, Kept { layers: none, attention: &all }];
+        let sets: &[Kept<'_>] = if moe { &moe_sets } else { &dense_sets };
+        for &kept in sets {
             check_disk(
                 case,
                 (CheckpointTier::Device, 1),
@@ -278,8 +299,9 @@ fn kept_activations_give_the_same_results_without_the_recompute() {
     }
 }
 
-/// A mixture of experts keeps no activations, and kept activations need every layer's input
-/// checkpointed on the device: the streamer refuses other options rather than run them.
+/// A mixture of experts keeps no whole layer's activations, and kept activations (whole or
+/// attention outputs) need every layer's input checkpointed on the device: the streamer
+/// refuses other options rather than run them.
 #[test]
 fn kept_activations_are_refused_where_the_schedule_cannot_keep_them() {
     let cpu = Cpu;
@@ -304,6 +326,23 @@ fn kept_activations_are_refused_where_the_schedule_cannot_keep_them() {
         .err()
         .expect("a mixture of experts");
     assert!(err.to_string().contains("mixture of experts"), "{err}");
+    // Kept attention outputs: the same conditions, and a layer kept whole keeps its attention.
+    let attention = |checkpoints, interval, kept: Vec<usize>, kept_attention| ScheduleOptions {
+        kept,
+        kept_attention,
+        ..options(checkpoints, interval)
+    };
+    let refused = |o: ScheduleOptions| {
+        Streamer::new(&cpu, &spec, params(), config(None), o).err().expect("refused").to_string()
+    };
+    let err = refused(attention(CheckpointTier::Host, 1, vec![], vec![1]));
+    assert!(err.contains("checkpointed on the device"), "{err}");
+    let err = refused(attention(CheckpointTier::Device, 2, vec![], vec![1]));
+    assert!(err.contains("checkpointed on the device"), "{err}");
+    let err = refused(attention(CheckpointTier::Device, 1, vec![], vec![4]));
+    assert!(err.contains("no layer 4"), "{err}");
+    let err = refused(attention(CheckpointTier::Device, 1, vec![2], vec![1, 2]));
+    assert!(err.contains("layer 2 keeps all its activations"), "{err}");
 }
 
 #[test]
@@ -389,7 +428,7 @@ fn moments_on_the_disk_tier_equal_the_reference() {
         let units = if case == "tiny" { 6 } else { 4 };
         let all: Vec<usize> = (0..units).collect();
         let ring = (GradientTier::HostRing, RING_SLOTS);
-        let no_kept: &[usize] = &[];
+        let no_kept = Kept::default();
         let (ckpt, copy) = ((CheckpointTier::Device, 1), (Vec::new(), MASTER));
         check_disk(case, ckpt, ring, None, copy, (&all, no_kept));
         let store = (GradientTier::HostStore, RING_SLOTS);

@@ -7,7 +7,8 @@
 //!
 //! This is the one definition of a layer. Training and evaluation attend over the micro-batch's
 //! own packed rows ([`Keys::Packed`]); generation runs the same forward with its keys and values
-//! in a cache ([`Keys::Cached`]), so a family's differences are written once.
+//! in a cache ([`Keys::Cached`]), so a family's differences are written once. A recompute whose
+//! attention output was kept from the forward ([`Keys::Kept`]) skips the attention.
 //!
 //! Mirrors `LlamaDecoderLayer` / `Qwen2DecoderLayer` / `Qwen3DecoderLayer` /
 //! `MistralDecoderLayer` in transformers:
@@ -177,6 +178,14 @@ impl<B: Backend> LayerScratch<B> {
         swap(&mut self.m_rstd, &mut kept.m_rstd);
     }
 
+    /// Exchanges the attention's output and log-sum-exp with `kept`'s (buffer handles, no
+    /// copies): after a layer's forward, so `kept` holds them, and before its recompute, which
+    /// then runs with [`Keys::Kept`] and skips the attention.
+    pub fn swap_attention(&mut self, kept: &mut KeptAttention<B>) {
+        std::mem::swap(&mut self.att, &mut kept.att);
+        std::mem::swap(&mut self.lse, &mut kept.lse);
+    }
+
     fn alloc(b: &B, spec: &ModelSpec, tokens: usize, purpose: ScratchUse) -> Result<Self> {
         // A model whose every layer is a mixture needs no dense MLP buffers.
         let i = if spec.all_sparse() { 0 } else { spec.intermediate };
@@ -242,6 +251,28 @@ impl<B: Backend> LayerScratch<B> {
     }
 }
 
+/// One layer's attention output and log-sum-exp for one micro-batch, kept from the forward to
+/// the backward: the recompute of a layer whose activations are not kept then skips its
+/// attention, which at long context is most of the recompute, for a few percent of a kept
+/// layer's memory (see [`LayerScratch::swap_attention`]). Any family, mixtures of experts too.
+pub struct KeptAttention<B: Backend> {
+    att: B::Floats, // [T, nq hd]
+    lse: B::Floats, // [T, nq]
+    /// Device bytes these buffers take.
+    pub bytes: usize,
+}
+
+impl<B: Backend> KeptAttention<B> {
+    pub fn new(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
+        let (att, lse) = (tokens * spec.attn_width(), tokens * spec.q_heads);
+        Ok(KeptAttention {
+            att: b.alloc(att, FloatKind::Activation)?,
+            lse: b.alloc(lse, FloatKind::Accum)?,
+            bytes: att * b.elem_bytes(FloatKind::Activation) + lse * b.elem_bytes(FloatKind::Accum),
+        })
+    }
+}
+
 /// The head's intermediates.
 pub struct HeadScratch<B: Backend> {
     normed: B::Floats, // [T, H]
@@ -276,6 +307,10 @@ pub enum Keys<'a, B: Backend> {
     /// The micro-batch's own rows, documents by its `cu_seqlens` (training and evaluation); the
     /// log-sum-exp of every query is kept for the backward.
     Packed,
+    /// As `Packed`, with the attention's output and log-sum-exp already in the scratch: this
+    /// micro-batch's first forward computed them and the caller swapped them back in
+    /// ([`LayerScratch::swap_attention`]), so the recompute skips the attention (and sinks).
+    Kept,
     /// One sequence's key/value cache for this layer, `[capacity, nkv hd]` each (generation):
     /// the new tokens sit at positions `past..past + T`, append their keys (after RoPE) and
     /// values at row `past`, and attend to every cached row up to their own.
@@ -295,6 +330,15 @@ impl<'a, B: Backend> LayerAt<'a, B> {
     /// `layer` over the packed rows of `batch`, keeping no router statistics.
     pub fn packed(batch: &'a DeviceBatch<B>, layer: usize) -> Self {
         LayerAt { layer, batch, keys: Keys::Packed, router: RouterStats::Off }
+    }
+
+    /// The same with the attention's output and log-sum-exp kept from the forward
+    /// ([`Keys::Kept`]) when `kept`.
+    pub fn with_kept_attention(mut self, kept: bool) -> Self {
+        if kept {
+            self.keys = Keys::Kept;
+        }
+        self
     }
 
     /// The same with the micro-batch's router statistics (`None` for a dense model).
@@ -593,6 +637,7 @@ impl<B: Backend> Decoder<B> {
                     )?;
                 }
             }
+            Keys::Kept => {}
             Keys::Cached { k, v, past } => {
                 self.attend_cached(b, s, k, v, sinks, &shape.decode(past))?
             }
@@ -738,7 +783,7 @@ impl<B: Backend> Decoder<B> {
         let LayerGrads { dx_out, dx_in, weights: grad } = grads;
         let LayerAt { layer, batch, keys, router } = at;
         let r = self.ranges(layer)?;
-        if !matches!(keys, Keys::Packed) {
+        if !matches!(keys, Keys::Packed | Keys::Kept) {
             return Err(crate::error::Error::invalid(
                 "a layer's backward runs over packed rows, not a key/value cache",
             ));

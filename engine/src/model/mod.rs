@@ -8,8 +8,8 @@ pub mod moe;
 pub mod params;
 
 pub use decoder::{
-    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, Keys, LayerAt, LayerGrads,
-    LayerScratch,
+    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, KeptAttention, Keys, LayerAt,
+    LayerGrads, LayerScratch,
 };
 pub use layout::{
     LayerRanges, MlpRanges, ModelLayout, MoeRanges, TensorSlot, UnitKind, UnitLayout,

@@ -6,10 +6,18 @@ use serde::Serialize;
 use super::sizes::{BF16, F32, Sizes, TOKEN_ARRAYS};
 use super::{CheckpointTier, GradientTier, WeightSource};
 
-/// Device memory kept back for the CUDA context's allocations after start-up, cuBLAS workspaces
-/// and allocator slack: the schedule allocates every buffer at job start, so fragmentation is
-/// bounded, but the libraries allocate on their own.
-pub const DEVICE_RESERVE: u64 = 1 << 30;
+/// Device memory kept back for the CUDA context, cuBLAS workspaces, allocator slack and the
+/// temporaries ops allocate as they run (reductions' partial sums, the attention backward's
+/// f32 rows): the schedule allocates every buffer at job start, so fragmentation is bounded,
+/// but the libraries and those temporaries are not in its buffers. A fixed part plus
+/// [`RESERVE_PER_TOKEN_HIDDEN`] bytes per token of a micro-batch and unit of hidden size, fitted
+/// to the driver's peak on the H200 (2026-12-04, one session), which these planned parts
+/// besides the reserve fell short of by 1.67 GiB at Qwen2.5-1.5B with 8,192 tokens a
+/// micro-batch, 1.97 GiB (at 36 GiB) and 2.43 GiB (whole GPU) at 7B with 8,192, and 2.89 GiB at
+/// 7B with 32,768: the reserve is 2.34, 2.47 and 3.12 GiB there.
+pub const DEVICE_RESERVE: u64 = 9 << 28;
+/// See [`DEVICE_RESERVE`].
+pub const RESERVE_PER_TOKEN_HIDDEN: u64 = 8;
 /// The name of that part of the device budget.
 pub const RUNTIME_RESERVE: &str = "runtime reserve (CUDA context, cuBLAS workspace)";
 /// The name of the device buffer the fp32 master lands in before its cast (a GPU's part only:
@@ -149,6 +157,9 @@ pub struct Layout {
     /// Per unit: whether a decoder layer's activations stay on the device from the forward to
     /// the backward (no recompute).
     pub kept: Vec<bool>,
+    /// Per unit: whether a decoder layer's attention output stays on the device from the
+    /// forward to the backward (its recompute skips the attention).
+    pub kept_attention: Vec<bool>,
 }
 
 impl Layout {
@@ -230,6 +241,16 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
             kept * g * s.kept_layer,
         ));
     }
+    let attention = l.kept_attention.iter().filter(|&&k| k).count() as u64;
+    if attention > 0 {
+        parts.push((
+            format!(
+                "kept attention outputs ({attention} layers x {g} micro-batches, the recompute \
+                 skips the attention)"
+            ),
+            attention * g * s.kept_attention,
+        ));
+    }
     parts.push(("head: final norm and chunked cross-entropy".to_string(), s.head_workspace));
     parts.push((
         "current unit's activations or their gradients, in and out (2 x G micro-batches, bf16)"
@@ -268,7 +289,8 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
         let largest = s.units.iter().map(|u| u.params).max().unwrap_or(0);
         parts.push((CAST_STAGING.to_string(), largest.min(CAST_CHUNK as u64) * F32));
     }
-    parts.push((RUNTIME_RESERVE.to_string(), DEVICE_RESERVE));
+    let temporaries = RESERVE_PER_TOKEN_HIDDEN * s.batch.micro_tokens() * s.hidden;
+    parts.push((RUNTIME_RESERVE.to_string(), DEVICE_RESERVE + temporaries));
     parts
 }
 

@@ -233,6 +233,10 @@ pub struct Placement {
     /// backward, so their backward skips the recompute: as many as the device's spare memory
     /// holds.
     pub kept_layers: Vec<usize>,
+    /// Decoder layers (0-based, none of `kept_layers`) whose attention output and log-sum-exp
+    /// stay on the device, so their recompute skips the attention: where that spares more
+    /// time per byte than whole kept layers (long rows).
+    pub kept_attention_layers: Vec<usize>,
     /// What the weights stream from: the fp32 master (less host memory) unless PCIe bounds
     /// the step, where a half-size copy is faster.
     pub weights: WeightSource,
@@ -608,6 +612,7 @@ fn candidates(s: &Sizes, input: &PlanInput<'_>) -> Vec<(Layout, usize)> {
                     resident: vec![false; s.units.len()],
                     disk: vec![false; s.units.len()],
                     kept: vec![false; s.units.len()],
+                    kept_attention: vec![false; s.units.len()],
                 };
                 place_moments(s, &mut layout, input);
                 // Within a weight source, a simpler checkpoint or gradient placement at the
@@ -724,32 +729,55 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, memory: &MachineMemory) {
     }
 }
 
-/// Keeps the activations of as many decoder layers as the device's memory left over holds, the
-/// last layers first (the order does not change the time: every kept layer spares one
-/// recompute). Only with every layer's input checkpointed on the device (a recompute group of
-/// K > 1 layers recomputes them all), for dense layers (a mixture of experts' routing buffers
-/// have no kept form), and on a GPU.
+/// Spends the device memory the chosen placement leaves on sparing recompute, last layers
+/// first (the order does not change the time): whole layers' activations kept (no recompute),
+/// or only their attention outputs (the recompute skips the attention, which at long context
+/// is most of it, for a few percent of a whole layer's bytes). Every split between the two
+/// that fits is timed and the fastest kept. Only with every layer's input checkpointed on the
+/// device (a recompute group of K > 1 layers recomputes them all) and on a GPU; a mixture of
+/// experts' layers keep only their attention (their routing buffers have no kept form).
 fn fill_kept(s: &Sizes, layout: &mut Layout, input: &PlanInput<'_>) {
     if !input.supports.keep_activations
         || input.memory.shared()
-        || s.kept_layer == 0
         || layout.checkpoints != CheckpointTier::Device
         || layout.interval != 1
     {
         return;
     }
-    // A layer's set is the same size whichever layer it is: count how many fit at once.
+    let g = s.batch.grad_accum as u64;
     let free = budget_for(s, layout, &input.memory);
     let spare = input.memory.gpu_bytes.saturating_sub(free.device.used);
-    let per_layer = s.kept_layer * s.batch.grad_accum as u64;
-    let n = (spare / per_layer.max(1)).min(s.layers as u64) as usize;
-    for u in (1..=s.layers).rev().take(n) {
-        layout.kept[u] = true;
-    }
-    while layout.kept.contains(&true) && budget_for(s, layout, &input.memory).device_over() > 0 {
-        if let Some(u) = layout.kept.iter().position(|&k| k) {
-            layout.kept[u] = false;
+    // Sets are the same size whichever layer they are for: count how many fit at once.
+    let (whole, attention) = (s.kept_layer * g, s.kept_attention * g);
+    let most = spare.checked_div(whole).map_or(0, |n| n.min(s.layers as u64) as usize);
+    let mut best: Option<(f64, Vec<bool>, Vec<bool>)> = None;
+    for n in (0..=most).rev() {
+        let mut l = layout.clone();
+        let rest = spare - n as u64 * whole;
+        let m = rest.checked_div(attention).map_or(0, |m| m as usize);
+        for (i, u) in (1..=s.layers).rev().enumerate() {
+            l.kept[u] = i < n;
+            l.kept_attention[u] = i >= n && i < n + m;
         }
+        // Rounding in the budget's parts: give back sets until it fits.
+        while budget_for(s, &l, &input.memory).device_over() > 0 {
+            if let Some(u) = l.kept_attention.iter().position(|&k| k) {
+                l.kept_attention[u] = false;
+            } else if let Some(u) = l.kept.iter().position(|&k| k) {
+                l.kept[u] = false;
+            } else {
+                break;
+            }
+        }
+        let step = timing::simulate(s, &l, &input.rates, input.memory.disk.as_ref(), 1.0).step;
+        // Ties go to more whole layers (tried first): nothing is recomputed for them at all.
+        if best.as_ref().is_none_or(|(t, _, _)| step < t * 0.9995) {
+            best = Some((step, l.kept, l.kept_attention));
+        }
+    }
+    if let Some((_, kept, kept_attention)) = best {
+        layout.kept = kept;
+        layout.kept_attention = kept_attention;
     }
 }
 
@@ -783,7 +811,7 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
     // Kept activations take only what the chosen placement leaves of the device: they never
     // push gradients or weights elsewhere (the host's memory is the scarcer).
     fill_kept(s, &mut best.layout, input);
-    if best.layout.kept.contains(&true) {
+    if best.layout.kept.contains(&true) || best.layout.kept_attention.contains(&true) {
         best.budget = budget_for(s, &best.layout, &input.memory);
         best.cost =
             timing::simulate(s, &best.layout, &input.rates, input.memory.disk.as_ref(), 1.0);
@@ -858,6 +886,10 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
     let disk_units = l.disk_units();
     Placement {
         kept_layers: (0..s.units.len()).filter(|&u| l.kept[u]).map(|u| u - 1).collect(),
+        kept_attention_layers: (0..s.units.len())
+            .filter(|&u| l.kept_attention[u])
+            .map(|u| u - 1)
+            .collect(),
         resident_summary: report::unit_ranges(s, &resident),
         streamed_units: s.units.len() - resident.len(),
         resident_units: resident,

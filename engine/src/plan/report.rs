@@ -184,6 +184,15 @@ impl fmt::Display for Plan {
                 m.layers
             )?;
         }
+        if !p.kept_attention_layers.is_empty() {
+            writeln!(
+                f,
+                "  kept attention outputs: {} of {} layers keep their attention's output from \
+                 the forward, so their recompute skips the attention",
+                p.kept_attention_layers.len(),
+                m.layers
+            )?;
+        }
         writeln!(
             f,
             "  gradients: {}; optimizer {}",

@@ -116,6 +116,8 @@ pub struct Sizes {
     /// Device bytes of one layer's kept forward state for one micro-batch (0: a mixture of
     /// experts, whose activations are always recomputed).
     pub kept_layer: u64,
+    /// Device bytes of one layer's kept attention output and log-sum-exp for one micro-batch.
+    pub kept_attention: u64,
     /// Device bytes of the head's norm and chunked cross-entropy workspace on a GPU.
     pub head_workspace: u64,
     /// The same on the CPU backend, whose chunks are smaller.
@@ -169,6 +171,7 @@ impl Sizes {
             batch,
             layer_scratch: layer_scratch_bytes(spec, batch.micro_tokens()),
             kept_layer: kept_layer_bytes(spec, batch.micro_tokens()),
+            kept_attention: kept_attention_bytes(spec, batch.micro_tokens()),
             head_workspace: head_workspace_bytes(
                 spec,
                 batch.micro_tokens(),
@@ -257,6 +260,14 @@ pub fn kept_layer_bytes(spec: &ModelSpec, t: u64) -> u64 {
         + bf16_opt.iter().filter(|o| o.0).map(|o| buf(o.1, BF16)).sum::<u64>()
         + f32s.iter().map(|&e| buf(e, F32)).sum::<u64>()
         + f32_opt.iter().filter(|o| o.0).map(|o| buf(o.1, F32)).sum::<u64>()
+}
+
+/// `KeptAttention` in `model::decoder`, for `t` tokens: the attention output (bf16) and its
+/// log-sum-exp (f32), each at the allocator's granularity.
+pub fn kept_attention_bytes(spec: &ModelSpec, t: u64) -> u64 {
+    let (datt, nq) = (spec.attn_width() as u64, spec.q_heads as u64);
+    let buf = |elems: u64, size: u64| (t * elems * size).next_multiple_of(ALLOC_GRANULARITY);
+    buf(datt, BF16) + buf(nq, F32)
 }
 
 /// The device allocator's granularity, to which every kept buffer is rounded up.

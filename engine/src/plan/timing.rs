@@ -10,7 +10,9 @@
 //! Compute per unit visit, with `N` tokens per step and `p` GEMM parameters: a layer's forward
 //! is `2 p N` GEMM FLOPs plus its attention; its backward recomputes the forward and then runs
 //! `4 p N` (both input and weight gradients) plus 2.5 forward attentions (FlashAttention-2's
-//! backward is five matmuls to the forward's two). The head runs forward, loss and backward in
+//! backward is five matmuls to the forward's two); a layer whose activations are kept skips
+//! the recompute, one whose attention output is kept skips the recompute's attention. The head
+//! runs forward, loss and backward in
 //! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`, at the LM
 //! head's own measured rate (its chunks' softmax and loss sit between the GEMMs). Each layer
 //! visit adds its elementwise kernels' bytes (norms, RoPE, biases, the gated activation,
@@ -116,10 +118,17 @@ pub fn simulate(
     };
     // A kept layer's backward skips the recompute of its forward.
     let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
+    // A kept attention output spares the recompute its attention.
+    let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
+    let attn_visits = |u: usize| match u {
+        u if kept(u) => 3.5,
+        u if kept_attention(u) => 3.5,
+        _ => 4.5,
+    };
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
         u if kept(u) => 4.0 * gemm(u) + 2.5 * attn + ew_bwd,
-        u => 6.0 * gemm(u) + 3.5 * attn + ew_fwd + ew_bwd,
+        u => 6.0 * gemm(u) + (attn_visits(u) - 1.0) * attn + ew_fwd + ew_bwd,
     };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
     let emb_resident = l.embedding_resident();
@@ -283,7 +292,7 @@ pub fn simulate(
             step: 0.0,
             gemm: (1..head).map(|u| if kept(u) { 6.0 } else { 8.0 } * gemm(u)).sum(),
             head: fwd_secs(head),
-            attention: (1..head).map(|u| if kept(u) { 3.5 } else { 4.5 } * attn).sum(),
+            attention: (1..head).map(|u| attn_visits(u) * attn).sum(),
             elementwise: (1..head).map(|u| if kept(u) { 1.0 } else { 2.0 } * ew_fwd + ew_bwd).sum(),
             h2d_bytes,
             d2h_bytes,

@@ -48,6 +48,7 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
         weights: p.weights,
         ring_slots: p.ring_slots,
         kept: p.kept_layers.clone(),
+        kept_attention: p.kept_attention_layers.clone(),
         disk: match (&plan.memory.disk, p.disk_units.is_empty()) {
             (_, true) => None,
             (Some(d), false) => {

@@ -41,8 +41,8 @@ use crate::backend::{AllReduce, Backend, FloatKind};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
 use crate::model::{
-    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, HostParams, LayerAt, LayerGrads,
-    LayerScratch, ModelLayout, RouterStats,
+    Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, HostParams, KeptAttention, LayerAt,
+    LayerGrads, LayerScratch, ModelLayout, RouterStats,
 };
 use crate::optim::{AdamW, clip_coef};
 pub use crate::placement::{CAST_CHUNK, CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
@@ -90,6 +90,10 @@ pub struct ScheduleOptions {
     /// one set per micro-batch, so their backward skips the recompute (dense layers, device
     /// checkpoints of every layer).
     pub kept: Vec<usize>,
+    /// Decoder layers (other than `kept`) whose attention output and log-sum-exp stay on the
+    /// device from the forward to the backward, one set per micro-batch, so their recompute
+    /// skips the attention (any family; device checkpoints of every layer).
+    pub kept_attention: Vec<usize>,
 }
 
 /// The disk tier of a run: the folder its moments file is created in (removed when the run
@@ -208,6 +212,9 @@ pub struct Streamer<'b, B: Backend> {
     /// `kept[l][mb]`: layer `l`'s forward state for micro-batch `mb`, where its activations are
     /// kept (empty otherwise).
     kept: Vec<Vec<LayerScratch<B>>>,
+    /// `kept_attention[l][mb]`: layer `l`'s attention output for micro-batch `mb`, where it is
+    /// kept and the rest recomputed (empty otherwise).
+    kept_attention: Vec<Vec<KeptAttention<B>>>,
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
@@ -397,10 +404,16 @@ impl<'b, B: Backend> Streamer<'b, B> {
         counted.set(counted.get() + grad_bytes);
         let scratch = LayerScratch::new(b, spec, t)?;
         let head = HeadScratch::new(b, spec, t)?;
-        if !options.kept.is_empty() && (k != 1 || options.checkpoints != CheckpointTier::Device) {
+        let keeps = !options.kept.is_empty() || !options.kept_attention.is_empty();
+        if keeps && (k != 1 || options.checkpoints != CheckpointTier::Device) {
             return Err(Error::invalid(
                 "kept activations need every layer's input checkpointed on the device",
             ));
+        }
+        if let Some(l) = options.kept_attention.iter().find(|l| options.kept.contains(l)) {
+            return Err(Error::invalid(format!(
+                "layer {l} keeps all its activations: its attention output is not kept twice"
+            )));
         }
         let mut kept_sets: Vec<Vec<LayerScratch<B>>> = (0..layers).map(|_| Vec::new()).collect();
         for &l in &options.kept {
@@ -410,6 +423,20 @@ impl<'b, B: Backend> Streamer<'b, B> {
             if set.is_empty() {
                 for _ in 0..g {
                     let s = LayerScratch::for_kept(b, spec, t)?;
+                    counted.set(counted.get() + s.bytes);
+                    set.push(s);
+                }
+            }
+        }
+        let mut attention_sets: Vec<Vec<KeptAttention<B>>> =
+            (0..layers).map(|_| Vec::new()).collect();
+        for &l in &options.kept_attention {
+            let set = attention_sets.get_mut(l).ok_or_else(|| {
+                Error::invalid(format!("no layer {l} to keep the attention output of"))
+            })?;
+            if set.is_empty() {
+                for _ in 0..g {
+                    let s = KeptAttention::new(b, spec, t)?;
                     counted.set(counted.get() + s.bytes);
                     set.push(s);
                 }
@@ -460,6 +487,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             device_bytes: 0,
             scratch,
             kept: kept_sets,
+            kept_attention: attention_sets,
             head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
@@ -934,6 +962,9 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 if let Some(k) = self.kept[l].get_mut(mb).filter(|_| keep) {
                     self.scratch.swap_kept(k);
                 }
+                if let Some(k) = self.kept_attention[l].get_mut(mb).filter(|_| keep) {
+                    self.scratch.swap_attention(k);
+                }
                 if copy_out {
                     let n = batch.tokens * h;
                     let dst = &mut self.ckpt_host[next][mb];
@@ -1098,16 +1129,26 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     // A kept layer's forward state is still on the device: no recompute.
                     let kept = self.kept[l].get_mut(mb);
                     let is_kept = kept.is_some();
-                    match kept {
-                        Some(k) => self.scratch.swap_kept(k),
-                        None => self.decoder.layer_forward(
-                            b,
-                            &mut self.layer_out,
-                            x_in,
-                            w,
-                            &mut self.scratch,
-                            LayerAt::packed(batch, l).with_router(router()),
-                        )?,
+                    // A kept attention output is swapped in: the recompute skips the attention.
+                    let attention = self.kept_attention[l].get_mut(mb);
+                    let has_attention = attention.is_some();
+                    match (kept, attention) {
+                        (Some(k), _) => self.scratch.swap_kept(k),
+                        (None, attention) => {
+                            if let Some(a) = attention {
+                                self.scratch.swap_attention(a);
+                            }
+                            self.decoder.layer_forward(
+                                b,
+                                &mut self.layer_out,
+                                x_in,
+                                w,
+                                &mut self.scratch,
+                                LayerAt::packed(batch, l)
+                                    .with_router(router())
+                                    .with_kept_attention(has_attention),
+                            )?
+                        }
                     }
                     let [d0, d1] = &mut self.dx;
                     let (dx_out, dx_in) =
@@ -1122,6 +1163,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     );
                     if is_kept && let Some(k) = self.kept[l].get_mut(mb) {
                         self.scratch.swap_kept(k);
+                    } else if let Some(a) = self.kept_attention[l].get_mut(mb) {
+                        self.scratch.swap_attention(a);
                     }
                     run?;
                 }

@@ -96,6 +96,9 @@ pub struct RunPlacement {
     /// Decoder layers whose activations stay on the device between forward and backward.
     #[serde(default)]
     pub kept: Vec<usize>,
+    /// Decoder layers whose attention output stays on the device (the rest is recomputed).
+    #[serde(default)]
+    pub kept_attention: Vec<usize>,
 }
 
 impl Default for RunPlacement {
@@ -111,6 +114,7 @@ impl Default for RunPlacement {
             ring_slots: None,
             disk: None,
             kept: Vec::new(),
+            kept_attention: Vec::new(),
         }
     }
 }
@@ -128,6 +132,7 @@ impl RunPlacement {
             ring_slots: Some(schedule.ring_slots),
             disk: schedule.disk,
             kept: schedule.kept,
+            kept_attention: schedule.kept_attention,
         })
     }
 
@@ -155,6 +160,10 @@ impl RunPlacement {
         let kept = match self.kept.len() {
             0 => String::new(),
             n => format!(", activations of {n} layers kept (no recompute)"),
+        };
+        let kept = match self.kept_attention.len() {
+            0 => kept,
+            n => format!("{kept}, attention outputs of {n} layers kept"),
         };
         format!(
             "{} of {units} units resident, checkpoints {checkpoints} {interval}{kept}, \
@@ -486,6 +495,7 @@ fn run_with<S: Stepper>(
         ring_slots: placement.ring_slots.unwrap_or(RING_SLOTS),
         disk: placement.disk.clone(),
         kept: placement.kept.clone(),
+        kept_attention: placement.kept_attention.clone(),
     };
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).

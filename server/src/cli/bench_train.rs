@@ -253,12 +253,14 @@ fn print_plan(p: &Plan) {
         p.batch.grad_accum, p.batch.micro_batch, p.batch.seq_len, p.tokens_per_step
     );
     println!(
-        "plan: {} of {} units resident ({}), activations of {} layers kept, checkpoints {:?}, \
-         gradients {:?}, weights from {:?} ({}); device {} of {}, host {} of {}",
+        "plan: {} of {} units resident ({}), activations of {} layers kept, attention outputs \
+         of {} more, checkpoints {:?}, gradients {:?}, weights from {:?} ({}); device {} of {}, \
+         host {} of {}",
         p.placement.resident_units.len(),
         m.units,
         p.placement.resident_summary,
         p.placement.kept_layers.len(),
+        p.placement.kept_attention_layers.len(),
         p.placement.checkpoints,
         p.placement.gradients,
         p.placement.weights,
