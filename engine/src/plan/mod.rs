@@ -770,8 +770,11 @@ fn fill_kept(s: &Sizes, layout: &mut Layout, input: &PlanInput<'_>) {
             }
         }
         let step = timing::simulate(s, &l, &input.rates, input.memory.disk.as_ref(), 1.0).step;
-        // Ties go to more whole layers (tried first): nothing is recomputed for them at all.
-        if best.as_ref().is_none_or(|(t, _, _)| step < t * 0.9995) {
+        // Fewer whole layers only where clearly faster (tried from the most down): a whole
+        // layer spares GEMMs, which the model prices best; at rows of 1,024 tokens the model
+        // put 7 whole layers and 21 attention outputs ahead of 8 and 6 by under 1%, and the
+        // H200 ran them 1.7% slower (6.510 s against 6.403 s a step, 2026-12-04).
+        if best.as_ref().is_none_or(|(t, _, _)| step < t * 0.99) {
             best = Some((step, l.kept, l.kept_attention));
         }
     }
