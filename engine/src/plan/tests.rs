@@ -329,10 +329,12 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
 {plan}"
         );
         assert_eq!(b.device.part("kept activations"), kept * per_layer, "{name}");
+        // At rows of 1,024 tokens a whole layer spares far more than attention outputs: as
+        // many as fit are kept.
+        assert!(device + (kept + 1) * per_layer > 139 * GIB, "{name}: one more would fit");
         // What whole layers leave keeps other layers' attention outputs (output and
-        // log-sum-exp), so their recompute skips the attention; the planner times each split
-        // between the two, so fewer whole layers than fit may be kept, but no memory is left
-        // that would hold one more set.
+        // log-sum-exp), so their recompute skips the attention: no memory is left that would
+        // hold one more set.
         let per_attention = g * (buf(t * shape.att() * 2) + buf(t * shape.q_heads * 4));
         let attention = plan.placement.kept_attention_layers.len() as u64;
         assert_eq!(b.device.part("kept attention outputs"), attention * per_attention, "{name}");
@@ -346,6 +348,34 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
         assert_eq!(b.device.used, device, "{name}\n{plan}");
         assert_eq!(b.device.part("weight slots"), 0, "nothing streams: no slots");
     }
+}
+
+#[test]
+fn long_rows_keep_attention_outputs_where_whole_layers_do_not_fit() {
+    // At 2 x 32,768 tokens a whole layer's activations take 4.6 GiB a micro-batch, its
+    // attention output 0.23 GiB, and the attention is most of the recompute: the planner gives
+    // up whole layers for attention outputs of every other layer, and prices each recompute
+    // without its attention.
+    let plan = fits(check("qwen2.5-7b", (32768, 1, 2), H200, true));
+    let p = &plan.placement;
+    let (kept, attention) = (p.kept_layers.len(), p.kept_attention_layers.len());
+    assert!(kept > 0 && attention > 0, "{plan}");
+    assert!(p.kept_attention_layers.iter().all(|l| !p.kept_layers.contains(l)), "{plan}");
+    assert_eq!(kept + attention, QWEN7.layers as usize, "every layer keeps something\n{plan}");
+    let b = &plan.budget;
+    let buf = |bytes: u64| bytes.next_multiple_of(2 << 20);
+    let per_attention = 2 * (buf(32768 * QWEN7.att() * 2) + buf(32768 * QWEN7.q_heads * 4));
+    assert_eq!(b.device.part("kept attention outputs"), attention as u64 * per_attention);
+    assert!(b.device.used <= 139 * GIB, "{plan}");
+    // Forward attentions per step: 4.5 a layer (forward, recompute, 2.5 in the backward),
+    // 3.5 where the recompute skips it.
+    let pairs = 32768.0 * 32769.0 / 2.0;
+    let per_visit =
+        2.0 * pairs * 4.0 * (QWEN7.head_dim * QWEN7.q_heads) as f64 * QWEN7.layers as f64
+            / MachineRates::default().attention_rate(32768);
+    let visits = 3.5 * (kept + attention) as f64 / QWEN7.layers as f64;
+    let want = visits * per_visit;
+    assert!((plan.time.attention_s - want).abs() < 1e-9 * want, "{:?}", plan.time);
 }
 
 #[test]
