@@ -884,15 +884,17 @@ fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
     b
 }
 
+/// The decoder layers (0-based) of the units marked in `units` (unit l + 1 is layer l).
+fn decoder_layers(units: &[bool]) -> Vec<usize> {
+    (1..units.len()).filter(|&u| units[u]).map(|u| u - 1).collect()
+}
+
 fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
     let resident: Vec<usize> = (0..s.units.len()).filter(|&u| l.resident[u]).collect();
     let disk_units = l.disk_units();
     Placement {
-        kept_layers: (0..s.units.len()).filter(|&u| l.kept[u]).map(|u| u - 1).collect(),
-        kept_attention_layers: (0..s.units.len())
-            .filter(|&u| l.kept_attention[u])
-            .map(|u| u - 1)
-            .collect(),
+        kept_layers: decoder_layers(&l.kept),
+        kept_attention_layers: decoder_layers(&l.kept_attention),
         resident_summary: report::unit_ranges(s, &resident),
         streamed_units: s.units.len() - resident.len(),
         resident_units: resident,

@@ -120,11 +120,7 @@ pub fn simulate(
     let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
     // A kept attention output spares the recompute its attention.
     let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
-    let attn_visits = |u: usize| match u {
-        u if kept(u) => 3.5,
-        u if kept_attention(u) => 3.5,
-        _ => 4.5,
-    };
+    let attn_visits = |u: usize| if kept(u) || kept_attention(u) { 3.5 } else { 4.5 };
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
         u if kept(u) => 4.0 * gemm(u) + 2.5 * attn + ew_bwd,

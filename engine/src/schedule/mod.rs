@@ -209,12 +209,8 @@ pub struct Streamer<'b, B: Backend> {
     aux_share: Option<f64>,
     layer_out: B::Floats,
     scratch: LayerScratch<B>,
-    /// `kept[l][mb]`: layer `l`'s forward state for micro-batch `mb`, where its activations are
-    /// kept (empty otherwise).
-    kept: Vec<Vec<LayerScratch<B>>>,
-    /// `kept_attention[l][mb]`: layer `l`'s attention output for micro-batch `mb`, where it is
-    /// kept and the rest recomputed (empty otherwise).
-    kept_attention: Vec<Vec<KeptAttention<B>>>,
+    /// What each layer keeps of each micro-batch's forward for its backward.
+    kept: KeptSets<B>,
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
@@ -225,6 +221,65 @@ pub struct Streamer<'b, B: Backend> {
     interrupt: Option<Interrupt>,
     /// Device bytes allocated at construction (nothing is allocated later).
     pub device_bytes: usize,
+}
+
+/// What a layer keeps of one micro-batch's forward for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// Its whole forward state: no recompute.
+    Layer,
+    /// Its attention output and log-sum-exp: the recompute skips the attention.
+    Attention,
+    /// Nothing: the whole recompute.
+    Nothing,
+}
+
+/// Per layer and micro-batch, what the forward leaves on the device for the backward:
+/// `layers[l][mb]` a layer's whole forward state, `attention[l][mb]` its attention output
+/// (each empty for the layers that keep none).
+struct KeptSets<B: Backend> {
+    layers: Vec<Vec<LayerScratch<B>>>,
+    attention: Vec<Vec<KeptAttention<B>>>,
+}
+
+impl<B: Backend> KeptSets<B> {
+    /// Exchanges `scratch`'s buffers with what layer `l` keeps for micro-batch `mb` and says
+    /// what that is; its own inverse, so the forward moves the state into the set and the
+    /// backward swaps it in and back out.
+    fn swap(&mut self, scratch: &mut LayerScratch<B>, l: usize, mb: usize) -> Kept {
+        if let Some(k) = self.layers[l].get_mut(mb) {
+            scratch.swap_kept(k);
+            Kept::Layer
+        } else if let Some(a) = self.attention[l].get_mut(mb) {
+            scratch.swap_attention(a);
+            Kept::Attention
+        } else {
+            Kept::Nothing
+        }
+    }
+}
+
+/// Per decoder layer (`layers` of them), `g` sets made by `make` (one per micro-batch) for each
+/// layer in `wanted`, none for the others; "no layer l to keep `what` of" for a layer beyond.
+fn sets_per_layer<S>(
+    layers: usize,
+    wanted: &[usize],
+    g: usize,
+    what: &str,
+    mut make: impl FnMut() -> Result<S>,
+) -> Result<Vec<Vec<S>>> {
+    let mut sets: Vec<Vec<S>> = (0..layers).map(|_| Vec::new()).collect();
+    for &l in wanted {
+        let set = sets
+            .get_mut(l)
+            .ok_or_else(|| Error::invalid(format!("no layer {l} to keep {what} of")))?;
+        if set.is_empty() {
+            for _ in 0..g {
+                set.push(make()?);
+            }
+        }
+    }
+    Ok(sets)
 }
 
 impl<'b, B: Backend> Streamer<'b, B> {
@@ -415,33 +470,17 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 "layer {l} keeps all its activations: its attention output is not kept twice"
             )));
         }
-        let mut kept_sets: Vec<Vec<LayerScratch<B>>> = (0..layers).map(|_| Vec::new()).collect();
-        for &l in &options.kept {
-            let set = kept_sets
-                .get_mut(l)
-                .ok_or_else(|| Error::invalid(format!("no layer {l} to keep activations of")))?;
-            if set.is_empty() {
-                for _ in 0..g {
-                    let s = LayerScratch::for_kept(b, spec, t)?;
-                    counted.set(counted.get() + s.bytes);
-                    set.push(s);
-                }
-            }
-        }
-        let mut attention_sets: Vec<Vec<KeptAttention<B>>> =
-            (0..layers).map(|_| Vec::new()).collect();
-        for &l in &options.kept_attention {
-            let set = attention_sets.get_mut(l).ok_or_else(|| {
-                Error::invalid(format!("no layer {l} to keep the attention output of"))
+        let kept_sets = sets_per_layer(layers, &options.kept, g, "activations", || {
+            let s = LayerScratch::for_kept(b, spec, t)?;
+            counted.set(counted.get() + s.bytes);
+            Ok(s)
+        })?;
+        let attention_sets =
+            sets_per_layer(layers, &options.kept_attention, g, "the attention output", || {
+                let s = KeptAttention::new(b, spec, t)?;
+                counted.set(counted.get() + s.bytes);
+                Ok(s)
             })?;
-            if set.is_empty() {
-                for _ in 0..g {
-                    let s = KeptAttention::new(b, spec, t)?;
-                    counted.set(counted.get() + s.bytes);
-                    set.push(s);
-                }
-            }
-        }
         // Token ids, positions, targets and document bounds: four i32 arrays per micro-batch.
         let batch_bytes = g * (4 * t + 1) * 4;
         let mut streamer = Streamer {
@@ -486,8 +525,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             layer_out: act(t * h)?,
             device_bytes: 0,
             scratch,
-            kept: kept_sets,
-            kept_attention: attention_sets,
+            kept: KeptSets { layers: kept_sets, attention: attention_sets },
             head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
@@ -957,13 +995,11 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     &mut self.scratch,
                     LayerAt::packed(batch, l).with_router(router),
                 )?;
-                // A kept layer's forward state moves into its micro-batch's kept set (buffer
-                // handles trade places: the scratch takes the set's previous buffers).
-                if let Some(k) = self.kept[l].get_mut(mb).filter(|_| keep) {
-                    self.scratch.swap_kept(k);
-                }
-                if let Some(k) = self.kept_attention[l].get_mut(mb).filter(|_| keep) {
-                    self.scratch.swap_attention(k);
+                // A kept layer's forward state (or attention output) moves into its
+                // micro-batch's kept set (buffer handles trade places: the scratch takes the
+                // set's previous buffers).
+                if keep {
+                    self.kept.swap(&mut self.scratch, l, mb);
                 }
                 if copy_out {
                     let n = batch.tokens * h;
@@ -1126,29 +1162,20 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
                     let w = &self.slots[slot];
                     let router = || complete(&self.router_stats, mb, self.aux_weight);
-                    // A kept layer's forward state is still on the device: no recompute.
-                    let kept = self.kept[l].get_mut(mb);
-                    let is_kept = kept.is_some();
-                    // A kept attention output is swapped in: the recompute skips the attention.
-                    let attention = self.kept_attention[l].get_mut(mb);
-                    let has_attention = attention.is_some();
-                    match (kept, attention) {
-                        (Some(k), _) => self.scratch.swap_kept(k),
-                        (None, attention) => {
-                            if let Some(a) = attention {
-                                self.scratch.swap_attention(a);
-                            }
-                            self.decoder.layer_forward(
-                                b,
-                                &mut self.layer_out,
-                                x_in,
-                                w,
-                                &mut self.scratch,
-                                LayerAt::packed(batch, l)
-                                    .with_router(router())
-                                    .with_kept_attention(has_attention),
-                            )?
-                        }
+                    // A kept layer's forward state is still on the device: no recompute. A
+                    // kept attention output is swapped in: the recompute skips the attention.
+                    let kept = self.kept.swap(&mut self.scratch, l, mb);
+                    if kept != Kept::Layer {
+                        self.decoder.layer_forward(
+                            b,
+                            &mut self.layer_out,
+                            x_in,
+                            w,
+                            &mut self.scratch,
+                            LayerAt::packed(batch, l)
+                                .with_router(router())
+                                .with_kept_attention(kept == Kept::Attention),
+                        )?;
                     }
                     let [d0, d1] = &mut self.dx;
                     let (dx_out, dx_in) =
@@ -1161,11 +1188,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                         &mut self.scratch,
                         LayerAt::packed(batch, l).with_router(router()),
                     );
-                    if is_kept && let Some(k) = self.kept[l].get_mut(mb) {
-                        self.scratch.swap_kept(k);
-                    } else if let Some(a) = self.kept_attention[l].get_mut(mb) {
-                        self.scratch.swap_attention(a);
-                    }
+                    self.kept.swap(&mut self.scratch, l, mb);
                     run?;
                 }
                 cur = 1 - cur;
