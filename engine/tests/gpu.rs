@@ -26,7 +26,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{
     AttentionOut, AttentionShape, Backend, ExpertLayout, FloatKind, GluAct, Grads, GroupedShape,
-    IGNORE, LossShape, MatmulShape, MoeShape, NormShape, Operands, RouterKind, Routing,
+    IGNORE, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, RouterKind, Routing,
 };
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::{Decoder, DeviceBatch, HostParams, LayerAt, LayerGrads, LayerScratch};
@@ -1264,6 +1264,27 @@ fn cross_entropy() {
             // The logits' gradient is rounded to bf16 (2^-9 relative) before both GEMMs.
             check(&format!("cross_entropy_backward dx ({label})"), &get(g, &dx), &want_dx, 8e-3);
             check(&format!("cross_entropy_backward dw ({label})"), &get(g, &dw), &want_dw, 4e-3);
+            // The fused op, as training's head runs it: the two ops' bits exactly.
+            let (mut l2, mut lse2) = (nan(g, T, Accum), nan(g, T, Accum));
+            let (mut dx2, mut dw2) = (nan(g, T * H, Activation), put(g, &dw0, Accum));
+            g.cross_entropy_forward_backward(
+                LossOut { losses: all_mut(g, &mut l2), lse: all_mut(g, &mut lse2) },
+                Grads { dinp: all_mut(g, &mut dx2), dw: all_mut(g, &mut dw2) },
+                Operands { inp: all(g, &dx_in), w: all(g, &dw_in) },
+                &dt,
+                scale,
+                &shape,
+            )
+            .expect("gpu");
+            for (what, fused, apart) in
+                [("losses", &l2, &l), ("lse", &lse2, &lse), ("dx", &dx2, &dx), ("dw", &dw2, &dw)]
+            {
+                let (fused, apart) = (get(g, fused), get(g, apart));
+                assert!(
+                    fused.iter().zip(&apart).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "cross_entropy_forward_backward {what} ({label}) differs from the two ops"
+                );
+            }
         }
     }
     g.set_loss_chunk_logits(sluice_engine::placement::LOSS_CHUNK_LOGITS);

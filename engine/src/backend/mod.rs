@@ -277,6 +277,14 @@ pub struct Grads<M> {
     pub dw: M,
 }
 
+/// What the cross-entropy's forward writes per token: the loss (0 where the target is
+/// [`IGNORE`]) and the log-sum-exp of the logits, both Accum `[T]`.
+#[derive(Debug)]
+pub struct LossOut<M> {
+    pub losses: M,
+    pub lse: M,
+}
+
 /// An attention's output and the log-sum-exp of each query's scaled scores: the forward writes
 /// them, the sinks rescale them in place, and both backwards read them.
 #[derive(Debug, Clone, Copy)]
@@ -844,6 +852,18 @@ pub trait Backend: Send + Sync {
         grads: Grads<Self::ViewMut<'_>>,
         operands: Operands<Self::View<'_>, Self::View<'_>>,
         lse: Self::View<'_>,
+        targets: &Self::Ints,
+        scale: f32,
+        shape: &LossShape,
+    ) -> Result<()>;
+    /// [`Backend::cross_entropy_forward`] followed by [`Backend::cross_entropy_backward`] with
+    /// the lse just written, bit for bit, for training's head, whose backward follows its
+    /// forward at once: each chunk's logits are computed once instead of twice.
+    fn cross_entropy_forward_backward(
+        &self,
+        out: LossOut<Self::ViewMut<'_>>,
+        grads: Grads<Self::ViewMut<'_>>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
         targets: &Self::Ints,
         scale: f32,
         shape: &LossShape,

@@ -28,8 +28,8 @@
 use super::layout::{HeadRanges, LayerRanges, MlpRanges};
 use super::moe::{MoeAt, MoeScratch, RouterStats};
 use crate::backend::{
-    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, Grads, LossShape, MatmulShape,
-    NormShape, Operands,
+    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, Grads, LossOut, LossShape,
+    MatmulShape, NormShape, Operands,
 };
 use crate::error::Result;
 use crate::spec::ModelSpec;
@@ -982,13 +982,7 @@ impl<B: Backend> Decoder<B> {
         batch: &DeviceBatch<B>,
     ) -> Result<f64> {
         let (t, h) = (batch.tokens, self.spec.hidden);
-        let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
-        b.rmsnorm_forward(
-            b.view_mut(&mut s.normed, 0..t * h),
-            b.view_mut(&mut s.rstd, 0..t),
-            Operands { inp: b.view(x, 0..t * h), w: norm_w },
-            &self.norm_shape(t),
-        )?;
+        self.head_norm_forward(b, s, x, w.head, t)?;
         let (lm, lm_range) = self.lm_weight(w);
         b.cross_entropy_forward(
             b.view_mut(&mut s.losses, 0..t),
@@ -1013,26 +1007,87 @@ impl<B: Backend> Decoder<B> {
         batch: &DeviceBatch<B>,
     ) -> Result<()> {
         let HeadGrads { scale, dx, head: head_grad, embed: embed_grad } = grads;
-        let (t, h, v) = (batch.tokens, self.spec.hidden, self.spec.vocab);
+        let (t, h) = (batch.tokens, self.spec.hidden);
         let (lm, lm_range) = self.lm_weight(w);
-        let d_lm = match (&self.head.lm_head, embed_grad) {
-            (Some(range), _) => b.view_mut(head_grad, range.clone()),
-            (None, Some(embed_grad)) => b.view_mut(embed_grad, 0..v * h),
-            (None, None) => {
-                return Err(crate::error::Error::invalid(
-                    "a tied LM head needs the embedding's gradient buffer",
-                ));
-            }
-        };
         b.cross_entropy_backward(
-            Grads { dinp: b.view_mut(&mut s.d_normed, 0..t * h), dw: d_lm },
+            Grads {
+                dinp: b.view_mut(&mut s.d_normed, 0..t * h),
+                dw: self.lm_grad(b, head_grad, embed_grad)?,
+            },
             Operands { inp: b.view(&s.normed, 0..t * h), w: b.view(lm, lm_range) },
             b.view(&s.lse, 0..t),
             &batch.targets,
             scale,
             &self.loss_shape(t),
         )?;
-        let norm_w = self.norm_weight(b, w.head, &self.head.norm, &mut s.norm_w)?;
+        self.head_norm_backward(b, dx, head_grad, s, x, w.head, t)
+    }
+
+    /// [`Decoder::head_forward`] then [`Decoder::head_backward`], the same bits, with the
+    /// cross-entropy's two halves in one op that computes the logits once (training's head,
+    /// whose backward follows its forward at once); returns the sum of the token losses.
+    pub fn head_forward_backward(
+        &self,
+        b: &B,
+        grads: HeadGrads<'_, B>,
+        s: &mut HeadScratch<B>,
+        x: &B::Floats,
+        w: HeadWeights<'_, B>,
+        batch: &DeviceBatch<B>,
+    ) -> Result<f64> {
+        let HeadGrads { scale, dx, head: head_grad, embed: embed_grad } = grads;
+        let (t, h) = (batch.tokens, self.spec.hidden);
+        self.head_norm_forward(b, s, x, w.head, t)?;
+        let (lm, lm_range) = self.lm_weight(w);
+        b.cross_entropy_forward_backward(
+            LossOut { losses: b.view_mut(&mut s.losses, 0..t), lse: b.view_mut(&mut s.lse, 0..t) },
+            Grads {
+                dinp: b.view_mut(&mut s.d_normed, 0..t * h),
+                dw: self.lm_grad(b, head_grad, embed_grad)?,
+            },
+            Operands { inp: b.view(&s.normed, 0..t * h), w: b.view(lm, lm_range) },
+            &batch.targets,
+            scale,
+            &self.loss_shape(t),
+        )?;
+        self.head_norm_backward(b, dx, head_grad, s, x, w.head, t)?;
+        b.sum(b.view(&s.losses, 0..t))
+    }
+
+    /// The final norm of the head's input: `s.normed` and `s.rstd` for `t` tokens of x.
+    fn head_norm_forward(
+        &self,
+        b: &B,
+        s: &mut HeadScratch<B>,
+        x: &B::Floats,
+        head: &B::Floats,
+        t: usize,
+    ) -> Result<()> {
+        let h = self.spec.hidden;
+        let norm_w = self.norm_weight(b, head, &self.head.norm, &mut s.norm_w)?;
+        b.rmsnorm_forward(
+            b.view_mut(&mut s.normed, 0..t * h),
+            b.view_mut(&mut s.rstd, 0..t),
+            Operands { inp: b.view(x, 0..t * h), w: norm_w },
+            &self.norm_shape(t),
+        )
+    }
+
+    /// The final norm's backward from `s.d_normed`: overwrites dx, accumulates the norm's
+    /// weight gradient into the head's slab.
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_backward(
+        &self,
+        b: &B,
+        dx: &mut B::Floats,
+        head_grad: &mut B::Floats,
+        s: &mut HeadScratch<B>,
+        x: &B::Floats,
+        head: &B::Floats,
+        t: usize,
+    ) -> Result<()> {
+        let h = self.spec.hidden;
+        let norm_w = self.norm_weight(b, head, &self.head.norm, &mut s.norm_w)?;
         b.rmsnorm_backward(
             Grads {
                 dinp: b.view_mut(dx, 0..t * h),
@@ -1043,6 +1098,24 @@ impl<B: Backend> Decoder<B> {
             b.view(&s.rstd, 0..t),
             &self.norm_shape(t),
         )
+    }
+
+    /// Where the LM head's weight gradient accumulates: the head's slab, or a tied head's
+    /// embedding slab.
+    fn lm_grad<'a>(
+        &self,
+        b: &B,
+        head_grad: &'a mut B::Floats,
+        embed_grad: Option<&'a mut B::Floats>,
+    ) -> Result<B::ViewMut<'a>> {
+        let n = self.spec.vocab * self.spec.hidden;
+        match (&self.head.lm_head, embed_grad) {
+            (Some(range), _) => Ok(b.view_mut(head_grad, range.clone())),
+            (None, Some(embed_grad)) => Ok(b.view_mut(embed_grad, 0..n)),
+            (None, None) => Err(crate::error::Error::invalid(
+                "a tied LM head needs the embedding's gradient buffer",
+            )),
+        }
     }
 
     /// Logits `[rows, V]` of the head for inspection and generation (materialised; small

@@ -1086,15 +1086,17 @@ impl<'b, B: Backend> Streamer<'b, B> {
             let table = self.tied_table.as_ref().unwrap_or(head_w);
             let batch = &self.batches[mb];
             let w = HeadWeights { head: head_w, embed: table };
-            loss += self.decoder.head_forward(b, &mut self.head, x, w, batch)?;
-            let Some((scale, _)) = train else { continue };
+            let Some((scale, _)) = train else {
+                loss += self.decoder.head_forward(b, &mut self.head, x, w, batch)?;
+                continue;
+            };
             let grads = HeadGrads {
                 scale,
                 dx: &mut self.dx[0][mb],
                 head: self.grads.acc(head_unit),
                 embed: self.tied_grad.as_mut(),
             };
-            self.decoder.head_backward(b, grads, &mut self.head, x, w, batch)?;
+            loss += self.decoder.head_forward_backward(b, grads, &mut self.head, x, w, batch)?;
         }
         self.release_slot(slot)?;
         self.span(head_unit, "compute", started);

@@ -45,7 +45,7 @@ pub use rope::{rope_backward, rope_forward};
 
 use super::{
     AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
-    LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
+    LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -579,6 +579,20 @@ impl Backend for Cpu {
         scale: f32,
         shape: &LossShape,
     ) -> Result<()> {
+        cross_entropy_backward(grads, operands, lse, targets, scale, shape)
+    }
+
+    fn cross_entropy_forward_backward(
+        &self,
+        out: LossOut<&mut [f32]>,
+        grads: Grads<&mut [f32]>,
+        operands: Operands<&[f32]>,
+        targets: &Vec<i32>,
+        scale: f32,
+        shape: &LossShape,
+    ) -> Result<()> {
+        let LossOut { losses, lse } = out;
+        cross_entropy_forward(losses, lse, operands, targets, shape)?;
         cross_entropy_backward(grads, operands, lse, targets, scale, shape)
     }
 }

@@ -109,7 +109,11 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "loss",
         source: include_str!("kernels/loss.cu"),
-        entry_points: &["cross_entropy_rows", "cross_entropy_grad_rows"],
+        entry_points: &[
+            "cross_entropy_rows",
+            "cross_entropy_grad_rows",
+            "cross_entropy_loss_grad_rows",
+        ],
     },
     KernelSource {
         name: "decode",

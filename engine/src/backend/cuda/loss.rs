@@ -2,14 +2,16 @@
 //! `backend/cpu/loss.rs`. A chunk of tokens at a time: its logits `[C, V]` (f32) come from one
 //! cuBLASLt GEMM, a row kernel reduces them to lse and loss (forward) or to the logits'
 //! gradient `G` (bf16, backward), and two GEMMs give `dx = G · w` and `dw += Gᵀ · x`. At most
-//! `LOGITS_BUDGET` logits exist at once, whatever the vocabulary and the token count.
+//! `LOGITS_BUDGET` logits exist at once, whatever the vocabulary and the token count. Training's
+//! head runs both in one pass (`cross_entropy_forward_backward_op`), computing each chunk's
+//! logits once instead of once in each direction.
 
 use cudarc::driver::LaunchConfig;
 
 use super::device::{Arg, scratch};
 use super::matmul::GemmCall;
 use super::{Cuda, Floats, Ints, View, ViewMut, check};
-use crate::backend::{FloatKind, Grads, IGNORE, LossShape, Operands};
+use crate::backend::{FloatKind, Grads, IGNORE, LossOut, LossShape, Operands};
 use crate::error::Result;
 
 /// Default logits per chunk: the planner's budget for the head's workspace.
@@ -42,6 +44,100 @@ impl Cuda {
         Ok(host)
     }
 
+    /// Checks the per-token outputs; returns them as views.
+    fn check_loss_out<'a>(
+        op: &str,
+        out: &'a LossOut<ViewMut<'_>>,
+        tokens: usize,
+    ) -> Result<(View<'a>, View<'a>)> {
+        let (lo, ls) = (out.losses.as_view(), out.lse.as_view());
+        check::len(op, "losses", lo.len, &[tokens])?;
+        check::len(op, "lse", ls.len, &[tokens])?;
+        check::kind(op, "losses", &lo, FloatKind::Accum)?;
+        check::kind(op, "lse", &ls, FloatKind::Accum)?;
+        Ok((lo, ls))
+    }
+
+    /// Checks the gradients' extents; returns them as views.
+    fn check_head_grads<'a>(
+        op: &str,
+        grads: &'a Grads<ViewMut<'_>>,
+        shape: &LossShape,
+    ) -> Result<(View<'a>, View<'a>)> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
+        let (dx, dw) = (grads.dinp.as_view(), grads.dw.as_view());
+        check::len(op, "dx", dx.len, &[tokens, hidden])?;
+        check::len(op, "dw", dw.len, &[vocab, hidden])?;
+        Ok((dx, dw))
+    }
+
+    /// Rows `c0..c0 + m` of a `[T, hidden]` view.
+    fn chunk_rows<'a>(x: &View<'a>, c0: usize, m: usize, hidden: usize) -> View<'a> {
+        View { buf: x.buf, start: x.start + c0 * hidden, len: m * hidden }
+    }
+
+    /// A chunk's logits `z [m, V] = xc · wᵀ` (f32).
+    fn chunk_logits(
+        &self,
+        op: &str,
+        w: View<'_>,
+        xc: View<'_>,
+        z: View<'_>,
+        m: usize,
+    ) -> Result<()> {
+        let (vocab, hidden) = (z.len / m, xc.len / m);
+        self.gemm(
+            op,
+            &GemmCall {
+                trans: (true, false),
+                dims: (vocab, m, hidden),
+                a: (w, hidden),
+                b: (xc, hidden),
+                c: (z, vocab),
+                accumulate: false,
+            },
+        )
+    }
+
+    /// A chunk's gradients from the logits' gradient `g [m, V]` (bf16): `dxc = g · w`
+    /// (overwrites) and `dw += gᵀ · xc`, with `operands` the chunk's x and the whole w.
+    fn chunk_grads(
+        &self,
+        op: &str,
+        operands: Operands<View<'_>>,
+        g: View<'_>,
+        dxc: View<'_>,
+        dw: View<'_>,
+        m: usize,
+    ) -> Result<()> {
+        let Operands { inp: xc, w } = operands;
+        let (vocab, hidden) = (g.len / m, xc.len / m);
+        // dx = G · w: dxᵀ[H, m] = wᵀ · Gᵀ.
+        self.gemm(
+            op,
+            &GemmCall {
+                trans: (false, false),
+                dims: (hidden, m, vocab),
+                a: (w, hidden),
+                b: (g, vocab),
+                c: (dxc, hidden),
+                accumulate: false,
+            },
+        )?;
+        // dw += Gᵀ · x: dwᵀ[H, V] += xᵀ · G.
+        self.gemm(
+            op,
+            &GemmCall {
+                trans: (false, true),
+                dims: (hidden, vocab, m),
+                a: (xc, hidden),
+                b: (g, vocab),
+                c: (dw, hidden),
+                accumulate: true,
+            },
+        )
+    }
+
     pub(super) fn cross_entropy_forward_op(
         &self,
         losses: ViewMut<'_>,
@@ -54,11 +150,8 @@ impl Cuda {
         Self::check_head(OP, &operands, targets, shape)?;
         let Operands { inp: x, w } = operands;
         let &LossShape { tokens, hidden, vocab, softcap } = shape;
-        let (lo, ls) = (losses.as_view(), lse.as_view());
-        check::len(OP, "losses", lo.len, &[tokens])?;
-        check::len(OP, "lse", ls.len, &[tokens])?;
-        check::kind(OP, "losses", &lo, FloatKind::Accum)?;
-        check::kind(OP, "lse", &ls, FloatKind::Accum)?;
+        let out = LossOut { losses, lse };
+        let (lo, ls) = Self::check_loss_out(OP, &out, tokens)?;
         if tokens == 0 {
             return Ok(());
         }
@@ -67,19 +160,8 @@ impl Cuda {
         let tp = self.ints_ptr(targets);
         for c0 in (0..tokens).step_by(chunk) {
             let m = chunk.min(tokens - c0);
-            let xc = View { buf: x.buf, start: x.start + c0 * hidden, len: m * hidden };
             let z = scratch_view(&logits, m * vocab);
-            self.gemm(
-                OP,
-                &GemmCall {
-                    trans: (true, false),
-                    dims: (vocab, m, hidden),
-                    a: (w, hidden),
-                    b: (xc, hidden),
-                    c: (z, vocab),
-                    accumulate: false,
-                },
-            )?;
+            self.chunk_logits(OP, w, Self::chunk_rows(&x, c0, m, hidden), z, m)?;
             self.launch(
                 "cross_entropy_rows",
                 row_config(m),
@@ -109,9 +191,7 @@ impl Cuda {
         let host = Self::check_head(OP, &operands, targets, shape)?;
         let Operands { inp: x, w } = operands;
         let &LossShape { tokens, hidden, vocab, softcap } = shape;
-        let (dxv, dwv) = (grads.dinp.as_view(), grads.dw.as_view());
-        check::len(OP, "dx", dxv.len, &[tokens, hidden])?;
-        check::len(OP, "dw", dwv.len, &[vocab, hidden])?;
+        let (dxv, dwv) = Self::check_head_grads(OP, &grads, shape)?;
         check::len(OP, "lse", lse.len, &[tokens])?;
         check::kind(OP, "lse", &lse, FloatKind::Accum)?;
         if tokens == 0 {
@@ -123,25 +203,15 @@ impl Cuda {
         let tp = self.ints_ptr(targets);
         for c0 in (0..tokens).step_by(chunk) {
             let m = chunk.min(tokens - c0);
-            let dxc = View { buf: dxv.buf, start: dxv.start + c0 * hidden, len: m * hidden };
+            let dxc = Self::chunk_rows(&dxv, c0, m, hidden);
             if host[c0..c0 + m].iter().all(|&y| y == IGNORE) {
                 // Prompt-only chunks are common in fine-tuning; their gradient is exactly zero.
                 self.zero_view(&dxc)?;
                 continue;
             }
-            let xc = View { buf: x.buf, start: x.start + c0 * hidden, len: m * hidden };
+            let xc = Self::chunk_rows(&x, c0, m, hidden);
             let (z, g) = (scratch_view(&logits, m * vocab), scratch_view(&grad, m * vocab));
-            self.gemm(
-                OP,
-                &GemmCall {
-                    trans: (true, false),
-                    dims: (vocab, m, hidden),
-                    a: (w, hidden),
-                    b: (xc, hidden),
-                    c: (z, vocab),
-                    accumulate: false,
-                },
-            )?;
+            self.chunk_logits(OP, w, xc, z, m)?;
             self.launch(
                 "cross_entropy_grad_rows",
                 row_config(m),
@@ -155,30 +225,62 @@ impl Cuda {
                     Arg::F32(softcap.unwrap_or(0.0)),
                 ],
             )?;
-            // dx = G · w: dxᵀ[H, m] = wᵀ · Gᵀ.
-            self.gemm(
-                OP,
-                &GemmCall {
-                    trans: (false, false),
-                    dims: (hidden, m, vocab),
-                    a: (w, hidden),
-                    b: (g, vocab),
-                    c: (dxc, hidden),
-                    accumulate: false,
-                },
+            self.chunk_grads(OP, Operands { inp: xc, w }, g, dxc, dwv, m)?;
+        }
+        Ok(())
+    }
+
+    /// The forward and the backward over each chunk's logits computed once: the same kernels'
+    /// arithmetic (`row_lse`, `row_grad` in `loss.cu`) and the same GEMMs as the two ops, so
+    /// the same bits.
+    pub(super) fn cross_entropy_forward_backward_op(
+        &self,
+        out: LossOut<ViewMut<'_>>,
+        grads: Grads<ViewMut<'_>>,
+        operands: Operands<View<'_>>,
+        targets: &Ints,
+        scale: f32,
+        shape: &LossShape,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_forward_backward";
+        let host = Self::check_head(OP, &operands, targets, shape)?;
+        let Operands { inp: x, w } = operands;
+        let &LossShape { tokens, hidden, vocab, softcap } = shape;
+        let (lo, ls) = Self::check_loss_out(OP, &out, tokens)?;
+        let (dxv, dwv) = Self::check_head_grads(OP, &grads, shape)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let chunk = self.loss_chunk_tokens(tokens, vocab);
+        let logits = Floats::F32(scratch::<f32>(&self.compute, chunk * vocab)?);
+        let grad = Floats::Bf16(scratch::<u16>(&self.compute, chunk * vocab)?);
+        let tp = self.ints_ptr(targets);
+        for c0 in (0..tokens).step_by(chunk) {
+            let m = chunk.min(tokens - c0);
+            let xc = Self::chunk_rows(&x, c0, m, hidden);
+            let (z, g) = (scratch_view(&logits, m * vocab), scratch_view(&grad, m * vocab));
+            self.chunk_logits(OP, w, xc, z, m)?;
+            self.launch(
+                "cross_entropy_loss_grad_rows",
+                row_config(m),
+                &[
+                    Arg::Ptr(self.ptr(&lo) + 4 * c0 as u64),
+                    Arg::Ptr(self.ptr(&ls) + 4 * c0 as u64),
+                    Arg::Ptr(self.ptr(&g)),
+                    Arg::Ptr(self.ptr(&z)),
+                    Arg::Ptr(tp + 4 * c0 as u64),
+                    Arg::F32(scale),
+                    Arg::I64(vocab as i64),
+                    Arg::F32(softcap.unwrap_or(0.0)),
+                ],
             )?;
-            // dw += Gᵀ · x: dwᵀ[H, V] += xᵀ · G.
-            self.gemm(
-                OP,
-                &GemmCall {
-                    trans: (false, true),
-                    dims: (hidden, vocab, m),
-                    a: (xc, hidden),
-                    b: (g, vocab),
-                    c: (dwv, hidden),
-                    accumulate: true,
-                },
-            )?;
+            let dxc = Self::chunk_rows(&dxv, c0, m, hidden);
+            if host[c0..c0 + m].iter().all(|&y| y == IGNORE) {
+                // As the backward: a chunk without a trained token has exactly zero gradients.
+                self.zero_view(&dxc)?;
+                continue;
+            }
+            self.chunk_grads(OP, Operands { inp: xc, w }, g, dxc, dwv, m)?;
         }
         Ok(())
     }

@@ -46,7 +46,7 @@ pub use profile::{Gap, OpClass, OpProfile, OpTime};
 
 use super::{
     AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
-    LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
+    LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -863,6 +863,24 @@ impl Backend for Cuda {
             6.0 * (tokens * hidden * vocab) as f64,
         );
         self.cross_entropy_backward_op(grads, operands, lse, targets, scale, shape)
+    }
+
+    fn cross_entropy_forward_backward(
+        &self,
+        out: LossOut<ViewMut<'_>>,
+        grads: Grads<ViewMut<'_>>,
+        operands: Operands<View<'_>>,
+        targets: &Ints,
+        scale: f32,
+        shape: &LossShape,
+    ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
+        let _t = self.timed(
+            "cross_entropy_forward_backward",
+            OpClass::Loss,
+            6.0 * (tokens * hidden * vocab) as f64,
+        );
+        self.cross_entropy_forward_backward_op(out, grads, operands, targets, scale, shape)
     }
 }
 
