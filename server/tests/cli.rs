@@ -273,6 +273,26 @@ fn plan_and_bench_train_take_the_same_job_shape_flags_as_train() -> anyhow::Resu
     Ok(())
 }
 
+/// `bench attention` measures GPU kernels: the CPU and shapes the kernels do not take are
+/// refused with the reason, before any GPU or memory is touched.
+#[test]
+fn bench_attention_refuses_the_cpu_and_shapes_the_kernels_do_not_take() -> anyhow::Result<()> {
+    let cases: [(&[&str], &str); 6] = [
+        (&["--device", "cpu"], "name a GPU (cuda:N)"),
+        (&["--q-heads", "7", "--kv-heads", "2"], "must be a multiple of --kv-heads 2"),
+        (&["--head-dim", "300"], "--head-dim must be between 1 and 256"),
+        (&["--tokens", "1000", "--docs", "3"], "--docs 3 must be at least 1 and divide"),
+        (&["--tokens", "1099511627776"], "--tokens must be between 1 and 1048576"),
+        (&["--window", "0"], "--window must be at least 1 token"),
+    ];
+    for (args, want) in cases {
+        let (output, stderr) = run(sluice().args(["bench", "attention"]).args(args))?;
+        assert_clean_failure(&output, &stderr);
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    Ok(())
+}
+
 /// `--disk-dir` gives the planner a disk tier, measured there (the folder made if missing),
 /// which `--moments` uses or not and `--disk-mem` caps; `--moments disk` needs one.
 #[test]

@@ -25,6 +25,9 @@ enum Bench {
     /// Training steps of a random-init (or loaded) model on synthetic tokens: TFLOPS, tokens/s,
     /// time per phase, PCIe traffic, memory, against the planner's prediction.
     Train(Box<super::bench_train::TrainArgs>),
+    /// The fused attention kernels alone on the GPU, forward and backward: time and TFLOPS
+    /// (causal pairs counted) at a training shape.
+    Attention(super::bench_attention::AttentionArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -68,6 +71,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         Bench::Adam(a) => adam(a),
         Bench::Train(a) => super::bench_train::run(*a),
+        Bench::Attention(a) => super::bench_attention::run(a),
     }
 }
 

@@ -5,6 +5,7 @@
 //! subcommand is a variant in [`Command`] and an arm in [`run`].
 
 mod bench;
+mod bench_attention;
 mod bench_train;
 mod device;
 mod export_gguf;

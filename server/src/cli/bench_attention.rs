@@ -1,0 +1,196 @@
+//! `sluice bench attention`: the fused attention kernels alone, forward and backward, on one
+//! GPU at a training shape (one packed micro-batch of `--docs` equal documents), with TFLOPS by
+//! the causal count FlashAttention reports: 4 x head_dim x query heads x (query, key) pairs
+//! for the forward (two products), 2.5 times that for the backward (five products).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sluice_engine::backend::cuda::Cuda;
+use sluice_engine::backend::{AttentionOut, AttentionShape, Backend, FloatKind};
+
+use super::device::Device;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct AttentionArgs {
+    /// Tokens in the micro-batch.
+    #[arg(long, default_value_t = 32768)]
+    tokens: usize,
+
+    /// Equal documents the tokens are packed from (the mask is causal within each).
+    #[arg(long, default_value_t = 1)]
+    docs: usize,
+
+    /// Query heads (Qwen2.5-7B: 28).
+    #[arg(long, default_value_t = 28)]
+    q_heads: usize,
+
+    /// Key/value heads (Qwen2.5-7B: 4).
+    #[arg(long, default_value_t = 4)]
+    kv_heads: usize,
+
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+
+    /// Sliding window in tokens [default: none].
+    #[arg(long)]
+    window: Option<usize>,
+
+    /// Timed runs of each direction; the figure is their median.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+
+    #[arg(long, default_value = "cuda:0")]
+    device: Device,
+}
+
+/// Most tokens a measured micro-batch may have (the trainer's longest row).
+const MAX_TOKENS: usize = 1 << 20;
+
+/// Refuses shapes the kernels do not take, before any memory is touched.
+fn validate(a: &AttentionArgs) -> anyhow::Result<()> {
+    if a.tokens == 0 || a.tokens > MAX_TOKENS {
+        bail!("--tokens must be between 1 and {MAX_TOKENS}, got {}", a.tokens);
+    }
+    if a.docs == 0 || !a.tokens.is_multiple_of(a.docs) {
+        bail!("--docs {} must be at least 1 and divide --tokens {}", a.docs, a.tokens);
+    }
+    if a.q_heads == 0
+        || a.kv_heads == 0
+        || !a.q_heads.is_multiple_of(a.kv_heads)
+        || a.q_heads > 1024
+    {
+        bail!(
+            "--q-heads {} must be a multiple of --kv-heads {} (both at least 1, at most 1024 \
+             query heads)",
+            a.q_heads,
+            a.kv_heads
+        );
+    }
+    if a.head_dim == 0 || a.head_dim > 256 {
+        bail!("--head-dim must be between 1 and 256, got {}", a.head_dim);
+    }
+    if a.window == Some(0) {
+        bail!("--window must be at least 1 token");
+    }
+    if a.iters == 0 || a.iters > 1000 {
+        bail!("--iters must be between 1 and 1000, got {}", a.iters);
+    }
+    Ok(())
+}
+
+pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
+    let Device::Cuda(ordinal) = a.device else {
+        bail!("--device {}: this measures the GPU kernels; name a GPU (cuda:N)", a.device)
+    };
+    validate(&a)?;
+    let cuda = Cuda::new(ordinal).context("cannot use the GPU")?;
+    let shape = AttentionShape {
+        tokens: a.tokens,
+        q_heads: a.q_heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        docs: a.docs,
+        window: a.window,
+        scale_dim: None,
+        softcap: None,
+    };
+    let (t, nq, hd) = (a.tokens, a.q_heads, a.head_dim);
+    let len = t / a.docs;
+    let cu: Vec<i32> = (0..=a.docs)
+        .map(|d| i32::try_from(d * len).context("--tokens exceeds the kernels' 32-bit sizes"))
+        .collect::<anyhow::Result<_>>()?;
+
+    let mut rng = StdRng::seed_from_u64(0);
+    // Uniform in [-2, 2), uploaded a piece at a time so host memory stays small.
+    let mut random = |n: usize, kind: FloatKind| -> anyhow::Result<_> {
+        const PIECE: usize = 1 << 24;
+        let mut buf = cuda.alloc(n, kind)?;
+        for start in (0..n).step_by(PIECE) {
+            let end = (start + PIECE).min(n);
+            let host: Vec<f32> = (start..end).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            cuda.upload(cuda.view_mut(&mut buf, start..end), &host)?;
+        }
+        Ok(buf)
+    };
+    let width = shape.qkv_width();
+    let qkv = random(t * width, FloatKind::Activation)?;
+    let dout = random(t * nq * hd, FloatKind::Activation)?;
+    let mut out = cuda.alloc(t * nq * hd, FloatKind::Activation)?;
+    let mut lse = cuda.alloc(t * nq, FloatKind::Accum)?;
+    let mut dqkv = cuda.alloc(t * width, FloatKind::Activation)?;
+    let mut cu_d = cuda.alloc_ints(cu.len())?;
+    cuda.upload_ints(&mut cu_d, &cu)?;
+
+    let mut forward = || -> anyhow::Result<()> {
+        let att = AttentionOut {
+            out: cuda.view_mut(&mut out, 0..t * nq * hd),
+            lse: cuda.view_mut(&mut lse, 0..t * nq),
+        };
+        cuda.attention_forward(att, cuda.view(&qkv, 0..t * width), &cu_d, &shape)?;
+        Ok(())
+    };
+    let fwd = time(a.iters, &cuda, &mut forward)?;
+    let mut backward = || -> anyhow::Result<()> {
+        let att =
+            AttentionOut { out: cuda.view(&out, 0..t * nq * hd), lse: cuda.view(&lse, 0..t * nq) };
+        cuda.attention_backward(
+            cuda.view_mut(&mut dqkv, 0..t * width),
+            cuda.view(&dout, 0..t * nq * hd),
+            cuda.view(&qkv, 0..t * width),
+            att,
+            &cu_d,
+            &shape,
+        )?;
+        Ok(())
+    };
+    let bwd = time(a.iters, &cuda, &mut backward)?;
+
+    // (query, key) pairs the mask lets through, per head.
+    let w = a.window.unwrap_or(usize::MAX);
+    let pairs: f64 = (0..len).map(|i| (i + 1).min(w) as f64).sum::<f64>() * a.docs as f64;
+    let fwd_flops = 4.0 * hd as f64 * nq as f64 * pairs;
+    let tflops = |flops: f64, d: Duration| flops / d.as_secs_f64() / 1e12;
+    println!(
+        "attention on {}: {t} tokens in {} documents, {nq} query heads, {} kv heads, head_dim \
+         {hd}, window {}; medians of {} runs",
+        cuda.arch(),
+        a.docs,
+        a.kv_heads,
+        a.window.map_or("none".into(), |w| w.to_string()),
+        a.iters
+    );
+    println!(
+        "forward  {:>9.3} ms  {:>6.1} TFLOPS",
+        fwd.as_secs_f64() * 1e3,
+        tflops(fwd_flops, fwd)
+    );
+    println!(
+        "backward {:>9.3} ms  {:>6.1} TFLOPS",
+        bwd.as_secs_f64() * 1e3,
+        tflops(2.5 * fwd_flops, bwd)
+    );
+    Ok(())
+}
+
+/// Median device time of `iters` runs of `f`, after one untimed run (which also compiles or
+/// loads nothing further: the kernels were loaded with the device).
+fn time(
+    iters: usize,
+    cuda: &Cuda,
+    f: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Duration> {
+    f()?;
+    cuda.synchronize()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let start = Instant::now();
+        f()?;
+        cuda.synchronize()?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
