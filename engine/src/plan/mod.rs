@@ -770,11 +770,12 @@ fn fill_kept(s: &Sizes, layout: &mut Layout, input: &PlanInput<'_>) {
             }
         }
         let step = timing::simulate(s, &l, &input.rates, input.memory.disk.as_ref(), 1.0).step;
-        // Fewer whole layers only where clearly faster (tried from the most down): a whole
-        // layer spares GEMMs, which the model prices best; at rows of 1,024 tokens the model
-        // put 7 whole layers and 21 attention outputs ahead of 8 and 6 by under 1%, and the
-        // H200 ran them 1.7% slower (6.510 s against 6.403 s a step, 2026-12-04).
-        if best.as_ref().is_none_or(|(t, _, _)| step < t * 0.99) {
+        // Fewer whole layers only where faster (tried from the most down). An attention
+        // output spares a forward attention, priced at the forward's own rate: one rate for
+        // forward and backward together overpriced it by a fifth at rows of 1,024 tokens, put
+        // 7 whole layers and 21 attention outputs ahead of 8 and 6, and the H200 ran them 1.7%
+        // slower (6.510 s against 6.403 s a step, 2026-12-04).
+        if best.as_ref().is_none_or(|(t, _, _)| step < *t) {
             best = Some((step, l.kept, l.kept_attention));
         }
     }
@@ -941,7 +942,7 @@ fn step_time(s: &Sizes, e: &Evaluated, input: &PlanInput<'_>) -> StepTime {
         elementwise_s: c.elementwise,
         flops: c.gemm * input.rates.gemm_flops
             + c.head * input.rates.head_flops
-            + c.attention * s.attention_rate(&input.rates),
+            + c.attention_flops,
         h2d_bytes: c.h2d_bytes,
         d2h_bytes: c.d2h_bytes,
         h2d_s: c.h2d,

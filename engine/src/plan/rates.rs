@@ -18,21 +18,27 @@ pub struct MachineRates {
     /// Effective bf16 GEMM FLOP/s on a decoder layer's shapes. Measured: 684-772 TFLOPS at
     /// typical layer shapes, 791 at 8192^3 (torch, cuBLAS); 700 leaves room for small GEMMs.
     pub gemm_flops: f64,
-    /// Peak attention FLOP/s of Sluice's tensor-core kernels (forward, recompute and backward
-    /// together, the backward counted as 2.5 forwards), reached at long rows; at sequence length
-    /// `s` they run at `attention_flops x s / (s + attention_half_seq)`. Measured with `sluice
-    /// bench train --profile` on the H200 (2026-12-03, head_dim 128): 125-132 TFLOPS at seq
-    /// 1024 (Qwen2.5-1.5B, 7B), 209 at seq 32768 (7B), which this curve fits.
-    pub attention_flops: f64,
-    /// The sequence length at which attention runs at half its peak (see `attention_flops`).
-    pub attention_half_seq: f64,
+    /// Peak forward attention FLOP/s of Sluice's tensor-core kernels, reached at long rows; at
+    /// sequence length `s` they run at `attention_forward_flops x s / (s +
+    /// attention_forward_half_seq)`. Measured with `sluice bench train --profile` on the H200
+    /// (2026-12-04, Qwen2.5-7B, head_dim 128): 162.6 TFLOPS at seq 1024, 244.2 at seq 32768,
+    /// which this curve fits.
+    pub attention_forward_flops: f64,
+    /// The sequence length at which the forward runs at half its peak.
+    pub attention_forward_half_seq: f64,
+    /// The same for the backward (five products, its FLOPs counted as 2.5 forwards), which runs
+    /// slower than the forward: measured 114.7 TFLOPS at seq 1024, 182.2 at seq 32768 (same
+    /// runs). A recompute that a kept attention output spares is a forward.
+    pub attention_backward_flops: f64,
+    pub attention_backward_half_seq: f64,
     /// Attention FLOP/s of the scalar kernels, which soft-capped attention (Gemma 2) runs on.
     /// Measured: Gemma-2-9B at 64 x 1024 tokens took 36.9 s a step on the H200 (2026-12-03),
     /// about 29.6 s of it attention's 1.0e14 FLOPs (forward, recompute and backward): 3.5 TFLOPS.
     pub scalar_attention_flops: f64,
-    /// FLOP/s of the chunked LM head (its GEMMs with the softmax and loss between them).
-    /// Measured (profile, H200, 2026-12-03): 566 TFLOPS at hidden 3584 with chunks of 2^28
-    /// logits (`placement::LOSS_CHUNK_LOGITS`; 454 with 2^26, 386 at hidden 1536).
+    /// FLOP/s of the chunked LM head (its three GEMMs, `6 p N`, with the softmax, loss and
+    /// logits' gradient between them). Measured (profile, H200, 2026-12-04, the fused forward
+    /// and backward, chunks of 2^28 logits, `placement::LOSS_CHUNK_LOGITS`): 544 TFLOPS at
+    /// hidden 3584, 458 at hidden 1536.
     pub head_flops: f64,
     /// Effective bytes/s of a layer's elementwise kernels (norms, RoPE, biases, the gated
     /// activation, residual adds) over the bytes they must move (`Sizes::elementwise_*`).
@@ -55,10 +61,12 @@ impl Default for MachineRates {
             pcie_h2d: 50e9,
             pcie_d2h: 50e9,
             gemm_flops: 700e12,
-            attention_flops: 213e12,
-            attention_half_seq: 628.0,
+            attention_forward_flops: 248e12,
+            attention_forward_half_seq: 539.0,
+            attention_backward_flops: 186e12,
+            attention_backward_half_seq: 634.0,
             scalar_attention_flops: 3.5e12,
-            head_flops: 520e12,
+            head_flops: 500e12,
             elementwise_bytes: 2.7e12,
             adam_params: 5e9,
             host_memcpy: 60e9,
@@ -75,8 +83,10 @@ impl MachineRates {
             pcie_h2d: 10e9,
             pcie_d2h: 10e9,
             gemm_flops: 2e10,
-            attention_flops: 1e10,
-            attention_half_seq: 0.0,
+            attention_forward_flops: 1e10,
+            attention_forward_half_seq: 0.0,
+            attention_backward_flops: 1e10,
+            attention_backward_half_seq: 0.0,
             scalar_attention_flops: 1e10,
             head_flops: 2e10,
             elementwise_bytes: 5e9,
@@ -85,10 +95,14 @@ impl MachineRates {
         }
     }
 
-    /// Attention FLOP/s of the tensor-core kernels on rows of `seq_len` tokens.
-    pub fn attention_rate(&self, seq_len: usize) -> f64 {
-        let s = seq_len.max(1) as f64;
-        self.attention_flops * s / (s + self.attention_half_seq.max(0.0))
+    /// Forward attention FLOP/s of the tensor-core kernels on rows of `seq_len` tokens.
+    pub fn attention_forward_rate(&self, seq_len: usize) -> f64 {
+        saturating(self.attention_forward_flops, self.attention_forward_half_seq, seq_len)
+    }
+
+    /// Backward attention FLOP/s (counted as 2.5 forwards) on rows of `seq_len` tokens.
+    pub fn attention_backward_rate(&self, seq_len: usize) -> f64 {
+        saturating(self.attention_backward_flops, self.attention_backward_half_seq, seq_len)
     }
 
     /// Rejects a rate that is not finite and positive, naming it.
@@ -97,18 +111,21 @@ impl MachineRates {
             ("pcie_h2d", self.pcie_h2d),
             ("pcie_d2h", self.pcie_d2h),
             ("gemm_flops", self.gemm_flops),
-            ("attention_flops", self.attention_flops),
+            ("attention_forward_flops", self.attention_forward_flops),
+            ("attention_backward_flops", self.attention_backward_flops),
             ("scalar_attention_flops", self.scalar_attention_flops),
             ("head_flops", self.head_flops),
             ("elementwise_bytes", self.elementwise_bytes),
             ("adam_params", self.adam_params),
             ("host_memcpy", self.host_memcpy),
         ];
-        if !(self.attention_half_seq.is_finite() && self.attention_half_seq >= 0.0) {
-            return Err(Error::invalid(format!(
-                "machine rate attention_half_seq must be >= 0, got {}",
-                self.attention_half_seq
-            )));
+        for (name, seq) in [
+            ("attention_forward_half_seq", self.attention_forward_half_seq),
+            ("attention_backward_half_seq", self.attention_backward_half_seq),
+        ] {
+            if !(seq.is_finite() && seq >= 0.0) {
+                return Err(Error::invalid(format!("machine rate {name} must be >= 0, got {seq}")));
+            }
         }
         for (name, rate) in fields {
             if !(rate.is_finite() && rate > 0.0) {
@@ -117,6 +134,13 @@ impl MachineRates {
         }
         Ok(())
     }
+}
+
+/// `peak x s / (s + half)`: a rate that grows with the row length `s` and reaches half its peak
+/// at `half` tokens.
+fn saturating(peak: f64, half: f64, seq_len: usize) -> f64 {
+    let s = seq_len.max(1) as f64;
+    peak * s / (s + half.max(0.0))
 }
 
 /// GPU memory assumed when no GPU can be read: the H200's 143771 MiB less the CUDA context and

@@ -134,12 +134,14 @@ pub struct Sizes {
 }
 
 impl Sizes {
-    /// The attention FLOP/s of this model on a machine: the scalar kernels' when soft-capped.
-    pub fn attention_rate(&self, r: &MachineRates) -> f64 {
+    /// The attention FLOP/s of this model on a machine, (forward, backward): the scalar
+    /// kernels' both ways when soft-capped.
+    pub fn attention_rates(&self, r: &MachineRates) -> (f64, f64) {
         if self.capped_attention {
-            r.scalar_attention_flops
+            (r.scalar_attention_flops, r.scalar_attention_flops)
         } else {
-            r.attention_rate(self.batch.seq_len)
+            let s = self.batch.seq_len;
+            (r.attention_forward_rate(s), r.attention_backward_rate(s))
         }
     }
 

@@ -367,14 +367,14 @@ fn long_rows_keep_attention_outputs_where_whole_layers_do_not_fit() {
     let per_attention = 2 * (buf(32768 * QWEN7.att() * 2) + buf(32768 * QWEN7.q_heads * 4));
     assert_eq!(b.device.part("kept attention outputs"), attention as u64 * per_attention);
     assert!(b.device.used <= 139 * GIB, "{plan}");
-    // Forward attentions per step: 4.5 a layer (forward, recompute, 2.5 in the backward),
-    // 3.5 where the recompute skips it.
+    // Per layer a forward attention and a backward (2.5 forwards' FLOPs at the backward's
+    // rate); no recompute runs one.
     let pairs = 32768.0 * 32769.0 / 2.0;
-    let per_visit =
-        2.0 * pairs * 4.0 * (QWEN7.head_dim * QWEN7.q_heads) as f64 * QWEN7.layers as f64
-            / MachineRates::default().attention_rate(32768);
-    let visits = 3.5 * (kept + attention) as f64 / QWEN7.layers as f64;
-    let want = visits * per_visit;
+    let per_layer = 2.0 * pairs * 4.0 * (QWEN7.head_dim * QWEN7.q_heads) as f64;
+    let rates = MachineRates::default();
+    let layer = per_layer / rates.attention_forward_rate(32768)
+        + 2.5 * per_layer / rates.attention_backward_rate(32768);
+    let want = (kept + attention) as f64 * layer;
     assert!((plan.time.attention_s - want).abs() < 1e-9 * want, "{:?}", plan.time);
 }
 
@@ -549,14 +549,15 @@ fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
     let layers = s.layers as f64;
     let share = (8.0 * (layers - kept) + 6.0 * kept) / (8.0 * layers);
     let gemm = 8.0 * gemm_params as f64 * n / 700e12 * share;
-    // The LM head: forward, logits recomputed, backward, at its own rate.
-    let head = 8.0 * (s.vocab * s.hidden) as f64 * n / rates.head_flops;
+    // The LM head: forward and backward, each chunk's logits computed once, at its own rate.
+    let head = 6.0 * (s.vocab * s.hidden) as f64 * n / rates.head_flops;
     // Causal: 4096 * 4097 / 2 query-key pairs per row, 4 hd FLOPs per head per pair forward;
-    // forward + recompute + 2.5 x forward for the backward.
+    // forward and recompute at the forward's rate, 2.5 x forward for the backward at its own.
     let pairs = 4096.0 * 4097.0 / 2.0;
-    let rate = rates.attention_rate(4096);
-    let visits = 4.5 * (layers - kept - kept_attention) + 3.5 * (kept + kept_attention);
-    let attn = visits * 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64 / rate;
+    let forward = 8.0 * pairs * 4.0 * (s.head_dim * s.q_heads) as f64;
+    let forwards = 2.0 * (layers - kept - kept_attention) + kept + kept_attention;
+    let attn = forwards * forward / rates.attention_forward_rate(4096)
+        + layers * 2.5 * forward / rates.attention_backward_rate(4096);
     // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), the q/k/v bias
     // and RoPE on q and k (read and write), the gated activation (3 I), two residual adds
     // (3 H each); backward 3 H per norm, the bias read once, RoPE, 5 I, the adds again. The
@@ -801,16 +802,21 @@ fn soft_capped_attention_is_priced_at_the_scalar_kernels_rate() {
             gpus: 1,
         };
         let plan = fits(plan(&input).expect("valid"));
-        // Forward attentions per step: 4.5 a layer, 3.5 where the recompute skips it.
+        // Forward attentions per step: 2 a layer, 1 where the recompute skips it.
         let spared = plan.placement.kept_layers.len() + plan.placement.kept_attention_layers.len();
-        let visits = 4.5 * spec.layers as f64 - spared as f64;
-        (plan.time, visits, plan.placement.kept_layers.len())
+        let forwards = 2.0 * spec.layers as f64 - spared as f64;
+        (plan.time, forwards, plan.placement.kept_layers.len())
     };
-    let ((c, c_visits, c_kept), (u, u_visits, u_kept)) = (time(&capped), time(&uncapped));
-    let ratio = MachineRates::default().attention_rate(1024)
-        / MachineRates::default().scalar_attention_flops;
-    let per_visit = (c.attention_s / c_visits) / (u.attention_s / u_visits);
-    assert!((per_visit - ratio).abs() < 1e-9 * ratio, "{c:?} vs {u:?}");
+    let ((c, c_fwd, c_kept), (u, u_fwd, u_kept)) = (time(&capped), time(&uncapped));
+    // The same forward FLOPs per layer behind both times: capped at the scalar rate both ways,
+    // uncapped at the tensor-core kernels' forward and backward rates (the backward 2.5
+    // forwards).
+    let (rates, layers) = (MachineRates::default(), capped.layers as f64);
+    let f_capped = c.attention_s * rates.scalar_attention_flops / (c_fwd + 2.5 * layers);
+    let f_uncapped = u.attention_s
+        / (u_fwd / rates.attention_forward_rate(1024)
+            + 2.5 * layers / rates.attention_backward_rate(1024));
+    assert!((f_capped - f_uncapped).abs() < 1e-9 * f_uncapped, "{c:?} vs {u:?}");
     if c_kept == u_kept {
         assert!((c.gemm_s - u.gemm_s).abs() < 1e-12);
     }
@@ -834,14 +840,14 @@ fn gpt_oss_120b_fits_one_h200_with_1_5_tb_counting_every_expert() {
     assert!((14.0..=14.1).contains(&per_param), "{per_param:.2}\n{plan}");
 
     // Compute counts each token's 4 experts and the router, not all 128: per layer q, k, v, o
-    // ((64 + 2 x 8) x 64 + 64 x 64 rows of 2880) and 4 x 3 x 2880 x 2880 + 128 x 2880, then
-    // the LM head (201088 x 2880) at its own rate, 8 FLOPs per GEMM parameter per token with
-    // the recompute.
+    // ((64 + 2 x 8) x 64 + 64 x 64 rows of 2880) and 4 x 3 x 2880 x 2880 + 128 x 2880, 8 FLOPs
+    // per GEMM parameter per token with the recompute, then the LM head (201088 x 2880) at its
+    // own rate, 6 FLOPs per parameter per token (no recompute: its logits are computed once).
     let (h, layers) = (2880.0, 36.0);
     let layer = ((64.0 + 16.0) * 64.0 + 64.0 * 64.0) * h + 4.0 * 3.0 * h * h + 128.0 * h;
     let gemm = 8.0 * layers * layer * 8192.0 / 700e12;
     assert!((plan.time.gemm_s - gemm).abs() < 1e-9 * gemm, "{} vs {gemm}", plan.time.gemm_s);
-    let head = 8.0 * 201088.0 * h * 8192.0 / MachineRates::default().head_flops;
+    let head = 6.0 * 201088.0 * h * 8192.0 / MachineRates::default().head_flops;
     assert!((plan.time.head_s - head).abs() < 1e-9 * head, "{} vs {head}", plan.time.head_s);
 }
 

@@ -12,9 +12,8 @@
 //! `4 p N` (both input and weight gradients) plus 2.5 forward attentions (FlashAttention-2's
 //! backward is five matmuls to the forward's two); a layer whose activations are kept skips
 //! the recompute, one whose attention output is kept skips the recompute's attention. The head
-//! runs forward, loss and backward in
-//! one visit: `2 + 2 (logits recomputed from the kept log-sum-exp) + 4 = 8 p N`, at the LM
-//! head's own measured rate (its chunks' softmax and loss sit between the GEMMs). Each layer
+//! runs forward, loss and backward in one visit, each chunk's logits computed once:
+//! `2 + 4 = 6 p N`, at the LM head's own measured rate (its chunks' softmax and loss sit between the GEMMs). Each layer
 //! visit adds its elementwise kernels' bytes (norms, RoPE, biases, the gated activation,
 //! residual adds: the forward's once more in the backward, for the recompute) at their
 //! measured effective bandwidth, and attention runs at its measured rate for the row length.
@@ -76,7 +75,10 @@ pub struct StepCost {
     pub gemm: f64,
     /// The LM head's visit: its GEMMs with the softmax and loss, at the head's rate.
     pub head: f64,
+    /// The layers' attention, forward (and recompute) and backward at their own rates.
     pub attention: f64,
+    /// The FLOPs of that attention (a backward counted as 2.5 forwards).
+    pub attention_flops: f64,
     /// The layers' elementwise kernels.
     pub elementwise: f64,
     pub h2d_bytes: u64,
@@ -107,24 +109,28 @@ pub fn simulate(
     let n = s.batch.step_tokens() as f64;
     let units = s.units.len();
     let head = s.head();
-    let attn = s.attention_fwd_flops / s.attention_rate(r);
+    let (fwd_rate, bwd_rate) = s.attention_rates(r);
+    // A layer's forward attention, and its backward (2.5 forwards' FLOPs at the backward's rate).
+    let attn = s.attention_fwd_flops / fwd_rate;
+    let attn_bwd = 2.5 * s.attention_fwd_flops / bwd_rate;
     let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
     let ew_fwd = s.elementwise_fwd_bytes / r.elementwise_bytes;
     let ew_bwd = s.elementwise_bwd_bytes / r.elementwise_bytes;
     let fwd_secs = |u: usize| match u {
         0 => 0.0,
-        u if u == head => 8.0 * s.units[u].gemm_params as f64 * n / r.head_flops,
+        u if u == head => 6.0 * s.units[u].gemm_params as f64 * n / r.head_flops,
         u => 2.0 * gemm(u) + attn + ew_fwd,
     };
     // A kept layer's backward skips the recompute of its forward.
     let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
     // A kept attention output spares the recompute its attention.
     let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
-    let attn_visits = |u: usize| if kept(u) || kept_attention(u) { 3.5 } else { 4.5 };
+    // Forward attentions a layer runs: its forward, and the recompute's unless spared.
+    let attn_forwards = |u: usize| if kept(u) || kept_attention(u) { 1.0 } else { 2.0 };
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
-        u if kept(u) => 4.0 * gemm(u) + 2.5 * attn + ew_bwd,
-        u => 6.0 * gemm(u) + (attn_visits(u) - 1.0) * attn + ew_fwd + ew_bwd,
+        u if kept(u) => 4.0 * gemm(u) + attn_bwd + ew_bwd,
+        u => 6.0 * gemm(u) + (attn_forwards(u) - 1.0) * attn + attn_bwd + ew_fwd + ew_bwd,
     };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
     let emb_resident = l.embedding_resident();
@@ -288,7 +294,10 @@ pub fn simulate(
             step: 0.0,
             gemm: (1..head).map(|u| if kept(u) { 6.0 } else { 8.0 } * gemm(u)).sum(),
             head: fwd_secs(head),
-            attention: (1..head).map(|u| attn_visits(u) * attn).sum(),
+            attention: (1..head).map(|u| attn_forwards(u) * attn + attn_bwd).sum(),
+            attention_flops: (1..head)
+                .map(|u| (attn_forwards(u) + 2.5) * s.attention_fwd_flops)
+                .sum(),
             elementwise: (1..head).map(|u| if kept(u) { 1.0 } else { 2.0 } * ew_fwd + ew_bwd).sum(),
             h2d_bytes,
             d2h_bytes,
