@@ -9,14 +9,15 @@
 //!
 //! Compute per unit visit, with `N` tokens per step and `p` GEMM parameters: a layer's forward
 //! is `2 p N` GEMM FLOPs plus its attention; its backward recomputes the forward and then runs
-//! `4 p N` (both input and weight gradients) plus 2.5 forward attentions (FlashAttention-2's
-//! backward is five matmuls to the forward's two); a layer whose activations are kept skips
-//! the recompute, one whose attention output is kept skips the recompute's attention. The head
-//! runs forward, loss and backward in one visit, each chunk's logits computed once:
-//! `2 + 4 = 6 p N`, at the LM head's own measured rate (its chunks' softmax and loss sit between the GEMMs). Each layer
-//! visit adds its elementwise kernels' bytes (norms, RoPE, biases, the gated activation,
-//! residual adds: the forward's once more in the backward, for the recompute) at their
-//! measured effective bandwidth, and attention runs at its measured rate for the row length.
+//! `4 p N` (both input and weight gradients) plus an attention backward of 2.5 forwards' FLOPs
+//! (FlashAttention-2's backward is five matmuls to the forward's two); a layer whose
+//! activations are kept skips the recompute, one whose attention output is kept skips the
+//! recompute's attention. The head runs forward, loss and backward in one visit, each chunk's
+//! logits computed once: `2 + 4 = 6 p N`, at the LM head's own measured rate (its chunks'
+//! softmax and loss sit between the GEMMs). Each layer visit adds its elementwise kernels'
+//! bytes (norms, RoPE, biases, the gated activation, residual adds: the forward's once more in
+//! the backward, for the recompute) at their measured effective bandwidth, and attention's
+//! forward and backward run at their own measured rates for the row length.
 //! The embedding is a lookup and a scatter-add, no GEMM: free next to the layers.
 //!
 //! The disk tier: a unit whose Adam moments live on the disk has them read (m and v, 8 bytes

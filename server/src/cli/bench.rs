@@ -198,7 +198,7 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median(mut times: Vec<Duration>) -> Duration {
+pub(super) fn median(mut times: Vec<Duration>) -> Duration {
     times.sort();
     times.get(times.len() / 2).copied().unwrap_or_default()
 }

@@ -10,6 +10,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::backend::{AttentionOut, AttentionShape, Backend, FloatKind};
+use sluice_engine::plan::sizes::causal_pairs;
 
 use super::device::Device;
 
@@ -149,9 +150,8 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
     let bwd = time(a.iters, &cuda, &mut backward)?;
 
     // (query, key) pairs the mask lets through, per head.
-    let w = a.window.unwrap_or(usize::MAX);
-    let pairs: f64 = (0..len).map(|i| (i + 1).min(w) as f64).sum::<f64>() * a.docs as f64;
-    let fwd_flops = 4.0 * hd as f64 * nq as f64 * pairs;
+    let pairs = causal_pairs(len as u64, a.window.map(|w| w as u64)) * a.docs as u64;
+    let fwd_flops = 4.0 * hd as f64 * nq as f64 * pairs as f64;
     let tflops = |flops: f64, d: Duration| flops / d.as_secs_f64() / 1e12;
     println!(
         "attention on {}: {t} tokens in {} documents, {nq} query heads, {} kv heads, head_dim \
@@ -175,8 +175,7 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Median device time of `iters` runs of `f`, after one untimed run (which also compiles or
-/// loads nothing further: the kernels were loaded with the device).
+/// Median device time of `iters` runs of `f`, after one untimed run.
 fn time(
     iters: usize,
     cuda: &Cuda,
@@ -191,6 +190,5 @@ fn time(
         cuda.synchronize()?;
         times.push(start.elapsed());
     }
-    times.sort();
-    Ok(times[times.len() / 2])
+    Ok(super::bench::median(times))
 }
