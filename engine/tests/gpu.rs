@@ -619,28 +619,103 @@ fn attention_case(case: &AttentionCase, seed: u64) {
     let att_h = AttentionOut { out: &out_h[..], lse: &lse_h[..] };
     c.attention_backward(&mut want_d, &dout, &qkv, att_h, &cu.to_vec(), &shape).expect("cpu");
     let dout_d = put_at(g, &dout, offset, Activation);
-    let mut runs = Vec::new();
-    for _ in 0..2 {
-        let mut d = put_at(g, &vec![f32::NAN; t * width], offset, Activation);
-        g.attention_backward(
-            from_mut(g, &mut d, offset),
-            from(g, &dout_d, offset),
-            from(g, &qkv_d, offset),
-            AttentionOut { out: from(g, &out, offset), lse: from(g, &lse, offset) },
-            &cu_d,
-            &shape,
-        )
-        .expect("gpu");
-        runs.push(get(g, &d)[offset..].to_vec());
+    // The split kernels, then the fused one where the head size has it (elsewhere the split
+    // kernels again).
+    let default = g.fused_attention_backward();
+    for fused in [false, true] {
+        g.set_fused_attention_backward(fused);
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let mut d = put_at(g, &vec![f32::NAN; t * width], offset, Activation);
+            g.attention_backward(
+                from_mut(g, &mut d, offset),
+                from(g, &dout_d, offset),
+                from(g, &qkv_d, offset),
+                AttentionOut { out: from(g, &out, offset), lse: from(g, &lse, offset) },
+                &cu_d,
+                &shape,
+            )
+            .expect("gpu");
+            runs.push(get(g, &d)[offset..].to_vec());
+        }
+        let kernels = if fused { "fused" } else { "split" };
+        // Sums of products over many keys, P and dS rounded to bf16 before their products (as
+        // in FlashAttention), then a bf16 rounding: 1e-2 of the scale.
+        check(&format!("attention_backward {kernels} dqkv {name}"), &runs[0], &want_d, 1e-2);
+        // No atomics on the data: a second run gives the same bits.
+        assert!(
+            runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "attention_backward {kernels} {name}: two runs differ"
+        );
     }
-    // Sums of products over many keys, P and dS rounded to bf16 before their products (as in
-    // FlashAttention), then a bf16 rounding: 1e-2 of the scale.
-    check(&format!("attention_backward dqkv {name}"), &runs[0], &want_d, 1e-2);
-    // No atomics: a second run gives the same bits.
-    assert!(
-        runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
-        "attention_backward {name}: two runs differ"
-    );
+    g.set_fused_attention_backward(default);
+}
+
+/// The fused backward against the split kernels on rows long enough for deep chains of key
+/// blocks (128 keys each) adding to one query tile's dq, and many blocks waiting on each
+/// other at once: the two agree to bf16 rounding and the fused one repeats its bits.
+#[test]
+fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
+    let g = gpu();
+    let cases: [(&[i32], usize, usize, usize, Option<usize>); 4] = [
+        (&[0, 16384], 28, 4, 128, None),
+        (&[0, 5000, 5000, 9001, 16384], 8, 1, 128, Some(3000)),
+        (&[0, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192], 16, 16, 128, None),
+        (&[0, 3000, 12289], 8, 2, 64, Some(700)),
+    ];
+    let default = g.fused_attention_backward();
+    for (n, &(cu, nq, nkv, hd, window)) in cases.iter().enumerate() {
+        let mut r = rng(500 + n as u64);
+        let t = *cu.last().expect("cu") as usize;
+        let shape = AttentionShape {
+            tokens: t,
+            q_heads: nq,
+            kv_heads: nkv,
+            head_dim: hd,
+            docs: cu.len() - 1,
+            window,
+            scale_dim: None,
+            softcap: None,
+        };
+        let name =
+            format!("T={t} docs={} hd={hd} nq={nq} nkv={nkv} window={window:?}", cu.len() - 1);
+        let qkv = put(g, &uniform(&mut r, t * shape.qkv_width(), 2.5), Activation);
+        let cu_d = ints(g, cu);
+        let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
+        let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
+        g.attention_forward(att, all(g, &qkv), &cu_d, &shape).expect("forward");
+        let dout = put(g, &uniform(&mut r, t * nq * hd, 1.0), Activation);
+        let mut run = |fused: bool| {
+            g.set_fused_attention_backward(fused);
+            let mut d = nan(g, t * shape.qkv_width(), Activation);
+            g.attention_backward(
+                all_mut(g, &mut d),
+                all(g, &dout),
+                all(g, &qkv),
+                AttentionOut { out: all(g, &out), lse: all(g, &lse) },
+                &cu_d,
+                &shape,
+            )
+            .expect("backward");
+            get(g, &d)
+        };
+        let split = run(false);
+        let (a, b) = (run(true), run(true));
+        // Ampere's sm_80 and Hopper give a block the fused kernel's shared memory.
+        assert!(
+            g.fused_attention_backward_for(&shape) || !matches!(g.arch(), "sm_80" | "sm_90"),
+            "{name}: the fused kernel did not run on {}",
+            g.arch()
+        );
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "fused attention_backward {name}: two runs differ"
+        );
+        // The same sums in another order (dq over key blocks in f32 instead of over key tiles
+        // in registers; dk and dv over query heads likewise), each rounded to bf16 once.
+        check(&format!("fused vs split attention_backward {name}"), &a, &split, 1e-2);
+    }
+    g.set_fused_attention_backward(default);
 }
 
 /// `v` at elements `offset..` of a fresh buffer, NaN before them.

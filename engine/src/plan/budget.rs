@@ -252,6 +252,12 @@ pub fn device_base(s: &Sizes, l: &Layout) -> Vec<(String, u64)> {
         ));
     }
     parts.push(("head: final norm and chunked cross-entropy".to_string(), s.head_workspace));
+    if s.attention_sums > 0 {
+        parts.push((
+            "attention backward's f32 sums (beyond the head's logits chunk)".to_string(),
+            s.attention_sums,
+        ));
+    }
     parts.push((
         "current unit's activations or their gradients, in and out (2 x G micro-batches, bf16)"
             .to_string(),

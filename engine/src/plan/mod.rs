@@ -875,7 +875,7 @@ fn budget_for(s: &Sizes, l: &Layout, memory: &MachineMemory) -> Budget {
         return budget::budget(s, l, memory.gpu_bytes, host, disk);
     }
     // The CPU's loss works through smaller chunks than a GPU's.
-    let s = &Sizes { head_workspace: s.head_workspace_host, ..s.clone() };
+    let s = &Sizes { head_workspace: s.head_workspace_host, attention_sums: 0, ..s.clone() };
     let gpu = host.saturating_sub(budget::budget(s, l, 0, host, disk).host_used());
     let mut b = budget::budget(s, l, gpu, host, disk);
     // No CUDA context or cuBLAS workspace to keep room for, and no cast: the CPU computes on

@@ -122,6 +122,10 @@ pub struct Sizes {
     pub head_workspace: u64,
     /// The same on the CPU backend, whose chunks are smaller.
     pub head_workspace_host: u64,
+    /// Device bytes the GPU's fused attention backward needs for its f32 sums beyond what the
+    /// LM head's logits chunk leaves in the allocator's pool (0 on the CPU, and for most
+    /// shapes); see [`attention_sums_bytes`].
+    pub attention_sums: u64,
     /// Attention FLOPs of one layer's forward over the whole step (all micro-batches).
     pub attention_fwd_flops: f64,
     /// Whether attention is soft-capped (Gemma 2), which the GPU runs on its scalar kernels.
@@ -183,6 +187,11 @@ impl Sizes {
                 spec,
                 batch.micro_tokens(),
                 crate::backend::cpu::LOSS_CHUNK_TOKENS as u64,
+            ),
+            attention_sums: attention_sums_bytes(
+                spec,
+                batch.micro_tokens(),
+                crate::placement::LOSS_CHUNK_LOGITS as u64 / (spec.vocab as u64).max(1),
             ),
             attention_fwd_flops: attention_fwd_flops(spec, batch),
             capped_attention: spec.attn_softcap.is_some(),
@@ -300,6 +309,16 @@ pub fn head_workspace_bytes(spec: &ModelSpec, t: u64, chunk: u64) -> u64 {
     let (h, v) = (spec.hidden as u64, spec.vocab as u64);
     let chunk = t.min(chunk.max(1));
     2 * t * h * BF16 + 3 * t * F32 + chunk * v * (F32 + BF16)
+}
+
+/// The fused attention backward's f32 sums of dq, dk and dv for `t` tokens (`[t, q/k/v
+/// width]`, a temporary from the stream-ordered pool) beyond the LM head's chunk of up to
+/// `chunk` tokens' logits, a temporary of the same pool that every micro-batch's head frees
+/// before the layers' backward: the pool serves the one from the other's memory.
+pub fn attention_sums_bytes(spec: &ModelSpec, t: u64, chunk: u64) -> u64 {
+    let width = ((spec.q_heads + 2 * spec.kv_heads) * spec.head_dim) as u64;
+    let logits = t.min(chunk.max(1)) * spec.vocab as u64 * (F32 + BF16);
+    (t * width * F32).saturating_sub(logits)
 }
 
 /// Query-key pairs a causal sequence of `s` tokens computes with an optional sliding window

@@ -868,6 +868,25 @@ fn a_moe_layers_scratch_holds_its_routed_rows() {
     assert_eq!(sizes::layer_scratch_bytes(&spec, 8192), dense - dense_mlp + moe);
 }
 
+#[test]
+fn the_fused_attention_backwards_sums_count_only_beyond_the_heads_logits_chunk() {
+    // Qwen2.5-7B: q/k/v 4608 wide, vocabulary 152064. The head's chunk is 1 GiB of f32 logits
+    // (1765 tokens) and their bf16 gradient: 1.61 GB of pool the sums reuse.
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let chunk = crate::placement::LOSS_CHUNK_LOGITS as u64 / 152064;
+    let logits = chunk * 152064 * 6;
+    // 8,192 and 32,768 tokens: 151 MB and 604 MB of sums, inside that pool.
+    assert_eq!(sizes::attention_sums_bytes(&spec, 8192, chunk), 0);
+    assert_eq!(sizes::attention_sums_bytes(&spec, 32768, chunk), 0);
+    // 131,072 tokens (4 rows of 32,768): 2.42 GB, of which the part beyond the logits is new.
+    assert_eq!(sizes::attention_sums_bytes(&spec, 131072, chunk), 131072 * 4608 * 4 - logits);
+    let long = fits(check("qwen2.5-7b", (32768, 4, 1), (H200.0, 1 << 40), true));
+    let part = long.budget.device.parts.iter().find(|p| p.name.starts_with("attention backward"));
+    assert_eq!(part.map(|p| p.bytes), Some(131072 * 4608 * 4 - logits), "{:?}", long.budget);
+    let short = fits(check("qwen2.5-7b", (1024, 8, 8), H200, true));
+    assert!(short.budget.device.parts.iter().all(|p| !p.name.starts_with("attention backward")));
+}
+
 /// The disk tier of the tests: a folder on an SSD reading and writing at `rate` bytes/s.
 fn disk(bytes: u64, rate: u64) -> DiskSpace {
     DiskSpace {

@@ -1,7 +1,9 @@
 //! `sluice bench attention`: the fused attention kernels alone, forward and backward, on one
 //! GPU at a training shape (one packed micro-batch of `--docs` equal documents), with TFLOPS by
 //! the causal count FlashAttention reports: 4 x head_dim x query heads x (query, key) pairs
-//! for the forward (two products), 2.5 times that for the backward (five products).
+//! for the forward (two products), 2.5 times that for the backward (five products). The
+//! backward runs on the split kernels (dq, then dk and dv: seven products), on the fused one
+//! (five) or, by default, on both, one after the other.
 
 use std::time::{Duration, Instant};
 
@@ -43,8 +45,23 @@ pub(crate) struct AttentionArgs {
     #[arg(long, default_value_t = 10)]
     iters: usize,
 
+    /// Which backward kernels to time.
+    #[arg(long, value_enum, default_value_t = BackwardKernels::Both)]
+    backward: BackwardKernels,
+
     #[arg(long, default_value = "cuda:0")]
     device: Device,
+}
+
+/// The attention backward's implementations on the tensor cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackwardKernels {
+    /// The dq kernel, then the dk/dv kernel (training's default).
+    Split,
+    /// One kernel for dq, dk and dv (`SLUICE_ATTENTION_BACKWARD=fused` in training).
+    Fused,
+    /// Split, then fused, and their ratio.
+    Both,
 }
 
 /// Most tokens a measured micro-batch may have (the trainer's longest row).
@@ -147,7 +164,25 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
         )?;
         Ok(())
     };
-    let bwd = time(a.iters, &cuda, &mut backward)?;
+    let mut bwd = Vec::new();
+    for (kernels, fused) in [(BackwardKernels::Split, false), (BackwardKernels::Fused, true)] {
+        if a.backward != kernels && a.backward != BackwardKernels::Both {
+            continue;
+        }
+        cuda.set_fused_attention_backward(fused);
+        if fused && !cuda.fused_attention_backward_for(&shape) {
+            if a.backward == BackwardKernels::Fused {
+                bail!(
+                    "the fused backward does not run at head_dim {hd} on {} (head_dim 64 or \
+                     128, and the shared memory of sm_80 or sm_90 at 128)",
+                    cuda.arch()
+                );
+            }
+            println!("(the fused backward does not run at head_dim {hd} on {})", cuda.arch());
+            continue;
+        }
+        bwd.push((if fused { "fused" } else { "split" }, time(a.iters, &cuda, &mut backward)?));
+    }
 
     // (query, key) pairs the mask lets through, per head.
     let pairs = causal_pairs(len as u64, a.window.map(|w| w as u64)) * a.docs as u64;
@@ -167,11 +202,16 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
         fwd.as_secs_f64() * 1e3,
         tflops(fwd_flops, fwd)
     );
-    println!(
-        "backward {:>9.3} ms  {:>6.1} TFLOPS",
-        bwd.as_secs_f64() * 1e3,
-        tflops(2.5 * fwd_flops, bwd)
-    );
+    for (kernels, d) in &bwd {
+        println!(
+            "backward {:>9.3} ms  {:>6.1} TFLOPS  ({kernels})",
+            d.as_secs_f64() * 1e3,
+            tflops(2.5 * fwd_flops, *d)
+        );
+    }
+    if let [(_, split), (_, fused)] = bwd[..] {
+        println!("fused / split backward time: {:.3}", fused.as_secs_f64() / split.as_secs_f64());
+    }
     Ok(())
 }
 

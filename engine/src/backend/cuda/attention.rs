@@ -63,6 +63,9 @@ struct Flash {
     dq: Tiles,
     /// dk and dv together, or (at head_dim 256) dv then dk, each with whether it writes dk.
     dkv: &'static [(Tiles, bool)],
+    /// dq, dk and dv in one kernel, where this head size has one: `warps` warps of 16 keys,
+    /// query tiles of `tile`.
+    fused: Option<Tiles>,
 }
 
 const FLASH: [Flash; 5] = [
@@ -71,24 +74,28 @@ const FLASH: [Flash; 5] = [
         forward: Tiles::new("flash_forward_64", 4, 64, 2),
         dq: Tiles::new("flash_backward_dq_64", 4, 32, 2),
         dkv: &[(Tiles::new("flash_backward_dkv_64", 4, 32, 2), true)],
+        fused: Some(Tiles::new("flash_backward_fused_64", 8, 32, 2)),
     },
     Flash {
         hd: 80,
         forward: Tiles::new("flash_forward_80", 4, 64, 2),
         dq: Tiles::new("flash_backward_dq_80", 4, 32, 2),
         dkv: &[(Tiles::new("flash_backward_dkv_80", 4, 32, 2), true)],
+        fused: None,
     },
     Flash {
         hd: 96,
         forward: Tiles::new("flash_forward_96", 4, 64, 2),
         dq: Tiles::new("flash_backward_dq_96", 4, 32, 2),
         dkv: &[(Tiles::new("flash_backward_dkv_96", 4, 32, 2), true)],
+        fused: None,
     },
     Flash {
         hd: 128,
         forward: Tiles::new("flash_forward_128", 4, 64, 2),
         dq: Tiles::new("flash_backward_dq_128", 4, 32, 2),
         dkv: &[(Tiles::new("flash_backward_dkv_128", 4, 32, 2), true)],
+        fused: Some(Tiles::new("flash_backward_fused_128", 8, 32, 2)),
     },
     Flash {
         hd: 256,
@@ -98,6 +105,7 @@ const FLASH: [Flash; 5] = [
             (Tiles::new("flash_backward_dv_256", 4, 32, 1), false),
             (Tiles::new("flash_backward_dk_256", 2, 16, 2), true),
         ],
+        fused: None,
     },
 ];
 
@@ -123,7 +131,16 @@ impl Flash {
         let kv = if writes_dk { 2 } else { 1 };
         kv * t.rows() * self.row_bytes() + t.stages * (2 * t.tile * self.row_bytes() + 8 * t.tile)
     }
+
+    /// The dk/dv layout with K and V, then the tile's dS (bf16, rows of `rows + 8`) and its
+    /// running dq (f32, rows of `hd + 8`).
+    fn fused_shared(&self, t: &Tiles) -> usize {
+        self.dkv_shared(t, true) + t.tile * (t.rows() + 8) * 2 + t.tile * (self.hd + 8) * 4
+    }
 }
+
+/// Static shared memory the fused kernel declares besides the dynamic (its ticket), rounded up.
+const FUSED_STATIC_SHARED: usize = 16;
 
 /// The tensor-core kernels for this head size, when the views allow them.
 fn flash(hd: usize, ptrs: &[u64]) -> Option<&'static Flash> {
@@ -324,6 +341,9 @@ impl Cuda {
         let flash = if shape.softcap.is_some() { None } else { flash(shape.head_dim, &pointers) };
         if let Some(f) = flash {
             args.extend(s.flash_args());
+            if let Some(k) = self.fused_backward(f, shape) {
+                return self.attention_backward_fused(f, &k, args, shape);
+            }
             let k = &f.dq;
             self.launch(k.name, k.config(t.div_ceil(k.rows()), nq, f.dq_shared()), &args)?;
             for (k, writes_dk) in f.dkv {
@@ -341,6 +361,63 @@ impl Cuda {
             scalar_config(blocks, shape.kv_heads),
             &args,
         )
+    }
+
+    /// Whether `attention_backward` of `shape`, on views aligned to 16 bytes, runs the fused
+    /// kernel (see [`Cuda::set_fused_attention_backward`]).
+    pub fn fused_attention_backward_for(&self, shape: &AttentionShape) -> bool {
+        shape.softcap.is_none()
+            && FLASH
+                .iter()
+                .find(|f| f.hd == shape.head_dim)
+                .is_some_and(|f| self.fused_backward(f, shape).is_some())
+    }
+
+    /// The fused backward kernel for this shape, when it is on, the head size has one, the
+    /// device gives a block its shared memory and the grid fits a launch.
+    fn fused_backward(&self, f: &Flash, shape: &AttentionShape) -> Option<Tiles> {
+        let k = f.fused?;
+        let on = self.fused_attention_backward.load(std::sync::atomic::Ordering::Relaxed);
+        let fits = f.fused_shared(&k) + FUSED_STATIC_SHARED <= self.shared_optin;
+        let blocks = shape.tokens.div_ceil(k.rows()).checked_mul(shape.q_heads)?;
+        (on && fits && blocks <= i32::MAX as usize).then_some(k)
+    }
+
+    /// dq, dk and dv in one launch of `k` (after `attention_backward_dot`): `args` are the
+    /// split kernels' (dqkv first), to which it adds its f32 running sums and its counters.
+    fn attention_backward_fused(
+        &self,
+        f: &Flash,
+        k: &Tiles,
+        mut args: Vec<Arg>,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let (t, nq, nkv) = (shape.tokens, shape.q_heads, shape.kv_heads);
+        let (key_blocks, query_tiles) = (t.div_ceil(k.rows()), t.div_ceil(k.tile));
+        // Every element the kernel reads it stored first: no initialisation.
+        let acc = scratch::<f32>(&self.compute, t * shape.qkv_width())?;
+        // The ticket, then a counter per (query head, query tile) and per (kv head, key block).
+        let counters = 1 + nq * query_tiles + nkv * key_blocks;
+        let sync = scratch::<i32>(&self.compute, counters)?;
+        let sync_ptr = base_ptr(&sync, &self.compute);
+        self.bind()?;
+        // SAFETY: `sync` holds `counters` i32s, all of which are zeroed on the compute stream
+        // before the kernel that reads them.
+        super::device::drv("zeroing the attention counters", unsafe {
+            cudarc::driver::result::memset_d8_async(
+                sync_ptr,
+                0,
+                counters * 4,
+                self.compute.cu_stream(),
+            )
+        })?;
+        args.splice(1..1, [Arg::Ptr(base_ptr(&acc, &self.compute)), Arg::Ptr(sync_ptr)]);
+        let cfg = LaunchConfig {
+            grid_dim: ((key_blocks * nq) as u32, 1, 1),
+            block_dim: (32 * k.warps as u32, 1, 1),
+            shared_mem_bytes: f.fused_shared(k) as u32,
+        };
+        self.launch(k.name, cfg, &args)
     }
 
     /// GPT-OSS's sinks on `attention_forward`'s out and lse, one warp per (token, head).
@@ -477,6 +554,14 @@ mod tests {
             // MODE: 1 writes dv, 2 dk, 3 both.
             assert_eq!(n(5) & 2 != 0, *writes_dk, "{}", k.name);
         }
+        let fused = instantiations("FLASH_FUSED_ENTRY_POINT");
+        let table: Vec<_> = FLASH.iter().filter_map(|f| f.fused.map(|k| (f.hd, k))).collect();
+        assert_eq!(fused.len(), table.len());
+        for ((hd, k), line) in table.iter().zip(&fused) {
+            let n = |i: usize| line[i].parse::<usize>().expect("number");
+            assert_eq!(k.name, format!("flash_backward_fused_{hd}"));
+            assert_eq!((n(0), n(1), n(2), n(3)), (*hd, k.warps, k.tile, k.stages), "{}", k.name);
+        }
     }
 
     #[test]
@@ -489,6 +574,23 @@ mod tests {
                 assert!(f.dkv_shared(k, *writes_dk) <= SM86_MAX, "{}", k.name);
             }
         }
+    }
+
+    /// The layout the kernel's comment gives, summed by hand at head size 128: K and V
+    /// 2 x 128 x 136 x 2, two stages of Q, dout, lse and D 2 x (2 x 32 x 136 x 2 + 2 x 32 x 4),
+    /// dS 32 x 136 x 2, the running dq 32 x 136 x 4: 128 KiB, within sm_80's 163 KiB and
+    /// sm_90's 227 KiB, beyond sm_86's and sm_89's 99 KiB (which then take the split kernels).
+    #[test]
+    fn the_fused_backward_fits_sm_80_and_sm_90_only_at_head_size_128() {
+        let f = FLASH.iter().find(|f| f.hd == 128).expect("128");
+        let k = f.fused.expect("fused 128");
+        let by_hand = 2 * 128 * 136 * 2 + 2 * (2 * 32 * 136 * 2 + 2 * 32 * 4) + 32 * 136 * 2;
+        assert_eq!(f.fused_shared(&k), by_hand + 32 * 136 * 4);
+        assert_eq!(f.fused_shared(&k), 128 * 1024);
+        let need = f.fused_shared(&k) + FUSED_STATIC_SHARED;
+        assert!(need <= 163 * 1024 && need > 99 * 1024);
+        let f64 = FLASH.iter().find(|f| f.hd == 64).expect("64");
+        assert!(f64.fused_shared(&f64.fused.expect("fused 64")) + FUSED_STATIC_SHARED <= 99 * 1024);
     }
 
     #[test]

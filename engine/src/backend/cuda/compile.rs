@@ -102,6 +102,8 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_backward_dkv_128",
             "flash_backward_dv_256",
             "flash_backward_dk_256",
+            "flash_backward_fused_64",
+            "flash_backward_fused_128",
             "attention_sinks_forward",
             "attention_sinks_backward",
         ],

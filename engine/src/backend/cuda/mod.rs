@@ -155,6 +155,11 @@ pub struct Cuda {
     /// Whether a MoE layer's aligned grouped GEMMs run as one cuBLAS call (see
     /// [`Cuda::set_grouped_gemm`]).
     grouped_gemm: AtomicBool,
+    /// Whether `attention_backward` takes the fused tensor-core kernel where it can (see
+    /// [`Cuda::set_fused_attention_backward`]).
+    fused_attention_backward: AtomicBool,
+    /// Most dynamic shared memory a block may opt into on this device, in bytes.
+    shared_optin: usize,
     /// Device time per op, when `sluice bench train --profile` asks (see `profile`).
     profiler: profile::Profiler,
 }
@@ -188,6 +193,12 @@ impl Cuda {
         device::raise_pool_threshold(&ctx)?;
         let compute = drv("creating the compute stream", ctx.new_stream())?;
         let arch = format!("sm_{major}{minor}");
+        let shared_optin = drv(
+            "shared memory per block",
+            ctx.attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            ),
+        )?;
         let kernels = Kernels::load(&ctx, &arch, device::driver_version()?)?;
         let blas = blas::Blas::new(compute.clone())?;
         let staging = Mutex::new(PinnedBuffer::new(&ctx, 0)?);
@@ -203,8 +214,27 @@ impl Cuda {
             grouped_gemm: AtomicBool::new(
                 std::env::var("SLUICE_GROUPED_GEMM").is_ok_and(|v| v == "on"),
             ),
+            fused_attention_backward: AtomicBool::new(
+                std::env::var("SLUICE_ATTENTION_BACKWARD").is_ok_and(|v| v == "fused"),
+            ),
+            shared_optin: usize::try_from(shared_optin).unwrap_or(0),
             profiler: profile::Profiler::default(),
         })
+    }
+
+    /// Runs `attention_backward` on one tensor-core kernel for dq, dk and dv
+    /// (`flash_backward_fused_*`: five products per tile instead of the dq and dk/dv kernels'
+    /// seven, deterministic through ordered f32 sums) where the head size has one (64, 128) and
+    /// the device gives a block the shared memory it needs (sm_80 and sm_90; 128 KiB at head
+    /// size 128). Off by default (`SLUICE_ATTENTION_BACKWARD=fused` turns it on): its speed has
+    /// not been measured yet. Results differ from the split kernels' in f32 rounding only.
+    pub fn set_fused_attention_backward(&self, on: bool) {
+        self.fused_attention_backward.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether [`Cuda::set_fused_attention_backward`] is on.
+    pub fn fused_attention_backward(&self) -> bool {
+        self.fused_attention_backward.load(Ordering::Relaxed)
     }
 
     /// Runs a MoE layer's grouped GEMMs (forward and input gradients, bf16 out) as one

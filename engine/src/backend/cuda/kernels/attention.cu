@@ -8,9 +8,11 @@
 //
 // Two implementations: tensor-core kernels (`flash_*`) for the head sizes models use (64, 80,
 // 96, 128, 256), and scalar kernels (`attention_*`) for any other head size up to 256. Both
-// are deterministic: no atomics, every sum in a fixed order. Backward: `attention_backward_dot`
-// computes D, then one kernel writes dq (one query tile per block, over its keys) and another
-// dk and dv (one key tile per block, over the query tiles of every query head of its group).
+// are deterministic: no atomics on the data, every sum in a fixed order. Backward:
+// `attention_backward_dot` computes D, then one kernel writes dq (one query tile per block, over
+// its keys) and another dk and dv (one key tile per block, over the query tiles of every query
+// head of its group); or, on request, `flash_backward_fused_*` writes all three (one key block
+// and query head per block; partial sums meet in f32 in a fixed order, see there).
 
 #define FULL 0xffffffffu
 
@@ -635,6 +637,297 @@ __device__ __forceinline__ void flash_backward_dkv(bf16* dqkv, const bf16* dout,
   }
 }
 
+// ---- fused backward (dq, dk and dv in one kernel) ------------------------------------------------
+//
+// Five products per tile where the dq and dk/dv kernels above run seven (both recompute S and
+// dP). A block takes BKV = 16 WARPS keys and one query head h, and sweeps the query tiles of BQ
+// that see those keys, as the dk/dv kernel does for each head of its group; the tile's dS, put
+// in shared memory as bf16 (the rounding the dk product gives it), yields the tile's dq
+// contribution dS K. Contributions meet in `acc` [T, width] (f32, the layout of dqkv) in a
+// fixed order, so a run is deterministic with no atomics on the data:
+//   dq of (head h, query tile): the key blocks that sweep the tile, from the one holding it
+//     (which stores) down to the lowest (which adds, scales and writes bf16 into dqkv); block j
+//     waits until the (top - j) blocks above it have added, on a counter per (head, tile).
+//   dk and dv of (kv head g, key block): the query heads of g in order, the first storing, the
+//     last adding, scaling dk and writing both as bf16; a counter per (kv head, key block).
+// Blocks claim their work by ticket (`sync[0]`), so a block only waits for blocks holding
+// earlier tickets, which are running or done: no deadlock, whatever order the hardware starts
+// blocks in. Tickets take key blocks from the last to the first (heads fastest): a block's dq
+// predecessors for a tile reach it BKV / BQ iterations earlier in their own sweeps and started
+// no later, so in the steady state nobody waits; the price is that the longest blocks (the
+// first keys of long documents) start last.
+// Running sums go through L2 only (st.global.cg, ld.global.cg, cp.async.cg: no stale L1 line);
+// every thread fences its writes before one thread publishes the count with a release, and the
+// waiting thread reads counts with acquire before the block's barrier.
+// sync [1 + nq ceil(T / BQ) + nkv ceil(T / BKV)] is zeroed before the launch; acc needs no
+// initialisation (every element read was stored first). Grid ceil(T / BKV) nq, 32 WARPS
+// threads. Dynamic shared memory: 2 BKV (HD + 8) bf16 (K, V) + STAGES (2 BQ (HD + 8) bf16 +
+// 2 BQ f32) + BQ (BKV + 8) bf16 (dS) + BQ (HD + 8) f32 (the tile's running dq).
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void ld_cg2(const float* p, float& x, float& y) {
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "l"(p) : "memory");
+}
+
+__device__ __forceinline__ void st_cg2(float* p, float x, float y) {
+  asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
+// The block goes on once *p reaches `target` (one thread polls).
+__device__ __forceinline__ void block_wait(const int* p, int target) {
+  if (threadIdx.x == 0) {
+    while (ld_acquire(p) < target) asm volatile("nanosleep.u32 64;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// Adds 1 to *p once every thread's writes are visible to the whole device.
+__device__ __forceinline__ void block_signal(int* p) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) red_release_add(p, 1);
+}
+
+template <int HD, int WARPS, int BQ, int STAGES>
+__device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int* sync,
+                                                     const bf16* dout, const bf16* qkv,
+                                                     const float* lse, const float* dsum,
+                                                     const int* cu, int docs, int T, int nq,
+                                                     int nkv, int window, float scale) {
+  constexpr int BKV = 16 * WARPS, LD = HD + 8, LDS = BKV + 8, LDA = HD + 8;
+  constexpr int THREADS = 32 * WARPS, KC = HD / 16;
+  constexpr int STAGE = 2 * BQ * LD * 2 + 2 * BQ * 4;  // bytes: Q, dout, lse, D
+  constexpr int KV_BYTES = 2 * BKV * LD * 2, DS_BYTES = BQ * LDS * 2;
+  // A tile's dq: BQ / 16 row groups times CG column groups of DQC columns, one per warp.
+  constexpr int RG = BQ / 16, CG = WARPS / RG, DQC = HD / CG, DQN = DQC / 8;
+  static_assert(WARPS % RG == 0 && HD % CG == 0 && DQC % 16 == 0, "dq split across warps");
+  require_smem(KV_BYTES + STAGES * STAGE + DS_BYTES + BQ * LDA * 4);
+  __shared__ int ticket_s;
+  if (threadIdx.x == 0) ticket_s = atomicAdd(sync, 1);
+  __syncthreads();
+  const int ticket = ticket_s;
+  const int nkb = (T + BKV - 1) / BKV, nqtiles = (T + BQ - 1) / BQ;
+  const int j = nkb - 1 - ticket / nq, h = ticket % nq;
+  const int group = nq / nkv, g = h / group, hg = h % group;
+  int* qsem = sync + 1 + (long long)h * nqtiles;
+  int* kvsem = sync + 1 + (long long)nq * nqtiles + (long long)g * nkb + j;
+
+  unsigned char* base = (unsigned char*)flash_smem;
+  const unsigned ks = smem_addr(flash_smem), vs = ks + BKV * LD * 2, stages = ks + KV_BYTES;
+  const unsigned ds = stages + STAGES * STAGE, dqs = ds + DS_BYTES;
+  bf16* dS = (bf16*)(base + KV_BYTES + STAGES * STAGE);
+  const float* dQ = (const float*)(base + KV_BYTES + STAGES * STAGE + DS_BYTES);
+  const long long width = (long long)(nq + 2 * nkv) * HD, gstride = (long long)nq * HD;
+  const long long qcol = (long long)h * HD;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+  const int k0 = j * BKV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tg = lane & 3;
+
+  const int klast = min(k0 + BKV, T) - 1;
+  const int nqt = (query_end(cu, docs, klast, window) - k0 + BQ - 1) / BQ;
+  // Tiles from prev_end on are swept by no lower key block: this block adds their dq last.
+  const int prev_end = j > 0 ? query_end(cu, docs, k0 - 1, window) : 0;
+  // Issues the copies of query tile `it` into stage buffer `b`.
+  auto issue = [&](int it, int b) {
+    const int qt = k0 + it * BQ;
+    const unsigned st = stages + b * STAGE;
+    load_rows_async<BQ, HD, THREADS>(st, qkv, width, qcol, qt, T);
+    load_rows_async<BQ, HD, THREADS>(st + BQ * LD * 2, dout, gstride, qcol, qt, T);
+    for (int c = threadIdx.x; c < 2 * BQ; c += THREADS) {
+      const int i = qt + c % BQ;
+      const float* src = c < BQ ? lse : dsum;
+      cp_async4(st + 2 * BQ * LD * 2 + 4 * c, src + (long long)(i < T ? i : 0) * nq + h, i < T);
+    }
+  };
+  load_rows_async<BKV, HD, THREADS>(ks, qkv, width, kcol, k0, T);
+  load_rows_async<BKV, HD, THREADS>(vs, qkv, width, vcol, k0, T);
+  issue(0, 0);
+  cp_commit();
+
+  // This thread's keys, as in the dk/dv kernel; a key past T sees no query.
+  const int w0 = k0 + 16 * warp, ja = w0 + gr, jb = w0 + gr + 8;
+  const int ea = ja < T ? query_end(cu, docs, ja, window) : 0;
+  const int eb = jb < T ? query_end(cu, docs, jb, window) : 0;
+  const int wend_lo = w0 + 15 < T ? __shfl_sync(FULL, ea, 0) : 0;
+  int wend_hi = max(ea, eb);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wend_hi = max(wend_hi, __shfl_xor_sync(FULL, wend_hi, o));
+  const float sc = scale * LOG2E;
+  // This warp's part of a tile's dq: rows dq_r0.. (16) and columns dq_c0.. (DQC).
+  const int dq_r0 = 16 * (warp % RG), dq_c0 = DQC * (warp / RG);
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+  }
+  const unsigned none[1][4] = {{0, 0, 0, 0}};
+
+  for (int it = 0; it < nqt; ++it) {
+    const int qt = k0 + it * BQ;
+    if (STAGES == 2 && it + 1 < nqt) {
+      issue(it + 1, (it + 1) & 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const int b = STAGES == 2 ? (it & 1) : 0;
+    const unsigned qt_s = stages + b * STAGE, gt_s = qt_s + BQ * LD * 2;
+    const float* Lt = (const float*)(base + KV_BYTES + b * STAGE + 2 * BQ * LD * 2);
+    const float* Dt = Lt + BQ;
+    const bool active = w0 < T && qt + BQ > w0 && qt < wend_hi;
+    float s[BQ / 8][4], dp[BQ / 8][4];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+    if (active) {
+      mma_abt<LD, KC, BQ / 8, false>(s, none, ks, 16 * warp, qt_s);
+      mma_abt<LD, KC, BQ / 8, false>(dp, none, vs, 16 * warp, gt_s);
+      const bool full = qt >= w0 + 15 && qt + BQ <= wend_lo;
+#pragma unroll
+      for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = n * 8 + 2 * tg + e, i = qt + c;
+          const float L = Lt[c] * LOG2E;
+          const bool va = full || (i >= ja && i < ea), vb = full || (i >= jb && i < eb);
+          const float pa = va ? ex2(fmaf(s[n][e], sc, -L)) : 0.0f;
+          const float pb = vb ? ex2(fmaf(s[n][2 + e], sc, -L)) : 0.0f;
+          s[n][e] = pa;
+          s[n][2 + e] = pb;
+          dp[n][e] = pa * (dp[n][e] - Dt[c]);
+          dp[n][2 + e] = pb * (dp[n][2 + e] - Dt[c]);
+        }
+      }
+    }
+    // This warp's rows of dS^T into the tile's dS [query][key] (zero where nothing is seen).
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = n * 8 + 2 * tg + e;
+        dS[q * LDS + 16 * warp + gr] = f2bf(dp[n][e]);
+        dS[q * LDS + 16 * warp + gr + 8] = f2bf(dp[n][2 + e]);
+      }
+    }
+    const bool top = qt < k0 + BKV;       // the block holding the tile: it adds first
+    const bool bottom = qt >= prev_end;   // no lower block sweeps the tile: it adds last
+    int* sem = qsem + qt / BQ;
+    if (!top) {
+      // The blocks above have added; their sum comes in while dk and dv are computed.
+      block_wait(sem, qt / BKV - j);
+      constexpr int CH = HD / 4;
+#pragma unroll
+      for (int u = 0; u < (BQ * CH + THREADS - 1) / THREADS; ++u) {
+        const int c = threadIdx.x + u * THREADS, r = c / CH, k = c % CH, t = qt + r;
+        if ((BQ * CH) % THREADS == 0 || c < BQ * CH) {
+          const bool ok = t < T;
+          cp_async16(dqs + 4 * (r * LDA + k * 4),
+                     acc + (long long)(ok ? t : 0) * width + qcol + k * 4, ok);
+        }
+      }
+      cp_commit();
+    } else {
+      __syncthreads();  // the dS tile is complete
+    }
+    if (active) {
+      mma_pb<LD, BQ / 8, HD / 8>(dv, s, gt_s);
+      mma_pb<LD, BQ / 8, HD / 8>(dk, dp, qt_s);
+    }
+    float dq[DQN][4];
+#pragma unroll
+    for (int n = 0; n < DQN; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < BKV / 16; ++kk) {
+      unsigned a[4];
+      frag_a<LDS>(a, ds, dq_r0, kk * 16);
+#pragma unroll
+      for (int np = 0; np < DQN / 2; ++np) {
+        unsigned bk[4];
+        frag_b<LD>(bk, ks, kk * 16, dq_c0 + np * 16);
+        mma(dq[2 * np], a, bk[0], bk[1]);
+        mma(dq[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+    if (!top) {
+      cp_wait<0>();
+      __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < DQN; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = dq_r0 + gr + 8 * half, t = qt + r, c = dq_c0 + n * 8 + 2 * tg;
+        float x = dq[n][2 * half], y = dq[n][2 * half + 1];
+        if (!top) {
+          x += dQ[r * LDA + c];
+          y += dQ[r * LDA + c + 1];
+        }
+        if (t < T) {
+          if (bottom) {
+            *(unsigned*)(dqkv + (long long)t * width + qcol + c) = pack_bf16(x * scale, y * scale);
+          } else {
+            st_cg2(acc + (long long)t * width + qcol + c, x, y);
+          }
+        }
+      }
+    }
+    if (!bottom) block_signal(sem);
+    __syncthreads();
+    if (STAGES == 1 && it + 1 < nqt) {
+      issue(it + 1, 0);
+      cp_commit();
+    }
+  }
+
+  // dk and dv: the query heads of group g add in order; the last one writes dqkv.
+  if (hg > 0) block_wait(kvsem, hg);
+  const bool last_head = hg == group - 1;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = w0 + gr + 8 * half, c = n * 8 + 2 * tg;
+      if (key >= T) continue;
+      float kx = dk[n][2 * half], ky = dk[n][2 * half + 1];
+      float vx = dv[n][2 * half], vy = dv[n][2 * half + 1];
+      float* ka = acc + (long long)key * width + kcol + c;
+      float* va = acc + (long long)key * width + vcol + c;
+      if (hg > 0) {
+        float x, y;
+        ld_cg2(ka, x, y);
+        kx += x;
+        ky += y;
+        ld_cg2(va, x, y);
+        vx += x;
+        vy += y;
+      }
+      if (last_head) {
+        *(unsigned*)(dqkv + (long long)key * width + kcol + c) = pack_bf16(kx * scale, ky * scale);
+        *(unsigned*)(dqkv + (long long)key * width + vcol + c) = pack_bf16(vx, vy);
+      } else {
+        st_cg2(ka, kx, ky);
+        st_cg2(va, vx, vy);
+      }
+    }
+  }
+  if (!last_head) block_signal(kvsem);
+}
+
 #define FLASH_ENTRY_POINTS(HD, FWD_WARPS, FWD_BK, FWD_STAGES, DQ_WARPS, DQ_BK, DQ_STAGES, QREG) \
   extern "C" __global__ void __launch_bounds__(32 * FWD_WARPS)                                  \
       flash_forward_##HD(bf16* out, float* lse, const bf16* qkv, const int* cu, int docs, int T, \
@@ -657,6 +950,15 @@ __device__ __forceinline__ void flash_backward_dkv(bf16* dqkv, const bf16* dout,
                                                     nkv, window, scale);                         \
   }
 
+#define FLASH_FUSED_ENTRY_POINT(HD, WARPS, BQ, STAGES)                                           \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) flash_backward_fused_##HD(            \
+      bf16* dqkv, float* acc, int* sync, const bf16* dout, const bf16* qkv, const float* lse,    \
+      const float* dsum, const int* cu, int docs, int T, int nq, int nkv, int window,            \
+      float scale) {                                                                             \
+    flash_backward_fused<HD, WARPS, BQ, STAGES>(dqkv, acc, sync, dout, qkv, lse, dsum, cu, docs, \
+                                                T, nq, nkv, window, scale);                      \
+  }
+
 // Tile shapes, mirrored by `attention.rs` (which sizes the dynamic shared memory from them):
 // every kernel fits the 99 KiB a block may have on sm_86 and sm_89. At head_dim 256 the
 // Q fragments stay in shared memory and dk and dv take one kernel each (both accumulators of
@@ -672,6 +974,10 @@ FLASH_DKV_ENTRY_POINT(flash_backward_dkv_96, 96, 4, 32, 2, 3)
 FLASH_DKV_ENTRY_POINT(flash_backward_dkv_128, 128, 4, 32, 2, 3)
 FLASH_DKV_ENTRY_POINT(flash_backward_dv_256, 256, 4, 32, 1, 1)
 FLASH_DKV_ENTRY_POINT(flash_backward_dk_256, 256, 2, 16, 2, 2)
+// The fused backward needs more shared memory than sm_86 and sm_89 give a block at head_dim
+// 128 (128 KiB); `attention.rs` takes it only where the device allows.
+FLASH_FUSED_ENTRY_POINT(64, 8, 32, 2)
+FLASH_FUSED_ENTRY_POINT(128, 8, 32, 2)
 
 // ---- scalar kernels (any head_dim up to 256) ---------------------------------------------------
 //
