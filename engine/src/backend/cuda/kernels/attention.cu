@@ -647,7 +647,8 @@ __device__ __forceinline__ void flash_backward_dkv(bf16* dqkv, const bf16* dout,
 // fixed order, so a run is deterministic with no atomics on the data:
 //   dq of (head h, query tile): the key blocks that sweep the tile, from the one holding it
 //     (which stores) down to the lowest (which adds, scales and writes bf16 into dqkv); block j
-//     waits until the (top - j) blocks above it have added, on a counter per (head, tile).
+//     reads the running sum once the (top - j) blocks above it have added, on a counter per
+//     (head, tile).
 //   dk and dv of (kv head g, key block): the query heads of g in order, the first storing, the
 //     last adding, scaling dk and writing both as bf16; a counter per (kv head, key block).
 // Blocks claim their work by ticket (`sync[0]`), so a block only waits for blocks holding
@@ -656,13 +657,17 @@ __device__ __forceinline__ void flash_backward_dkv(bf16* dqkv, const bf16* dout,
 // predecessors for a tile reach it BKV / BQ iterations earlier in their own sweeps and started
 // no later, so in the steady state nobody waits; the price is that the longest blocks (the
 // first keys of long documents) start last.
-// Running sums go through L2 only (st.global.cg, ld.global.cg, cp.async.cg: no stale L1 line);
-// every thread fences its writes before one thread publishes the count with a release, and the
-// waiting thread reads counts with acquire before the block's barrier.
-// sync [1 + nq ceil(T / BQ) + nkv ceil(T / BKV)] is zeroed before the launch; acc needs no
+// Each tile's running dq is copied in (cp.async.cg) one iteration ahead, with its Q and dout, so
+// the sweep waits on no load; the count it waits for was reached iterations before, and is read
+// an iteration before it is looked at. Counts are published as CUTLASS's semaphores do: the
+// block's barrier after every thread's writes, then one thread's fence and add; the thread that
+// finds a count short polls it with acquire, and the block's barrier follows either way.
+// Running sums go through L2 only (st.global.cg, ld.global.cg, cp.async.cg: no stale L1 line).
+// sync [4 + nq ceil(ceil(T / BQ) / 4) 4 + nkv ceil(T / BKV)] is zeroed before the launch; acc needs no
 // initialisation (every element read was stored first). Grid ceil(T / BKV) nq, 32 WARPS
-// threads. Dynamic shared memory: 2 BKV (HD + 8) bf16 (K, V) + STAGES (2 BQ (HD + 8) bf16 +
-// 2 BQ f32) + BQ (BKV + 8) bf16 (dS) + BQ (HD + 8) f32 (the tile's running dq).
+// threads. Dynamic shared memory: 2 BKV (HD + 8) bf16 (K, V) + 2 (2 BQ (HD + 8) bf16 + 2 BQ
+// f32) (Q, dout, lse and D of two tiles) + BQ (BKV + 8) bf16 (dS) + 2 BQ (HD + 8) f32 (the
+// running dq of two tiles).
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -670,9 +675,17 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+// One thread publishes what its block wrote before the barrier it has just passed.
+__device__ __forceinline__ void release_add(int* p, int v) {
+  asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v)
+               : "memory");
 }
+
+// Polls until *p reaches `target` (one thread; the block's next barrier passes it on).
+__device__ __forceinline__ void poll_until(const int* p, int target) {
+  while (ld_acquire(p) < target) asm volatile("nanosleep.u32 64;\n" ::: "memory");
+}
+
 
 __device__ __forceinline__ void ld_cg2(const float* p, float& x, float& y) {
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "l"(p) : "memory");
@@ -682,22 +695,7 @@ __device__ __forceinline__ void st_cg2(float* p, float x, float y) {
   asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
 
-// The block goes on once *p reaches `target` (one thread polls).
-__device__ __forceinline__ void block_wait(const int* p, int target) {
-  if (threadIdx.x == 0) {
-    while (ld_acquire(p) < target) asm volatile("nanosleep.u32 64;\n" ::: "memory");
-  }
-  __syncthreads();
-}
-
-// Adds 1 to *p once every thread's writes are visible to the whole device.
-__device__ __forceinline__ void block_signal(int* p) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) red_release_add(p, 1);
-}
-
-template <int HD, int WARPS, int BQ, int STAGES>
+template <int HD, int WARPS, int BQ>
 __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int* sync,
                                                      const bf16* dout, const bf16* qkv,
                                                      const float* lse, const float* dsum,
@@ -706,26 +704,29 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
   constexpr int BKV = 16 * WARPS, LD = HD + 8, LDS = BKV + 8, LDA = HD + 8;
   constexpr int THREADS = 32 * WARPS, KC = HD / 16;
   constexpr int STAGE = 2 * BQ * LD * 2 + 2 * BQ * 4;  // bytes: Q, dout, lse, D
-  constexpr int KV_BYTES = 2 * BKV * LD * 2, DS_BYTES = BQ * LDS * 2;
+  constexpr int KV_BYTES = 2 * BKV * LD * 2, DS_BYTES = BQ * LDS * 2, DQ_BYTES = BQ * LDA * 4;
   // A tile's dq: BQ / 16 row groups times CG column groups of DQC columns, one per warp.
   constexpr int RG = BQ / 16, CG = WARPS / RG, DQC = HD / CG, DQN = DQC / 8;
   static_assert(WARPS % RG == 0 && HD % CG == 0 && DQC % 16 == 0, "dq split across warps");
-  require_smem(KV_BYTES + STAGES * STAGE + DS_BYTES + BQ * LDA * 4);
+  require_smem(KV_BYTES + 2 * STAGE + DS_BYTES + 2 * DQ_BYTES);
   __shared__ int ticket_s;
+  // Four counts of a head's tiles, copied in an iteration before thread 0 looks at one.
+  __shared__ __align__(16) int seen_s[4];
   if (threadIdx.x == 0) ticket_s = atomicAdd(sync, 1);
   __syncthreads();
   const int ticket = ticket_s;
   const int nkb = (T + BKV - 1) / BKV, nqtiles = (T + BQ - 1) / BQ;
   const int j = nkb - 1 - ticket / nq, h = ticket % nq;
   const int group = nq / nkv, g = h / group, hg = h % group;
-  int* qsem = sync + 1 + (long long)h * nqtiles;
-  int* kvsem = sync + 1 + (long long)nq * nqtiles + (long long)g * nkb + j;
+  // A head's counts start on 16 bytes, so four of them are one cp.async.
+  const long long qpad = (nqtiles + 3) & ~3;
+  int* qsem = sync + 4 + h * qpad;
 
   unsigned char* base = (unsigned char*)flash_smem;
   const unsigned ks = smem_addr(flash_smem), vs = ks + BKV * LD * 2, stages = ks + KV_BYTES;
-  const unsigned ds = stages + STAGES * STAGE, dqs = ds + DS_BYTES;
-  bf16* dS = (bf16*)(base + KV_BYTES + STAGES * STAGE);
-  const float* dQ = (const float*)(base + KV_BYTES + STAGES * STAGE + DS_BYTES);
+  const unsigned ds = stages + 2 * STAGE, dqs = ds + DS_BYTES;
+  bf16* dS = (bf16*)(base + KV_BYTES + 2 * STAGE);
+  const float* dQ = (const float*)(base + KV_BYTES + 2 * STAGE + DS_BYTES);
   const long long width = (long long)(nq + 2 * nkv) * HD, gstride = (long long)nq * HD;
   const long long qcol = (long long)h * HD;
   const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
@@ -736,7 +737,8 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
   const int nqt = (query_end(cu, docs, klast, window) - k0 + BQ - 1) / BQ;
   // Tiles from prev_end on are swept by no lower key block: this block adds their dq last.
   const int prev_end = j > 0 ? query_end(cu, docs, k0 - 1, window) : 0;
-  // Issues the copies of query tile `it` into stage buffer `b`.
+  // Issues the copies of query tile `it` into buffer `b`: Q, dout, lse and D, and the tile's
+  // running dq unless this block holds the tile (and adds first).
   auto issue = [&](int it, int b) {
     const int qt = k0 + it * BQ;
     const unsigned st = stages + b * STAGE;
@@ -747,10 +749,28 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
       const float* src = c < BQ ? lse : dsum;
       cp_async4(st + 2 * BQ * LD * 2 + 4 * c, src + (long long)(i < T ? i : 0) * nq + h, i < T);
     }
+    if (qt >= k0 + BKV) {
+      constexpr int CH = HD / 4;
+#pragma unroll
+      for (int u = 0; u < (BQ * CH + THREADS - 1) / THREADS; ++u) {
+        const int c = threadIdx.x + u * THREADS, r = c / CH, k = c % CH, t = qt + r;
+        if ((BQ * CH) % THREADS == 0 || c < BQ * CH) {
+          const bool ok = t < T;
+          cp_async16(dqs + b * DQ_BYTES + 4 * (r * LDA + k * 4),
+                     acc + (long long)(ok ? t : 0) * width + qcol + k * 4, ok);
+        }
+      }
+    }
+  };
+  // Thread 0: waits until the blocks above have added their dq to tile `it`, unless the count
+  // copied in an iteration ago already showed it (an older copy only ever shows less).
+  auto wait_tile = [&](int it) {
+    const int qt = k0 + it * BQ, i = qt / BQ;
+    if (qt >= k0 + BKV && seen_s[i & 3] < qt / BKV - j) poll_until(qsem + i, qt / BKV - j);
   };
   load_rows_async<BKV, HD, THREADS>(ks, qkv, width, kcol, k0, T);
   load_rows_async<BKV, HD, THREADS>(vs, qkv, width, vcol, k0, T);
-  issue(0, 0);
+  issue(0, 0);  // tile 0 is this block's own: no running dq to read
   cp_commit();
 
   // This thread's keys, as in the dk/dv kernel; a key past T sees no query.
@@ -772,18 +792,20 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
     dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
   }
   const unsigned none[1][4] = {{0, 0, 0, 0}};
+  // The tile whose count this block raises once its barrier has passed its writes (-1: none).
+  int pending = -1;
 
   for (int it = 0; it < nqt; ++it) {
-    const int qt = k0 + it * BQ;
-    if (STAGES == 2 && it + 1 < nqt) {
-      issue(it + 1, (it + 1) & 1);
+    const int qt = k0 + it * BQ, b = it & 1;
+    cp_wait<0>();
+    if (threadIdx.x == 0 && it + 1 < nqt) wait_tile(it + 1);
+    __syncthreads();  // tile it is in, tile it + 1's sum is complete, buffers b ^ 1 are free
+    if (threadIdx.x == 0 && pending >= 0) release_add(qsem + pending, 1);
+    pending = -1;
+    if (it + 1 < nqt) {
+      issue(it + 1, b ^ 1);
       cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
     }
-    __syncthreads();
-    const int b = STAGES == 2 ? (it & 1) : 0;
     const unsigned qt_s = stages + b * STAGE, gt_s = qt_s + BQ * LD * 2;
     const float* Lt = (const float*)(base + KV_BYTES + b * STAGE + 2 * BQ * LD * 2);
     const float* Dt = Lt + BQ;
@@ -824,25 +846,12 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
         dS[q * LDS + 16 * warp + gr + 8] = f2bf(dp[n][2 + e]);
       }
     }
-    const bool top = qt < k0 + BKV;       // the block holding the tile: it adds first
-    const bool bottom = qt >= prev_end;   // no lower block sweeps the tile: it adds last
-    int* sem = qsem + qt / BQ;
-    if (!top) {
-      // The blocks above have added; their sum comes in while dk and dv are computed.
-      block_wait(sem, qt / BKV - j);
-      constexpr int CH = HD / 4;
-#pragma unroll
-      for (int u = 0; u < (BQ * CH + THREADS - 1) / THREADS; ++u) {
-        const int c = threadIdx.x + u * THREADS, r = c / CH, k = c % CH, t = qt + r;
-        if ((BQ * CH) % THREADS == 0 || c < BQ * CH) {
-          const bool ok = t < T;
-          cp_async16(dqs + 4 * (r * LDA + k * 4),
-                     acc + (long long)(ok ? t : 0) * width + qcol + k * 4, ok);
-        }
-      }
+    __syncthreads();  // the dS tile is complete
+    // The count of tile it + 2 (with its neighbours), copied now so that the next iteration
+    // rarely waits for a load.
+    if (threadIdx.x == 0 && it + 2 < nqt && qt + 2 * BQ >= k0 + BKV) {
+      cp_async16(smem_addr(seen_s), qsem + (((qt + 2 * BQ) / BQ) & ~3), true);
       cp_commit();
-    } else {
-      __syncthreads();  // the dS tile is complete
     }
     if (active) {
       mma_pb<LD, BQ / 8, HD / 8>(dv, s, gt_s);
@@ -863,10 +872,9 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
         mma(dq[2 * np + 1], a, bk[2], bk[3]);
       }
     }
-    if (!top) {
-      cp_wait<0>();
-      __syncthreads();
-    }
+    const bool top = qt < k0 + BKV;      // this block holds the tile: it adds first
+    const bool bottom = qt >= prev_end;  // no lower block sweeps the tile: it adds last
+    const float* sum = dQ + b * (DQ_BYTES / 4);
 #pragma unroll
     for (int n = 0; n < DQN; ++n) {
 #pragma unroll
@@ -874,8 +882,8 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
         const int r = dq_r0 + gr + 8 * half, t = qt + r, c = dq_c0 + n * 8 + 2 * tg;
         float x = dq[n][2 * half], y = dq[n][2 * half + 1];
         if (!top) {
-          x += dQ[r * LDA + c];
-          y += dQ[r * LDA + c + 1];
+          x += sum[r * LDA + c];
+          y += sum[r * LDA + c + 1];
         }
         if (t < T) {
           if (bottom) {
@@ -886,16 +894,17 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
         }
       }
     }
-    if (!bottom) block_signal(sem);
-    __syncthreads();
-    if (STAGES == 1 && it + 1 < nqt) {
-      issue(it + 1, 0);
-      cp_commit();
-    }
+    if (!bottom) pending = qt / BQ;
   }
+  __syncthreads();
+  if (threadIdx.x == 0 && pending >= 0) release_add(qsem + pending, 1);
 
   // dk and dv: the query heads of group g add in order; the last one writes dqkv.
-  if (hg > 0) block_wait(kvsem, hg);
+  int* kvsem = sync + 4 + nq * qpad + (long long)g * nkb + j;
+  if (hg > 0) {
+    if (threadIdx.x == 0) poll_until(kvsem, hg);
+    __syncthreads();
+  }
   const bool last_head = hg == group - 1;
 #pragma unroll
   for (int n = 0; n < HD / 8; ++n) {
@@ -925,7 +934,10 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
       }
     }
   }
-  if (!last_head) block_signal(kvsem);
+  if (!last_head) {
+    __syncthreads();
+    if (threadIdx.x == 0) release_add(kvsem, 1);
+  }
 }
 
 #define FLASH_ENTRY_POINTS(HD, FWD_WARPS, FWD_BK, FWD_STAGES, DQ_WARPS, DQ_BK, DQ_STAGES, QREG) \
@@ -950,13 +962,13 @@ __device__ __forceinline__ void flash_backward_fused(bf16* dqkv, float* acc, int
                                                     nkv, window, scale);                         \
   }
 
-#define FLASH_FUSED_ENTRY_POINT(HD, WARPS, BQ, STAGES)                                           \
+#define FLASH_FUSED_ENTRY_POINT(HD, WARPS, BQ)                                                   \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) flash_backward_fused_##HD(            \
       bf16* dqkv, float* acc, int* sync, const bf16* dout, const bf16* qkv, const float* lse,    \
       const float* dsum, const int* cu, int docs, int T, int nq, int nkv, int window,            \
       float scale) {                                                                             \
-    flash_backward_fused<HD, WARPS, BQ, STAGES>(dqkv, acc, sync, dout, qkv, lse, dsum, cu, docs, \
-                                                T, nq, nkv, window, scale);                      \
+    flash_backward_fused<HD, WARPS, BQ>(dqkv, acc, sync, dout, qkv, lse, dsum, cu, docs, T, nq,  \
+                                        nkv, window, scale);                                     \
   }
 
 // Tile shapes, mirrored by `attention.rs` (which sizes the dynamic shared memory from them):
@@ -975,9 +987,9 @@ FLASH_DKV_ENTRY_POINT(flash_backward_dkv_128, 128, 4, 32, 2, 3)
 FLASH_DKV_ENTRY_POINT(flash_backward_dv_256, 256, 4, 32, 1, 1)
 FLASH_DKV_ENTRY_POINT(flash_backward_dk_256, 256, 2, 16, 2, 2)
 // The fused backward needs more shared memory than sm_86 and sm_89 give a block at head_dim
-// 128 (128 KiB); `attention.rs` takes it only where the device allows.
-FLASH_FUSED_ENTRY_POINT(64, 8, 32, 2)
-FLASH_FUSED_ENTRY_POINT(128, 8, 32, 2)
+// 128 (145 KiB); `attention.rs` takes it only where the device allows.
+FLASH_FUSED_ENTRY_POINT(64, 8, 32)
+FLASH_FUSED_ENTRY_POINT(128, 8, 32)
 
 // ---- scalar kernels (any head_dim up to 256) ---------------------------------------------------
 //
