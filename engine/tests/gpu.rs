@@ -97,6 +97,10 @@ fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
 }
 
+fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 /// What a buffer of `kind` holds after an upload of `v`.
 fn stored(v: &[f32], kind: FloatKind) -> Vec<f32> {
     if kind == Activation { round_bf16(v) } else { v.to_vec() }
@@ -596,22 +600,46 @@ fn attention_case(case: &AttentionCase, seed: u64) {
     let want_att = AttentionOut { out: &mut want[..], lse: &mut want_lse[..] };
     c.attention_forward(want_att, &qkv, &cu.to_vec(), &shape).expect("cpu");
     let (qkv_d, cu_d) = (put_at(g, &qkv, offset, Activation), ints(g, cu));
-    let mut out = put_at(g, &vec![f32::NAN; t * nq * hd], offset, Activation);
-    let mut lse = put_at(g, &vec![f32::NAN; t * nq], offset, Accum);
-    g.attention_forward(
-        AttentionOut { out: from_mut(g, &mut out, offset), lse: from_mut(g, &mut lse, offset) },
-        from(g, &qkv_d, offset),
-        &cu_d,
-        &shape,
-    )
-    .expect("gpu");
-    let out_h = get(g, &out)[offset..].to_vec();
-    let lse_h = get(g, &lse)[offset..].to_vec();
-    // f32 math, two bf16 roundings: of P before P·V (as in FlashAttention; moves out_i by at most
-    // 2^-9 Σ_j P_ij |v_j|) and of the output (2^-9 of itself): up to ~4e-3 of the scale.
-    check(&format!("attention_forward out {name}"), &out_h, &want, 6e-3);
-    // Scores exact in f32 (bf16 products) summed in another order, exp2 for exp: f32 ulps.
-    check(&format!("attention_forward lse {name}"), &lse_h, &want_lse, 1e-5);
+    let forward = || {
+        let mut out = put_at(g, &vec![f32::NAN; t * nq * hd], offset, Activation);
+        let mut lse = put_at(g, &vec![f32::NAN; t * nq], offset, Accum);
+        g.attention_forward(
+            AttentionOut { out: from_mut(g, &mut out, offset), lse: from_mut(g, &mut lse, offset) },
+            from(g, &qkv_d, offset),
+            &cu_d,
+            &shape,
+        )
+        .expect("gpu");
+        (out, lse)
+    };
+    // The mma.sync kernels, then the Hopper ones where they run; the backward below starts
+    // from the first.
+    let default_forward = g.hopper_attention_forward();
+    let mut first = None;
+    for hopper in [false, true] {
+        g.set_hopper_attention_forward(hopper);
+        if hopper && !g.hopper_attention_forward_for(&shape) {
+            continue;
+        }
+        let kernels = if hopper { "hopper" } else { "mma" };
+        let (out, lse) = forward();
+        let out_h = get(g, &out)[offset..].to_vec();
+        let lse_h = get(g, &lse)[offset..].to_vec();
+        // f32 math, two bf16 roundings: of P before P·V (as in FlashAttention; moves out_i by at
+        // most 2^-9 Σ_j P_ij |v_j|) and of the output (2^-9 of itself): up to ~4e-3 of the scale.
+        check(&format!("attention_forward {kernels} out {name}"), &out_h, &want, 6e-3);
+        // Scores exact in f32 (bf16 products) summed in another order, exp2 for exp: f32 ulps.
+        check(&format!("attention_forward {kernels} lse {name}"), &lse_h, &want_lse, 1e-5);
+        let (again, again_lse) = forward();
+        assert!(
+            bits_equal(&get(g, &again)[offset..], &out_h)
+                && bits_equal(&get(g, &again_lse)[offset..], &lse_h),
+            "attention_forward {kernels} {name}: two runs differ"
+        );
+        first.get_or_insert((out, lse, out_h, lse_h));
+    }
+    g.set_hopper_attention_forward(default_forward);
+    let (out, lse, out_h, lse_h) = first.expect("the mma.sync forward ran");
 
     // The backward from the GPU's own (bf16) forward output, as training runs it.
     let dout = round_bf16(&uniform(&mut r, t * nq * hd, 1.0));
@@ -685,7 +713,7 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
         let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
         g.attention_forward(att, all(g, &qkv), &cu_d, &shape).expect("forward");
         let dout = put(g, &uniform(&mut r, t * nq * hd, 1.0), Activation);
-        let mut run = |fused: bool| {
+        let run = |fused: bool| {
             g.set_fused_attention_backward(fused);
             let mut d = nan(g, t * shape.qkv_width(), Activation);
             g.attention_backward(
@@ -716,6 +744,64 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
         check(&format!("fused vs split attention_backward {name}"), &a, &split, 1e-2);
     }
     g.set_fused_attention_backward(default);
+}
+
+/// The Hopper forward against the mma.sync kernels on rows long enough for many key tiles per
+/// query block, several documents and windows (tiles starting mid-document, warpgroups that
+/// skip tiles their neighbours multiply): the two agree to bf16 rounding and repeat their bits.
+#[test]
+fn hopper_attention_forward_matches_the_mma_kernels_on_long_rows() {
+    let g = gpu();
+    let cases: [(&[i32], usize, usize, usize, Option<usize>); 4] = [
+        (&[0, 16384], 28, 4, 128, None),
+        (&[0, 5000, 5000, 9001, 16384], 8, 1, 128, Some(3000)),
+        (&[0, 1000, 2048, 3077, 4096, 5120, 6100, 7168, 8192], 16, 16, 128, Some(200)),
+        (&[0, 3000, 12289], 8, 2, 64, Some(700)),
+    ];
+    let default = g.hopper_attention_forward();
+    for (n, &(cu, nq, nkv, hd, window)) in cases.iter().enumerate() {
+        let mut r = rng(600 + n as u64);
+        let t = *cu.last().expect("cu") as usize;
+        let shape = AttentionShape {
+            tokens: t,
+            q_heads: nq,
+            kv_heads: nkv,
+            head_dim: hd,
+            docs: cu.len() - 1,
+            window,
+            scale_dim: None,
+            softcap: None,
+        };
+        let name =
+            format!("T={t} docs={} hd={hd} nq={nq} nkv={nkv} window={window:?}", cu.len() - 1);
+        let qkv = put(g, &uniform(&mut r, t * shape.qkv_width(), 2.5), Activation);
+        let cu_d = ints(g, cu);
+        let run = |hopper: bool| {
+            g.set_hopper_attention_forward(hopper);
+            let (mut out, mut lse) = (nan(g, t * nq * hd, Activation), nan(g, t * nq, Accum));
+            let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
+            g.attention_forward(att, all(g, &qkv), &cu_d, &shape).expect("forward");
+            (get(g, &out), get(g, &lse))
+        };
+        let (mma, mma_lse) = run(false);
+        let (a, a_lse) = run(true);
+        let (b, b_lse) = run(true);
+        if g.arch() == "sm_90" {
+            g.set_hopper_attention_forward(true);
+            assert!(
+                g.hopper_attention_forward_for(&shape),
+                "{name}: the Hopper kernel did not run"
+            );
+        }
+        assert!(
+            bits_equal(&a, &b) && bits_equal(&a_lse, &b_lse),
+            "hopper attention_forward {name}: two runs differ"
+        );
+        // The same sums in another order, P and the output each rounded to bf16 once.
+        check(&format!("hopper vs mma attention_forward out {name}"), &a, &mma, 1e-2);
+        check(&format!("hopper vs mma attention_forward lse {name}"), &a_lse, &mma_lse, 1e-5);
+    }
+    g.set_hopper_attention_forward(default);
 }
 
 /// `v` at elements `offset..` of a fresh buffer, NaN before them.

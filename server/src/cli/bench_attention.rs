@@ -2,7 +2,8 @@
 //! GPU at a training shape (one packed micro-batch of `--docs` equal documents), with TFLOPS by
 //! the causal count FlashAttention reports: 4 x head_dim x query heads x (query, key) pairs
 //! for the forward (two products), 2.5 times that for the backward (five products). The
-//! backward runs on the split kernels (dq, then dk and dv: seven products), on the fused one
+//! forward runs on the mma.sync kernels, on the Hopper ones (sm_90) or, by default, on both;
+//! the backward on the split kernels (dq, then dk and dv: seven products), on the fused one
 //! (five) or, by default, on both, one after the other.
 
 use std::time::{Duration, Instant};
@@ -45,12 +46,27 @@ pub(crate) struct AttentionArgs {
     #[arg(long, default_value_t = 10)]
     iters: usize,
 
+    /// Which forward kernels to time.
+    #[arg(long, value_enum, default_value_t = ForwardKernels::Both)]
+    forward: ForwardKernels,
+
     /// Which backward kernels to time.
     #[arg(long, value_enum, default_value_t = BackwardKernels::Both)]
     backward: BackwardKernels,
 
     #[arg(long, default_value = "cuda:0")]
     device: Device,
+}
+
+/// The attention forward's implementations on the tensor cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ForwardKernels {
+    /// mma.sync, every architecture (training's default).
+    Mma,
+    /// Warpgroup MMAs, sm_90 only (`SLUICE_ATTENTION_FORWARD=hopper` in training).
+    Hopper,
+    /// mma.sync, then Hopper, and their ratio.
+    Both,
 }
 
 /// The attention backward's implementations on the tensor cores.
@@ -150,7 +166,25 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
         cuda.attention_forward(att, cuda.view(&qkv, 0..t * width), &cu_d, &shape)?;
         Ok(())
     };
-    let fwd = time(a.iters, &cuda, &mut forward)?;
+    let mut fwd = Vec::new();
+    for (kernels, hopper) in [(ForwardKernels::Mma, false), (ForwardKernels::Hopper, true)] {
+        if a.forward != kernels && a.forward != ForwardKernels::Both {
+            continue;
+        }
+        cuda.set_hopper_attention_forward(hopper);
+        if hopper && !cuda.hopper_attention_forward_for(&shape) {
+            if a.forward == ForwardKernels::Hopper {
+                bail!(
+                    "the Hopper forward does not run at head_dim {hd} on {} (head_dim 64 or 128 \
+                     on sm_90)",
+                    cuda.arch()
+                );
+            }
+            println!("(the Hopper forward does not run at head_dim {hd} on {})", cuda.arch());
+            continue;
+        }
+        fwd.push((if hopper { "hopper" } else { "mma" }, time(a.iters, &cuda, &mut forward)?));
+    }
     let mut backward = || -> anyhow::Result<()> {
         let att =
             AttentionOut { out: cuda.view(&out, 0..t * nq * hd), lse: cuda.view(&lse, 0..t * nq) };
@@ -197,17 +231,22 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
         a.window.map_or("none".into(), |w| w.to_string()),
         a.iters
     );
-    println!(
-        "forward  {:>9.3} ms  {:>6.1} TFLOPS",
-        fwd.as_secs_f64() * 1e3,
-        tflops(fwd_flops, fwd)
-    );
+    for (kernels, d) in &fwd {
+        println!(
+            "forward  {:>9.3} ms  {:>6.1} TFLOPS  ({kernels})",
+            d.as_secs_f64() * 1e3,
+            tflops(fwd_flops, *d)
+        );
+    }
     for (kernels, d) in &bwd {
         println!(
             "backward {:>9.3} ms  {:>6.1} TFLOPS  ({kernels})",
             d.as_secs_f64() * 1e3,
             tflops(2.5 * fwd_flops, *d)
         );
+    }
+    if let [(_, mma), (_, hopper)] = fwd[..] {
+        println!("hopper / mma forward time: {:.3}", hopper.as_secs_f64() / mma.as_secs_f64());
     }
     if let [(_, split), (_, fused)] = bwd[..] {
         println!("fused / split backward time: {:.3}", fused.as_secs_f64() / split.as_secs_f64());

@@ -143,6 +143,18 @@ impl Flash {
 /// counts), rounded up.
 const FUSED_STATIC_SHARED: usize = 64;
 
+/// The Hopper forward kernels (`hopper_forward_*`, sm_90a) by head size.
+const HOPPER_FORWARD: [(usize, &str); 2] = [(64, "hopper_forward_64"), (128, "hopper_forward_128")];
+
+/// Queries a Hopper forward block takes (two warpgroups of 64); its key tiles are as long.
+const HOPPER_ROWS: usize = 128;
+
+/// The Hopper forward's dynamic shared memory: 1,024 bytes to align the tiles to the swizzle's
+/// 1,024-byte pattern, the Q tile, and two stages of K and V tiles.
+fn hopper_forward_shared(hd: usize) -> usize {
+    1024 + HOPPER_ROWS * hd * 2 + 4 * HOPPER_ROWS * hd * 2
+}
+
 /// The tensor-core kernels for this head size, when the views allow them.
 fn flash(hd: usize, ptrs: &[u64]) -> Option<&'static Flash> {
     if ptrs.iter().any(|p| p % 16 != 0) {
@@ -270,6 +282,14 @@ impl Cuda {
         };
         if let Some(f) = flash {
             args.extend(s.flash_args());
+            if let Some(name) = self.hopper_forward(shape) {
+                let cfg = LaunchConfig {
+                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, nq as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: hopper_forward_shared(shape.head_dim) as u32,
+                };
+                return self.launch(name, cfg, &args);
+            }
             let k = &f.forward;
             return self.launch(
                 k.name,
@@ -362,6 +382,23 @@ impl Cuda {
             scalar_config(blocks, shape.kv_heads),
             &args,
         )
+    }
+
+    /// The Hopper forward kernel for `shape` (no soft-cap, views aligned to 16 bytes) when it
+    /// is on, the device is sm_90, the head size has one and the block gets its shared memory.
+    fn hopper_forward(&self, shape: &AttentionShape) -> Option<&'static str> {
+        let (_, name) = HOPPER_FORWARD.iter().find(|(hd, _)| *hd == shape.head_dim)?;
+        let on = self.hopper_attention_forward()
+            && self.arch() == "sm_90"
+            && shape.softcap.is_none()
+            && hopper_forward_shared(shape.head_dim) <= self.shared_optin;
+        on.then_some(*name)
+    }
+
+    /// Whether `attention_forward` of `shape`, on views aligned to 16 bytes, runs the Hopper
+    /// kernel (see [`Cuda::set_hopper_attention_forward`]).
+    pub fn hopper_attention_forward_for(&self, shape: &AttentionShape) -> bool {
+        self.hopper_forward(shape).is_some()
     }
 
     /// Whether `attention_backward` of `shape`, on views aligned to 16 bytes, runs the fused
@@ -595,6 +632,25 @@ mod tests {
         assert!(need <= 163 * 1024 && need > 99 * 1024);
         let f64 = FLASH.iter().find(|f| f.hd == 64).expect("64");
         assert!(f64.fused_shared(&f64.fused.expect("fused 64")) + FUSED_STATIC_SHARED <= 99 * 1024);
+    }
+
+    /// The Hopper forward's table names the kernels the source instantiates, and its shared
+    /// memory, summed by hand (1,024 to align, Q 128 x 128 x 2, two stages of K and V
+    /// 4 x 128 x 128 x 2: 161 KiB at head size 128), fits sm_90's 227 KiB; the output stage
+    /// (128 rows of 136 bf16) fits the two K buffers it reuses.
+    #[test]
+    fn the_hopper_forward_table_matches_its_instantiations_and_fits_sm_90() {
+        let lines = instantiations("HOPPER_FORWARD_ENTRY_POINT");
+        let sizes: Vec<usize> =
+            lines.iter().map(|l| l[0].parse::<usize>().expect("number")).collect();
+        assert_eq!(sizes, HOPPER_FORWARD.iter().map(|(hd, _)| *hd).collect::<Vec<_>>());
+        for (hd, name) in HOPPER_FORWARD {
+            assert_eq!(name, format!("hopper_forward_{hd}"));
+            assert!(hopper_forward_shared(hd) <= 227 * 1024, "{name}");
+            assert!(HOPPER_ROWS * (hd + 8) * 2 <= 2 * HOPPER_ROWS * hd * 2, "{name}: output stage");
+        }
+        assert_eq!(hopper_forward_shared(128), 1024 + 128 * 128 * 2 + 4 * 128 * 128 * 2);
+        assert_eq!(hopper_forward_shared(128), 161 * 1024);
     }
 
     #[test]

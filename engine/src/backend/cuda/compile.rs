@@ -104,6 +104,8 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_backward_dk_256",
             "flash_backward_fused_64",
             "flash_backward_fused_128",
+            "hopper_forward_64",
+            "hopper_forward_128",
             "attention_sinks_forward",
             "attention_sinks_backward",
         ],
@@ -188,9 +190,16 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// The target a device of architecture `arch` gets: Hopper's arch-specific `sm_90a`, whose
+/// warpgroup MMAs the Hopper attention kernels use (such a cubin runs on sm_90 devices only,
+/// which is what it is built for), else `arch` itself.
+pub fn target(arch: &str) -> &str {
+    if arch == "sm_90" { "sm_90a" } else { arch }
+}
+
 /// Options every module is compiled with, for the real architecture `arch` (e.g. `sm_90`).
 fn options(arch: &str, ptxas_report: bool) -> Vec<String> {
-    let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    let mut opts = vec![format!("--gpu-architecture={}", target(arch)), "--std=c++17".into()];
     if ptxas_report {
         opts.push("--ptxas-options=-v".into());
     }

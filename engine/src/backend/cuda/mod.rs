@@ -158,6 +158,9 @@ pub struct Cuda {
     /// Whether `attention_backward` takes the fused tensor-core kernel where it can (see
     /// [`Cuda::set_fused_attention_backward`]).
     fused_attention_backward: AtomicBool,
+    /// Whether the attention forward takes the Hopper kernels where they run (see
+    /// [`Cuda::set_hopper_attention_forward`]).
+    hopper_attention_forward: AtomicBool,
     /// Most dynamic shared memory a block may opt into on this device, in bytes.
     shared_optin: usize,
     /// Device time per op, when `sluice bench train --profile` asks (see `profile`).
@@ -217,6 +220,9 @@ impl Cuda {
             fused_attention_backward: AtomicBool::new(
                 std::env::var("SLUICE_ATTENTION_BACKWARD").is_ok_and(|v| v == "fused"),
             ),
+            hopper_attention_forward: AtomicBool::new(
+                std::env::var("SLUICE_ATTENTION_FORWARD").is_ok_and(|v| v == "hopper"),
+            ),
             shared_optin: usize::try_from(shared_optin).unwrap_or(0),
             profiler: profile::Profiler::default(),
         })
@@ -235,6 +241,20 @@ impl Cuda {
     /// Whether [`Cuda::set_fused_attention_backward`] is on.
     pub fn fused_attention_backward(&self) -> bool {
         self.fused_attention_backward.load(Ordering::Relaxed)
+    }
+
+    /// Runs `attention_forward` on Hopper's warpgroup MMAs (`hopper_forward_*`, sm_90a: the
+    /// tensor cores read Q, K and V from shared memory, two warpgroups of 64 queries a block)
+    /// where the device is sm_90 and the head size has them (64, 128). Off by default
+    /// (`SLUICE_ATTENTION_FORWARD=hopper` turns it on) until measured. Results differ from the
+    /// mma.sync kernels' in f32 rounding only.
+    pub fn set_hopper_attention_forward(&self, on: bool) {
+        self.hopper_attention_forward.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether [`Cuda::set_hopper_attention_forward`] is on.
+    pub fn hopper_attention_forward(&self) -> bool {
+        self.hopper_attention_forward.load(Ordering::Relaxed)
     }
 
     /// Runs a MoE layer's grouped GEMMs (forward and input gradients, bf16 out) as one

@@ -991,6 +991,343 @@ FLASH_DKV_ENTRY_POINT(flash_backward_dk_256, 256, 2, 16, 2, 2)
 FLASH_FUSED_ENTRY_POINT(64, 8, 32)
 FLASH_FUSED_ENTRY_POINT(128, 8, 32)
 
+// ---- Hopper forward (sm_90a: warpgroup MMAs) ---------------------------------------------------
+//
+// The forward on `wgmma.mma_async` (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-
+// Accumulate"): a warpgroup (4 warps, 128 threads) multiplies 64 rows at once with operands the
+// tensor cores read straight from shared memory through a descriptor, so the ldmatrix traffic
+// that bounds the mma.sync kernels above is gone. Compiled only for sm_90a (the Rust side
+// compiles for it on sm_90 devices); elsewhere the entry points trap and are never launched.
+//
+// Tiles sit in shared memory in the 128-byte swizzled layout: a tile of R rows is HD / 64
+// "halves" of R rows x 64 columns (128 bytes a row), each 1024-byte aligned, the 16-byte chunk c
+// of row r at chunk c ^ (r % 8) of its row (the swizzle the hardware undoes from the address
+// bits, so each 8-row group must start on 1024 bytes). Descriptors: start address >> 4 (bits
+// 0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), 1 in bits 62-63
+// for the 128-byte swizzle.
+//   K-major operands (Q and K in Q K^T: the head dimension, which the product sums over, is
+//   contiguous): stride 1024 (8 rows of 128 bytes), leading unused; the k-th 16 columns of a
+//   half start 32 k bytes into it.
+//   MN-major operand (V in P V: the product sums over keys, the head is contiguous,
+//   "imm-trans-b" 1): leading = the offset between halves (R x 128 bytes), stride 1024 (8
+//   keys); the k-th 16 keys start 2048 k bytes in.
+// The m64nN accumulator gives warp w of the warpgroup rows 16 w .. 16 w + 15 in the mma.sync C
+// layout repeated over N / 8 column tiles, and an A operand in registers takes the mma.sync A
+// layout: P goes from the S accumulator into P V exactly as `mma_pb` does above.
+//
+// cp.async writes shared memory through the generic proxy and wgmma reads it through the async
+// proxy: every thread fences (fence.proxy.async) after its copies land, before the barrier.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lead,
+                                                      unsigned stride) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+         ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wg_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void proxy_fence() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
+// MMAs that own it (they write it between issue and wait).
+template <int NT>
+__device__ __forceinline__ void wg_hold(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+  }
+}
+
+// d[64 x N] (+)= A[64 x 16] B[16 x N]: `wg_ss` with A and B in shared memory, `wg_rs` with A in
+// registers; TB 0 reads B K-major, 1 MN-major; acc 0 overwrites d.
+template <int TB>
+__device__ __forceinline__ void wg_ss(float (&d)[8][4], unsigned long long a, unsigned long long b,
+                                      int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+      "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(acc), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wg_rs(float (&d)[8][4], const unsigned (&a)[4],
+                                      unsigned long long b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wg_ss(float (&d)[16][4], unsigned long long a, unsigned long long b,
+                                      int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
+      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(a), "l"(b), "r"(acc), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wg_rs(float (&d)[16][4], const unsigned (&a)[4],
+                                      unsigned long long b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
+}
+
+
+// Starts copying rows [t0, t0 + ROWS) of one head (HD wide, at element `col` of rows `stride`
+// elements apart) into a swizzled tile (see above); rows at or past T read as zero.
+template <int ROWS, int HD, int THREADS>
+__device__ __forceinline__ void load_swizzled(unsigned tile, const bf16* src, long long stride,
+                                              long long col, int t0, int T) {
+  constexpr int CH = HD / 8;
+  static_assert(ROWS * CH % THREADS == 0, "whole passes");
+#pragma unroll
+  for (int u = 0; u < ROWS * CH / THREADS; ++u) {
+    const int c = threadIdx.x + u * THREADS, r = c / CH, k = c % CH, t = t0 + r;
+    const bool ok = t < T;
+    const unsigned dst = tile + (k >> 3) * (ROWS * 128) + r * 128 + (((k & 7) ^ (r & 7)) << 4);
+    cp_async16(dst, src + (long long)(ok ? t : 0) * stride + col + k * 8, ok);
+  }
+}
+
+// Forward. Grid (ceil(T / 128), nq), 256 threads: two warpgroups of 64 queries, query tiles in
+// reverse order. The block sweeps key tiles of 128 through two shared buffers, the next tile's
+// copy in flight while the current one is multiplied. Same masking, skipping and base-2
+// softmax as `flash_forward`, skipping decided per warpgroup (its four warps multiply together).
+// Dynamic shared memory: 1024 (alignment) + Q (128 HD bf16) + two stages of K and V.
+template <int HD>
+__device__ __forceinline__ void hopper_forward(bf16* out, float* lse, const bf16* qkv,
+                                               const int* cu, int docs, int T, int nq, int nkv,
+                                               int window, float scale) {
+  constexpr int BQ = 128, BK = 128, THREADS = 256, KC = HD / 16;
+  constexpr unsigned QB = BQ * HD * 2, KB = BK * HD * 2;
+  require_smem(1024 + QB + 4 * KB);
+  const unsigned raw = smem_addr(flash_smem), base = (raw + 1023) & ~1023u;
+  const unsigned qs = base, ks = qs + QB, vs = ks + 2 * KB;
+  const long long width = (long long)(nq + 2 * nkv) * HD;
+  const int h = blockIdx.y, g = h / (nq / nkv);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int kstart = first_key(cu, docs, q0, window);
+  const int ntiles = (min(q0 + BQ, T) - kstart + BK - 1) / BK;
+  load_swizzled<BQ, HD, THREADS>(qs, qkv, width, (long long)h * HD, q0, T);
+  load_swizzled<BK, HD, THREADS>(ks, qkv, width, kcol, kstart, T);
+  load_swizzled<BK, HD, THREADS>(vs, qkv, width, vcol, kstart, T);
+  cp_commit();
+
+  // The warpgroup's rows and bounds (uniform over its 128 threads), then the warp's and this
+  // thread's (rows clamped to the last token).
+  const int g0 = q0 + 64 * wg, glast = min(g0 + 63, T - 1);
+  const bool active = g0 < T;
+  const int gfirst = first_key(cu, docs, min(g0, T - 1), window);
+  const int w0 = g0 + 16 * warp, wlast = min(w0 + 15, T - 1);
+  const int wfirst_hi = first_key(cu, docs, wlast, window);
+  const int ia = min(w0 + gr, T - 1), ib = min(w0 + gr + 8, T - 1);
+  const int fa = first_key(cu, docs, ia, window), fb = first_key(cu, docs, ib, window);
+  const float sc = scale * LOG2E;
+  const unsigned qa = qs + 64 * wg * 128;
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int k0 = kstart + t * BK;
+    const unsigned kt = ks + (t & 1) * KB, vt = vs + (t & 1) * KB;
+    cp_wait<0>();
+    proxy_fence();
+    __syncthreads();
+    // Every thread is past the previous tile: its buffers take the next one.
+    if (t + 1 < ntiles) {
+      load_swizzled<BK, HD, THREADS>(ks + ((t + 1) & 1) * KB, qkv, width, kcol, k0 + BK, T);
+      load_swizzled<BK, HD, THREADS>(vs + ((t + 1) & 1) * KB, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+    }
+    if (!active || k0 > glast || k0 + BK <= gfirst) continue;
+    float s[BK / 8][4];
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const unsigned off = (c & 3) * 32;
+      wg_ss<0>(s, wg_desc(qa + (c >> 2) * (BQ * 128) + off, 16, 1024),
+               wg_desc(kt + (c >> 2) * (BK * 128) + off, 16, 1024), c > 0);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(s);
+    if (!(k0 >= wfirst_hi && k0 + BK - 1 <= w0)) {
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = k0 + n * 8 + 2 * tg + e;
+          if (j < fa || j > ia) s[n][e] = NEG_INF;
+          if (j < fb || j > ib) s[n][2 + e] = NEG_INF;
+        }
+      }
+    }
+    float xa = NEG_INF, xb = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+      xa = fmaxf(xa, fmaxf(s[n][0], s[n][1]));
+      xb = fmaxf(xb, fmaxf(s[n][2], s[n][3]));
+    }
+    const float na = fmaxf(ma, quad_max(xa) * sc), nb = fmaxf(mb, quad_max(xb) * sc);
+    const float ua = na == NEG_INF ? 0.0f : na, ub = nb == NEG_INF ? 0.0f : nb;
+    const float ca = ex2(ma - ua), cb = ex2(mb - ub);
+    ma = na;
+    mb = nb;
+    float suma = 0.0f, sumb = 0.0f;
+    unsigned p[BK / 16][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+      s[n][0] = ex2(fmaf(s[n][0], sc, -ua));
+      s[n][1] = ex2(fmaf(s[n][1], sc, -ua));
+      s[n][2] = ex2(fmaf(s[n][2], sc, -ub));
+      s[n][3] = ex2(fmaf(s[n][3], sc, -ub));
+      suma += s[n][0] + s[n][1];
+      sumb += s[n][2] + s[n][3];
+      p[n >> 1][(n & 1) * 2] = pack_bf16(s[n][0], s[n][1]);
+      p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(s[n][2], s[n][3]);
+    }
+    la = la * ca + suma;
+    lb = lb * cb + sumb;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      o[n][0] *= ca;
+      o[n][1] *= ca;
+      o[n][2] *= cb;
+      o[n][3] *= cb;
+    }
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < BK / 16; ++c) {
+      wg_rs<1>(o, p[c], wg_desc(vt + c * 2048, BK * 128, 1024), 1);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(o);
+  }
+  // Every warpgroup is done with the tiles: the first K buffer stages the output.
+  cp_wait<0>();
+  __syncthreads();
+  if (!active) return;
+  la = quad_sum(la);
+  lb = quad_sum(lb);
+  bf16* stage = (bf16*)((char*)flash_smem + (ks - raw)) + (64 * wg + 16 * warp) * (HD + 8);
+  // Every stored row saw at least itself, so l >= 1.
+  store_rows<HD>(out, (long long)nq * HD, (long long)h * HD, w0, T, o, 1.0f / la, 1.0f / lb,
+                 stage);
+  if (tg == 0) {
+    if (w0 + gr < T) lse[(long long)(w0 + gr) * nq + h] = ma * LN2 + logf(la);
+    if (w0 + gr + 8 < T) lse[(long long)(w0 + gr + 8) * nq + h] = mb * LN2 + logf(lb);
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Launched only on sm_90 (see `attention.rs`); built as a trap elsewhere so that every
+// architecture's module has the same entry points.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HOPPER_BODY(call) call
+#else
+#define HOPPER_BODY(call) __trap()
+#endif
+
+#define HOPPER_FORWARD_ENTRY_POINT(HD)                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                            \
+      hopper_forward_##HD(bf16* out, float* lse, const bf16* qkv, const int* cu, int docs, int T, \
+                          int nq, int nkv, int window, float scale) {                             \
+    HOPPER_BODY(hopper_forward<HD>(out, lse, qkv, cu, docs, T, nq, nkv, window, scale));          \
+  }
+
+HOPPER_FORWARD_ENTRY_POINT(64)
+HOPPER_FORWARD_ENTRY_POINT(128)
+
+
 // ---- scalar kernels (any head_dim up to 256) ---------------------------------------------------
 //
 // Layout: 4 warps per block. Key/value (or query/dout) tiles of 32 tokens sit in shared memory
