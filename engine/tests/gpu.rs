@@ -648,10 +648,16 @@ fn attention_case(case: &AttentionCase, seed: u64) {
     c.attention_backward(&mut want_d, &dout, &qkv, att_h, &cu.to_vec(), &shape).expect("cpu");
     let dout_d = put_at(g, &dout, offset, Activation);
     // The split kernels, then the fused one where the head size has it (elsewhere the split
-    // kernels again).
-    let default = g.fused_attention_backward();
-    for fused in [false, true] {
+    // kernels again), then the Hopper ones where they run.
+    let defaults = (g.fused_attention_backward(), g.hopper_attention_backward());
+    for (kernels, fused, hopper) in
+        [("split", false, false), ("fused", true, false), ("hopper", false, true)]
+    {
         g.set_fused_attention_backward(fused);
+        g.set_hopper_attention_backward(hopper);
+        if hopper && !g.hopper_attention_backward_for(&shape) {
+            continue;
+        }
         let mut runs = Vec::new();
         for _ in 0..2 {
             let mut d = put_at(g, &vec![f32::NAN; t * width], offset, Activation);
@@ -666,24 +672,25 @@ fn attention_case(case: &AttentionCase, seed: u64) {
             .expect("gpu");
             runs.push(get(g, &d)[offset..].to_vec());
         }
-        let kernels = if fused { "fused" } else { "split" };
         // Sums of products over many keys, P and dS rounded to bf16 before their products (as
         // in FlashAttention), then a bf16 rounding: 1e-2 of the scale.
         check(&format!("attention_backward {kernels} dqkv {name}"), &runs[0], &want_d, 1e-2);
         // No atomics on the data: a second run gives the same bits.
         assert!(
-            runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            bits_equal(&runs[0], &runs[1]),
             "attention_backward {kernels} {name}: two runs differ"
         );
     }
-    g.set_fused_attention_backward(default);
+    g.set_fused_attention_backward(defaults.0);
+    g.set_hopper_attention_backward(defaults.1);
 }
 
 /// The fused backward against the split kernels on rows long enough for deep chains of key
 /// blocks (128 keys each) adding to one query tile's dq, and many blocks waiting on each
-/// other at once: the two agree to bf16 rounding and the fused one repeats its bits.
+/// other at once: the two agree to bf16 rounding and the fused one repeats its bits. The
+/// Hopper kernels (sm_90) likewise.
 #[test]
-fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
+fn fused_and_hopper_attention_backward_match_the_split_kernels_on_long_rows() {
     let g = gpu();
     let cases: [(&[i32], usize, usize, usize, Option<usize>); 4] = [
         (&[0, 16384], 28, 4, 128, None),
@@ -691,7 +698,7 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
         (&[0, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192], 16, 16, 128, None),
         (&[0, 3000, 12289], 8, 2, 64, Some(700)),
     ];
-    let default = g.fused_attention_backward();
+    let defaults = (g.fused_attention_backward(), g.hopper_attention_backward());
     for (n, &(cu, nq, nkv, hd, window)) in cases.iter().enumerate() {
         let mut r = rng(500 + n as u64);
         let t = *cu.last().expect("cu") as usize;
@@ -713,8 +720,9 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
         let att = AttentionOut { out: all_mut(g, &mut out), lse: all_mut(g, &mut lse) };
         g.attention_forward(att, all(g, &qkv), &cu_d, &shape).expect("forward");
         let dout = put(g, &uniform(&mut r, t * nq * hd, 1.0), Activation);
-        let run = |fused: bool| {
+        let run = |fused: bool, hopper: bool| {
             g.set_fused_attention_backward(fused);
+            g.set_hopper_attention_backward(hopper);
             let mut d = nan(g, t * shape.qkv_width(), Activation);
             g.attention_backward(
                 all_mut(g, &mut d),
@@ -727,8 +735,8 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
             .expect("backward");
             get(g, &d)
         };
-        let split = run(false);
-        let (a, b) = (run(true), run(true));
+        let split = run(false, false);
+        let (a, b) = (run(true, false), run(true, false));
         // Ampere's sm_80 and Hopper give a block the fused kernel's shared memory.
         assert!(
             g.fused_attention_backward_for(&shape) || !matches!(g.arch(), "sm_80" | "sm_90"),
@@ -742,8 +750,17 @@ fn fused_attention_backward_matches_the_split_kernels_on_long_rows() {
         // The same sums in another order (dq over key blocks in f32 instead of over key tiles
         // in registers; dk and dv over query heads likewise), each rounded to bf16 once.
         check(&format!("fused vs split attention_backward {name}"), &a, &split, 1e-2);
+        let (a, b) = (run(false, true), run(false, true));
+        assert!(
+            g.arch() != "sm_90" || g.hopper_attention_backward_for(&shape),
+            "{name}: the Hopper kernels did not run on sm_90"
+        );
+        assert!(bits_equal(&a, &b), "hopper attention_backward {name}: two runs differ");
+        // The split kernels' sums over tiles of other sizes, each rounded to bf16 once.
+        check(&format!("hopper vs split attention_backward {name}"), &a, &split, 1e-2);
     }
-    g.set_fused_attention_backward(default);
+    g.set_fused_attention_backward(defaults.0);
+    g.set_hopper_attention_backward(defaults.1);
 }
 
 /// The Hopper forward against the mma.sync kernels on rows long enough for many key tiles per

@@ -4,7 +4,8 @@
 //! for the forward (two products), 2.5 times that for the backward (five products). The
 //! forward runs on the mma.sync kernels, on the Hopper ones (sm_90) or, by default, on both;
 //! the backward on the split kernels (dq, then dk and dv: seven products), on the fused one
-//! (five) or, by default, on both, one after the other.
+//! (five), on the Hopper ones (the split kernels' products on warpgroup MMAs) or, by default,
+//! on each in turn, with the time of each against the split kernels'.
 
 use std::time::{Duration, Instant};
 
@@ -51,7 +52,7 @@ pub(crate) struct AttentionArgs {
     forward: ForwardKernels,
 
     /// Which backward kernels to time.
-    #[arg(long, value_enum, default_value_t = BackwardKernels::Both)]
+    #[arg(long, value_enum, default_value_t = BackwardKernels::All)]
     backward: BackwardKernels,
 
     #[arg(long, default_value = "cuda:0")]
@@ -76,8 +77,10 @@ enum BackwardKernels {
     Split,
     /// One kernel for dq, dk and dv (`SLUICE_ATTENTION_BACKWARD=fused` in training).
     Fused,
-    /// Split, then fused, and their ratio.
-    Both,
+    /// The split kernels on warpgroup MMAs, sm_90 only (`SLUICE_ATTENTION_BACKWARD=hopper`).
+    Hopper,
+    /// Each of the above, and its time against the split kernels'.
+    All,
 }
 
 /// Most tokens a measured micro-batch may have (the trainer's longest row).
@@ -199,23 +202,42 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
         Ok(())
     };
     let mut bwd = Vec::new();
-    for (kernels, fused) in [(BackwardKernels::Split, false), (BackwardKernels::Fused, true)] {
-        if a.backward != kernels && a.backward != BackwardKernels::Both {
+    for kernels in [BackwardKernels::Split, BackwardKernels::Fused, BackwardKernels::Hopper] {
+        if a.backward != kernels && a.backward != BackwardKernels::All {
             continue;
         }
+        let (fused, hopper) =
+            (kernels == BackwardKernels::Fused, kernels == BackwardKernels::Hopper);
         cuda.set_fused_attention_backward(fused);
-        if fused && !cuda.fused_attention_backward_for(&shape) {
-            if a.backward == BackwardKernels::Fused {
+        cuda.set_hopper_attention_backward(hopper);
+        let (runs, needs) = if fused {
+            (
+                cuda.fused_attention_backward_for(&shape),
+                "head_dim 64 or 128, and the shared memory of sm_80 or sm_90 at 128",
+            )
+        } else if hopper {
+            (cuda.hopper_attention_backward_for(&shape), "head_dim 64 or 128 on sm_90")
+        } else {
+            (true, "")
+        };
+        let name = if fused {
+            "fused"
+        } else if hopper {
+            "hopper"
+        } else {
+            "split"
+        };
+        if !runs {
+            if a.backward == kernels {
                 bail!(
-                    "the fused backward does not run at head_dim {hd} on {} (head_dim 64 or \
-                     128, and the shared memory of sm_80 or sm_90 at 128)",
+                    "the {name} backward does not run at head_dim {hd} on {} ({needs})",
                     cuda.arch()
                 );
             }
-            println!("(the fused backward does not run at head_dim {hd} on {})", cuda.arch());
+            println!("(the {name} backward does not run at head_dim {hd} on {})", cuda.arch());
             continue;
         }
-        bwd.push((if fused { "fused" } else { "split" }, time(a.iters, &cuda, &mut backward)?));
+        bwd.push((name, time(a.iters, &cuda, &mut backward)?));
     }
 
     // (query, key) pairs the mask lets through, per head.
@@ -248,8 +270,10 @@ pub(crate) fn run(a: AttentionArgs) -> anyhow::Result<()> {
     if let [(_, mma), (_, hopper)] = fwd[..] {
         println!("hopper / mma forward time: {:.3}", hopper.as_secs_f64() / mma.as_secs_f64());
     }
-    if let [(_, split), (_, fused)] = bwd[..] {
-        println!("fused / split backward time: {:.3}", fused.as_secs_f64() / split.as_secs_f64());
+    if let [("split", split), ref others @ ..] = bwd[..] {
+        for (name, d) in others {
+            println!("{name} / split backward time: {:.3}", d.as_secs_f64() / split.as_secs_f64());
+        }
     }
     Ok(())
 }

@@ -155,6 +155,29 @@ fn hopper_forward_shared(hd: usize) -> usize {
     1024 + HOPPER_ROWS * hd * 2 + 4 * HOPPER_ROWS * hd * 2
 }
 
+/// The Hopper backward kernels (sm_90a) by head size: dq, then dk and dv.
+const HOPPER_BACKWARD: [(usize, &str, &str); 2] = [
+    (64, "hopper_backward_dq_64", "hopper_backward_dkv_64"),
+    (128, "hopper_backward_dq_128", "hopper_backward_dkv_128"),
+];
+
+/// The Hopper dq kernel's key tiles and the dk/dv kernel's query tiles (their blocks take
+/// `HOPPER_ROWS` queries or keys).
+const HOPPER_BACKWARD_TILE: usize = 64;
+
+/// The Hopper dq kernel's dynamic shared memory: alignment, Q and dout of the block's queries,
+/// two stages of K and V tiles.
+fn hopper_dq_shared(hd: usize) -> usize {
+    1024 + 2 * HOPPER_ROWS * hd * 2 + 4 * HOPPER_BACKWARD_TILE * hd * 2
+}
+
+/// The Hopper dk/dv kernel's: alignment, K and V of the block's keys, two stages of Q, dout,
+/// lse and D, each rounded up to the swizzle's 1,024 bytes.
+fn hopper_dkv_shared(hd: usize) -> usize {
+    let stage = 2 * HOPPER_BACKWARD_TILE * hd * 2 + 2 * HOPPER_BACKWARD_TILE * 4;
+    1024 + 2 * HOPPER_ROWS * hd * 2 + 2 * stage.next_multiple_of(1024)
+}
+
 /// The tensor-core kernels for this head size, when the views allow them.
 fn flash(hd: usize, ptrs: &[u64]) -> Option<&'static Flash> {
     if ptrs.iter().any(|p| p % 16 != 0) {
@@ -362,6 +385,16 @@ impl Cuda {
         let flash = if shape.softcap.is_some() { None } else { flash(shape.head_dim, &pointers) };
         if let Some(f) = flash {
             args.extend(s.flash_args());
+            if let Some((dq, dkv)) = self.hopper_backward(shape) {
+                let hd = shape.head_dim;
+                let cfg = |heads: usize, shared: usize| LaunchConfig {
+                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, heads as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: shared as u32,
+                };
+                self.launch(dq, cfg(nq, hopper_dq_shared(hd)), &args)?;
+                return self.launch(dkv, cfg(shape.kv_heads, hopper_dkv_shared(hd)), &args);
+            }
             if let Some(k) = self.fused_backward(f, shape) {
                 return self.attention_backward_fused(f, &k, args, shape);
             }
@@ -393,6 +426,25 @@ impl Cuda {
             && shape.softcap.is_none()
             && hopper_forward_shared(shape.head_dim) <= self.shared_optin;
         on.then_some(*name)
+    }
+
+    /// The Hopper backward kernels (dq, dk/dv) for `shape` (no soft-cap, views aligned to 16
+    /// bytes) when they are on, the device is sm_90, the head size has them and their blocks
+    /// get their shared memory.
+    fn hopper_backward(&self, shape: &AttentionShape) -> Option<(&'static str, &'static str)> {
+        let hd = shape.head_dim;
+        let (_, dq, dkv) = HOPPER_BACKWARD.iter().find(|(size, _, _)| *size == hd)?;
+        let on = self.hopper_attention_backward()
+            && self.arch() == "sm_90"
+            && shape.softcap.is_none()
+            && hopper_dq_shared(hd).max(hopper_dkv_shared(hd)) <= self.shared_optin;
+        on.then_some((*dq, *dkv))
+    }
+
+    /// Whether `attention_backward` of `shape`, on views aligned to 16 bytes, runs the Hopper
+    /// kernels (see [`Cuda::set_hopper_attention_backward`]).
+    pub fn hopper_attention_backward_for(&self, shape: &AttentionShape) -> bool {
+        self.hopper_backward(shape).is_some()
     }
 
     /// Whether `attention_forward` of `shape`, on views aligned to 16 bytes, runs the Hopper
@@ -651,6 +703,30 @@ mod tests {
         }
         assert_eq!(hopper_forward_shared(128), 1024 + 128 * 128 * 2 + 4 * 128 * 128 * 2);
         assert_eq!(hopper_forward_shared(128), 161 * 1024);
+    }
+
+    /// Likewise the backward: dq 1,024 + Q and dout 2 x 128 x 128 x 2 + K and V stages
+    /// 4 x 64 x 128 x 2 (129 KiB at head size 128); dk/dv 1,024 + K and V 2 x 128 x 128 x 2 +
+    /// two stages of Q and dout 2 x 64 x 128 x 2 and lse and D 2 x 64 x 4, each stage rounded to
+    /// 33 KiB (131 KiB). The output stages (128 rows of 136 bf16) fit from the K buffers to
+    /// the end of the K and V tiles they reuse.
+    #[test]
+    fn the_hopper_backward_table_matches_its_instantiations_and_fits_sm_90() {
+        let lines = instantiations("HOPPER_BACKWARD_ENTRY_POINTS");
+        assert_eq!(lines.len(), HOPPER_BACKWARD.len());
+        for ((hd, dq, dkv), line) in HOPPER_BACKWARD.iter().zip(&lines) {
+            let n = |i: usize| line[i].parse::<usize>().expect("number");
+            assert_eq!((n(0), n(1)), (*hd, HOPPER_BACKWARD_TILE));
+            assert_eq!(*dq, format!("hopper_backward_dq_{hd}"));
+            assert_eq!(*dkv, format!("hopper_backward_dkv_{hd}"));
+            assert!(hopper_dq_shared(*hd).max(hopper_dkv_shared(*hd)) <= 227 * 1024, "{dq}");
+            let stage = HOPPER_ROWS * (hd + 8) * 2;
+            assert!(stage <= 4 * HOPPER_BACKWARD_TILE * hd * 2, "{dq}: output stage");
+            assert!(stage <= 2 * HOPPER_ROWS * hd * 2, "{dkv}: output stage");
+        }
+        assert_eq!(hopper_dq_shared(128), 129 * 1024);
+        assert_eq!(hopper_dkv_shared(128), 1024 + 2 * 128 * 128 * 2 + 2 * 33 * 1024);
+        assert_eq!(hopper_dkv_shared(128), 131 * 1024);
     }
 
     #[test]

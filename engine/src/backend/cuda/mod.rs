@@ -161,6 +161,9 @@ pub struct Cuda {
     /// Whether the attention forward takes the Hopper kernels where they run (see
     /// [`Cuda::set_hopper_attention_forward`]).
     hopper_attention_forward: AtomicBool,
+    /// Whether the attention backward takes the Hopper kernels where they run (see
+    /// [`Cuda::set_hopper_attention_backward`]).
+    hopper_attention_backward: AtomicBool,
     /// Most dynamic shared memory a block may opt into on this device, in bytes.
     shared_optin: usize,
     /// Device time per op, when `sluice bench train --profile` asks (see `profile`).
@@ -223,6 +226,9 @@ impl Cuda {
             hopper_attention_forward: AtomicBool::new(
                 std::env::var("SLUICE_ATTENTION_FORWARD").is_ok_and(|v| v == "hopper"),
             ),
+            hopper_attention_backward: AtomicBool::new(
+                std::env::var("SLUICE_ATTENTION_BACKWARD").is_ok_and(|v| v == "hopper"),
+            ),
             shared_optin: usize::try_from(shared_optin).unwrap_or(0),
             profiler: profile::Profiler::default(),
         })
@@ -255,6 +261,21 @@ impl Cuda {
     /// Whether [`Cuda::set_hopper_attention_forward`] is on.
     pub fn hopper_attention_forward(&self) -> bool {
         self.hopper_attention_forward.load(Ordering::Relaxed)
+    }
+
+    /// Runs `attention_backward` on Hopper's warpgroup MMAs (`hopper_backward_dq_*` and
+    /// `hopper_backward_dkv_*`, sm_90a: the split kernels' seven products, operands read by the
+    /// tensor cores from shared memory) where the device is sm_90 and the head size has them
+    /// (64, 128); it takes precedence over [`Cuda::set_fused_attention_backward`]. Off by
+    /// default (`SLUICE_ATTENTION_BACKWARD=hopper` turns it on) until measured. Results differ
+    /// from the mma.sync kernels' in f32 rounding only.
+    pub fn set_hopper_attention_backward(&self, on: bool) {
+        self.hopper_attention_backward.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether [`Cuda::set_hopper_attention_backward`] is on.
+    pub fn hopper_attention_backward(&self) -> bool {
+        self.hopper_attention_backward.load(Ordering::Relaxed)
     }
 
     /// Runs a MoE layer's grouped GEMMs (forward and input gradients, bf16 out) as one

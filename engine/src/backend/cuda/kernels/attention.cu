@@ -1307,14 +1307,261 @@ __device__ __forceinline__ void hopper_forward(bf16* out, float* lse, const bf16
   }
 }
 
+// dq on sm_90a. Grid (ceil(T / 128), nq), 256 threads: two warpgroups of 64 queries of head h,
+// query tiles in reverse order, sweeping key tiles of 64 through two shared buffers. As
+// `flash_backward_dq`: S = Q K^T and dP = dout V^T (both operands K-major in shared memory),
+// dS = P (dP − D) in registers, dq += dS K (dS from registers, K MN-major).
+// Dynamic shared memory: 1024 (alignment) + Q and dout (2 x 128 HD bf16) + two stages of K and V
+// (4 x 64 HD bf16).
+template <int HD>
+__device__ __forceinline__ void hopper_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                   const float* lse, const float* dsum,
+                                                   const int* cu, int docs, int T, int nq,
+                                                   int nkv, int window, float scale) {
+  constexpr int BQ = 128, BK = 64, THREADS = 256, KC = HD / 16;
+  constexpr unsigned QB = BQ * HD * 2, KB = BK * HD * 2;
+  require_smem(1024 + 2 * QB + 4 * KB);
+  const unsigned raw = smem_addr(flash_smem), base = (raw + 1023) & ~1023u;
+  const unsigned qs = base, gs = qs + QB, ks = gs + QB, vs = ks + 2 * KB;
+  const long long width = (long long)(nq + 2 * nkv) * HD;
+  const int h = blockIdx.y, g = h / (nq / nkv);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int kstart = first_key(cu, docs, q0, window);
+  const int ntiles = (min(q0 + BQ, T) - kstart + BK - 1) / BK;
+  load_swizzled<BQ, HD, THREADS>(qs, qkv, width, (long long)h * HD, q0, T);
+  load_swizzled<BQ, HD, THREADS>(gs, dout, (long long)nq * HD, (long long)h * HD, q0, T);
+  load_swizzled<BK, HD, THREADS>(ks, qkv, width, kcol, kstart, T);
+  load_swizzled<BK, HD, THREADS>(vs, qkv, width, vcol, kstart, T);
+  cp_commit();
+
+  const int g0 = q0 + 64 * wg, glast = min(g0 + 63, T - 1);
+  const bool active = g0 < T;
+  const int gfirst = first_key(cu, docs, min(g0, T - 1), window);
+  const int w0 = g0 + 16 * warp, wlast = min(w0 + 15, T - 1);
+  const int wfirst_hi = first_key(cu, docs, wlast, window);
+  const int ia = min(w0 + gr, T - 1), ib = min(w0 + gr + 8, T - 1);
+  const int fa = first_key(cu, docs, ia, window), fb = first_key(cu, docs, ib, window);
+  const float sc = scale * LOG2E;
+  const float La = lse[(long long)ia * nq + h] * LOG2E, Lb = lse[(long long)ib * nq + h] * LOG2E;
+  const float Da = dsum[(long long)ia * nq + h], Db = dsum[(long long)ib * nq + h];
+  const unsigned qa = qs + 64 * wg * 128, ga = gs + 64 * wg * 128;
+
+  float dq[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int k0 = kstart + t * BK;
+    const unsigned kt = ks + (t & 1) * KB, vt = vs + (t & 1) * KB;
+    cp_wait<0>();
+    proxy_fence();
+    __syncthreads();
+    if (t + 1 < ntiles) {
+      load_swizzled<BK, HD, THREADS>(ks + ((t + 1) & 1) * KB, qkv, width, kcol, k0 + BK, T);
+      load_swizzled<BK, HD, THREADS>(vs + ((t + 1) & 1) * KB, qkv, width, vcol, k0 + BK, T);
+      cp_commit();
+    }
+    if (!active || k0 > glast || k0 + BK <= gfirst) continue;
+    float s[BK / 8][4], dp[BK / 8][4];
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const unsigned off = (c >> 2) * (BQ * 128) + (c & 3) * 32;
+      const unsigned long long kd = wg_desc(kt + (c >> 2) * (BK * 128) + (c & 3) * 32, 16, 1024);
+      wg_ss<0>(s, wg_desc(qa + off, 16, 1024), kd, c > 0);
+    }
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const unsigned off = (c >> 2) * (BQ * 128) + (c & 3) * 32;
+      const unsigned long long vd = wg_desc(vt + (c >> 2) * (BK * 128) + (c & 3) * 32, 16, 1024);
+      wg_ss<0>(dp, wg_desc(ga + off, 16, 1024), vd, c > 0);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(s);
+    wg_hold(dp);
+    const bool full = k0 >= wfirst_hi && k0 + BK - 1 <= w0;
+    unsigned ds[BK / 16][4];
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = k0 + n * 8 + 2 * tg + e;
+        const bool va = full || (j >= fa && j <= ia), vb = full || (j >= fb && j <= ib);
+        const float pa = va ? ex2(fmaf(s[n][e], sc, -La)) : 0.0f;
+        const float pb = vb ? ex2(fmaf(s[n][2 + e], sc, -Lb)) : 0.0f;
+        s[n][e] = pa * (dp[n][e] - Da);
+        s[n][2 + e] = pb * (dp[n][2 + e] - Db);
+      }
+      ds[n >> 1][(n & 1) * 2] = pack_bf16(s[n][0], s[n][1]);
+      ds[n >> 1][(n & 1) * 2 + 1] = pack_bf16(s[n][2], s[n][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < BK / 16; ++c) {
+      wg_rs<1>(dq, ds[c], wg_desc(kt + c * 2048, BK * 128, 1024), 1);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(dq);
+  }
+  cp_wait<0>();
+  __syncthreads();
+  if (!active) return;
+  bf16* stage = (bf16*)((char*)flash_smem + (ks - raw)) + (64 * wg + 16 * warp) * (HD + 8);
+  store_rows<HD>(dqkv, width, (long long)h * HD, w0, T, dq, scale, scale, stage);
+}
+
+// dk and dv on sm_90a. Grid (ceil(T / 128), nkv), 256 threads: two warpgroups of 64 keys of kv
+// head g; for every query head of the group in order, the block sweeps the query tiles of BQ
+// that see its keys (each sum over heads and queries in a fixed order), as
+// `flash_backward_dkv`: S^T = K Q^T and dP^T = V dout^T (K-major operands), P^T and dS^T in
+// registers, dv += P^T dout and dk += dS^T Q (dout and Q MN-major).
+// Dynamic shared memory: 1024 (alignment) + K and V (2 x 128 HD bf16) + two stages of Q, dout
+// (2 x BQ HD bf16), lse and D (2 x BQ f32), each stage rounded up to 1024 bytes.
+template <int HD, int BQ>
+__device__ __forceinline__ void hopper_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                    const float* lse, const float* dsum,
+                                                    const int* cu, int docs, int T, int nq,
+                                                    int nkv, int window, float scale) {
+  constexpr int BKV = 128, THREADS = 256, KC = HD / 16;
+  constexpr unsigned KB = BKV * HD * 2, QT = BQ * HD * 2;
+  constexpr unsigned STAGE = (2 * QT + 2 * BQ * 4 + 1023) / 1024 * 1024;
+  require_smem(1024 + 2 * KB + 2 * STAGE);
+  const unsigned raw = smem_addr(flash_smem), base = (raw + 1023) & ~1023u;
+  const unsigned ks = base, vs = ks + KB, stages = vs + KB;
+  const long long width = (long long)(nq + 2 * nkv) * HD, gstride = (long long)nq * HD;
+  const int g = blockIdx.y, group = nq / nkv;
+  const int k0 = blockIdx.x * BKV;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+  const long long kcol = (long long)(nq + g) * HD, vcol = (long long)(nq + nkv + g) * HD;
+
+  const int klast = min(k0 + BKV, T) - 1;
+  const int nqt = (query_end(cu, docs, klast, window) - k0 + BQ - 1) / BQ;
+  const int total = group * nqt;
+  auto issue = [&](int it, int b) {
+    const int h = g * group + it / nqt, qt = k0 + (it % nqt) * BQ;
+    const unsigned st = stages + b * STAGE;
+    load_swizzled<BQ, HD, THREADS>(st, qkv, width, (long long)h * HD, qt, T);
+    load_swizzled<BQ, HD, THREADS>(st + QT, dout, gstride, (long long)h * HD, qt, T);
+    for (int c = threadIdx.x; c < 2 * BQ; c += THREADS) {
+      const int i = qt + c % BQ;
+      const float* src = c < BQ ? lse : dsum;
+      cp_async4(st + 2 * QT + 4 * c, src + (long long)(i < T ? i : 0) * nq + h, i < T);
+    }
+  };
+  load_swizzled<BKV, HD, THREADS>(ks, qkv, width, kcol, k0, T);
+  load_swizzled<BKV, HD, THREADS>(vs, qkv, width, vcol, k0, T);
+  issue(0, 0);
+  cp_commit();
+
+  // The warpgroup's keys (uniform over its threads), the warp's and this thread's; a key past
+  // T sees no query (query_end 0).
+  const int g0 = k0 + 64 * wg;
+  const bool active = g0 < T;
+  const int gend = active ? query_end(cu, docs, min(g0 + 63, T - 1), window) : 0;
+  const int w0 = g0 + 16 * warp, ja = w0 + gr, jb = w0 + gr + 8;
+  const int ea = ja < T ? query_end(cu, docs, ja, window) : 0;
+  const int eb = jb < T ? query_end(cu, docs, jb, window) : 0;
+  const int wend_lo = w0 + 15 < T ? query_end(cu, docs, w0, window) : 0;
+  const float sc = scale * LOG2E;
+  const unsigned ka = ks + 64 * wg * 128, va = vs + 64 * wg * 128;
+  const float* smem_f = (const float*)((const char*)flash_smem + (stages - raw));
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+  }
+
+  for (int it = 0; it < total; ++it) {
+    const int qt = k0 + (it % nqt) * BQ, b = it & 1;
+    cp_wait<0>();
+    proxy_fence();
+    __syncthreads();
+    if (it + 1 < total) {
+      issue(it + 1, (it + 1) & 1);
+      cp_commit();
+    }
+    if (!active || qt + BQ <= g0 || qt >= gend) continue;
+    const unsigned qt_s = stages + b * STAGE, gt_s = qt_s + QT;
+    const float* Lt = smem_f + (b * STAGE + 2 * QT) / 4;
+    const float* Dt = Lt + BQ;
+    float s[BQ / 8][4], dp[BQ / 8][4];
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const unsigned off = (c >> 2) * (BKV * 128) + (c & 3) * 32;
+      const unsigned qoff = (c >> 2) * (BQ * 128) + (c & 3) * 32;
+      wg_ss<0>(s, wg_desc(ka + off, 16, 1024), wg_desc(qt_s + qoff, 16, 1024), c > 0);
+    }
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const unsigned off = (c >> 2) * (BKV * 128) + (c & 3) * 32;
+      const unsigned qoff = (c >> 2) * (BQ * 128) + (c & 3) * 32;
+      wg_ss<0>(dp, wg_desc(va + off, 16, 1024), wg_desc(gt_s + qoff, 16, 1024), c > 0);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(s);
+    wg_hold(dp);
+    const bool full = qt >= w0 + 15 && qt + BQ <= wend_lo;
+    unsigned pf[BQ / 16][4], df[BQ / 16][4];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = n * 8 + 2 * tg + e, i = qt + c;
+        const float L = Lt[c] * LOG2E, D = Dt[c];
+        const bool oka = full || (i >= ja && i < ea), okb = full || (i >= jb && i < eb);
+        const float pa = oka ? ex2(fmaf(s[n][e], sc, -L)) : 0.0f;
+        const float pb = okb ? ex2(fmaf(s[n][2 + e], sc, -L)) : 0.0f;
+        s[n][e] = pa;
+        s[n][2 + e] = pb;
+        dp[n][e] = pa * (dp[n][e] - D);
+        dp[n][2 + e] = pb * (dp[n][2 + e] - D);
+      }
+      pf[n >> 1][(n & 1) * 2] = pack_bf16(s[n][0], s[n][1]);
+      pf[n >> 1][(n & 1) * 2 + 1] = pack_bf16(s[n][2], s[n][3]);
+      df[n >> 1][(n & 1) * 2] = pack_bf16(dp[n][0], dp[n][1]);
+      df[n >> 1][(n & 1) * 2 + 1] = pack_bf16(dp[n][2], dp[n][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < BQ / 16; ++c) {
+      wg_rs<1>(dv, pf[c], wg_desc(gt_s + c * 2048, BQ * 128, 1024), 1);
+    }
+#pragma unroll
+    for (int c = 0; c < BQ / 16; ++c) {
+      wg_rs<1>(dk, df[c], wg_desc(qt_s + c * 2048, BQ * 128, 1024), 1);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_hold(dv);
+    wg_hold(dk);
+  }
+  cp_wait<0>();
+  __syncthreads();
+  if (!active) return;
+  bf16* stage = (bf16*)((char*)flash_smem + (ks - raw)) + (64 * wg + 16 * warp) * (HD + 8);
+  store_rows<HD>(dqkv, width, kcol, w0, T, dk, scale, scale, stage);
+  store_rows<HD>(dqkv, width, vcol, w0, T, dv, 1.0f, 1.0f, stage);
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Launched only on sm_90 (see `attention.rs`); built as a trap elsewhere so that every
 // architecture's module has the same entry points.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define HOPPER_BODY(call) call
+#define HOPPER_BODY(...) __VA_ARGS__
 #else
-#define HOPPER_BODY(call) __trap()
+#define HOPPER_BODY(...) __trap()
 #endif
 
 #define HOPPER_FORWARD_ENTRY_POINT(HD)                                                            \
@@ -1324,8 +1571,24 @@ __device__ __forceinline__ void hopper_forward(bf16* out, float* lse, const bf16
     HOPPER_BODY(hopper_forward<HD>(out, lse, qkv, cu, docs, T, nq, nkv, window, scale));          \
   }
 
+#define HOPPER_BACKWARD_ENTRY_POINTS(HD, DKV_BQ)                                                \
+  extern "C" __global__ void __launch_bounds__(256, 1) hopper_backward_dq_##HD(                 \
+      bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,       \
+      const int* cu, int docs, int T, int nq, int nkv, int window, float scale) {               \
+    HOPPER_BODY(hopper_backward_dq<HD>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq, nkv, window, \
+                                       scale));                                                 \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(256, 1) hopper_backward_dkv_##HD(                \
+      bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,       \
+      const int* cu, int docs, int T, int nq, int nkv, int window, float scale) {               \
+    HOPPER_BODY(hopper_backward_dkv<HD, DKV_BQ>(dqkv, dout, qkv, lse, dsum, cu, docs, T, nq,     \
+                                                nkv, window, scale));                           \
+  }
+
 HOPPER_FORWARD_ENTRY_POINT(64)
 HOPPER_FORWARD_ENTRY_POINT(128)
+HOPPER_BACKWARD_ENTRY_POINTS(64, 64)
+HOPPER_BACKWARD_ENTRY_POINTS(128, 64)
 
 
 // ---- scalar kernels (any head_dim up to 256) ---------------------------------------------------
