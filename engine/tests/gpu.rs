@@ -76,6 +76,9 @@ fn record(what: &str, err: f64, tol: f64) {
 fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let (err, at) = rel_err(got, want);
     record(what, err, tol);
+    if err > tol {
+        dump(what, got, want);
+    }
     assert!(
         err <= tol,
         "{what}: max relative error {err:.3e} > {tol:.0e} at {at}: gpu {} cpu {} (first pairs {:?})",
@@ -83,6 +86,25 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
         want[at],
         got.iter().zip(want).take(4).collect::<Vec<_>>()
     );
+}
+
+/// Most elements a failed check writes out.
+const DUMP_MAX: usize = 1 << 21;
+
+/// With `SLUICE_TEST_DUMP=DIR`, writes a failed check's two tensors (little-endian f32, up to
+/// `DUMP_MAX` elements each) to DIR, so the pattern of wrong elements (which rows, which
+/// columns) can be studied where the GPU is not.
+fn dump(what: &str, got: &[f32], want: &[f32]) {
+    let Some(dir) = std::env::var_os("SLUICE_TEST_DUMP").map(PathBuf::from) else { return };
+    let name: String =
+        what.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    for (side, v) in [("gpu", got), ("cpu", want)] {
+        let bytes: Vec<u8> = v.iter().take(DUMP_MAX).flat_map(|x| x.to_le_bytes()).collect();
+        let path = dir.join(format!("{name}.{side}.f32"));
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes)) {
+            println!("cannot write {}: {e}", path.display());
+        }
+    }
 }
 
 fn rng(seed: u64) -> ChaCha8Rng {
