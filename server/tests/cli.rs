@@ -210,6 +210,12 @@ fn bench_train_on_the_cpu_reports_every_step_a_summary_and_a_replayable_first_st
     assert_eq!(report["steps"][0]["tokens"], 256, "{report}");
     assert!(report["summary"]["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{report}");
     assert!(report["summary"]["host_store_bytes"].as_u64().is_some_and(|b| b > 0), "{report}");
+    // Causal attention counted: 6 x layers x hidden x seq FLOPs more per token than 6 x params.
+    let (s, m) = (&report["summary"], &report["plan"]["model"]);
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    let ratio = f(&s["attention_tflops"]) / f(&s["model_tflops"]);
+    let want = 1.0 + f(&m["layers"]) * f(&m["hidden"]) * 64.0 / f(&m["active_params"]);
+    assert!((ratio - want).abs() < 1e-9, "{ratio} vs {want}: {report}");
 
     // What PyTorch needs to replay step 1: its weights, its tokens, its loss and unit norms.
     for file in ["model/config.json", "model/model.safetensors", "batches.json", "step1.json"] {
