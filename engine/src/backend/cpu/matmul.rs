@@ -85,6 +85,50 @@ fn gemm(c: &mut [f32], a: Operand<'_>, b: Operand<'_>, beta: f32) -> Result<()> 
     Ok(())
 }
 
+/// `out = inp · b` for a row-major `inp` `[rows, b.rows]` and any operand `b`, split over row
+/// blocks, each contracting over all of `b.rows`. out `[rows, b.cols]`.
+fn rows_times(out: &mut [f32], inp: &[f32], b: Operand<'_>, rows: usize) -> Result<()> {
+    let (k, n) = (b.rows, b.cols);
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let block = block_rows(rows);
+    out.par_chunks_mut(block * n).zip(inp.par_chunks(block * k)).try_for_each(|(out, inp)| {
+        let m = out.len() / n;
+        gemm(out, Operand { data: inp, rows: m, cols: k, rs: k, cs: 1 }, b, 0.0)
+    })
+}
+
+/// `c += xᵀ · y` for row-major `x` `[rows, a]` and `y` `[rows, n]`, split over blocks of rows
+/// of `c` `[a, n]`; each block sums over all `rows`.
+fn transposed_times(
+    c: &mut [f32],
+    x: &[f32],
+    y: &[f32],
+    rows: usize,
+    a: usize,
+    n: usize,
+) -> Result<()> {
+    if a == 0 || n == 0 {
+        return Ok(());
+    }
+    let y = Operand { data: y, rows, cols: n, rs: n, cs: 1 };
+    let block = block_rows(a);
+    c.par_chunks_mut(block * n).enumerate().try_for_each(|(b, c)| {
+        let first = b * block;
+        let m = c.len() / n;
+        // Rows first..first+m of xᵀ are columns of x: start at column `first`, step 1 along
+        // the block and `a` from one row of x to the next.
+        let x_t =
+            Operand { data: x.get(first..).unwrap_or_default(), rows: m, cols: rows, rs: 1, cs: a };
+        gemm(c, x_t, y, 1.0)
+    })
+}
+
 /// `out = inp · wᵀ`, split over row blocks. Lengths must already be checked.
 /// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`.
 pub(crate) fn linear(
@@ -95,19 +139,7 @@ pub(crate) fn linear(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if rows == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        out.fill(0.0);
-        return Ok(());
-    }
-    let wt = Operand { data: w, rows: k, cols: n, rs: 1, cs: k };
-    let block = block_rows(rows);
-    out.par_chunks_mut(block * n).zip(inp.par_chunks(block * k)).try_for_each(|(out, inp)| {
-        let m = out.len() / n;
-        gemm(out, Operand { data: inp, rows: m, cols: k, rs: k, cs: 1 }, wt, 0.0)
-    })
+    rows_times(out, inp, Operand { data: w, rows: k, cols: n, rs: 1, cs: k }, rows)
 }
 
 /// `dinp = dout · w`, split over row blocks. Lengths must already be checked.
@@ -120,19 +152,7 @@ pub(crate) fn linear_dinp(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if rows == 0 || k == 0 {
-        return Ok(());
-    }
-    if n == 0 {
-        dinp.fill(0.0);
-        return Ok(());
-    }
-    let w = Operand { data: w, rows: n, cols: k, rs: k, cs: 1 };
-    let block = block_rows(rows);
-    dinp.par_chunks_mut(block * k).zip(dout.par_chunks(block * n)).try_for_each(|(dinp, dout)| {
-        let m = dinp.len() / k;
-        gemm(dinp, Operand { data: dout, rows: m, cols: n, rs: n, cs: 1 }, w, 0.0)
-    })
+    rows_times(dinp, dout, Operand { data: w, rows: n, cols: k, rs: k, cs: 1 }, rows)
 }
 
 /// `dw += doutᵀ · inp`, split over blocks of rows of `dw`; each block sums over all `rows`.
@@ -146,25 +166,7 @@ pub(crate) fn linear_dw(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if n == 0 || k == 0 {
-        return Ok(());
-    }
-    let inp = Operand { data: inp, rows, cols: k, rs: k, cs: 1 };
-    let block = block_rows(n);
-    dw.par_chunks_mut(block * k).enumerate().try_for_each(|(b, dw)| {
-        let first = b * block;
-        let m = dw.len() / k;
-        // Rows first..first+m of doutᵀ are columns of dout: start at column `first`, step 1
-        // along the block and n from one token to the next.
-        let dout_t = Operand {
-            data: dout.get(first..).unwrap_or_default(),
-            rows: m,
-            cols: rows,
-            rs: 1,
-            cs: n,
-        };
-        gemm(dw, dout_t, inp, 1.0)
-    })
+    transposed_times(dw, dout, inp, rows, n, k)
 }
 
 /// `out = inp · w` with `w` stored `[k, n]` (GPT-OSS's expert matrices), split over row
@@ -177,19 +179,7 @@ pub(crate) fn linear_kn(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if rows == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        out.fill(0.0);
-        return Ok(());
-    }
-    let w = Operand { data: w, rows: k, cols: n, rs: n, cs: 1 };
-    let block = block_rows(rows);
-    out.par_chunks_mut(block * n).zip(inp.par_chunks(block * k)).try_for_each(|(out, inp)| {
-        let m = out.len() / n;
-        gemm(out, Operand { data: inp, rows: m, cols: k, rs: k, cs: 1 }, w, 0.0)
-    })
+    rows_times(out, inp, Operand { data: w, rows: k, cols: n, rs: n, cs: 1 }, rows)
 }
 
 /// `dinp = dout · wᵀ` with `w` stored `[k, n]`. dinp `[rows, k]`, dout `[rows, n]`.
@@ -201,19 +191,7 @@ pub(crate) fn linear_kn_dinp(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if rows == 0 || k == 0 {
-        return Ok(());
-    }
-    if n == 0 {
-        dinp.fill(0.0);
-        return Ok(());
-    }
-    let wt = Operand { data: w, rows: n, cols: k, rs: 1, cs: n };
-    let block = block_rows(rows);
-    dinp.par_chunks_mut(block * k).zip(dout.par_chunks(block * n)).try_for_each(|(dinp, dout)| {
-        let m = dinp.len() / k;
-        gemm(dinp, Operand { data: dout, rows: m, cols: n, rs: n, cs: 1 }, wt, 0.0)
-    })
+    rows_times(dinp, dout, Operand { data: w, rows: n, cols: k, rs: 1, cs: n }, rows)
 }
 
 /// `dw += inpᵀ · dout` with `dw` stored `[k, n]`, split over blocks of rows of `dw`; each
@@ -226,24 +204,7 @@ pub(crate) fn linear_kn_dw(
     k: usize,
     n: usize,
 ) -> Result<()> {
-    if n == 0 || k == 0 {
-        return Ok(());
-    }
-    let dout = Operand { data: dout, rows, cols: n, rs: n, cs: 1 };
-    let block = block_rows(k);
-    dw.par_chunks_mut(block * n).enumerate().try_for_each(|(b, dw)| {
-        let first = b * block;
-        let m = dw.len() / n;
-        // Rows first..first+m of inpᵀ are columns of inp.
-        let inp_t = Operand {
-            data: inp.get(first..).unwrap_or_default(),
-            rows: m,
-            cols: rows,
-            rs: 1,
-            cs: k,
-        };
-        gemm(dw, inp_t, dout, 1.0)
-    })
+    transposed_times(dw, inp, dout, rows, k, n)
 }
 
 /// `out = inp · wᵀ`. Reference: `nn.Linear` as used by every projection in modeling_llama.py.
