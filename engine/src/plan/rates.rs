@@ -18,17 +18,22 @@ pub struct MachineRates {
     /// Effective bf16 GEMM FLOP/s on a decoder layer's shapes. Measured: 684-772 TFLOPS at
     /// typical layer shapes, 791 at 8192^3 (torch, cuBLAS); 700 leaves room for small GEMMs.
     pub gemm_flops: f64,
-    /// Peak forward attention FLOP/s of Sluice's tensor-core kernels, reached at long rows; at
-    /// sequence length `s` they run at `attention_forward_flops x s / (s +
-    /// attention_forward_half_seq)`. Measured with `sluice bench train --profile` on the H200
-    /// (2026-12-04, Qwen2.5-7B, head_dim 128): 162.6 TFLOPS at seq 1024, 244.2 at seq 32768,
-    /// which this curve fits.
+    /// Peak forward attention FLOP/s of Sluice's tensor-core kernels on sm_90 (the Hopper
+    /// kernels, the default there), reached at long rows; at sequence length `s` they run at
+    /// `attention_forward_flops x s / (s + attention_forward_half_seq)`. The mma.sync kernels
+    /// measured in training (`sluice bench train --profile`, H200, 2026-12-04, Qwen2.5-7B,
+    /// head_dim 128) 162.6 TFLOPS at seq 1024 and 244.2 at seq 32768 (a peak of 248e12 with
+    /// half at 539 tokens); the Hopper kernel runs those rows 1.377 and 1.657 times as fast
+    /// (`sluice bench attention`, H100, 2026-12-06; the two GPUs share the SM count and clock
+    /// attention is bound by), which this curve fits: 223.8 and 404.3 TFLOPS.
     pub attention_forward_flops: f64,
     /// The sequence length at which the forward runs at half its peak.
     pub attention_forward_half_seq: f64,
-    /// The same for the backward (five products, its FLOPs counted as 2.5 forwards), which runs
-    /// slower than the forward: measured 114.7 TFLOPS at seq 1024, 182.2 at seq 32768 (same
-    /// runs). A recompute that a kept attention output spares is a forward.
+    /// The same for the backward (its FLOPs counted as 2.5 forwards), which runs slower than
+    /// the forward: the split mma.sync kernels measured 114.7 TFLOPS at seq 1024 and 182.2 at
+    /// seq 32768 (same runs; 186e12, half at 634), the Hopper ones 1.426 and 1.619 times as
+    /// fast (same bench), which this curve fits: 163.8 and 295.5 TFLOPS. A recompute that a kept
+    /// attention output spares is a forward.
     pub attention_backward_flops: f64,
     pub attention_backward_half_seq: f64,
     /// Attention FLOP/s of the scalar kernels, which soft-capped attention (Gemma 2) runs on.
@@ -61,10 +66,10 @@ impl Default for MachineRates {
             pcie_h2d: 50e9,
             pcie_d2h: 50e9,
             gemm_flops: 700e12,
-            attention_forward_flops: 248e12,
-            attention_forward_half_seq: 539.0,
-            attention_backward_flops: 186e12,
-            attention_backward_half_seq: 634.0,
+            attention_forward_flops: 415e12,
+            attention_forward_half_seq: 876.0,
+            attention_backward_flops: 303e12,
+            attention_backward_half_seq: 872.0,
             scalar_attention_flops: 3.5e12,
             head_flops: 500e12,
             elementwise_bytes: 2.7e12,

@@ -62,9 +62,10 @@ pub(crate) struct AttentionArgs {
 /// The attention forward's implementations on the tensor cores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum ForwardKernels {
-    /// mma.sync, every architecture (training's default).
+    /// mma.sync, every architecture (training's elsewhere, or on sm_90 with
+    /// `SLUICE_ATTENTION_FORWARD=mma`).
     Mma,
-    /// Warpgroup MMAs, sm_90 only (`SLUICE_ATTENTION_FORWARD=hopper` in training).
+    /// Warpgroup MMAs, sm_90 only (training's default there).
     Hopper,
     /// mma.sync, then Hopper, and their ratio.
     Both,
@@ -73,11 +74,12 @@ enum ForwardKernels {
 /// The attention backward's implementations on the tensor cores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum BackwardKernels {
-    /// The dq kernel, then the dk/dv kernel (training's default).
+    /// The dq kernel, then the dk/dv kernel (training's default off sm_90, or on it with
+    /// `SLUICE_ATTENTION_BACKWARD=split`).
     Split,
     /// One kernel for dq, dk and dv (`SLUICE_ATTENTION_BACKWARD=fused` in training).
     Fused,
-    /// The split kernels on warpgroup MMAs, sm_90 only (`SLUICE_ATTENTION_BACKWARD=hopper`).
+    /// The split kernels on warpgroup MMAs, sm_90 only (training's default there).
     Hopper,
     /// Each of the above, and its time against the split kernels'.
     All,

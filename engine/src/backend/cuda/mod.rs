@@ -223,11 +223,14 @@ impl Cuda {
             fused_attention_backward: AtomicBool::new(
                 std::env::var("SLUICE_ATTENTION_BACKWARD").is_ok_and(|v| v == "fused"),
             ),
+            // The Hopper kernels are the default where they run (sm_90); `mma` and
+            // `split` / `fused` choose the mma.sync kernels instead, to compare.
             hopper_attention_forward: AtomicBool::new(
-                std::env::var("SLUICE_ATTENTION_FORWARD").is_ok_and(|v| v == "hopper"),
+                std::env::var("SLUICE_ATTENTION_FORWARD").map_or(true, |v| v != "mma"),
             ),
             hopper_attention_backward: AtomicBool::new(
-                std::env::var("SLUICE_ATTENTION_BACKWARD").is_ok_and(|v| v == "hopper"),
+                std::env::var("SLUICE_ATTENTION_BACKWARD")
+                    .map_or(true, |v| v != "split" && v != "fused"),
             ),
             shared_optin: usize::try_from(shared_optin).unwrap_or(0),
             profiler: profile::Profiler::default(),
@@ -238,8 +241,10 @@ impl Cuda {
     /// (`flash_backward_fused_*`: five products per tile instead of the dq and dk/dv kernels'
     /// seven, deterministic through ordered f32 sums) where the head size has one (64, 128) and
     /// the device gives a block the shared memory it needs (sm_80 and sm_90; 128 KiB at head
-    /// size 128). Off by default (`SLUICE_ATTENTION_BACKWARD=fused` turns it on): its speed has
-    /// not been measured yet. Results differ from the split kernels' in f32 rounding only.
+    /// size 128). Off by default (`SLUICE_ATTENTION_BACKWARD=fused` turns it on): on the H100
+    /// (2026-12-06, `sluice bench attention`, Qwen2.5-7B's heads) it took 1.10 of the split
+    /// kernels' time at rows of 32,768 tokens, 1.32 at 1,024 and 2.2 at 256. Results differ
+    /// from the split kernels' in f32 rounding only.
     pub fn set_fused_attention_backward(&self, on: bool) {
         self.fused_attention_backward.store(on, Ordering::Relaxed);
     }
@@ -251,9 +256,11 @@ impl Cuda {
 
     /// Runs `attention_forward` on Hopper's warpgroup MMAs (`hopper_forward_*`, sm_90a: the
     /// tensor cores read Q, K and V from shared memory, two warpgroups of 64 queries a block)
-    /// where the device is sm_90 and the head size has them (64, 128). Off by default
-    /// (`SLUICE_ATTENTION_FORWARD=hopper` turns it on) until measured. Results differ from the
-    /// mma.sync kernels' in f32 rounding only.
+    /// where the device is sm_90 and the head size has them (64, 128). On by default
+    /// (`SLUICE_ATTENTION_FORWARD=mma` turns it off): on the H100 (2026-12-06, `sluice bench
+    /// attention`, Qwen2.5-7B's heads) it took 0.60 of the mma.sync kernel's time at rows of
+    /// 32,768 tokens, 0.72 at 1,024 and 0.94 at 256. Results differ from the mma.sync kernels'
+    /// in f32 rounding only.
     pub fn set_hopper_attention_forward(&self, on: bool) {
         self.hopper_attention_forward.store(on, Ordering::Relaxed);
     }
@@ -266,9 +273,11 @@ impl Cuda {
     /// Runs `attention_backward` on Hopper's warpgroup MMAs (`hopper_backward_dq_*` and
     /// `hopper_backward_dkv_*`, sm_90a: the split kernels' seven products, operands read by the
     /// tensor cores from shared memory) where the device is sm_90 and the head size has them
-    /// (64, 128); it takes precedence over [`Cuda::set_fused_attention_backward`]. Off by
-    /// default (`SLUICE_ATTENTION_BACKWARD=hopper` turns it on) until measured. Results differ
-    /// from the mma.sync kernels' in f32 rounding only.
+    /// (64, 128); it takes precedence over [`Cuda::set_fused_attention_backward`]. On by
+    /// default (`SLUICE_ATTENTION_BACKWARD=split` or `fused` turns it off): on the H100
+    /// (2026-12-06, as the forward) it took 0.62 of the split kernels' time at rows of 32,768
+    /// tokens, 0.70 at 1,024 and 0.80 at 256. Results differ from the mma.sync kernels' in f32
+    /// rounding only (at rows where both start their key tiles at the same token, none).
     pub fn set_hopper_attention_backward(&self, on: bool) {
         self.hopper_attention_backward.store(on, Ordering::Relaxed);
     }
