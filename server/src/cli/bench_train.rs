@@ -9,8 +9,8 @@
 //! report), the same with causal attention counted, `(6 x params + 6 x layers x hidden x seq)
 //! x tokens / step time` (the figure long-context runs are judged by), and the hardware figure
 //! with the recompute (the planner's FLOP count of the step: forward, recompute and backward
-//! GEMMs plus attention); tokens/s; forward, backward and the
-//! tail (norm, clip, hand-off to the optimizer); PCIe bytes and average GB/s each way; device
+//! GEMMs plus attention); tokens/s; forward, backward and the tail (norm, clip, hand-off to
+//! the optimizer); PCIe bytes and average GB/s each way; device
 //! memory (the driver's used memory after the step, and what the streamer allocated); host
 //! memory (the store and the process's peak RSS); optimizer time and the part hidden behind
 //! device work. With clipping on, the optimizer of step N runs during step N + 1, so each
@@ -756,8 +756,9 @@ fn print_summary(s: &Value, drain: Duration) {
     let bytes = |k: &str| s[k].as_u64().map_or_else(|| "n/a".to_string(), gib);
     println!(
         "summary (median of steps {}): {:.3} s per step, {:.1} TFLOPS by 6 x params x tokens \
-         ({:.1} with causal attention counted, {:.1} with recompute), {:.0} tokens/s; forward {:.3} s, backward {:.3} s, tail {:.3} s; \
-         PCIe h2d {:.2} GB/s, d2h {:.2} GB/s; optimizer {:.3} s, {:.0}% hidden",
+         ({:.1} with causal attention counted, {:.1} with recompute), {:.0} tokens/s; \
+         forward {:.3} s, backward {:.3} s, tail {:.3} s; PCIe h2d {:.2} GB/s, d2h {:.2} GB/s; \
+         optimizer {:.3} s, {:.0}% hidden",
         s["steps"].as_str().unwrap_or("?"),
         f("step_s"),
         f("model_tflops"),
