@@ -236,6 +236,9 @@ fn bench_train_on_the_cpu_reports_every_step_a_summary_and_a_replayable_first_st
     let batches: serde_json::Value =
         serde_json::from_slice(&std::fs::read(check.join("batches.json"))?)?;
     assert_eq!(batches["micro_batches"].as_array().map_or(0, Vec::len), 2);
+    // Every tensor's gradient, not only the norms: the check asks for the device store.
+    assert_eq!(step1["gradients"], "grads", "{step1}");
+    assert!(check.join("grads").is_dir());
     Ok(())
 }
 

@@ -729,7 +729,7 @@ fn fill_resident(s: &Sizes, layout: &mut Layout, memory: &MachineMemory) {
     }
 }
 
-/// Spends the device memory the chosen placement leaves on sparing recompute, last layers
+/// Spends the device memory a placement leaves on sparing recompute, last layers
 /// first (the order does not change the time): whole layers' activations kept (no recompute),
 /// or only their attention outputs (the recompute skips the attention, which at long context
 /// is most of it, for a few percent of a whole layer's bytes). Every split between the two
@@ -791,11 +791,18 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
     let mut fitting = Vec::new();
     for (mut layout, rank) in candidates(s, input) {
         fill_resident(s, &mut layout, &input.memory);
-        let b = budget_for(s, &layout, &input.memory);
-        if b.fits() {
-            let cost = timing::simulate(s, &layout, &input.rates, input.memory.disk.as_ref(), 1.0);
-            fitting.push(Evaluated { layout, budget: b, rank, cost });
+        if !budget_for(s, &layout, &input.memory).fits() {
+            continue;
         }
+        // Kept activations take only what the placement leaves of the device: they never push
+        // gradients or weights elsewhere (the host's memory is the scarcer). They are filled in
+        // before candidates are compared, because what a placement leaves differs: at 7B with
+        // rows of 32,768 tokens, gradients waiting in the host store leave the H100 room for 26
+        // layers' attention outputs instead of 17, 4.4% faster a step at the same exactness.
+        fill_kept(s, &mut layout, input);
+        let b = budget_for(s, &layout, &input.memory);
+        let cost = timing::simulate(s, &layout, &input.rates, input.memory.disk.as_ref(), 1.0);
+        fitting.push(Evaluated { layout, budget: b, rank, cost });
     }
     // The most exact gradients that fit: bf16 gradients only where no fp32 store does.
     if fitting.iter().any(|e| e.layout.gradients != GradientTier::HostStoreBf16) {
@@ -811,15 +818,7 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
                 (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
             },
         )?;
-    let mut best = fitting.swap_remove(at);
-    // Kept activations take only what the chosen placement leaves of the device: they never
-    // push gradients or weights elsewhere (the host's memory is the scarcer).
-    fill_kept(s, &mut best.layout, input);
-    if best.layout.kept.contains(&true) || best.layout.kept_attention.contains(&true) {
-        best.budget = budget_for(s, &best.layout, &input.memory);
-        best.cost =
-            timing::simulate(s, &best.layout, &input.rates, input.memory.disk.as_ref(), 1.0);
-    }
+    let best = fitting.swap_remove(at);
     let source = best.layout.weights;
     let other =
         fitting.iter().filter(|e| e.layout.weights != source).map(|e| e.cost.step).reduce(f64::min);

@@ -296,9 +296,11 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
         assert_eq!(b.host_used(), pinned + pageable);
         assert!(b.host_used() <= 125 * GIB);
 
-        // Device: with 139 GiB every unit stays resident and the gradients wait on the device.
+        // Device: with 139 GiB every unit stays resident. The gradients wait in whichever
+        // fp32 store gives the faster step once each leaves its spare memory to kept
+        // activations: the host store frees 4 bytes a parameter of the device for them.
         assert_eq!(plan.placement.streamed_units, 0, "{name}\n{plan}");
-        assert_eq!(plan.placement.gradients, GradientTier::DeviceStore, "{name}");
+        assert_eq!(plan.placement.gradients, GradientTier::HostStore, "{name}\n{plan}");
         assert_eq!(plan.placement.checkpoints, CheckpointTier::Device, "{name}");
         assert_eq!(plan.placement.checkpoint_interval, 1, "{name}");
         let scratch = t * (5 * h + 2 * shape.qkv() + 2 * shape.att() + 6 * shape.inter) * 2
@@ -306,7 +308,7 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
         // One chunk of logits: 2^28 of them over the vocabulary, f32 plus their bf16 gradient.
         let head = 2 * t * h * 2 + 3 * t * 4 + ((1 << 28) / shape.vocab) * shape.vocab * 6;
         let device = 2 * p // resident bf16 weights
-            + 4 * p // gradient store
+            + if on_host { 2 * 4 * (shape.vocab * h + h) } else { 4 * p } // accumulators or store
             + scratch
             + head
             + 2 * g * t * h * 2 // activations in and out
@@ -678,7 +680,10 @@ fn only_placements_the_schedule_implements_are_offered() {
         "{p}"
     );
     assert!(p.placement.weights_reason.contains("would not fit"), "{p}");
-    let all = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), Capabilities::ALL));
+    // With a device store offered and no kept activations to spend the device on, gradients
+    // wait on the device (as fast, and the simpler placement).
+    let all = Capabilities { keep_activations: false, ..Capabilities::ALL };
+    let all = fits(plan_with("qwen2.5-7b", (1024, 8, 8), memory.clone(), all));
     assert_eq!(all.placement.gradients, GradientTier::DeviceStore, "{all}");
 
     let p = fits(plan_with("qwen2.5-3b", (1024, 8, 8), memory, host_only_grads));
@@ -1126,4 +1131,40 @@ fn gradient_options_and_the_disk_question_follow_the_moments_policy() {
     // 125 GiB holds every policy; 8 GiB holds not even the master weights.
     assert!(!wants(MomentsPolicy::Auto, H200.1));
     assert!(!wants(MomentsPolicy::Auto, 8 * GIB));
+}
+
+#[test]
+fn the_gradient_store_is_chosen_with_the_kept_activations_it_leaves_room_for() {
+    // Qwen2.5-7B at 2 x 32,768 tokens on an 80 GB H100: the device store's 28 GiB leave room
+    // for 17 layers' attention outputs, the host store for every layer's and 2 whole layers.
+    // Both clip exactly in fp32; the faster must win, as every gradient option would show.
+    let memory = MachineMemory::given(84_000_000_000, 134_000_000_000);
+    let spec = preset("qwen2.5-7b").expect("preset");
+    let input = PlanInput {
+        spec: &spec,
+        batch: BatchShape { seq_len: 32768, micro_batch: 1, grad_accum: 2 },
+        clipping: true,
+        memory: memory.clone(),
+        rates: MachineRates::default(),
+        supports: Capabilities::ALL,
+        gpus: 1,
+    };
+    let plan = fits(plan(&input).expect("valid input"));
+    assert_eq!(plan.placement.gradients, GradientTier::HostStore, "{plan}");
+    assert_eq!(plan.placement.kept_attention_layers.len() + plan.placement.kept_layers.len(), 28);
+    let options = gradient_options(&input).expect("options");
+    let device = options.iter().find(|o| o.gradients == GradientTier::DeviceStore).expect("device");
+    let device_s = device.step_s.expect("the device store fits too");
+    assert!(
+        plan.time.total_s < device_s * 0.97,
+        "{} s against {device_s} s\n{plan}",
+        plan.time.total_s
+    );
+    for o in options.iter().filter(|o| o.gradients.clips() && o.fits) {
+        assert!(plan.time.total_s <= o.step_s.expect("fits") * 1.01, "{o:?}\n{plan}");
+    }
+    // Without kept activations the two stores are as fast, and the simpler one is chosen.
+    let no_kept = Capabilities { keep_activations: false, ..Capabilities::ALL };
+    let p = fits(plan_with("qwen2.5-7b", (32768, 1, 2), memory, no_kept));
+    assert_eq!(p.placement.gradients, GradientTier::DeviceStore, "{p}");
 }

@@ -20,7 +20,8 @@
 //! (`scripts/gpu/compare_step.py DIR`): DIR/model holds the initial weights in bf16 (the copies
 //! the device computes with), DIR/batches.json the step's micro-batches, DIR/step1.json the loss
 //! and every unit's gradient norm before clipping, and DIR/grads every tensor's gradient in f32
-//! (where the gradients wait on the device, whose store still holds them after the step).
+//! (the gradients then wait on the device, whose store still holds them after the step, unless
+//! `--gradients` says otherwise or the device store does not fit).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -232,6 +233,22 @@ fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Resul
         },
         gpus: 1,
     };
+    // A check writes every tensor's gradient only from the device store (the other tiers reuse
+    // their buffers unit after unit): where the planner would put them elsewhere, it is asked
+    // for the device store first, and the check falls back to norms only where that does not fit.
+    if args.check_dir.is_some() && args.gradients.is_none() && !args.no_clip {
+        let device_store = PlanInput {
+            supports: Capabilities {
+                only_gradients: Some(GradientTier::DeviceStore),
+                ..input.supports
+            },
+            ..input.clone()
+        };
+        if let Verdict::Fits(p) = plan(&device_store)? {
+            println!("check: gradients wait on the device, so every tensor's gradient is written");
+            return Ok(*p);
+        }
+    }
     match plan(&input)? {
         Verdict::Fits(p) => Ok(*p),
         Verdict::Refused(r) => {
