@@ -29,7 +29,8 @@ norm sums whatever parameters belong to it, so the comparison is the same.
 
 Each tensor is judged against the exact gradient, not against PyTorch's bf16 one: the step is
 replayed a second time in float32 (the same bf16-valued weights, upcast; f32 activations and
-matmuls, rows in small chunks so it fits), and Sluice's gradient must be as close to that as
+matmuls, rows in small chunks and each gradient moved to host memory as soon as it is complete,
+so that a 7B model fits an 80 GB GPU), and Sluice's gradient must be as close to that as
 plain bf16 PyTorch's is (see EXACT_FACTOR). At random initialisation bf16 noise alone puts both
 several percent away from the exact gradient in every tensor (the per-token gradients barely
 add up coherently, so their relative rounding noise survives the sum), which makes a fixed
@@ -184,13 +185,32 @@ def replay(model, batches, trained_total: int, torch, device: str):
 def replay_exact(model, batches, trained_total: int, torch, device: str):
     """The same step in f32, EXACT_ROWS rows at a time (the loss is a sum over tokens, so
     chunking changes nothing but the order of f32 additions); returns the summed loss and the
-    gradients, which accumulate in the f32 parameters' own `.grad`."""
+    gradients by name, in host memory on a GPU (see below), else in the parameters' `.grad`."""
+    on_host, hooks = {}, []
+    if device.startswith("cuda"):
+        # A 7B model's f32 gradients (30 GB) beside its f32 weights (30 GB) and one row's
+        # activations (15 GB) overflow an 80 GB GPU: each parameter's gradient moves to host
+        # memory as soon as a backward has accumulated it, and is added there.
+        def to_host(p, name):
+            g = p.grad.to("cpu")
+            if name in on_host:
+                on_host[name] += g
+            else:
+                on_host[name] = g
+            p.grad = None
+
+        for name, p in model.named_parameters():
+            hooks.append(p.register_post_accumulate_grad_hook(
+                lambda p, name=name: to_host(p, name)))
     loss_sum = 0.0
     for mb in batches:
         for r in range(0, mb["rows"], EXACT_ROWS):
             rows = slice(r, r + EXACT_ROWS)
             loss_sum += chunk_loss(model, mb, rows, trained_total, torch, device)
+    for h in hooks:
+        h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads.update(on_host)
     return loss_sum, grads
 
 
@@ -227,8 +247,9 @@ def compare_tensors(d: Path, step, grads, exact, torch, device: str):
                 r, cos = vector_error(ours, theirs)
                 ours_exact = torch_exact = None
                 if exact is not None:
-                    ours_exact, _ = vector_error(ours, exact[name])
-                    torch_exact, _ = vector_error(theirs, exact[name])
+                    want = exact[name].to(device)
+                    ours_exact, _ = vector_error(ours, want)
+                    torch_exact, _ = vector_error(theirs, want)
                 rows.append((name, r, cos, ours_exact, torch_exact))
     return rows, skipped
 

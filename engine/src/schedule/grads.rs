@@ -36,6 +36,15 @@ struct Landing {
     job: Option<AdamJob>,
 }
 
+/// A unit whose gradients are complete on the device (two-accumulator tiers) but whose copy is
+/// not queued yet: it is queued once the next unit's backward is (see [`Grads::end`]).
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    unit: usize,
+    lane: usize,
+    job: Option<AdamJob>,
+}
+
 /// What shipping a unit's gradients needs of the schedule: the backend, the host store they land
 /// in, the optimizer worker their updates go to, and the two streams each copy is ordered
 /// between (queued on `d2h` after `compute`'s backward).
@@ -73,8 +82,11 @@ pub(super) struct Grads<B: Backend> {
     next_slot: usize,
     /// Slots of the host ring (device store: one lane each).
     ring_slots: usize,
-    /// Compute has finished a unit's gradients: the copy may start.
-    ready: B::Event,
+    /// Per lane, compute has finished the gradients the lane copies: the copy may start.
+    ready: Vec<B::Event>,
+    /// Two-accumulator tiers: the unit whose copy waits for the next unit's backward to be
+    /// queued.
+    pending: Option<Pending>,
     /// A lane's copy has finished: its destination may be read, its source reused.
     landed: Vec<B::Event>,
     /// Whether this rank lands gradients (data parallelism: rank 0 alone does; the others only
@@ -123,7 +135,8 @@ impl<B: Backend> Grads<B> {
             in_flight: vec![None; lanes],
             next_slot: 0,
             ring_slots,
-            ready: b.new_event()?,
+            ready: (0..lanes).map(|_| b.new_event()).collect::<Result<_>>()?,
+            pending: None,
             landed: (0..lanes).map(|_| b.new_event()).collect::<Result<_>>()?,
             sumsq: vec![0.0; units],
             waiting: VecDeque::new(),
@@ -170,43 +183,82 @@ impl<B: Backend> Grads<B> {
     /// Unit `u`'s gradients are complete (queued on `path.compute`): records their sum of
     /// squares and, in the host tiers, ships them: to the unit's own slab, or to a ring slot
     /// with the update `job` that consumes them. The device store keeps them where they are.
+    ///
+    /// A unit's copy is queued at the next call (or [`Grads::flush`]), once the next unit's
+    /// backward is queued ahead of it. Queued here, right after the host has waited for the
+    /// device, the copy left the compute stream idle for about the copy's time after every
+    /// unit: in a profiled step of Qwen2.5-7B at 2 x 32,768 tokens on the H100, 0.514 s in 29
+    /// gaps (longest 39 ms, the 2.2 GB head), against 0.001 s queued one unit later.
     pub fn end(
         &mut self,
         path: &GradPath<'_, B>,
         u: usize,
         job: Option<AdamJob>,
     ) -> Result<Landed> {
-        let (b, store, worker) = (path.b, path.store, path.worker);
+        let (b, worker) = (path.b, path.worker);
         let len = self.lens[u];
+        let landed = self.ship_pending(path)?;
+        if !self.per_unit() && self.lands {
+            // Recorded now, behind this unit's backward and ahead of the next unit's.
+            self.mark_ready(path, self.current, self.current, len)?;
+        }
         // Waits for the unit's backward: the schedule prefetched the next unit's weights before
         // calling this, so the device keeps copying while the host waits.
         self.sumsq[u] = b.sum_squares(b.view(self.acc(u), 0..len))?;
         if self.per_unit() || !self.lands {
-            return Ok(Landed::default());
+            return Ok(landed);
         }
         let lane = self.current;
-        let mut landed = Landed::default();
-        let dest = match self.tier {
-            GradientTier::HostRing => {
-                let slot = self.take_slot();
-                landed.waited = store.ring().acquire(slot)?;
-                GradAt::Ring(slot)
-            }
-            _ => GradAt::Unit,
-        };
-        landed.bytes = self.ship(path, lane, self.current, u, dest)?;
-        landed.units.push(u);
-        let job = job.map(|j| AdamJob { grad: dest, ..j });
-        self.in_flight[lane] = Some(Landing { unit: u, job });
+        self.pending = Some(Pending { unit: u, lane, job });
         // The previous unit's copy has had a whole backward to finish: hand it over now rather
         // than one unit later.
         self.finish(b, worker, 1 - lane)?;
         Ok(landed)
     }
 
-    /// Queues the copy of accumulator `acc` (unit `u`'s gradients) to `dest` on `path.d2h`
-    /// after the compute that produced them; returns the bytes.
-    fn ship(
+    /// Queues the copy of the pending unit's gradients, if any (see [`Grads::end`]).
+    fn ship_pending(&mut self, path: &GradPath<'_, B>) -> Result<Landed> {
+        let mut landed = Landed::default();
+        let Some(Pending { unit: u, lane, job }) = self.pending.take() else {
+            return Ok(landed);
+        };
+        let dest = match self.tier {
+            GradientTier::HostRing => {
+                let slot = self.take_slot();
+                landed.waited = path.store.ring().acquire(slot)?;
+                GradAt::Ring(slot)
+            }
+            _ => GradAt::Unit,
+        };
+        landed.bytes = self.queue_copy(path, lane, lane, u, dest)?;
+        landed.units.push(u);
+        let job = job.map(|j| AdamJob { grad: dest, ..j });
+        self.in_flight[lane] = Some(Landing { unit: u, job });
+        Ok(landed)
+    }
+
+    /// Marks on `path.compute` that accumulator `acc`'s first `len` gradients are complete,
+    /// rounding them first in the bf16 host store: `lane`'s copy of them may start from there.
+    fn mark_ready(
+        &mut self,
+        path: &GradPath<'_, B>,
+        lane: usize,
+        acc: usize,
+        len: usize,
+    ) -> Result<()> {
+        let b = path.b;
+        if let Some(rounded) = self.rounded.get_mut(acc) {
+            // Queued on compute after the gradients, and read by the copy only after it: the
+            // buffer is reused only once this lane's copy has finished (`begin`).
+            b.copy(b.view_mut(rounded, 0..len), b.view(&self.acc[acc], 0..len))?;
+        }
+        b.record(&self.ready[lane], path.compute)
+    }
+
+    /// Queues the copy of accumulator `acc` (unit `u`'s gradients) to `dest` on `path.d2h`,
+    /// after the compute that produced them (`lane`'s [`Grads::mark_ready`], which the caller
+    /// queued); returns the bytes.
+    fn queue_copy(
         &mut self,
         path: &GradPath<'_, B>,
         lane: usize,
@@ -214,17 +266,13 @@ impl<B: Backend> Grads<B> {
         u: usize,
         dest: GradAt,
     ) -> Result<u64> {
-        let GradPath { b, store, compute, d2h, .. } = *path;
+        let GradPath { b, store, d2h, .. } = *path;
         let len = self.lens[u];
-        let mut elem = 4;
-        if let Some(rounded) = self.rounded.get_mut(acc) {
-            // Queued on compute after the gradients, and read by the copy below only after it:
-            // the buffer is reused only once this lane's copy has finished (`begin`).
-            b.copy(b.view_mut(rounded, 0..len), b.view(&self.acc[acc], 0..len))?;
-            elem = b.elem_bytes(FloatKind::Activation);
-        }
-        b.record(&self.ready, compute)?;
-        b.wait(d2h, &self.ready)?;
+        let elem = match self.rounded.is_empty() {
+            true => 4,
+            false => b.elem_bytes(FloatKind::Activation),
+        };
+        b.wait(d2h, &self.ready[lane])?;
         let src = match self.rounded.get(acc) {
             Some(rounded) => b.view(rounded, 0..len),
             None => b.view(&self.acc[acc], 0..len),
@@ -260,13 +308,15 @@ impl<B: Backend> Grads<B> {
         Ok(())
     }
 
-    /// Waits for every copy in flight and submits their updates.
-    pub fn flush(&mut self, b: &B, worker: &OptimizerWorker) -> Result<()> {
+    /// Queues the pending copy, waits for every copy in flight and submits their updates.
+    pub fn flush(&mut self, path: &GradPath<'_, B>) -> Result<Landed> {
+        let landed = self.ship_pending(path)?;
+        let (b, worker) = (path.b, path.worker);
         for i in 0..self.landed.len() {
             let lane = (self.next_lane + i) % self.landed.len();
             self.finish(b, worker, lane)?;
         }
-        Ok(())
+        Ok(landed)
     }
 
     /// Device store: queues every unit's update (forward order) for [`Grads::pump`].
@@ -297,7 +347,8 @@ impl<B: Backend> Grads<B> {
             store.ring().acquire(lane)?;
             landed.waited += started.elapsed();
             let dest = GradAt::Ring(lane);
-            landed.bytes += self.ship(path, lane, job.unit, job.unit, dest)?;
+            self.mark_ready(path, lane, job.unit, self.lens[job.unit])?;
+            landed.bytes += self.queue_copy(path, lane, job.unit, job.unit, dest)?;
             landed.units.push(job.unit);
             let job = AdamJob { grad: dest, ..job };
             self.in_flight[lane] = Some(Landing { unit: job.unit, job: Some(job) });
@@ -329,7 +380,9 @@ impl<B: Backend> Grads<B> {
 
     /// Whether updates still wait for their gradients to leave the device.
     pub fn has_waiting(&self) -> bool {
-        !self.waiting.is_empty() || self.in_flight.iter().any(Option::is_some)
+        !self.waiting.is_empty()
+            || self.pending.is_some()
+            || self.in_flight.iter().any(Option::is_some)
     }
 
     /// Sum of every unit's squared gradients, in unit order (so it does not depend on when

@@ -1222,7 +1222,10 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.span(0, "compute", started);
         self.grads_done(0, early)?;
-        self.grads.flush(b, &self.worker)
+        let started = Instant::now();
+        let landed = self.with_grads(|grads, path| grads.flush(path))?;
+        self.note_landed(&landed, started);
+        Ok(())
     }
 
     /// Host tier: brings layer `l`'s checkpoints back into `work[0]`, which compute no longer
