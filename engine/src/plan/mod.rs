@@ -15,7 +15,8 @@
 //! (1, or up to about sqrt(L) on the device) and, with clipping on, gradient tier (device store
 //! or host store) and weight source (the fp32 master, cast on the device, or a bf16 streaming
 //! copy) is a candidate. Each candidate then keeps as many units' weights resident as
-//! spare device memory allows, most-used first. Candidates that fit are timed by a
+//! spare device memory allows, most-used first, and spends what the device has left on kept
+//! activations ([`fill_kept`]). Candidates that fit are timed by a
 //! discrete-event model of the schedule ([`timing`]); the fastest wins, and among those within
 //! 1% of it the one with the fewest units' moments on the disk tier, then with no bf16 copy on
 //! the host (host memory bounds the models a machine trains), then the simplest (device
