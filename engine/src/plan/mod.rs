@@ -227,6 +227,9 @@ pub struct Placement {
     /// K: one checkpoint every K layers (K - 1 layers recomputed from it in a separate pass).
     pub checkpoint_interval: usize,
     pub gradients: GradientTier,
+    /// Why the gradients wait in the host store where a device store was offered, in a clause
+    /// ("the device store would fit, but ..."); empty otherwise.
+    pub gradients_reason: String,
     /// Slots of the host gradient ring (device store and host ring), each the largest unit's
     /// fp32 gradients: [`RING_SLOTS`], or 2 where host memory is short.
     pub ring_slots: usize,
@@ -529,9 +532,12 @@ fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
         units: sizes.units.len(),
     };
     match search(&sizes, input) {
-        Some((best, other_s)) => {
+        Some((best, other)) => {
             let mut placement = placement(&sizes, &best.layout, input.clipping);
-            placement.weights_reason = weights_reason(&best.layout, best.cost.step, other_s, input);
+            placement.weights_reason =
+                weights_reason(&best.layout, best.cost.step, other.source_s, input);
+            placement.gradients_reason =
+                gradients_reason(&best.layout, best.cost.step, other.device_store_s, input);
             placement.disk_reason = disk_reason(&sizes, &best.layout, input);
             let time = step_time(&sizes, &best, input);
             Ok(Verdict::Fits(Box::new(Plan {
@@ -786,9 +792,17 @@ fn fill_kept(s: &Sizes, layout: &mut Layout, input: &PlanInput<'_>) {
     }
 }
 
-/// The best fitting layout (`None` when none fits), with the fastest fitting step of the other
-/// weight source (`None` when that source fits nowhere), so the plan can say why it chose.
-fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> {
+/// The fastest fitting steps of what the chosen layout passed over, so the plan can say why it
+/// chose (`None` where nothing of the kind fits).
+struct PassedOver {
+    /// The other weight source.
+    source_s: Option<f64>,
+    /// Gradients in the device store.
+    device_store_s: Option<f64>,
+}
+
+/// The best fitting layout (`None` when none fits), with what it passed over.
+fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, PassedOver)> {
     let mut fitting = Vec::new();
     for (mut layout, rank) in candidates(s, input) {
         fill_resident(s, &mut layout, &input.memory);
@@ -809,21 +823,56 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, Option<f64>)> 
     if fitting.iter().any(|e| e.layout.gradients != GradientTier::HostStoreBf16) {
         fitting.retain(|e| e.layout.gradients != GradientTier::HostStoreBf16);
     }
-    let fastest = fitting.iter().map(|e| e.cost.step).fold(f64::INFINITY, f64::min);
-    // Among those as fast: the fewest units on the disk tier, then no bf16 copy on the host
-    // (host memory is what bounds the models a machine trains: where PCIe has room, the
-    // master streams itself), then the simplest.
-    let (at, _) =
-        fitting.iter().enumerate().filter(|(_, e)| e.cost.step <= fastest * 1.01).min_by_key(
-            |(_, e)| {
-                (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
-            },
-        )?;
+    let at = choose(&fitting, |_| true)?;
+    // The device store's time as the plan restricted to it would choose (`gradient_options`).
+    let device_store_s = choose(&fitting, |l| l.gradients == GradientTier::DeviceStore)
+        .map(|i| fitting[i].cost.step);
     let best = fitting.swap_remove(at);
-    let source = best.layout.weights;
-    let other =
-        fitting.iter().filter(|e| e.layout.weights != source).map(|e| e.cost.step).reduce(f64::min);
-    Some((best, other))
+    let source_s = fitting
+        .iter()
+        .filter(|e| e.layout.weights != best.layout.weights)
+        .map(|e| e.cost.step)
+        .reduce(f64::min);
+    Some((best, PassedOver { source_s, device_store_s }))
+}
+
+/// The index of the layout chosen among the fitting ones that `keep` accepts: the fastest, and
+/// among those within 1% of it the fewest units on the disk tier, then no bf16 copy on the
+/// host (host memory is what bounds the models a machine trains: where PCIe has room, the
+/// master streams itself), then the simplest.
+fn choose(fitting: &[Evaluated], keep: impl Fn(&Layout) -> bool) -> Option<usize> {
+    let kept = || fitting.iter().enumerate().filter(|(_, e)| keep(&e.layout));
+    let fastest = kept().map(|(_, e)| e.cost.step).fold(f64::INFINITY, f64::min);
+    let key = |e: &Evaluated| {
+        (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
+    };
+    kept()
+        .filter(|(_, e)| e.cost.step <= fastest * 1.01)
+        .min_by_key(|(_, e)| key(e))
+        .map(|(i, _)| i)
+}
+
+/// Why the gradients wait in the host store rather than the device store, where that was a
+/// choice (clipping on, both stores offered), in a clause for the plan's text.
+fn gradients_reason(
+    l: &Layout,
+    chosen_s: f64,
+    device_store_s: Option<f64>,
+    input: &PlanInput<'_>,
+) -> String {
+    let offered = input.clipping
+        && input.supports.only_gradients.is_none()
+        && input.supports.device_gradient_store;
+    if !offered || l.gradients != GradientTier::HostStore {
+        return String::new();
+    }
+    match device_store_s {
+        Some(device) => format!(
+            "faster than the device store, whose 4 bytes per parameter on the device would \
+             leave less room for kept activations: {chosen_s:.2} s a step against {device:.2} s"
+        ),
+        None => "an fp32 gradient store on the device would not fit beside the rest".to_string(),
+    }
 }
 
 /// Why the weights stream from where they do, in a clause for the plan's text.
@@ -902,6 +951,7 @@ fn placement(s: &Sizes, l: &Layout, clipping: bool) -> Placement {
         checkpoints: l.checkpoints,
         checkpoint_interval: l.interval,
         gradients: l.gradients,
+        gradients_reason: String::new(),
         ring_slots: l.ring_slots,
         weights: l.weights,
         weights_reason: String::new(),

@@ -193,9 +193,13 @@ impl fmt::Display for Plan {
                 m.layers
             )?;
         }
+        let reason = match p.gradients_reason.as_str() {
+            "" => String::new(),
+            r => format!(" ({r})"),
+        };
         writeln!(
             f,
-            "  gradients: {}; optimizer {}",
+            "  gradients: {}{reason}; optimizer {}",
             match p.gradients {
                 GradientTier::DeviceStore => "wait for the norm on the device",
                 GradientTier::HostStore => "wait for the norm in the host store",

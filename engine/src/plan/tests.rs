@@ -1160,6 +1160,12 @@ fn the_gradient_store_is_chosen_with_the_kept_activations_it_leaves_room_for() {
         "{} s against {device_s} s\n{plan}",
         plan.time.total_s
     );
+    // The plan says why, with both times.
+    let reason = &plan.placement.gradients_reason;
+    assert!(reason.starts_with("faster than the device store"), "{plan}");
+    let times = format!("{:.2} s a step against {device_s:.2} s", plan.time.total_s);
+    assert!(reason.ends_with(&times), "{reason}");
+    assert!(plan.to_string().contains(&format!("host store ({reason})")), "{plan}");
     for o in options.iter().filter(|o| o.gradients.clips() && o.fits) {
         assert!(plan.time.total_s <= o.step_s.expect("fits") * 1.01, "{o:?}\n{plan}");
     }
@@ -1167,4 +1173,5 @@ fn the_gradient_store_is_chosen_with_the_kept_activations_it_leaves_room_for() {
     let no_kept = Capabilities { keep_activations: false, ..Capabilities::ALL };
     let p = fits(plan_with("qwen2.5-7b", (32768, 1, 2), memory, no_kept));
     assert_eq!(p.placement.gradients, GradientTier::DeviceStore, "{p}");
+    assert_eq!(p.placement.gradients_reason, "", "{p}");
 }
