@@ -82,7 +82,9 @@ pub struct StepMetrics {
     pub backward_time: Duration,
     /// Time the optimizer spent on updates (on its own threads, mostly hidden).
     pub optimizer_time: Duration,
-    /// Part of the optimizer's time the step waited for.
+    /// Part of the optimizer's time the device waited for: on a GPU, the compute stream's idle
+    /// time while the host waited for an update (timed between marks on the stream); on the
+    /// CPU, the host's waits.
     pub optimizer_exposed: Duration,
     /// Bytes copied host to device (weights, checkpoints) and device to host (gradients,
     /// checkpoints) during the step.

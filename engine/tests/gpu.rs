@@ -2131,6 +2131,43 @@ fn speed_at_7b_layer_shapes() {
     );
 }
 
+/// `Backend::elapsed` reads the compute stream's own time between two marks, which is how a
+/// step reports the optimizer's exposed time: a host wait while the stream is idle counts
+/// whole, one that work queued before it covers counts nothing.
+#[test]
+fn marks_time_the_compute_streams_idle_time_across_a_host_wait() {
+    let g = gpu();
+    let compute = g.compute_stream();
+    let wait = std::time::Duration::from_millis(40);
+    let across_wait = || {
+        let a = g.mark(&compute).expect("mark");
+        std::thread::sleep(wait);
+        let b = g.mark(&compute).expect("mark");
+        g.elapsed(&a, &b).expect("read the marks").expect("the GPU times its marks")
+    };
+    g.synchronize().expect("an idle stream");
+    let idle = across_wait();
+    assert!(idle >= wait * 9 / 10 && idle <= wait * 3, "idle stream: {idle:?} across {wait:?}");
+
+    // About 0.3 s of GEMMs queued ahead of the first mark keep the stream busy through the wait.
+    let (t, h, n) = (4096, 3584, 37888);
+    let mut r = rng(67);
+    let x = put(g, &uniform(&mut r, t * h, 1.0), Activation);
+    let w = put(g, &uniform(&mut r, n * h, 0.02), Activation);
+    let mut y = nan(g, t * n, Activation);
+    let shape = MatmulShape { rows: t, k: h, n };
+    let started = std::time::Instant::now();
+    for _ in 0..200 {
+        let operands = Operands { inp: all(g, &x), w: all(g, &w) };
+        g.matmul_forward(all_mut(g, &mut y), operands, &shape).expect("gemm");
+    }
+    let covered = across_wait();
+    g.synchronize().expect("the GEMMs");
+    let busy = started.elapsed();
+    assert!(busy > wait * 2, "the GEMMs took {busy:?}: too short to cover the wait");
+    assert!(covered < std::time::Duration::from_millis(2), "busy stream: {covered:?} idle");
+}
+
 // ---- generation: attention against the KV cache, and the KV-cached forward -----------------
 
 use sluice_engine::backend::DecodeShape;

@@ -338,6 +338,8 @@ pub trait Backend: Send + Sync {
     type Stream;
     /// A point in a stream that other streams or the host can wait for.
     type Event;
+    /// A point in a stream whose device time can be read back ([`Backend::elapsed`]).
+    type Mark;
 
     /// Human-readable name for messages ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
@@ -375,6 +377,12 @@ pub trait Backend: Send + Sync {
     fn wait(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
     /// Blocks the calling thread until `event` has completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
+    /// Marks the current end of `stream`'s work, to time it with [`Backend::elapsed`].
+    fn mark(&self, stream: &Self::Stream) -> Result<Self::Mark>;
+    /// The device time from mark `a` to mark `b`, both on one stream and `b` the later, once
+    /// the stream has reached `b`: `None` where the ops run on the calling thread (the CPU),
+    /// so that any host wait between two marks is time the device did nothing.
+    fn elapsed(&self, a: &Self::Mark, b: &Self::Mark) -> Result<Option<std::time::Duration>>;
     /// Queues a copy of the view's length in elements from `src` (starting `offset` bytes in,
     /// in the buffer's own dtype) into `dst` on `stream`, and returns before it has run.
     ///

@@ -112,6 +112,14 @@ impl ScheduleOptions {
     }
 }
 
+/// A host wait for the optimizer: marks on the compute stream before and after it, and how
+/// long the host blocked.
+struct OptimizerWait<M> {
+    before: M,
+    after: M,
+    host: Duration,
+}
+
 /// Transfer and timing figures of one step, beyond [`StepMetrics`]' basics.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct StepTraffic {
@@ -121,7 +129,9 @@ pub struct StepTraffic {
     pub backward: Duration,
     /// Time the optimizer worker spent on updates since the previous step.
     pub optimizer_busy: Duration,
-    /// Part of that the schedule waited for (the rest was hidden behind device work).
+    /// Part of that the device waited for: the compute stream's idle time while the host
+    /// waited for the optimizer (updates, ring slots). A wait that the work queued before it
+    /// covers costs nothing; on the CPU, whose ops run on the waiting thread, every wait counts.
     pub optimizer_exposed: Duration,
     /// The disk tier's reads and writes since the previous step, and the optimizer's waits
     /// for them.
@@ -214,6 +224,8 @@ pub struct Streamer<'b, B: Backend> {
     head: HeadScratch<B>,
     batches: Vec<DeviceBatch<B>>,
     traffic: StepTraffic,
+    /// This step's host waits for the optimizer, for [`StepTraffic::optimizer_exposed`].
+    waits: Vec<OptimizerWait<B::Mark>>,
     /// When the current step started, and what each unit did on each stream since.
     step_start: Instant,
     timeline: Vec<Span>,
@@ -529,6 +541,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             head,
             batches: (0..g).map(|_| DeviceBatch::new(b, t)).collect::<Result<_>>()?,
             traffic: StepTraffic::default(),
+            waits: Vec::new(),
             step_start: Instant::now(),
             interrupt: None,
             timeline: Vec::new(),
@@ -642,8 +655,37 @@ impl<'b, B: Backend> Streamer<'b, B> {
     /// gradients (device store) so that update can start.
     fn wait_updated(&mut self, u: usize) -> Result<()> {
         self.pump_grads(Some(u))?;
-        self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
-        Ok(())
+        self.optimizer_wait(|s| Ok(((), s.store.wait_applied(u, s.step)?)))
+    }
+
+    /// Runs `wait`, which returns what it yields and how long the host blocked on the
+    /// optimizer, between two marks on the compute stream, so that the step reports the
+    /// device's idle time across it rather than the host's wait ([`Streamer::exposed`]).
+    fn optimizer_wait<T>(
+        &mut self,
+        wait: impl FnOnce(&mut Self) -> Result<(T, Duration)>,
+    ) -> Result<T> {
+        let before = self.b.mark(&self.compute)?;
+        let (out, host) = wait(self)?;
+        if !host.is_zero() {
+            let after = self.b.mark(&self.compute)?;
+            self.waits.push(OptimizerWait { before, after, host });
+        }
+        Ok(out)
+    }
+
+    /// The compute stream's idle time across this step's host waits for the optimizer, each
+    /// at most the host's wait. A mark that cannot be read (timing is a diagnostic) counts the
+    /// host's wait.
+    fn exposed(&mut self) -> Duration {
+        let b = self.b;
+        self.waits
+            .drain(..)
+            .map(|w| match b.elapsed(&w.before, &w.after) {
+                Ok(Some(idle)) => idle.min(w.host),
+                Ok(None) | Err(_) => w.host,
+            })
+            .sum()
     }
 
     /// Marks the end of compute's use of `slot`: the slot's next upload waits for this mark.
@@ -671,7 +713,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             coef: 1.0,
             grad: GradAt::Unit,
         });
-        let landed = self.with_grads(|grads, path| grads.end(path, u, job))?;
+        let landed = self.land(|grads, path| grads.end(path, u, job))?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -698,15 +740,27 @@ impl<'b, B: Backend> Streamer<'b, B> {
             return Ok(());
         }
         let started = Instant::now();
-        let landed = self.with_grads(|grads, path| grads.pump(path, upto))?;
+        let landed = self.land(|grads, path| grads.pump(path, upto))?;
         self.note_landed(&landed, started);
         Ok(())
     }
 
-    /// Counts a landing's bytes and waits, and puts it on the timeline.
+    /// Runs `f` on the gradient tiers as [`Streamer::with_grads`], timing its waits for ring
+    /// slots as waits for the optimizer.
+    fn land(
+        &mut self,
+        f: impl FnOnce(&mut Grads<B>, &GradPath<'_, B>) -> Result<grads::Landed>,
+    ) -> Result<grads::Landed> {
+        self.optimizer_wait(|s| {
+            let landed = s.with_grads(f)?;
+            let waited = landed.waited;
+            Ok((landed, waited))
+        })
+    }
+
+    /// Counts a landing's bytes and puts it on the timeline.
     fn note_landed(&mut self, landed: &grads::Landed, started: Instant) {
         self.traffic.d2h_bytes += landed.bytes;
-        self.traffic.optimizer_exposed += landed.waited;
         for &u in &landed.units {
             self.span(u, "d2h", started);
         }
@@ -805,6 +859,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         let tokens: usize = micro.iter().map(|m| m.ids.len()).sum();
         self.traffic = StepTraffic::default();
+        self.waits.clear();
         self.step_start = start;
         self.timeline.clear();
         self.upload_batches(micro)?;
@@ -873,6 +928,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             self.traffic.optimizer_busy = self.worker.take_busy();
             self.traffic.disk = self.store.disk().map(|d| d.take_stats()).unwrap_or_default();
         }
+        self.traffic.optimizer_exposed = self.exposed();
         let elapsed = start.elapsed();
         let metrics = StepMetrics {
             step: self.step,
@@ -1223,7 +1279,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.span(0, "compute", started);
         self.grads_done(0, early)?;
         let started = Instant::now();
-        let landed = self.with_grads(|grads, path| grads.flush(path))?;
+        let landed = self.land(|grads, path| grads.flush(path))?;
         self.note_landed(&landed, started);
         Ok(())
     }
@@ -1278,7 +1334,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
     fn settle(&mut self) -> Result<()> {
         self.pump_grads(None)?;
         for u in 0..self.store.units() {
-            self.traffic.optimizer_exposed += self.store.wait_applied(u, self.step)?;
+            self.store.wait_applied(u, self.step)?;
         }
         Ok(())
     }

@@ -264,14 +264,17 @@ impl HostStore {
         Ok(())
     }
 
-    /// Blocks until `unit` has had `step` optimizer steps; returns how long it waited.
+    /// Blocks until `unit` has had `step` optimizer steps; returns how long it waited (zero
+    /// when it did not block).
     pub fn wait_applied(&self, unit: usize, step: u64) -> Result<std::time::Duration> {
         let start = std::time::Instant::now();
         let mut applied = self.applied.lock().map_err(|_| poisoned())?;
+        let mut blocked = false;
         while applied.get(unit).is_some_and(|&a| a < step) {
+            blocked = true;
             applied = self.changed.wait(applied).map_err(|_| poisoned())?;
         }
-        Ok(start.elapsed())
+        Ok(if blocked { start.elapsed() } else { std::time::Duration::ZERO })
     }
 
     /// Sets every unit's applied count (after restoring a saved state).

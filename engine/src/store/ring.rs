@@ -52,18 +52,20 @@ impl GradRing {
             .map_err(|_| poisoned())
     }
 
-    /// Blocks until `slot` is free, marks it taken and returns how long it waited.
+    /// Blocks until `slot` is free, marks it taken and returns how long it waited (zero
+    /// when it was free).
     pub fn acquire(&self, slot: usize) -> Result<std::time::Duration> {
         let start = std::time::Instant::now();
         let mut busy = self.busy.lock().map_err(|_| poisoned())?;
         if slot >= busy.len() {
             return Err(Error::invalid(format!("no gradient ring slot {slot}")));
         }
+        let blocked = busy[slot];
         while busy[slot] {
             busy = self.freed.wait(busy).map_err(|_| poisoned())?;
         }
         busy[slot] = true;
-        Ok(start.elapsed())
+        Ok(if blocked { start.elapsed() } else { std::time::Duration::ZERO })
     }
 
     /// Marks `slot` consumed and wakes a waiting [`GradRing::acquire`].

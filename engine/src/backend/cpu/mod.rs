@@ -86,6 +86,7 @@ impl Backend for Cpu {
     type ViewMut<'a> = &'a mut [f32];
     type Stream = ();
     type Event = ();
+    type Mark = ();
 
     fn name(&self) -> String {
         "cpu".into()
@@ -119,6 +120,14 @@ impl Backend for Cpu {
 
     fn wait(&self, _stream: &(), _event: &()) -> Result<()> {
         Ok(())
+    }
+
+    fn mark(&self, _stream: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn elapsed(&self, _a: &(), _b: &()) -> Result<Option<std::time::Duration>> {
+        Ok(None)
     }
 
     fn synchronize(&self, _event: &()) -> Result<()> {

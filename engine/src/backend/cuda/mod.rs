@@ -372,6 +372,7 @@ impl Backend for Cuda {
     // `transfer`), so the schedule's ordering holds trivially.
     type Stream = Arc<CudaStream>;
     type Event = transfer::Event;
+    type Mark = cudarc::driver::CudaEvent;
     type ViewMut<'a> = ViewMut<'a>;
 
     fn weight_dtype(&self) -> WeightDtype {
@@ -404,6 +405,27 @@ impl Backend for Cuda {
 
     fn synchronize(&self, event: &transfer::Event) -> Result<()> {
         event.synchronize()
+    }
+
+    fn mark(&self, stream: &Arc<CudaStream>) -> Result<cudarc::driver::CudaEvent> {
+        self.bind()?;
+        // A timing event, as the op profiler records them (`profile.rs`).
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mark = drv("creating a timing event", self.ctx.new_event(flags))?;
+        drv("recording a timing event", mark.record(stream))?;
+        Ok(mark)
+    }
+
+    fn elapsed(
+        &self,
+        a: &cudarc::driver::CudaEvent,
+        b: &cudarc::driver::CudaEvent,
+    ) -> Result<Option<std::time::Duration>> {
+        self.bind()?;
+        drv("waiting for a timing event", b.synchronize())?;
+        let ms = drv("reading two timing events", a.elapsed_ms(b))?;
+        // Events on one stream complete in order; a negative reading is timer noise.
+        Ok(Some(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
     }
 
     unsafe fn upload_on(
