@@ -20,7 +20,7 @@
 //! a few units before the schedule waits for a free slot.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::{AdamJob, GradAt, OptimizerWorker};
 use crate::backend::{Backend, FloatKind};
@@ -268,10 +268,7 @@ impl<B: Backend> Grads<B> {
     ) -> Result<u64> {
         let GradPath { b, store, d2h, .. } = *path;
         let len = self.lens[u];
-        let elem = match self.rounded.is_empty() {
-            true => 4,
-            false => b.elem_bytes(FloatKind::Activation),
-        };
+        let elem = if self.rounded.is_empty() { 4 } else { b.elem_bytes(FloatKind::Activation) };
         b.wait(d2h, &self.ready[lane])?;
         let src = match self.rounded.get(acc) {
             Some(rounded) => b.view(rounded, 0..len),
@@ -343,9 +340,7 @@ impl<B: Backend> Grads<B> {
             // Submits the update that used this lane's ring slot, so acquiring it cannot wait
             // on an update nobody has queued.
             self.finish(b, worker, lane)?;
-            let started = Instant::now();
-            store.ring().acquire(lane)?;
-            landed.waited += started.elapsed();
+            landed.waited += store.ring().acquire(lane)?;
             let dest = GradAt::Ring(lane);
             self.mark_ready(path, lane, job.unit, self.lens[job.unit])?;
             landed.bytes += self.queue_copy(path, lane, job.unit, job.unit, dest)?;
