@@ -83,7 +83,8 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     max_grad_norm: Option<f32>,
 
-    /// Where gradients wait for the norm while clipping: auto (the most exact that fits),
+    /// Where gradients wait for the norm while clipping: auto (the most exact that fits; of
+    /// the two fp32 stores, the faster),
     /// device (fp32 in GPU memory), host (fp32 in host memory) or host-bf16 (rounded to bf16
     /// in host memory after an fp32 norm: half the host bytes); `sluice plan` lists each with
     /// its memory [default: auto].
