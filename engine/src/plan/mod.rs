@@ -841,12 +841,12 @@ fn search(s: &Sizes, input: &PlanInput<'_>) -> Option<(Evaluated, PassedOver)> {
 /// host (host memory is what bounds the models a machine trains: where PCIe has room, the
 /// master streams itself), then the simplest.
 fn choose(fitting: &[Evaluated], keep: impl Fn(&Layout) -> bool) -> Option<usize> {
-    let kept = || fitting.iter().enumerate().filter(|(_, e)| keep(&e.layout));
-    let fastest = kept().map(|(_, e)| e.cost.step).fold(f64::INFINITY, f64::min);
+    let eligible = || fitting.iter().enumerate().filter(|(_, e)| keep(&e.layout));
+    let fastest = eligible().map(|(_, e)| e.cost.step).fold(f64::INFINITY, f64::min);
     let key = |e: &Evaluated| {
         (e.layout.disk_units().len(), e.layout.weights != WeightSource::Master, e.rank)
     };
-    kept()
+    eligible()
         .filter(|(_, e)| e.cost.step <= fastest * 1.01)
         .min_by_key(|(_, e)| key(e))
         .map(|(i, _)| i)

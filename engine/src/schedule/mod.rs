@@ -705,7 +705,6 @@ impl<'b, B: Backend> Streamer<'b, B> {
             let len = self.layout.units[u].len;
             peers.all_reduce_sum(self.b, self.b.view_mut(self.grads.acc(u), 0..len))?;
         }
-        let started = Instant::now();
         let job = early.map(|lr| AdamJob {
             unit: u,
             step: self.step + 1,
@@ -713,9 +712,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
             coef: 1.0,
             grad: GradAt::Unit,
         });
-        let landed = self.land(|grads, path| grads.end(path, u, job))?;
-        self.note_landed(&landed, started);
-        Ok(())
+        self.land(|grads, path| grads.end(path, u, job))
     }
 
     /// Runs `f` on the gradient tiers with the path their copies and updates take.
@@ -739,31 +736,27 @@ impl<'b, B: Backend> Streamer<'b, B> {
         if !self.grads.has_waiting() {
             return Ok(());
         }
-        let started = Instant::now();
-        let landed = self.land(|grads, path| grads.pump(path, upto))?;
-        self.note_landed(&landed, started);
-        Ok(())
+        self.land(|grads, path| grads.pump(path, upto))
     }
 
-    /// Runs `f` on the gradient tiers as [`Streamer::with_grads`], timing its waits for ring
-    /// slots as waits for the optimizer.
+    /// Runs `f`, which ships gradients, on the gradient tiers as [`Streamer::with_grads`]:
+    /// its waits for ring slots count as waits for the optimizer, its bytes as d2h traffic, and
+    /// each unit it shipped gets a d2h span on the timeline.
     fn land(
         &mut self,
         f: impl FnOnce(&mut Grads<B>, &GradPath<'_, B>) -> Result<grads::Landed>,
-    ) -> Result<grads::Landed> {
-        self.optimizer_wait(|s| {
+    ) -> Result<()> {
+        let started = Instant::now();
+        let landed = self.optimizer_wait(|s| {
             let landed = s.with_grads(f)?;
             let waited = landed.waited;
             Ok((landed, waited))
-        })
-    }
-
-    /// Counts a landing's bytes and puts it on the timeline.
-    fn note_landed(&mut self, landed: &grads::Landed, started: Instant) {
+        })?;
         self.traffic.d2h_bytes += landed.bytes;
         for &u in &landed.units {
             self.span(u, "d2h", started);
         }
+        Ok(())
     }
 
     /// Host tier: queues the copy of a freshly computed layer input `x` (`n` elements) to its
@@ -1278,10 +1271,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.span(0, "compute", started);
         self.grads_done(0, early)?;
-        let started = Instant::now();
-        let landed = self.land(|grads, path| grads.flush(path))?;
-        self.note_landed(&landed, started);
-        Ok(())
+        self.land(|grads, path| grads.flush(path))
     }
 
     /// Host tier: brings layer `l`'s checkpoints back into `work[0]`, which compute no longer
