@@ -141,11 +141,14 @@ impl<B: Backend> LayerScratch<B> {
         Self::alloc(b, spec, tokens, ScratchUse::Generation)
     }
 
-    /// Only what a layer's backward reads of its forward (norm inputs and outputs, q/k/v,
-    /// attention output and log-sum-exp, the MLP's gate/up and activation, their reciprocal
-    /// RMS), for one micro-batch of `tokens`: a layer whose activations are kept hands its
+    /// What a layer's backward reads of its forward and cannot derive without a GEMM (q/k/v,
+    /// the attention output and log-sum-exp, `x1`, the MLP's gate/up, Gemma's post-norm
+    /// inputs), for one micro-batch of `tokens`: a layer whose activations are kept hands its
     /// forward's buffers to these (see [`LayerScratch::swap_kept`]) and runs its backward from
-    /// them, without the recompute. Dense MLPs only: a mixture of experts has no kept form.
+    /// them after [`Decoder::layer_rederive`], without the recompute. The two norms' outputs
+    /// and the MLP's activation are not kept: they are a third of a layer's state and cost
+    /// only elementwise passes to derive again. Dense MLPs only: a mixture of experts has no
+    /// kept form.
     pub fn for_kept(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
         if spec.moe.is_some() {
             return Err(crate::error::Error::invalid(
@@ -160,18 +163,13 @@ impl<B: Backend> LayerScratch<B> {
     /// reads it.
     pub fn swap_kept(&mut self, kept: &mut LayerScratch<B>) {
         use std::mem::swap;
-        swap(&mut self.ln1, &mut kept.ln1);
-        swap(&mut self.ln1_rstd, &mut kept.ln1_rstd);
         swap(&mut self.qkv_pre, &mut kept.qkv_pre);
         swap(&mut self.qk_rstd, &mut kept.qk_rstd);
         swap(&mut self.qkv, &mut kept.qkv);
         swap(&mut self.att, &mut kept.att);
         swap(&mut self.lse, &mut kept.lse);
         swap(&mut self.x1, &mut kept.x1);
-        swap(&mut self.ln2, &mut kept.ln2);
-        swap(&mut self.ln2_rstd, &mut kept.ln2_rstd);
         swap(&mut self.gate_up, &mut kept.gate_up);
-        swap(&mut self.act, &mut kept.act);
         swap(&mut self.o_pre, &mut kept.o_pre);
         swap(&mut self.o_rstd, &mut kept.o_rstd);
         swap(&mut self.m_pre, &mut kept.m_pre);
@@ -212,18 +210,18 @@ impl<B: Backend> LayerScratch<B> {
         // The kept form holds the log-sum-exp the backward reads.
         let lse = if purpose == ScratchUse::Generation { 0 } else { t * spec.q_heads };
         let mut scratch = LayerScratch {
-            ln1: act(t * h)?,
-            ln1_rstd: acc(t)?,
+            ln1: act(work * t * h)?,
+            ln1_rstd: acc(work * t)?,
             qkv_pre: act(qkv_pre_len)?,
             qk_rstd: acc(if spec.qk_norm { t * (spec.q_heads + spec.kv_heads) } else { 0 })?,
             qkv: act(t * dqkv)?,
             att: act(t * datt)?,
             lse: acc(lse)?,
             x1: act(t * h)?,
-            ln2: act(t * h)?,
-            ln2_rstd: acc(t)?,
+            ln2: act(work * t * h)?,
+            ln2_rstd: acc(work * t)?,
             gate_up: act(t * 2 * i)?,
-            act: act(t * i)?,
+            act: act(work * t * i)?,
             tmp_h: act(work * t * h)?,
             d_act: act(train * t * i)?,
             d_gate_up: act(train * t * 2 * i)?,
@@ -713,6 +711,52 @@ impl<B: Backend> Decoder<B> {
             )?;
         }
         b.add(b.view_mut(x_out, th.clone()), b.view(&s.x1, th.clone()), b.view(&s.tmp_h, th))
+    }
+
+    /// A kept layer's state that [`LayerScratch::for_kept`] leaves out, derived again before
+    /// its backward from what was kept: both norms' outputs and reciprocal RMS (from `x_in`
+    /// and the kept `x1`) and the MLP's activation (from the kept gate/up). The same ops on
+    /// the same inputs as the forward, so the backward reads the same bits.
+    pub fn layer_rederive(
+        &self,
+        b: &B,
+        x_in: &B::Floats,
+        w: &B::Floats,
+        s: &mut LayerScratch<B>,
+        layer: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        let spec = &self.spec;
+        let r = self.ranges(layer)?;
+        let (t, h, i) = (tokens, spec.hidden, spec.intermediate);
+        let th = all(b, x_in, t * h);
+        let norm = self.norm_shape(t);
+        let MlpRanges::Dense { .. } = &r.mlp else {
+            return Err(crate::error::Error::invalid(
+                "a mixture of experts' layer keeps no activations to derive from",
+            ));
+        };
+        let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
+        b.rmsnorm_forward(
+            b.view_mut(&mut s.ln1, th.clone()),
+            b.view_mut(&mut s.ln1_rstd, 0..t),
+            Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
+            &norm,
+        )?;
+        let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
+        b.rmsnorm_forward(
+            b.view_mut(&mut s.ln2, th.clone()),
+            b.view_mut(&mut s.ln2_rstd, 0..t),
+            Operands { inp: b.view(&s.x1, th), w: ln2_w },
+            &norm,
+        )?;
+        b.glu_forward(
+            b.view_mut(&mut s.act, 0..t * i),
+            b.view(&s.gate_up, 0..t * 2 * i),
+            t,
+            i,
+            spec.glu_act,
+        )
     }
 
     /// Attention of `shape.tokens` new rows of `s.qkv` against a key/value cache: their keys

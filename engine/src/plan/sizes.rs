@@ -135,6 +135,9 @@ pub struct Sizes {
     pub elementwise_fwd_bytes: f64,
     /// The same for one layer's backward, without its recomputed forward.
     pub elementwise_bwd_bytes: f64,
+    /// The same for what a kept layer derives again before its backward (its two norms and
+    /// its MLP's activation; see `kept_layer_bytes`).
+    pub elementwise_rederive_bytes: f64,
 }
 
 impl Sizes {
@@ -150,7 +153,7 @@ impl Sizes {
     }
 
     pub fn new(spec: &ModelSpec, batch: BatchShape) -> Sizes {
-        let (elementwise_fwd_bytes, elementwise_bwd_bytes) =
+        let (elementwise_fwd_bytes, elementwise_bwd_bytes, elementwise_rederive_bytes) =
             elementwise_bytes(spec, batch.step_tokens());
         let (h, v) = (spec.hidden as u64, spec.vocab as u64);
         let attn_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64) * h;
@@ -197,6 +200,7 @@ impl Sizes {
             capped_attention: spec.attn_softcap.is_some(),
             elementwise_fwd_bytes,
             elementwise_bwd_bytes,
+            elementwise_rederive_bytes,
         }
     }
 
@@ -248,9 +252,9 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 }
 
 /// `LayerScratch::for_kept` in `model::decoder`, for `t` tokens: what a layer's backward reads
-/// of its forward. bf16: ln1, x1, ln2 (H each), q/k/v (and before the q/k norm), the attention
-/// output, gate/up (2I) and the activation (I), Gemma's post-norm inputs; f32: the norms'
-/// reciprocal RMS and attention's log-sum-exp. Each buffer is counted at the device
+/// of its forward and cannot derive again without a GEMM. bf16: x1 (H), q/k/v (and before the
+/// q/k norm), the attention output, gate/up (2I), Gemma's post-norm inputs; f32: attention's
+/// log-sum-exp, the q/k norm's and Gemma's post-norms' reciprocal RMS. Each buffer is counted at the device
 /// allocator's 2 MiB granularity: a model keeps up to layers x micro-batches of these sets, so
 /// rounding is not negligible. 0 for a mixture of experts.
 pub fn kept_layer_bytes(spec: &ModelSpec, t: u64) -> u64 {
@@ -262,9 +266,9 @@ pub fn kept_layer_bytes(spec: &ModelSpec, t: u64) -> u64 {
     let (nq, nkv) = (spec.q_heads as u64, spec.kv_heads as u64);
     let qk = spec.qk_norm;
     let sandwich = spec.sandwich_norms;
-    let bf16 = [h, h, h, dqkv, datt, 2 * i, i];
+    let bf16 = [h, dqkv, datt, 2 * i];
     let bf16_opt = [(qk, dqkv), (sandwich, h), (sandwich, h)];
-    let f32s = [1, 1, nq];
+    let f32s = [nq];
     let f32_opt = [(qk, nq + nkv), (sandwich, 1), (sandwich, 1)];
     let buf = |elems: u64, size: u64| (t * elems * size).next_multiple_of(ALLOC_GRANULARITY);
     bf16.iter().map(|&e| buf(e, BF16)).sum::<u64>()
@@ -338,7 +342,7 @@ pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
 /// gated activation reads `2I` and writes `I` (its backward reads `3I`, writes `2I`), and the
 /// two residual adds read two rows and write one, in bf16. A mixture of experts counts the
 /// intermediate width of the experts each token reaches.
-fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64) {
+fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64, f64) {
     let h = spec.hidden as f64;
     let qkv = spec.qkv_width() as f64;
     let rotated = ((spec.q_heads + spec.kv_heads) * spec.head_dim) as f64;
@@ -350,8 +354,10 @@ fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64) {
         / layers as f64;
     let fwd = norms * 2.0 * h + 2.0 * (bias + rotated + qk_norm) + 3.0 * inter + 2.0 * 3.0 * h;
     let bwd = norms * 3.0 * h + bias + 2.0 * (rotated + qk_norm) + 5.0 * inter + 2.0 * 3.0 * h;
+    // A kept layer's two norms (read and write H each) and activation (read 2I, write I).
+    let rederive = 2.0 * 2.0 * h + 3.0 * inter;
     let b = (t * BF16) as f64;
-    (fwd * b, bwd * b)
+    (fwd * b, bwd * b, rederive * b)
 }
 
 /// Forward attention FLOPs of every layer summed, averaged per layer, for the whole step:

@@ -317,13 +317,12 @@ fn seven_and_eight_b_fit_the_h200_machine_with_budgets_as_computed_by_hand() {
             + 4 * (shape.vocab * shape.hidden + shape.hidden).min(CAST_CHUNK as u64) // staging
             + 9 * GIB / 4 + 8 * t * h; // runtime reserve: fixed, and temporaries per token
         // What the device has left keeps whole layers' activations (their forward state for
-        // every micro-batch), as many as fit, so their backward skips the recompute.
+        // every micro-batch but the norms' outputs and the activation, derived again), as many
+        // as fit, so their backward skips the recompute.
         let buf = |bytes: u64| bytes.next_multiple_of(2 << 20);
-        let bf16 = [h, h, h, shape.qkv(), shape.att(), 2 * shape.inter, shape.inter];
-        let per_layer = g
-            * (bf16.iter().map(|&e| buf(t * e * 2)).sum::<u64>()
-                + 2 * buf(t * 4)
-                + buf(t * shape.q_heads * 4));
+        let bf16 = [h, shape.qkv(), shape.att(), 2 * shape.inter];
+        let per_layer =
+            g * (bf16.iter().map(|&e| buf(t * e * 2)).sum::<u64>() + buf(t * shape.q_heads * 4));
         let kept = plan.placement.kept_layers.len() as u64;
         assert!(
             kept > 0,
@@ -563,13 +562,16 @@ fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
     // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), the q/k/v bias
     // and RoPE on q and k (read and write), the gated activation (3 I), two residual adds
     // (3 H each); backward 3 H per norm, the bias read once, RoPE, 5 I, the adds again. The
-    // forward runs twice (the recompute).
+    // forward runs twice (the recompute); a kept layer instead runs its two norms and its
+    // activation again (4 H + 3 I).
     let (h, i, qkv) = (s.hidden as f64, s.inter as f64, s.qkv() as f64);
     let rotated = ((s.q_heads + s.kv_heads) * s.head_dim) as f64;
     let fwd = 4.0 * h + 2.0 * (qkv + rotated) + 3.0 * i + 6.0 * h;
     let bwd = 6.0 * h + qkv + 2.0 * rotated + 5.0 * i + 6.0 * h;
-    let elementwise = ((layers - kept) * (2.0 * fwd + bwd) + kept * (fwd + bwd)) * 2.0 * n
-        / rates.elementwise_bytes;
+    let rederive = 4.0 * h + 3.0 * i;
+    let elementwise =
+        ((layers - kept) * (2.0 * fwd + bwd) + kept * (fwd + rederive + bwd)) * 2.0 * n
+            / rates.elementwise_bytes;
     let t = &plan.time;
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b;
     assert!(close(t.gemm_s, gemm), "{} vs {gemm}", t.gemm_s);

@@ -117,12 +117,14 @@ pub fn simulate(
     let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
     let ew_fwd = s.elementwise_fwd_bytes / r.elementwise_bytes;
     let ew_bwd = s.elementwise_bwd_bytes / r.elementwise_bytes;
+    let ew_rederive = s.elementwise_rederive_bytes / r.elementwise_bytes;
     let fwd_secs = |u: usize| match u {
         0 => 0.0,
         u if u == head => 6.0 * s.units[u].gemm_params as f64 * n / r.head_flops,
         u => 2.0 * gemm(u) + attn + ew_fwd,
     };
-    // A kept layer's backward skips the recompute of its forward.
+    // A kept layer's backward skips the recompute of its forward, deriving again only its
+    // norms and activation.
     let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
     // A kept attention output spares the recompute its attention.
     let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
@@ -130,7 +132,7 @@ pub fn simulate(
     let attn_forwards = |u: usize| if kept(u) || kept_attention(u) { 1.0 } else { 2.0 };
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
-        u if kept(u) => 4.0 * gemm(u) + attn_bwd + ew_bwd,
+        u if kept(u) => 4.0 * gemm(u) + attn_bwd + ew_rederive + ew_bwd,
         u => 6.0 * gemm(u) + (attn_forwards(u) - 1.0) * attn + attn_bwd + ew_fwd + ew_bwd,
     };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
@@ -299,7 +301,9 @@ pub fn simulate(
             attention_flops: (1..head)
                 .map(|u| (attn_forwards(u) + 2.5) * s.attention_fwd_flops)
                 .sum(),
-            elementwise: (1..head).map(|u| if kept(u) { 1.0 } else { 2.0 } * ew_fwd + ew_bwd).sum(),
+            elementwise: (1..head)
+                .map(|u| if kept(u) { ew_fwd + ew_rederive } else { 2.0 * ew_fwd } + ew_bwd)
+                .sum(),
             h2d_bytes,
             d2h_bytes,
             h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],

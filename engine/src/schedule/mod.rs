@@ -1213,10 +1213,14 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     let x_in = act(&self.ckpt_device, &self.work, &self.regen, input, mb)?;
                     let w = &self.slots[slot];
                     let router = || complete(&self.router_stats, mb, self.aux_weight);
-                    // A kept layer's forward state is still on the device: no recompute. A
-                    // kept attention output is swapped in: the recompute skips the attention.
+                    // A kept layer's forward state is still on the device: no recompute, only
+                    // its norms and activation derived again. A kept attention output is
+                    // swapped in: the recompute skips the attention.
                     let kept = self.kept.swap(&mut self.scratch, l, mb);
-                    if kept != Kept::Layer {
+                    if kept == Kept::Layer {
+                        let t = batch.tokens;
+                        self.decoder.layer_rederive(b, x_in, w, &mut self.scratch, l, t)?;
+                    } else {
                         self.decoder.layer_forward(
                             b,
                             &mut self.layer_out,
