@@ -204,7 +204,8 @@ pub(super) fn forward<B: Backend>(
     d.embed_forward(b, x, embed, &w.batch)?;
     for (l, (k, v)) in k_cache.iter_mut().zip(v_cache.iter_mut()).enumerate() {
         let keys = Keys::Cached { k, v, past: start };
-        let at = LayerAt { layer: l, batch: &w.batch, keys, router: RouterStats::Off };
+        let at =
+            LayerAt { layer: l, batch: &w.batch, keys, router: RouterStats::Off, output: true };
         d.layer_forward(b, x_next, x, &model.units[l + 1], &mut w.layer, at)?;
         std::mem::swap(x, x_next);
     }

@@ -315,19 +315,29 @@ pub enum Keys<'a, B: Backend> {
     Cached { k: &'a mut B::Floats, v: &'a mut B::Floats, past: usize },
 }
 
-/// Which layer a call runs, on which tokens, how its attention sees keys and values, and what
-/// a MoE layer's router keeps.
+/// Which layer a call runs, on which tokens, how its attention sees keys and values, what
+/// a MoE layer's router keeps, and whether a forward needs the layer's output.
 pub struct LayerAt<'a, B: Backend> {
     pub layer: usize,
     pub batch: &'a DeviceBatch<B>,
     pub keys: Keys<'a, B>,
     pub router: RouterStats<'a, B>,
+    /// False for the recompute right before a backward, which reads the layer's internals but
+    /// not its output: a dense MLP then stops at its activation, skipping the down projection
+    /// (a third of the MLP's FLOPs), unless a post-MLP norm needs that projection's output.
+    pub output: bool,
 }
 
 impl<'a, B: Backend> LayerAt<'a, B> {
     /// `layer` over the packed rows of `batch`, keeping no router statistics.
     pub fn packed(batch: &'a DeviceBatch<B>, layer: usize) -> Self {
-        LayerAt { layer, batch, keys: Keys::Packed, router: RouterStats::Off }
+        LayerAt { layer, batch, keys: Keys::Packed, router: RouterStats::Off, output: true }
+    }
+
+    /// The same for the recompute before the layer's backward: `x_out` is left unwritten.
+    pub fn for_backward(mut self) -> Self {
+        self.output = false;
+        self
     }
 
     /// The same with the attention's output and log-sum-exp kept from the forward
@@ -568,7 +578,7 @@ impl<B: Backend> Decoder<B> {
         at: LayerAt<'_, B>,
     ) -> Result<()> {
         let spec = &self.spec;
-        let LayerAt { layer, batch, keys, router } = at;
+        let LayerAt { layer, batch, keys, router, output } = at;
         let r = self.ranges(layer)?;
         let shape = self.attention_shape(batch, layer);
         let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
@@ -688,6 +698,9 @@ impl<B: Backend> Decoder<B> {
                     i,
                     spec.glu_act,
                 )?;
+                if !output && !into_pre {
+                    return Ok(());
+                }
                 let down_out = if into_pre { &mut s.m_pre } else { &mut s.tmp_h };
                 b.matmul_forward(
                     b.view_mut(down_out, th.clone()),
@@ -825,7 +838,7 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let spec = &self.spec;
         let LayerGrads { dx_out, dx_in, weights: grad } = grads;
-        let LayerAt { layer, batch, keys, router } = at;
+        let LayerAt { layer, batch, keys, router, output: _ } = at;
         let r = self.ranges(layer)?;
         if !matches!(keys, Keys::Packed | Keys::Kept) {
             return Err(crate::error::Error::invalid(

@@ -97,6 +97,10 @@ pub struct UnitInfo {
     /// Parameters that are GEMM operands in this unit's compute (the tied LM head counts here,
     /// in the head; an embedding lookup is not a GEMM).
     pub gemm_params: u64,
+    /// The part of `gemm_params` the recompute before a layer's backward multiplies by: all
+    /// but a dense MLP's down projection, whose output the backward does not read (unless a
+    /// post-MLP norm does: Gemma).
+    pub recompute_gemm_params: u64,
 }
 
 /// Everything the placement search needs, derived once from the spec and the batch shape.
@@ -157,17 +161,28 @@ impl Sizes {
             elementwise_bytes(spec, batch.step_tokens());
         let (h, v) = (spec.hidden as u64, spec.vocab as u64);
         let attn_gemm = (spec.qkv_width() as u64 + spec.attn_width() as u64) * h;
-        let mut units = vec![UnitInfo { name: "embedding".into(), params: v * h, gemm_params: 0 }];
+        let unit = |name: String, params: u64, gemm_params: u64| UnitInfo {
+            name,
+            params,
+            gemm_params,
+            recompute_gemm_params: gemm_params,
+        };
+        let mut units = vec![unit("embedding".into(), v * h, 0)];
         for l in 0..spec.layers {
             // A MoE layer holds every expert but each token multiplies by its k experts'.
+            let gemm_params = attn_gemm + spec.active_mlp_params(l) as u64;
+            let skipped_down = if spec.moe_at(l).is_none() && !spec.sandwich_norms {
+                spec.intermediate as u64 * h
+            } else {
+                0
+            };
             units.push(UnitInfo {
-                name: format!("layer {l}"),
-                params: spec.layer_params(l) as u64,
-                gemm_params: attn_gemm + spec.active_mlp_params(l) as u64,
+                recompute_gemm_params: gemm_params - skipped_down,
+                ..unit(format!("layer {l}"), spec.layer_params(l) as u64, gemm_params)
             });
         }
         let head_params = h + if spec.tie_embeddings { 0 } else { v * h };
-        units.push(UnitInfo { name: "head".into(), params: head_params, gemm_params: v * h });
+        units.push(unit("head".into(), head_params, v * h));
         let params = units.iter().map(|u| u.params).sum();
         Sizes {
             units,

@@ -536,20 +536,24 @@ fn bottleneck_moves_to_compute_as_tokens_per_step_grow() {
 }
 
 #[test]
-fn compute_time_is_eight_flops_per_gemm_parameter_per_token_plus_attention() {
+fn compute_time_is_six_flops_per_gemm_parameter_per_token_plus_recompute_and_attention() {
     let plan = fits(check("qwen2.5-7b", (4096, 2, 4), H200, true));
     let n = (4096 * 2 * 4) as f64;
     let s = &QWEN7;
     let rates = MachineRates::default();
-    let gemm_params = s.layers * (s.qkv() + s.att() + 3 * s.inter) * s.hidden;
-    // Layers whose activations are kept skip the recompute: 6 FLOPs per parameter and token,
-    // 3.5 forward attentions, the forward's elementwise bytes once.
+    // Forward and backward: 6 FLOPs per GEMM parameter and token. The recompute before a
+    // layer's backward 2 more per parameter of all but the down projection, whose output the
+    // backward does not read.
+    let layer = (s.qkv() + s.att() + 3 * s.inter) * s.hidden;
+    let recomputed = (s.qkv() + s.att() + 2 * s.inter) * s.hidden;
+    // Layers whose activations are kept skip the recompute: 3.5 forward attentions, the
+    // forward's elementwise bytes once.
     let kept = plan.placement.kept_layers.len() as f64;
     // Layers whose attention output is kept skip only the recompute's attention.
     let kept_attention = plan.placement.kept_attention_layers.len() as f64;
     let layers = s.layers as f64;
-    let share = (8.0 * (layers - kept) + 6.0 * kept) / (8.0 * layers);
-    let gemm = 8.0 * gemm_params as f64 * n / 700e12 * share;
+    let flops = 6.0 * layers * layer as f64 + 2.0 * (layers - kept) * recomputed as f64;
+    let gemm = flops * n / 700e12;
     // The LM head: forward and backward, each chunk's logits computed once, at its own rate.
     let head = 6.0 * (s.vocab * s.hidden) as f64 * n / rates.head_flops;
     // Causal: 4096 * 4097 / 2 query-key pairs per row, 4 hd FLOPs per head per pair forward;

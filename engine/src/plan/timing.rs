@@ -115,6 +115,7 @@ pub fn simulate(
     let attn = s.attention_fwd_flops / fwd_rate;
     let attn_bwd = 2.5 * s.attention_fwd_flops / bwd_rate;
     let gemm = |u: usize| s.units[u].gemm_params as f64 * n / r.gemm_flops;
+    let regemm = |u: usize| s.units[u].recompute_gemm_params as f64 * n / r.gemm_flops;
     let ew_fwd = s.elementwise_fwd_bytes / r.elementwise_bytes;
     let ew_bwd = s.elementwise_bwd_bytes / r.elementwise_bytes;
     let ew_rederive = s.elementwise_rederive_bytes / r.elementwise_bytes;
@@ -133,7 +134,14 @@ pub fn simulate(
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
         u if kept(u) => 4.0 * gemm(u) + attn_bwd + ew_rederive + ew_bwd,
-        u => 6.0 * gemm(u) + (attn_forwards(u) - 1.0) * attn + attn_bwd + ew_fwd + ew_bwd,
+        u => {
+            4.0 * gemm(u)
+                + 2.0 * regemm(u)
+                + (attn_forwards(u) - 1.0) * attn
+                + attn_bwd
+                + ew_fwd
+                + ew_bwd
+        }
     };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
     let emb_resident = l.embedding_resident();
@@ -295,7 +303,9 @@ pub fn simulate(
 
         cost = StepCost {
             step: 0.0,
-            gemm: (1..head).map(|u| if kept(u) { 6.0 } else { 8.0 } * gemm(u)).sum(),
+            gemm: (1..head)
+                .map(|u| 6.0 * gemm(u) + if kept(u) { 0.0 } else { 2.0 * regemm(u) })
+                .sum(),
             head: fwd_secs(head),
             attention: (1..head).map(|u| attn_forwards(u) * attn + attn_bwd).sum(),
             attention_flops: (1..head)

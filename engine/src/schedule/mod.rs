@@ -1228,6 +1228,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                             w,
                             &mut self.scratch,
                             LayerAt::packed(batch, l)
+                                .for_backward()
                                 .with_router(router())
                                 .with_kept_attention(kept == Kept::Attention),
                         )?;
