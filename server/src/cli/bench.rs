@@ -19,8 +19,8 @@ pub(crate) struct BenchArgs {
 
 #[derive(Debug, clap::Subcommand)]
 enum Bench {
-    /// Fused multi-threaded AdamW (grad, m, v, master in; m, v, master, bf16 copy out) against a
-    /// naive single-threaded scalar loop.
+    /// Fused multi-threaded AdamW (grad, m, v, master in; m, v, master out), with and without
+    /// the bf16 streaming copy written, against a naive single-threaded scalar loop.
     Adam(AdamArgs),
     /// Training steps of a random-init (or loaded) model on synthetic tokens: TFLOPS, tokens/s,
     /// time per phase, PCIe traffic, memory, against the planner's prediction.
@@ -65,7 +65,10 @@ fn parse_pages(s: &str) -> Result<Pages, String> {
 /// Bytes moved per parameter by one update: grad, m, v, master read (4 each); m, v, master
 /// written (4 each) and the bf16 copy written (2, with streaming stores that skip reading the
 /// line first; the compiler-vectorised body off AVX-512 reads it too, 32 bytes in all).
-const BYTES_PER_PARAM: f64 = 4.0 * 4.0 + 3.0 * 4.0 + 2.0;
+/// Bytes an update moves per parameter: four f32 arrays read and three written, and the bf16
+/// copy's 2 where a plan keeps one (weights streamed from the master need none).
+const BYTES_PER_PARAM: f64 = 4.0 * 4.0 + 3.0 * 4.0;
+const COPY_BYTES: f64 = 2.0;
 
 pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
@@ -142,40 +145,42 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
         FusedStep { step, lr: 1e-5, hp, clip_coef: 0.5, decayed }
     };
 
-    let mut time_fused = |iters: usize| -> anyhow::Result<Vec<Duration>> {
+    // The update with the bf16 copy refreshed, or without one (an empty copy).
+    let mut time_fused = |iters: usize, copy: bool| -> anyhow::Result<Vec<Duration>> {
         (0..iters)
             .map(|_| {
-                let state = UnitState {
-                    master: &mut master,
-                    m: &mut m,
-                    v: &mut v,
-                    bf16: bf16.as_u16_mut(),
-                };
+                let bf16: &mut [u16] = if copy { bf16.as_u16_mut() } else { &mut [] };
+                let state = UnitState { master: &mut master, m: &mut m, v: &mut v, bf16 };
                 let t = Instant::now();
                 adamw_fused(&pool, state, grad.as_f32(), &next())?;
                 Ok(t.elapsed())
             })
             .collect()
     };
-    time_fused(1)?; // warm-up: thread start-up is not the update's cost
-    let fused = median(time_fused(args.iters)?);
+    time_fused(1, true)?; // warm-up: thread start-up is not the update's cost
+    let fused = median(time_fused(args.iters, true)?);
+    let fused_master = median(time_fused(args.iters, false)?);
 
-    let report = |name: &str, d: Duration| {
+    let report = |name: &str, d: Duration, bytes: f64| {
         let rate = n as f64 / d.as_secs_f64();
         println!(
-            "{name:<28} {:>8.3} ms  {:>7.3} Gparam/s  {:>7.1} GB/s",
+            "{name:<38} {:>8.3} ms  {:>7.3} Gparam/s  {:>7.1} GB/s",
             d.as_secs_f64() * 1e3,
             rate / 1e9,
-            rate * BYTES_PER_PARAM / 1e9
+            rate * bytes / 1e9
         );
         rate
     };
-    let fast = report(&format!("fused, {} threads", pool.threads()), fused);
+    let threads = pool.threads();
+    let copy_bytes = BYTES_PER_PARAM + COPY_BYTES;
+    let fast = report(&format!("fused, {threads} threads, bf16 copy"), fused, copy_bytes);
+    report(&format!("fused, {threads} threads, no copy"), fused_master, BYTES_PER_PARAM);
+    let counts = format!(
+        "bandwidth counts {copy_bytes} bytes per parameter with the bf16 copy (a plan whose \
+         weights stream from it), {BYTES_PER_PARAM} without (from the fp32 master)"
+    );
     if args.no_scalar {
-        println!(
-            "bandwidth counts {BYTES_PER_PARAM} bytes per parameter (median of {} runs)",
-            args.iters
-        );
+        println!("{counts} (median of {} runs)", args.iters);
         return Ok(());
     }
 
@@ -188,9 +193,9 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
         adamw_fused_scalar(state, grad.as_f32(), &next())?;
         scalar.push(t.elapsed());
     }
-    let slow = report("naive scalar, 1 thread", median(scalar));
+    let slow = report("naive scalar, 1 thread, bf16 copy", median(scalar), copy_bytes);
     println!(
-        "speed-up {:.1}x; bandwidth counts {BYTES_PER_PARAM} bytes per parameter (median of {} and {} runs)",
+        "speed-up {:.1}x with the copy; {counts} (median of {} and {} runs)",
         fast / slow,
         args.iters,
         scalar_iters
