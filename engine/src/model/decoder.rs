@@ -113,6 +113,9 @@ pub struct LayerScratch<B: Backend> {
     pub(super) d_pre: B::Floats, // [T, H]
     /// A norm's `offset + w` (Gemma), f32.
     norm_w: B::Floats, // [max(H, 2 hd)]
+    /// Whether the q/k norm runs (qwen3, gemma3): a kept layer then keeps the projection's
+    /// output (`qkv_pre`) and derives `qkv` and `qk_rstd` again, not keeping them.
+    qk_norm: bool,
     /// A MoE model's routing and expert buffers.
     pub(super) moe: Option<MoeScratch<B>>,
     /// Device bytes these buffers take.
@@ -142,13 +145,14 @@ impl<B: Backend> LayerScratch<B> {
     }
 
     /// What a layer's backward reads of its forward and cannot derive without a GEMM (q/k/v,
-    /// the attention output and log-sum-exp, `x1`, the MLP's gate/up, Gemma's post-norm
-    /// inputs), for one micro-batch of `tokens`: a layer whose activations are kept hands its
-    /// forward's buffers to these (see [`LayerScratch::swap_kept`]) and runs its backward from
-    /// them after [`Decoder::layer_rederive`], without the recompute. The two norms' outputs
-    /// and the MLP's activation are not kept: they are a third of a layer's state and cost
-    /// only elementwise passes to derive again. Dense MLPs only: a mixture of experts has no
-    /// kept form.
+    /// or their projection before the q/k norm where there is one, the attention output and
+    /// log-sum-exp, `x1`, the MLP's gate/up, Gemma's post-norm inputs), for one micro-batch of
+    /// `tokens`: a layer whose activations are kept hands its forward's buffers to these (see
+    /// [`LayerScratch::swap_kept`]) and runs its backward from them after
+    /// [`Decoder::layer_rederive`], without the recompute. The two norms' outputs and the
+    /// MLP's activation (and q/k/v after the q/k norm and RoPE) are not kept: they are a third
+    /// of a layer's state and cost only elementwise passes to derive again. Dense MLPs only: a
+    /// mixture of experts has no kept form.
     pub fn for_kept(b: &B, spec: &ModelSpec, tokens: usize) -> Result<Self> {
         if spec.moe.is_some() {
             return Err(crate::error::Error::invalid(
@@ -164,8 +168,9 @@ impl<B: Backend> LayerScratch<B> {
     pub fn swap_kept(&mut self, kept: &mut LayerScratch<B>) {
         use std::mem::swap;
         swap(&mut self.qkv_pre, &mut kept.qkv_pre);
-        swap(&mut self.qk_rstd, &mut kept.qk_rstd);
-        swap(&mut self.qkv, &mut kept.qkv);
+        if !self.qk_norm {
+            swap(&mut self.qkv, &mut kept.qkv);
+        }
         swap(&mut self.att, &mut kept.att);
         swap(&mut self.lse, &mut kept.lse);
         swap(&mut self.x1, &mut kept.x1);
@@ -213,8 +218,9 @@ impl<B: Backend> LayerScratch<B> {
             ln1: act(work * t * h)?,
             ln1_rstd: acc(work * t)?,
             qkv_pre: act(qkv_pre_len)?,
-            qk_rstd: acc(if spec.qk_norm { t * (spec.q_heads + spec.kv_heads) } else { 0 })?,
-            qkv: act(t * dqkv)?,
+            qk_rstd: acc(if spec.qk_norm { work * t * (spec.q_heads + spec.kv_heads) } else { 0 })?,
+            // A kept layer with a q/k norm derives `qkv` again from `qkv_pre`.
+            qkv: act(if spec.qk_norm && purpose == ScratchUse::Kept { 0 } else { t * dqkv })?,
             att: act(t * datt)?,
             lse: acc(lse)?,
             x1: act(t * h)?,
@@ -236,6 +242,7 @@ impl<B: Backend> LayerScratch<B> {
             m_rstd: acc(sandwich * t)?,
             d_pre: act(train * sandwich * t * h)?,
             norm_w: acc(work * offset * h.max(2 * spec.head_dim))?,
+            qk_norm: spec.qk_norm,
             moe: None,
             bytes: 0,
         };
@@ -728,8 +735,9 @@ impl<B: Backend> Decoder<B> {
 
     /// A kept layer's state that [`LayerScratch::for_kept`] leaves out, derived again before
     /// its backward from what was kept: both norms' outputs and reciprocal RMS (from `x_in`
-    /// and the kept `x1`) and the MLP's activation (from the kept gate/up). The same ops on
-    /// the same inputs as the forward, so the backward reads the same bits.
+    /// and the kept `x1`), q/k/v after the q/k norm and RoPE (from the kept projection), and
+    /// the MLP's activation (from the kept gate/up). The same ops on the same inputs as the
+    /// forward, so the backward reads the same bits.
     pub fn layer_rederive(
         &self,
         b: &B,
@@ -737,11 +745,11 @@ impl<B: Backend> Decoder<B> {
         w: &B::Floats,
         s: &mut LayerScratch<B>,
         layer: usize,
-        tokens: usize,
+        batch: &DeviceBatch<B>,
     ) -> Result<()> {
         let spec = &self.spec;
         let r = self.ranges(layer)?;
-        let (t, h, i) = (tokens, spec.hidden, spec.intermediate);
+        let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
         let th = all(b, x_in, t * h);
         let norm = self.norm_shape(t);
         let MlpRanges::Dense { .. } = &r.mlp else {
@@ -756,6 +764,26 @@ impl<B: Backend> Decoder<B> {
             Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
             &norm,
         )?;
+        if let Some(qk_norm) = &r.qk_norm {
+            let shape = self.attention_shape(batch, layer);
+            let dqkv = spec.qkv_width();
+            let heads = spec.q_heads + spec.kv_heads;
+            let qk_w = self.norm_weight(b, w, qk_norm, &mut s.norm_w)?;
+            b.head_rmsnorm_forward(
+                b.view_mut(&mut s.qkv, 0..t * dqkv),
+                b.view_mut(&mut s.qk_rstd, 0..t * heads),
+                Operands { inp: b.view(&s.qkv_pre, 0..t * dqkv), w: qk_w },
+                &shape,
+                spec.rms_eps,
+            )?;
+            b.rope_forward(
+                b.view_mut(&mut s.qkv, 0..t * dqkv),
+                &batch.positions,
+                self.inv_freq(b, batch, layer),
+                self.rope_scale,
+                &shape,
+            )?;
+        }
         let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln2, th.clone()),

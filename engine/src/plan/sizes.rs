@@ -267,24 +267,23 @@ pub fn layer_scratch_bytes(spec: &ModelSpec, t: u64) -> u64 {
 }
 
 /// `LayerScratch::for_kept` in `model::decoder`, for `t` tokens: what a layer's backward reads
-/// of its forward and cannot derive again without a GEMM. bf16: x1 (H), q/k/v (and before the
-/// q/k norm), the attention output, gate/up (2I), Gemma's post-norm inputs; f32: attention's
-/// log-sum-exp, the q/k norm's and Gemma's post-norms' reciprocal RMS. Each buffer is counted at the device
-/// allocator's 2 MiB granularity: a model keeps up to layers x micro-batches of these sets, so
-/// rounding is not negligible. 0 for a mixture of experts.
+/// of its forward and cannot derive again without a GEMM. bf16: x1 (H), q/k/v (before the q/k
+/// norm where there is one), the attention output, gate/up (2I), Gemma's post-norm inputs;
+/// f32: attention's log-sum-exp, Gemma's post-norms' reciprocal RMS. Each buffer is counted at
+/// the device allocator's 2 MiB granularity: a model keeps up to layers x micro-batches of these
+/// sets, so rounding is not negligible. 0 for a mixture of experts.
 pub fn kept_layer_bytes(spec: &ModelSpec, t: u64) -> u64 {
     if spec.moe.is_some() {
         return 0;
     }
     let (h, i) = (spec.hidden as u64, spec.intermediate as u64);
     let (dqkv, datt) = (spec.qkv_width() as u64, spec.attn_width() as u64);
-    let (nq, nkv) = (spec.q_heads as u64, spec.kv_heads as u64);
-    let qk = spec.qk_norm;
+    let nq = spec.q_heads as u64;
     let sandwich = spec.sandwich_norms;
     let bf16 = [h, dqkv, datt, 2 * i];
-    let bf16_opt = [(qk, dqkv), (sandwich, h), (sandwich, h)];
+    let bf16_opt = [(sandwich, h), (sandwich, h)];
     let f32s = [nq];
-    let f32_opt = [(qk, nq + nkv), (sandwich, 1), (sandwich, 1)];
+    let f32_opt = [(sandwich, 1), (sandwich, 1)];
     let buf = |elems: u64, size: u64| (t * elems * size).next_multiple_of(ALLOC_GRANULARITY);
     bf16.iter().map(|&e| buf(e, BF16)).sum::<u64>()
         + bf16_opt.iter().filter(|o| o.0).map(|o| buf(o.1, BF16)).sum::<u64>()
@@ -369,8 +368,10 @@ fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64, f64) {
         / layers as f64;
     let fwd = norms * 2.0 * h + 2.0 * (bias + rotated + qk_norm) + 3.0 * inter + 2.0 * 3.0 * h;
     let bwd = norms * 3.0 * h + bias + 2.0 * (rotated + qk_norm) + 5.0 * inter + 2.0 * 3.0 * h;
-    // A kept layer's two norms (read and write H each) and activation (read 2I, write I).
-    let rederive = 2.0 * 2.0 * h + 3.0 * inter;
+    // A kept layer's two norms (read and write H each) and activation (read 2I, write I), and
+    // with a q/k norm that norm and RoPE, as in the forward.
+    let qk_again = if spec.qk_norm { 2.0 * (rotated + qk_norm) } else { 0.0 };
+    let rederive = 2.0 * 2.0 * h + 3.0 * inter + qk_again;
     let b = (t * BF16) as f64;
     (fwd * b, bwd * b, rederive * b)
 }

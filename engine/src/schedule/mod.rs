@@ -1218,8 +1218,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
                     // swapped in: the recompute skips the attention.
                     let kept = self.kept.swap(&mut self.scratch, l, mb);
                     if kept == Kept::Layer {
-                        let t = batch.tokens;
-                        self.decoder.layer_rederive(b, x_in, w, &mut self.scratch, l, t)?;
+                        self.decoder.layer_rederive(b, x_in, w, &mut self.scratch, l, batch)?;
                     } else {
                         self.decoder.layer_forward(
                             b,
