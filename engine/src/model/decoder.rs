@@ -594,13 +594,7 @@ impl<B: Backend> Decoder<B> {
         let wv = |range: &std::ops::Range<usize>| b.view(w, range.clone());
         let norm = self.norm_shape(t);
 
-        let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
-        b.rmsnorm_forward(
-            b.view_mut(&mut s.ln1, th.clone()),
-            b.view_mut(&mut s.ln1_rstd, 0..t),
-            Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
-            &norm,
-        )?;
+        self.norm1(b, x_in, w, s, r, t)?;
         // The projection lands in `qkv` directly unless a q/k norm needs its input kept.
         let proj = if spec.qk_norm { &mut s.qkv_pre } else { &mut s.qkv };
         b.matmul_forward(
@@ -611,24 +605,7 @@ impl<B: Backend> Decoder<B> {
         if let Some(bias) = &r.qkv_b {
             b.bias_forward(b.view_mut(proj, 0..t * dqkv), wv(bias), t, dqkv)?;
         }
-        if let Some(norm) = &r.qk_norm {
-            let heads = spec.q_heads + spec.kv_heads;
-            let qk_w = self.norm_weight(b, w, norm, &mut s.norm_w)?;
-            b.head_rmsnorm_forward(
-                b.view_mut(&mut s.qkv, 0..t * dqkv),
-                b.view_mut(&mut s.qk_rstd, 0..t * heads),
-                Operands { inp: b.view(&s.qkv_pre, 0..t * dqkv), w: qk_w },
-                &shape,
-                spec.rms_eps,
-            )?;
-        }
-        b.rope_forward(
-            b.view_mut(&mut s.qkv, 0..t * dqkv),
-            &batch.positions,
-            self.inv_freq(b, batch, layer),
-            self.rope_scale,
-            &shape,
-        )?;
+        self.qk_norm_rope(b, w, s, r, batch, layer)?;
         let sinks = r.sinks.as_ref().map(|range| b.view(w, range.clone()));
         match keys {
             Keys::Packed => {
@@ -682,13 +659,7 @@ impl<B: Backend> Decoder<B> {
             b.view(&s.tmp_h, th.clone()),
         )?;
 
-        let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
-        b.rmsnorm_forward(
-            b.view_mut(&mut s.ln2, th.clone()),
-            b.view_mut(&mut s.ln2_rstd, 0..t),
-            Operands { inp: b.view(&s.x1, th.clone()), w: ln2_w },
-            &norm,
-        )?;
+        self.norm2(b, w, s, r, t)?;
         // The MLP's output lands in `tmp_h`, or in `m_pre` when a post-MLP norm follows.
         let into_pre = r.post_mlp_norm.is_some();
         match &r.mlp {
@@ -698,13 +669,7 @@ impl<B: Backend> Decoder<B> {
                     Operands { inp: b.view(&s.ln2, th.clone()), w: wv(gate_up_w) },
                     &MatmulShape { rows: t, k: h, n: 2 * i },
                 )?;
-                b.glu_forward(
-                    b.view_mut(&mut s.act, 0..t * i),
-                    b.view(&s.gate_up, 0..t * 2 * i),
-                    t,
-                    i,
-                    spec.glu_act,
-                )?;
+                self.activation(b, s, t)?;
                 if !output && !into_pre {
                     return Ok(());
                 }
@@ -747,56 +712,102 @@ impl<B: Backend> Decoder<B> {
         layer: usize,
         batch: &DeviceBatch<B>,
     ) -> Result<()> {
-        let spec = &self.spec;
         let r = self.ranges(layer)?;
-        let (t, h, i) = (batch.tokens, spec.hidden, spec.intermediate);
-        let th = all(b, x_in, t * h);
-        let norm = self.norm_shape(t);
+        let t = batch.tokens;
         let MlpRanges::Dense { .. } = &r.mlp else {
             return Err(crate::error::Error::invalid(
                 "a mixture of experts' layer keeps no activations to derive from",
             ));
         };
+        self.norm1(b, x_in, w, s, r, t)?;
+        if r.qk_norm.is_some() {
+            self.qk_norm_rope(b, w, s, r, batch, layer)?;
+        }
+        self.norm2(b, w, s, r, t)?;
+        self.activation(b, s, t)
+    }
+
+    /// `ln1 = rmsnorm(x_in)` of `t` tokens (and its reciprocal RMS).
+    fn norm1(
+        &self,
+        b: &B,
+        x_in: &B::Floats,
+        w: &B::Floats,
+        s: &mut LayerScratch<B>,
+        r: &LayerRanges,
+        t: usize,
+    ) -> Result<()> {
+        let th = all(b, x_in, t * self.spec.hidden);
         let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln1, th.clone()),
             b.view_mut(&mut s.ln1_rstd, 0..t),
-            Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
-            &norm,
-        )?;
-        if let Some(qk_norm) = &r.qk_norm {
-            let shape = self.attention_shape(batch, layer);
-            let dqkv = spec.qkv_width();
-            let heads = spec.q_heads + spec.kv_heads;
-            let qk_w = self.norm_weight(b, w, qk_norm, &mut s.norm_w)?;
-            b.head_rmsnorm_forward(
-                b.view_mut(&mut s.qkv, 0..t * dqkv),
-                b.view_mut(&mut s.qk_rstd, 0..t * heads),
-                Operands { inp: b.view(&s.qkv_pre, 0..t * dqkv), w: qk_w },
-                &shape,
-                spec.rms_eps,
-            )?;
-            b.rope_forward(
-                b.view_mut(&mut s.qkv, 0..t * dqkv),
-                &batch.positions,
-                self.inv_freq(b, batch, layer),
-                self.rope_scale,
-                &shape,
-            )?;
-        }
+            Operands { inp: b.view(x_in, th), w: ln1_w },
+            &self.norm_shape(t),
+        )
+    }
+
+    /// `ln2 = rmsnorm(x1)` of `t` tokens (and its reciprocal RMS).
+    fn norm2(
+        &self,
+        b: &B,
+        w: &B::Floats,
+        s: &mut LayerScratch<B>,
+        r: &LayerRanges,
+        t: usize,
+    ) -> Result<()> {
+        let th = 0..t * self.spec.hidden;
         let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
         b.rmsnorm_forward(
             b.view_mut(&mut s.ln2, th.clone()),
             b.view_mut(&mut s.ln2_rstd, 0..t),
             Operands { inp: b.view(&s.x1, th), w: ln2_w },
-            &norm,
-        )?;
+            &self.norm_shape(t),
+        )
+    }
+
+    /// `qkv` from the projection: the q/k norm from `qkv_pre` where there is one, then RoPE.
+    fn qk_norm_rope(
+        &self,
+        b: &B,
+        w: &B::Floats,
+        s: &mut LayerScratch<B>,
+        r: &LayerRanges,
+        batch: &DeviceBatch<B>,
+        layer: usize,
+    ) -> Result<()> {
+        let spec = &self.spec;
+        let shape = self.attention_shape(batch, layer);
+        let qkv = 0..batch.tokens * spec.qkv_width();
+        if let Some(norm) = &r.qk_norm {
+            let heads = spec.q_heads + spec.kv_heads;
+            let qk_w = self.norm_weight(b, w, norm, &mut s.norm_w)?;
+            b.head_rmsnorm_forward(
+                b.view_mut(&mut s.qkv, qkv.clone()),
+                b.view_mut(&mut s.qk_rstd, 0..batch.tokens * heads),
+                Operands { inp: b.view(&s.qkv_pre, qkv.clone()), w: qk_w },
+                &shape,
+                spec.rms_eps,
+            )?;
+        }
+        b.rope_forward(
+            b.view_mut(&mut s.qkv, qkv),
+            &batch.positions,
+            self.inv_freq(b, batch, layer),
+            self.rope_scale,
+            &shape,
+        )
+    }
+
+    /// A dense MLP's gated activation `act = glu(gate_up)` of `t` tokens.
+    fn activation(&self, b: &B, s: &mut LayerScratch<B>, t: usize) -> Result<()> {
+        let i = self.spec.intermediate;
         b.glu_forward(
             b.view_mut(&mut s.act, 0..t * i),
             b.view(&s.gate_up, 0..t * 2 * i),
             t,
             i,
-            spec.glu_act,
+            self.spec.glu_act,
         )
     }
 
