@@ -248,6 +248,10 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForFunction((n) => Number(document.querySelector('[data-chart="loss"]')?.dataset.points) === n, before);
     assert.equal(await chartPoints('lr'), lrBefore);
     assert.ok(await page.locator('[data-chart="loss"] canvas').count() >= 1, 'the loss chart is drawn');
+    // The optimizer chart tells its total from the part the step waited for.
+    const legend = await page.locator('[data-chart="optimizer_s"] .u-legend').innerText();
+    assert.match(legend, /total/, legend);
+    assert.match(legend, /exposed/, legend);
     // The finished run's folder holds its checkpoints: more than nothing on disk.
     const disk = await page.locator('[data-fact="disk"] .v').innerText();
     assert.match(disk, /^\d[\d.]* (KiB|MiB|GiB|TiB)$/, `disk used after the run: ${disk}`);

@@ -426,6 +426,9 @@ impl Observer for Forwarder {
                     "d2h_gbps": self.device_bytes.map(|_| m.d2h_bytes as f64 / seconds / 1e9),
                     "host_mem": crate::gpus::process_rss(),
                     "optimizer_s": m.optimizer_time.as_secs_f64(),
+                    // The part of it the GPU's compute stream sat idle waiting for (on the CPU:
+                    // the trainer's waits); the rest was hidden behind the step's other work.
+                    "optimizer_exposed_s": m.optimizer_exposed.as_secs_f64(),
                     "compute_s": m.compute_time.as_secs_f64(),
                     "step_s": seconds,
                     "tokens": m.tokens,

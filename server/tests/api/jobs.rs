@@ -41,6 +41,10 @@ async fn a_job_runs_to_completion_with_metrics_and_checkpoints() -> anyhow::Resu
         assert!(
             point["lr"].is_number() && point["grad_norm"].is_number() && point["t"].is_number()
         );
+        // How much of the optimizer the step waited for: a time, never more than the step.
+        let exposed = point["optimizer_exposed_s"].as_f64();
+        let step = point["step_s"].as_f64().unwrap_or(0.0);
+        assert!(exposed.is_some_and(|e| (0.0..=step).contains(&e)), "{point}");
     }
 
     let checkpoints = admin.get(&format!("/api/jobs/{id}/checkpoints")).await?.json()?;
