@@ -139,8 +139,9 @@ pub struct Sizes {
     pub elementwise_fwd_bytes: f64,
     /// The same for one layer's backward, without its recomputed forward.
     pub elementwise_bwd_bytes: f64,
-    /// The same for what a kept layer derives again before its backward (its two norms and
-    /// its MLP's activation; see `kept_layer_bytes`).
+    /// The same for what a kept layer derives again before its backward (its two norms, its
+    /// MLP's activation, and its q/k norm and RoPE where there is a q/k norm; see
+    /// `kept_layer_bytes`).
     pub elementwise_rederive_bytes: f64,
 }
 

@@ -125,7 +125,7 @@ pub fn simulate(
         u => 2.0 * gemm(u) + attn + ew_fwd,
     };
     // A kept layer's backward skips the recompute of its forward, deriving again only its
-    // norms and activation.
+    // elementwise parts (norms, activation, q/k norm and RoPE).
     let kept = |u: usize| l.kept.get(u).copied().unwrap_or(false);
     // A kept attention output spares the recompute its attention.
     let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
