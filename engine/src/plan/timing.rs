@@ -131,16 +131,13 @@ pub fn simulate(
     let kept_attention = |u: usize| l.kept_attention.get(u).copied().unwrap_or(false);
     // Forward attentions a layer runs: its forward, and the recompute's unless spared.
     let attn_forwards = |u: usize| if kept(u) || kept_attention(u) { 1.0 } else { 2.0 };
+    // What a layer's backward runs before its own ops: (GEMM seconds, elementwise seconds).
+    let recompute = |u: usize| if kept(u) { (0.0, ew_rederive) } else { (2.0 * regemm(u), ew_fwd) };
     let bwd_secs = |u: usize| match u {
         0 => 0.0,
-        u if kept(u) => 4.0 * gemm(u) + attn_bwd + ew_rederive + ew_bwd,
         u => {
-            4.0 * gemm(u)
-                + 2.0 * regemm(u)
-                + (attn_forwards(u) - 1.0) * attn
-                + attn_bwd
-                + ew_fwd
-                + ew_bwd
+            let (re_gemm, re_ew) = recompute(u);
+            4.0 * gemm(u) + re_gemm + (attn_forwards(u) - 1.0) * attn + attn_bwd + re_ew + ew_bwd
         }
     };
     let resident = |u: usize| l.resident.get(u).copied().unwrap_or(false);
@@ -303,17 +300,13 @@ pub fn simulate(
 
         cost = StepCost {
             step: 0.0,
-            gemm: (1..head)
-                .map(|u| 6.0 * gemm(u) + if kept(u) { 0.0 } else { 2.0 * regemm(u) })
-                .sum(),
+            gemm: (1..head).map(|u| 6.0 * gemm(u) + recompute(u).0).sum(),
             head: fwd_secs(head),
             attention: (1..head).map(|u| attn_forwards(u) * attn + attn_bwd).sum(),
             attention_flops: (1..head)
                 .map(|u| (attn_forwards(u) + 2.5) * s.attention_fwd_flops)
                 .sum(),
-            elementwise: (1..head)
-                .map(|u| if kept(u) { ew_fwd + ew_rederive } else { 2.0 * ew_fwd } + ew_bwd)
-                .sum(),
+            elementwise: (1..head).map(|u| ew_fwd + recompute(u).1 + ew_bwd).sum(),
             h2d_bytes,
             d2h_bytes,
             h2d: g.busy[Res::H2d as usize] - busy_before[Res::H2d as usize],
