@@ -190,13 +190,20 @@ def replay_exact(model, batches, trained_total: int, torch, device: str):
     if device.startswith("cuda"):
         # A 7B model's f32 gradients (30 GB) beside its f32 weights (30 GB) and one row's
         # activations (15 GB) overflow an 80 GB GPU: each parameter's gradient moves to host
-        # memory as soon as a backward has accumulated it, and is added there.
+        # memory as soon as a backward has accumulated it, and is added there. It travels
+        # through one pinned buffer sized for the largest parameter, so that only the first row
+        # allocates host memory: copying into fresh pageable memory at every row took 20 s or
+        # more a row at 7B, the pinned buffer 2.3 s (on the H100 machine).
+        largest = max(p.numel() for p in model.parameters())
+        stage = torch.empty(largest, dtype=torch.float32, pin_memory=True)
+
         def to_host(p, name):
-            g = p.grad.to("cpu")
+            buf = stage[:p.grad.numel()].view(p.grad.shape)
+            buf.copy_(p.grad)
             if name in on_host:
-                on_host[name] += g
+                on_host[name] += buf
             else:
-                on_host[name] = g
+                on_host[name] = buf.clone()
             p.grad = None
 
         for name, p in model.named_parameters():
@@ -206,7 +213,10 @@ def replay_exact(model, batches, trained_total: int, torch, device: str):
     for mb in batches:
         for r in range(0, mb["rows"], EXACT_ROWS):
             rows = slice(r, r + EXACT_ROWS)
+            started = time.time()
             loss_sum += chunk_loss(model, mb, rows, trained_total, torch, device)
+            print(f"  rows {r + 1}..{min(r + EXACT_ROWS, mb['rows'])} of a micro-batch in "
+                  f"{time.time() - started:.1f} s", flush=True)
     for h in hooks:
         h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
