@@ -269,6 +269,14 @@ pub struct Operands<I, W = I> {
     pub w: W,
 }
 
+/// What [`Backend::matmul_forward_add`] adds to the product: a bias `[N]` broadcast over the
+/// rows, and a residual `[T, N]`, each optional.
+#[derive(Debug, Clone, Copy)]
+pub struct Addends<V> {
+    pub bias: Option<V>,
+    pub residual: Option<V>,
+}
+
 /// What a backward writes for an input and the weight applied to it: `dinp`, which overwrites,
 /// and `dw`, which accumulates where the weight is a parameter (each op's doc says which).
 #[derive(Debug)]
@@ -511,6 +519,20 @@ pub trait Backend: Send + Sync {
         operands: Operands<Self::View<'_>, Self::View<'_>>,
         shape: &MatmulShape,
     ) -> Result<()>;
+    /// `out = inp · wᵀ + bias + residual`, each addend where given: the projection that ends
+    /// in a residual connection (`x1 = x + o(att)`), or one with a bias. The CUDA backend adds
+    /// both in the GEMM's epilogue, where [`Backend::matmul_forward`], [`Backend::bias_forward`]
+    /// and [`Backend::add`] would move the output through memory twice more and round it three
+    /// times (the epilogue rounds the residual's sum once; cuBLASLt may round the product
+    /// before it adds a bias, within one more bf16 ulp).
+    /// out `[T, N]`, inp `[T, K]`, w `[N, K]`, bias `[N]`, residual `[T, N]`.
+    fn matmul_forward_add(
+        &self,
+        out: Self::ViewMut<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        addends: Addends<Self::View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()>;
     /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
     /// dinp `[T, K]`, dw `[N, K]`, dout `[T, N]`, inp `[T, K]`, w `[N, K]`.
     fn matmul_backward(
@@ -558,6 +580,19 @@ pub trait Backend: Send + Sync {
         dout: Self::View<'_>,
         operands: Operands<Self::View<'_>, Self::View<'_>>,
         rstd: Self::View<'_>,
+        shape: &NormShape,
+    ) -> Result<()>;
+    /// [`Backend::rmsnorm_backward`] with `dinp = (norm's input gradient) + residual`: the
+    /// gradient of a residual stream that feeds both the norm and, around it, the next residual
+    /// add, summed where the CUDA backend computes the first term instead of in another pass.
+    /// residual `[R, D]`, the rest as for [`Backend::rmsnorm_backward`].
+    fn rmsnorm_backward_add(
+        &self,
+        grads: Grads<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        rstd: Self::View<'_>,
+        residual: Self::View<'_>,
         shape: &NormShape,
     ) -> Result<()>;
     /// Qwen3's per-head RMSNorm of the query and key heads inside a fused `qkv` row; the value

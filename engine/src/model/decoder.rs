@@ -28,8 +28,8 @@
 use super::layout::{HeadRanges, LayerRanges, MlpRanges};
 use super::moe::{MoeAt, MoeScratch, RouterStats};
 use crate::backend::{
-    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, Grads, LossOut, LossShape,
-    MatmulShape, NormShape, Operands,
+    Addends, AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, Grads, LossOut,
+    LossShape, MatmulShape, NormShape, Operands,
 };
 use crate::error::Result;
 use crate::spec::ModelSpec;
@@ -597,14 +597,12 @@ impl<B: Backend> Decoder<B> {
         self.norm1(b, x_in, w, s, r, t)?;
         // The projection lands in `qkv` directly unless a q/k norm needs its input kept.
         let proj = if spec.qk_norm { &mut s.qkv_pre } else { &mut s.qkv };
-        b.matmul_forward(
+        b.matmul_forward_add(
             b.view_mut(proj, 0..t * dqkv),
             Operands { inp: b.view(&s.ln1, th.clone()), w: wv(&r.qkv_w) },
+            Addends { bias: r.qkv_b.as_ref().map(wv), residual: None },
             &MatmulShape { rows: t, k: h, n: dqkv },
         )?;
-        if let Some(bias) = &r.qkv_b {
-            b.bias_forward(b.view_mut(proj, 0..t * dqkv), wv(bias), t, dqkv)?;
-        }
         self.qk_norm_rope(b, w, s, r, batch, layer)?;
         let sinks = r.sinks.as_ref().map(|range| b.view(w, range.clone()));
         match keys {
@@ -634,33 +632,43 @@ impl<B: Backend> Decoder<B> {
                 self.attend_cached(b, s, k, v, sinks, &shape.decode(past))?
             }
         }
-        // The o projection lands in `tmp_h`, or in `o_pre` when a post-attention norm follows.
-        let o_out = if r.post_attn_norm.is_some() { &mut s.o_pre } else { &mut s.tmp_h };
-        b.matmul_forward(
-            b.view_mut(o_out, th.clone()),
-            Operands { inp: b.view(&s.att, 0..t * datt), w: wv(&r.o_w) },
-            &MatmulShape { rows: t, k: datt, n: h },
-        )?;
-        if let Some(bias) = &r.o_b {
-            b.bias_forward(b.view_mut(o_out, th.clone()), wv(bias), t, h)?;
+        // x1 = x + o(att): the o projection adds the residual itself, unless a post-attention
+        // norm comes between them (then it lands in `o_pre`).
+        let o_shape = MatmulShape { rows: t, k: datt, n: h };
+        let o_operands = Operands { inp: b.view(&s.att, 0..t * datt), w: wv(&r.o_w) };
+        let o_bias = r.o_b.as_ref().map(wv);
+        match &r.post_attn_norm {
+            None => b.matmul_forward_add(
+                b.view_mut(&mut s.x1, th.clone()),
+                o_operands,
+                Addends { bias: o_bias, residual: Some(b.view(x_in, th.clone())) },
+                &o_shape,
+            )?,
+            Some(post) => {
+                b.matmul_forward_add(
+                    b.view_mut(&mut s.o_pre, th.clone()),
+                    o_operands,
+                    Addends { bias: o_bias, residual: None },
+                    &o_shape,
+                )?;
+                let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
+                b.rmsnorm_forward(
+                    b.view_mut(&mut s.tmp_h, th.clone()),
+                    b.view_mut(&mut s.o_rstd, 0..t),
+                    Operands { inp: b.view(&s.o_pre, th.clone()), w: post_w },
+                    &norm,
+                )?;
+                b.add(
+                    b.view_mut(&mut s.x1, th.clone()),
+                    b.view(x_in, th.clone()),
+                    b.view(&s.tmp_h, th.clone()),
+                )?;
+            }
         }
-        if let Some(post) = &r.post_attn_norm {
-            let post_w = self.norm_weight(b, w, post, &mut s.norm_w)?;
-            b.rmsnorm_forward(
-                b.view_mut(&mut s.tmp_h, th.clone()),
-                b.view_mut(&mut s.o_rstd, 0..t),
-                Operands { inp: b.view(&s.o_pre, th.clone()), w: post_w },
-                &norm,
-            )?;
-        }
-        b.add(
-            b.view_mut(&mut s.x1, th.clone()),
-            b.view(x_in, th.clone()),
-            b.view(&s.tmp_h, th.clone()),
-        )?;
 
         self.norm2(b, w, s, r, t)?;
-        // The MLP's output lands in `tmp_h`, or in `m_pre` when a post-MLP norm follows.
+        // The MLP's output lands in `m_pre` when a post-MLP norm follows; otherwise a dense
+        // MLP's down projection adds the residual itself and a MoE's lands in `tmp_h`.
         let into_pre = r.post_mlp_norm.is_some();
         match &r.mlp {
             MlpRanges::Dense { gate_up_w, down_w } => {
@@ -673,12 +681,19 @@ impl<B: Backend> Decoder<B> {
                 if !output && !into_pre {
                     return Ok(());
                 }
-                let down_out = if into_pre { &mut s.m_pre } else { &mut s.tmp_h };
-                b.matmul_forward(
-                    b.view_mut(down_out, th.clone()),
-                    Operands { inp: b.view(&s.act, 0..t * i), w: wv(down_w) },
-                    &MatmulShape { rows: t, k: i, n: h },
-                )?;
+                let down = Operands { inp: b.view(&s.act, 0..t * i), w: wv(down_w) };
+                let down_shape = MatmulShape { rows: t, k: i, n: h };
+                if !into_pre {
+                    // x_out = x1 + down(act), the residual added by the projection.
+                    let residual = Some(b.view(&s.x1, th.clone()));
+                    return b.matmul_forward_add(
+                        b.view_mut(x_out, th),
+                        down,
+                        Addends { bias: None, residual },
+                        &down_shape,
+                    );
+                }
+                b.matmul_forward(b.view_mut(&mut s.m_pre, th.clone()), down, &down_shape)?;
             }
             MlpRanges::Moe(m) => {
                 let moe = self.moe_spec(layer)?;
@@ -946,7 +961,8 @@ impl<B: Backend> Decoder<B> {
             }
         }
         let ln2_w = self.norm_weight(b, w, &r.ln2, &mut s.norm_w)?;
-        b.rmsnorm_backward(
+        // The residual carries dx_out straight to x1, beside the norm's gradient.
+        b.rmsnorm_backward_add(
             Grads {
                 dinp: b.view_mut(&mut s.d_x1, th.clone()),
                 dw: b.view_mut(grad, r.ln2.clone()),
@@ -954,10 +970,9 @@ impl<B: Backend> Decoder<B> {
             b.view(&s.tmp_h, th.clone()),
             Operands { inp: b.view(&s.x1, th.clone()), w: ln2_w },
             b.view(&s.ln2_rstd, 0..t),
+            b.view(dx_out, th.clone()),
             &norm,
         )?;
-        // The residual carries dx_out straight to x1.
-        b.add_assign(b.view_mut(&mut s.d_x1, th.clone()), b.view(dx_out, th.clone()))?;
 
         // Attention branch: x1 = x + post_attn(o(attention(rope(norm(qkv(ln1(x))))))).
         let d_o = match &r.post_attn_norm {
@@ -1049,14 +1064,14 @@ impl<B: Backend> Decoder<B> {
             &MatmulShape { rows: t, k: h, n: dqkv },
         )?;
         let ln1_w = self.norm_weight(b, w, &r.ln1, &mut s.norm_w)?;
-        b.rmsnorm_backward(
+        b.rmsnorm_backward_add(
             Grads { dinp: b.view_mut(dx_in, th.clone()), dw: b.view_mut(grad, r.ln1.clone()) },
             b.view(&s.tmp_h, th.clone()),
             Operands { inp: b.view(x_in, th.clone()), w: ln1_w },
             b.view(&s.ln1_rstd, 0..t),
+            b.view(&s.d_x1, th.clone()),
             &norm,
-        )?;
-        b.add_assign(b.view_mut(dx_in, th.clone()), b.view(&s.d_x1, th))
+        )
     }
 
     /// The LM head's weight `[V, H]`: its own, or the embedding table when tied.

@@ -353,10 +353,13 @@ pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
 
 /// Bytes a layer's elementwise kernels read and write for `t` tokens, averaged over the
 /// layers, forward and backward: per token, each RMSNorm reads and writes `H` (its backward
-/// reads two rows and writes one), the q/k/v bias and RoPE read and write their columns, the
-/// gated activation reads `2I` and writes `I` (its backward reads `3I`, writes `2I`), and the
-/// two residual adds read two rows and write one, in bf16. A mixture of experts counts the
-/// intermediate width of the experts each token reaches.
+/// reads two rows and writes one), RoPE reads and writes its columns, the gated activation
+/// reads `2I` and writes `I` (its backward reads `3I`, writes `2I`), in bf16. The q/k/v bias
+/// is added in its GEMM's epilogue (its backward reads its columns). A residual add that
+/// follows a projection directly is the GEMM's C, one more row read; one after a post-norm
+/// (Gemma) or a mixture of experts is a kernel of its own that reads two rows and writes one.
+/// In the backward each residual's gradient is one more row the norm's backward reads. A
+/// mixture of experts counts the intermediate width of the experts each token reaches.
 fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64, f64) {
     let h = spec.hidden as f64;
     let qkv = spec.qkv_width() as f64;
@@ -367,8 +370,13 @@ fn elementwise_bytes(spec: &ModelSpec, t: u64) -> (f64, f64, f64) {
     let layers = spec.layers.max(1);
     let inter: f64 = (0..layers).map(|l| spec.active_mlp_params(l) as f64 / (3.0 * h)).sum::<f64>()
         / layers as f64;
-    let fwd = norms * 2.0 * h + 2.0 * (bias + rotated + qk_norm) + 3.0 * inter + 2.0 * 3.0 * h;
-    let bwd = norms * 3.0 * h + bias + 2.0 * (rotated + qk_norm) + 5.0 * inter + 2.0 * 3.0 * h;
+    let moe_share =
+        (0..layers).filter(|&l| spec.moe_at(l).is_some()).count() as f64 / layers as f64;
+    let add = |separate: f64| separate * 3.0 * h + (1.0 - separate) * h;
+    let post = f64::from(u8::from(spec.sandwich_norms));
+    let residuals = add(post) + add(post.max(moe_share));
+    let fwd = norms * 2.0 * h + 2.0 * (rotated + qk_norm) + 3.0 * inter + residuals;
+    let bwd = norms * 3.0 * h + bias + 2.0 * (rotated + qk_norm) + 5.0 * inter + 2.0 * h;
     // A kept layer's two norms (read and write H each) and activation (read 2I, write I), and
     // with a q/k norm that norm and RoPE, as in the forward.
     let qk_again = if spec.qk_norm { 2.0 * (rotated + qk_norm) } else { 0.0 };

@@ -563,15 +563,16 @@ fn compute_time_is_six_flops_per_gemm_parameter_per_token_plus_recompute_and_att
     let forwards = 2.0 * (layers - kept - kept_attention) + kept + kept_attention;
     let attn = forwards * forward / rates.attention_forward_rate(4096)
         + layers * 2.5 * forward / rates.attention_backward_rate(4096);
-    // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), the q/k/v bias
-    // and RoPE on q and k (read and write), the gated activation (3 I), two residual adds
-    // (3 H each); backward 3 H per norm, the bias read once, RoPE, 5 I, the adds again. The
-    // forward runs twice (the recompute); a kept layer instead runs its two norms and its
-    // activation again (4 H + 3 I).
+    // Elementwise bf16 bytes per token and layer: forward two norms (2 H each), RoPE on q and
+    // k (read and write), the gated activation (3 I), and the residual each of the two
+    // projections reads as its GEMM's C (H each; the q/k/v bias is the GEMM's epilogue);
+    // backward 3 H per norm, the bias read once, RoPE, 5 I, and the residual's gradient each
+    // norm's backward adds (H each). The forward runs twice (the recompute); a kept layer
+    // instead runs its two norms and its activation again (4 H + 3 I).
     let (h, i, qkv) = (s.hidden as f64, s.inter as f64, s.qkv() as f64);
     let rotated = ((s.q_heads + s.kv_heads) * s.head_dim) as f64;
-    let fwd = 4.0 * h + 2.0 * (qkv + rotated) + 3.0 * i + 6.0 * h;
-    let bwd = 6.0 * h + qkv + 2.0 * rotated + 5.0 * i + 6.0 * h;
+    let fwd = 4.0 * h + 2.0 * rotated + 3.0 * i + 2.0 * h;
+    let bwd = 6.0 * h + qkv + 2.0 * rotated + 5.0 * i + 2.0 * h;
     let rederive = 4.0 * h + 3.0 * i;
     let elementwise =
         ((layers - kept) * (2.0 * fwd + bwd) + kept * (fwd + rederive + bwd)) * 2.0 * n

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::check::{self, err};
 use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
-use crate::backend::{Grads, MatmulShape, Operands};
+use crate::backend::{Addends, Grads, MatmulShape, Operands};
 use crate::error::Result;
 
 /// Fewest rows worth a task of their own: below this, packing the right operand again for
@@ -221,6 +221,35 @@ pub fn matmul_forward(
     check::len(OP, "inp", inp.len(), &[rows, k])?;
     check::len(OP, "w", w.len(), &[n, k])?;
     linear(out, inp, w, rows, k, n)
+}
+
+/// `out = inp · wᵀ + bias + residual`, each addend where given, added in that order (as
+/// [`matmul_forward`], [`bias_forward`] and `x + out` give it). Reference: the projections that
+/// end in a residual add, `hidden_states = residual + self.o_proj(...)` in modeling_llama.py.
+/// out `[rows, n]`, inp `[rows, k]`, w `[n, k]`, bias `[n]`, residual `[rows, n]`.
+pub fn matmul_forward_add(
+    out: &mut [f32],
+    operands: Operands<&[f32]>,
+    addends: Addends<&[f32]>,
+    shape: &MatmulShape,
+) -> Result<()> {
+    const OP: &str = "matmul_forward_add";
+    let &MatmulShape { rows, n, .. } = shape;
+    // Checked before the product writes anything.
+    if let Some(bias) = addends.bias {
+        check::len(OP, "bias", bias.len(), &[n])?;
+    }
+    if let Some(residual) = addends.residual {
+        check::len(OP, "residual", residual.len(), &[rows, n])?;
+    }
+    matmul_forward(out, operands, shape)?;
+    if let Some(bias) = addends.bias {
+        bias_forward(out, bias, rows, n)?;
+    }
+    if let Some(residual) = addends.residual {
+        out.par_iter_mut().zip(residual).for_each(|(o, &r)| *o += r);
+    }
+    Ok(())
 }
 
 /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).

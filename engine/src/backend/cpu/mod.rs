@@ -33,19 +33,25 @@ pub use decode::attention_decode;
 pub use elementwise::{add, add_assign, sum, sum_squares};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use loss::{CHUNK_TOKENS as LOSS_CHUNK_TOKENS, cross_entropy_backward, cross_entropy_forward};
-pub use matmul::{bias_backward, bias_forward, matmul_backward, matmul_forward};
+pub use matmul::{
+    bias_backward, bias_forward, matmul_backward, matmul_forward, matmul_forward_add,
+};
 pub use mlp::{glu_backward, glu_forward};
 pub use moe::{
     grouped_bias_backward, grouped_matmul_backward, grouped_matmul_forward, moe_combine,
     moe_combine_backward, moe_gather, moe_gather_backward, moe_route, moe_route_backward,
     moe_router_stats, moe_sort, sigmoid_gate_backward, sigmoid_gate_forward,
 };
-pub use norm::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward};
+pub use norm::{
+    head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_backward_add,
+    rmsnorm_forward,
+};
 pub use rope::{rope_backward, rope_forward};
 
 use super::{
-    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
-    LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
+    Addends, AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads,
+    GroupedShape, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing,
+    WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -270,6 +276,16 @@ impl Backend for Cpu {
         matmul_forward(out, operands, shape)
     }
 
+    fn matmul_forward_add(
+        &self,
+        out: &mut [f32],
+        operands: Operands<&[f32]>,
+        addends: Addends<&[f32]>,
+        shape: &MatmulShape,
+    ) -> Result<()> {
+        matmul_forward_add(out, operands, addends, shape)
+    }
+
     fn matmul_backward(
         &self,
         grads: Grads<&mut [f32]>,
@@ -307,6 +323,18 @@ impl Backend for Cpu {
         shape: &NormShape,
     ) -> Result<()> {
         rmsnorm_backward(grads, dout, operands, rstd, shape)
+    }
+
+    fn rmsnorm_backward_add(
+        &self,
+        grads: Grads<&mut [f32]>,
+        dout: &[f32],
+        operands: Operands<&[f32]>,
+        rstd: &[f32],
+        residual: &[f32],
+        shape: &NormShape,
+    ) -> Result<()> {
+        rmsnorm_backward_add(grads, dout, operands, rstd, residual, shape)
     }
 
     fn head_rmsnorm_forward(

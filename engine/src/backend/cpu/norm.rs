@@ -103,6 +103,22 @@ pub fn rmsnorm_backward(
     Ok(())
 }
 
+/// [`rmsnorm_backward`], then `dinp += residual`. residual `[rows, dim]`.
+pub fn rmsnorm_backward_add(
+    grads: Grads<&mut [f32]>,
+    dout: &[f32],
+    operands: Operands<&[f32]>,
+    rstd: &[f32],
+    residual: &[f32],
+    shape: &NormShape,
+) -> Result<()> {
+    check::len("rmsnorm_backward_add", "residual", residual.len(), &[shape.rows, shape.dim])?;
+    let Grads { dinp, dw } = grads;
+    rmsnorm_backward(Grads { dinp: &mut *dinp, dw }, dout, operands, rstd, shape)?;
+    dinp.par_iter_mut().zip(residual).for_each(|(d, &r)| *d += r);
+    Ok(())
+}
+
 /// Checks the buffers of a per-head norm and returns `(Dqkv, normed heads per token)`.
 fn head_shape(
     op: &str,

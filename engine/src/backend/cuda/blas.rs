@@ -16,7 +16,8 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use super::device::{base_ptr, drv, err};
 use crate::error::Result;
 
-/// One column-major product `D = op(A) op(B) + beta C` with `C = D`.
+/// One column-major product `D = op(A) op(B) + beta C (+ bias)`: C is D itself unless
+/// [`Blas::gemm_into`] is given another C of the same layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct Gemm {
     pub trans_a: bool,
@@ -31,14 +32,28 @@ pub(super) struct Gemm {
     pub c_f32: bool,
     /// `beta = 1` (accumulate into C) or 0 (overwrite).
     pub accumulate: bool,
+    /// A bf16 vector of `m` elements added to every column of the product in the epilogue
+    /// (`CUBLASLT_EPILOGUE_BIAS`), before the one rounding to D's type; bf16 D only.
+    pub bias: bool,
+}
+
+/// The device addresses of one [`Gemm`]'s operands: C is read (when it accumulates) and D
+/// written; `bias` is 0 unless the product has one.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GemmPtrs {
+    pub a: CUdeviceptr,
+    pub b: CUdeviceptr,
+    pub c: CUdeviceptr,
+    pub d: CUdeviceptr,
+    pub bias: CUdeviceptr,
 }
 
 /// The cached part: what the heuristic needs to see again only for a new shape or alignment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     gemm: Gemm,
-    /// Alignment in bytes (power of two, at most 256) of the A, B and C pointers.
-    align: [u32; 3],
+    /// Alignment in bytes (power of two, at most 256) of the A, B, C and D pointers.
+    align: [u32; 4],
 }
 
 struct Plan {
@@ -240,17 +255,39 @@ impl Blas {
         plan.layouts[1] =
             cublas("layout B", lt::create_matrix_layout(bf16, b_rows, b_cols, g.ldb))?;
         plan.layouts[2] = cublas("layout C", lt::create_matrix_layout(c_type, g.m, g.n, g.ldc))?;
-        for (attr, t) in [
-            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, g.trans_a),
-            (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, g.trans_b),
-        ] {
-            let op = i32::from(t);
-            // SAFETY: the descriptor is live; the attribute is a 32-bit cublasOperation_t.
-            cublas("transpose attribute", unsafe {
+        let mut desc_attrs = vec![
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                i32::from(g.trans_a),
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                i32::from(g.trans_b),
+            ),
+        ];
+        if g.bias {
+            if g.c_f32 {
+                return Err(err(format!("cuBLASLt: a bias epilogue into an f32 output in {g:?}")));
+            }
+            desc_attrs.extend([
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as i32,
+                ),
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    bf16 as i32,
+                ),
+            ]);
+        }
+        for (attr, value) in desc_attrs {
+            // SAFETY: the descriptor is live; each of these attributes is a 32-bit enum
+            // (cublasOperation_t, cublasLtEpilogue_t, cudaDataType_t).
+            cublas("matmul descriptor attribute", unsafe {
                 lt::set_matmul_desc_attribute(
                     plan.desc,
                     attr,
-                    (&op as *const i32).cast::<c_void>(),
+                    (&value as *const i32).cast::<c_void>(),
                     std::mem::size_of::<i32>(),
                 )
             })?;
@@ -275,7 +312,7 @@ impl Blas {
             ),
             (
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                &align[2],
+                &align[3],
             ),
         ];
         let mut result = Ok(());
@@ -321,13 +358,28 @@ impl Blas {
         b: CUdeviceptr,
         c: CUdeviceptr,
     ) -> Result<()> {
+        self.gemm_into(g, GemmPtrs { a, b, c, d: c, bias: 0 })
+    }
+
+    /// The bias vector's alignment the epilogue is given: 16 bytes, what cuBLASLt's kernels
+    /// read it in. Callers add a bias at any other address themselves.
+    pub(super) const BIAS_ALIGN: u64 = 16;
+
+    /// Runs `g` with its operands at `p`, on the compute stream. C and D are the same matrix
+    /// or two of the same layout (then `g.accumulate` reads C and D is only written); a bias
+    /// must be [`Blas::BIAS_ALIGN`]-aligned.
+    pub(super) fn gemm_into(&self, g: Gemm, p: GemmPtrs) -> Result<()> {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
         if g.k == 0 {
             return Err(err(format!("cuBLASLt: empty inner dimension in {g:?}")));
         }
-        let key = Key { gemm: g, align: [alignment(a), alignment(b), alignment(c)] };
+        if g.bias != (p.bias != 0) || (g.bias && !p.bias.is_multiple_of(Self::BIAS_ALIGN)) {
+            return Err(err(format!("cuBLASLt: bias at {:#x} for {g:?}", p.bias)));
+        }
+        let (a, b, c, d) = (p.a, p.b, p.c, p.d);
+        let key = Key { gemm: g, align: [alignment(a), alignment(b), alignment(c), alignment(d)] };
         let mut plans = self.plans.lock().map_err(|_| err("cuBLASLt plan cache poisoned"))?;
         if plans.len() >= Self::MAX_PLANS && !plans.contains_key(&key) {
             // The experts' GEMMs of a mixture-of-experts layer see new row counts every step,
@@ -340,11 +392,25 @@ impl Blas {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(&key)?),
         };
+        if g.bias {
+            // The descriptor belongs to this plan, used only under the cache's lock; the
+            // pointer is read when the GEMM is queued.
+            // SAFETY: the descriptor is live; the attribute is a device pointer (8 bytes).
+            cublas("bias pointer", unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&p.bias as *const CUdeviceptr).cast::<c_void>(),
+                    std::mem::size_of::<CUdeviceptr>(),
+                )
+            })?;
+        }
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = base_ptr(&self.workspace, &self.stream);
         // SAFETY: the plan describes this product; the pointers are device addresses of buffers
-        // whose extents the caller checked against m, n, k and the leading dimensions; the
-        // scalars are f32 as the f32 compute/scale type requires.
+        // whose extents the caller checked against m, n, k and the leading dimensions (D's as
+        // C's, and m elements of bias); the scalars are f32 as the f32 compute/scale type
+        // requires.
         cublas("matmul", unsafe {
             lt::matmul(
                 self.handle,
@@ -357,7 +423,7 @@ impl Blas {
                 plan.layouts[1],
                 c as *const c_void,
                 plan.layouts[2],
-                c as *mut c_void,
+                d as *mut c_void,
                 plan.layouts[2],
                 &plan.algo,
                 ws as *mut c_void,

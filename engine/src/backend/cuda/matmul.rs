@@ -10,9 +10,9 @@
 //! - `dw[N,K] += dout[T,N]ᵀ · inp[T,K]`: `dwᵀ += inpᵀ · dout` → `gemm(N, T, m=K, n=N, k=T,
 //!   A=inp (ld K), B=dout (ld N), C=dw (ld K), beta=1)`.
 
-use super::blas::{Blas, Gemm};
+use super::blas::{Blas, Gemm, GemmPtrs};
 use super::{Cuda, View, ViewMut, check};
-use crate::backend::{FloatKind, Grads, MatmulShape, Operands};
+use crate::backend::{Addends, FloatKind, Grads, MatmulShape, Operands};
 use crate::error::Result;
 
 /// One column-major GEMM for [`Cuda::gemm`] and [`Cuda::gemm_group`]: (trans_a, trans_b),
@@ -46,6 +46,7 @@ fn gemm_of(
         ldc: ldc as i64,
         c_f32: c.kind() == FloatKind::Accum,
         accumulate,
+        bias: false,
     }
 }
 
@@ -132,6 +133,70 @@ impl Cuda {
                 accumulate: false,
             },
         )
+    }
+
+    /// `out = inp · wᵀ + bias + residual` as one cuBLASLt GEMM: the residual as its C
+    /// (beta 1, D = out), the bias in its epilogue. An addend the GEMM cannot take (an f32
+    /// output or residual, a bias not on a 16-byte boundary or not bf16) is added by its own
+    /// kernel after the product, as the unfused ops would.
+    pub(super) fn matmul_forward_add_op(
+        &self,
+        mut out: ViewMut<'_>,
+        operands: Operands<View<'_>>,
+        addends: Addends<View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()> {
+        const OP: &str = "matmul_forward_add";
+        let Operands { inp, w } = operands;
+        let Addends { bias, residual } = addends;
+        let &MatmulShape { rows, k, n } = shape;
+        check::len(OP, "out", out.len, &[rows, n])?;
+        check::len(OP, "inp", inp.len, &[rows, k])?;
+        check::len(OP, "w", w.len, &[n, k])?;
+        check::kind(OP, "inp", &inp, FloatKind::Activation)?;
+        check::kind(OP, "w", &w, FloatKind::Activation)?;
+        if let Some(bias) = &bias {
+            check::len(OP, "bias", bias.len, &[n])?;
+        }
+        if let Some(residual) = &residual {
+            check::len(OP, "residual", residual.len, &[rows, n])?;
+        }
+        let bf16_out = out.as_view().kind() == FloatKind::Activation;
+        let epilogue_bias = bias.filter(|b| {
+            bf16_out
+                && b.kind() == FloatKind::Activation
+                && self.ptr(b).is_multiple_of(Blas::BIAS_ALIGN)
+        });
+        let c_residual = residual.filter(|r| bf16_out && r.kind() == FloatKind::Activation);
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 || (epilogue_bias.is_none() && c_residual.is_none()) {
+            // Nothing for the epilogue: the plain product, then each addend in turn.
+            self.matmul_forward_op(out.reborrow(), Operands { inp, w }, shape)?;
+        } else {
+            self.bind()?;
+            let d = out.as_view();
+            let g = Gemm {
+                bias: epilogue_bias.is_some(),
+                ..gemm_of((true, false), (n, rows, k), (k, k, n), &d, c_residual.is_some())
+            };
+            let ptrs = GemmPtrs {
+                a: self.ptr(&w),
+                b: self.ptr(&inp),
+                c: c_residual.as_ref().map_or(self.ptr(&d), |r| self.ptr(r)),
+                d: self.ptr(&d),
+                bias: epilogue_bias.as_ref().map_or(0, |b| self.ptr(b)),
+            };
+            self.blas.gemm_into(g, ptrs)?;
+        }
+        if let Some(bias) = bias.filter(|_| epilogue_bias.is_none() || k == 0) {
+            self.bias_forward_op(out.reborrow(), bias, rows, n)?;
+        }
+        if let Some(residual) = residual.filter(|_| c_residual.is_none() || k == 0) {
+            self.add_assign_op(out.reborrow(), residual)?;
+        }
+        Ok(())
     }
 
     pub(super) fn matmul_backward_op(

@@ -45,8 +45,9 @@ pub use device::{PinnedBuffer, device_memory, probe};
 pub use profile::{Gap, OpClass, OpProfile, OpTime};
 
 use super::{
-    AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads, GroupedShape,
-    LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing, WeightDtype,
+    Addends, AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads,
+    GroupedShape, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing,
+    WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -136,6 +137,11 @@ impl View<'_> {
 impl<'a> ViewMut<'a> {
     fn as_view(&self) -> View<'_> {
         View { buf: self.buf, start: self.start, len: self.len }
+    }
+
+    /// The same window, borrowed for one op of several that write it in turn.
+    fn reborrow(&mut self) -> ViewMut<'_> {
+        ViewMut { buf: self.buf, start: self.start, len: self.len }
     }
 }
 
@@ -579,6 +585,19 @@ impl Backend for Cuda {
         self.matmul_forward_op(out, operands, shape)
     }
 
+    fn matmul_forward_add(
+        &self,
+        out: ViewMut<'_>,
+        operands: Operands<View<'_>>,
+        addends: Addends<View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
+        // A GEMM: whatever its epilogue adds is a few bytes an output element.
+        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
+        self.matmul_forward_add_op(out, operands, addends, shape)
+    }
+
     fn matmul_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
@@ -628,6 +647,19 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
         self.rmsnorm_backward_op(grads, dout, operands, rstd, shape)
+    }
+
+    fn rmsnorm_backward_add(
+        &self,
+        grads: Grads<ViewMut<'_>>,
+        dout: View<'_>,
+        operands: Operands<View<'_>>,
+        rstd: View<'_>,
+        residual: View<'_>,
+        shape: &NormShape,
+    ) -> Result<()> {
+        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
+        self.rmsnorm_backward_add_op(grads, dout, operands, rstd, residual, shape)
     }
 
     fn head_rmsnorm_forward(

@@ -106,6 +106,8 @@ impl Cuda {
         )
     }
 
+    /// The backward; with `residual`, the `_vec` kernel also adds it to `dinp` and this answers
+    /// true, or it answers false and the caller adds it (the other kernel has no such input).
     fn norm_backward(
         &self,
         op: &str,
@@ -113,13 +115,14 @@ impl Cuda {
         dout: &View<'_>,
         operands: &Operands<View<'_>>,
         rstd: &View<'_>,
+        residual: Option<&View<'_>>,
         r: &Rows,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let Grads { dinp, dw } = grads;
         let Operands { inp, w } = operands;
         check::kind(op, "rstd", rstd, FloatKind::Accum)?;
         if r.tokens == 0 {
-            return Ok(());
+            return Ok(true);
         }
         let wlen = w.len;
         let rows_per = r.tokens.div_ceil(COLUMN_CHUNKS.min(r.tokens));
@@ -129,6 +132,7 @@ impl Cuda {
         let d = dinp.as_view();
         if let Some(threads) = vec_threads(r, BWD_VPT, BWD_MAX_THREADS)
             && self.vectors(&[&d, dout, inp, w])
+            && residual.is_none_or(|res| self.vectors(&[res]))
         {
             self.launch(
                 "rmsnorm_backward_vec",
@@ -139,6 +143,7 @@ impl Cuda {
                 },
                 &[
                     Arg::Ptr(self.ptr(&d)),
+                    Arg::Ptr(residual.map_or(0, |res| self.ptr(res))),
                     Arg::Ptr(pp),
                     Arg::Ptr(self.ptr(dout)),
                     Arg::Ptr(self.ptr(inp)),
@@ -149,7 +154,8 @@ impl Cuda {
                     Arg::I32(check::int(op, "dim", r.dim / 8)?),
                 ],
             )?;
-            return self.finish_columns(dw, pp, chunks, wlen);
+            self.finish_columns(dw, pp, chunks, wlen)?;
+            return Ok(true);
         }
         self.launch(
             "rmsnorm_backward",
@@ -179,7 +185,8 @@ impl Cuda {
                 Arg::I32(i32::from(r.copy_tail)),
             ],
         )?;
-        self.finish_columns(dw, pp, chunks, wlen)
+        self.finish_columns(dw, pp, chunks, wlen)?;
+        Ok(residual.is_none())
     }
 
     pub(super) fn rmsnorm_forward_op(
@@ -218,7 +225,33 @@ impl Cuda {
         check::len(OP, "w", operands.w.len, &[dim])?;
         check::len(OP, "rstd", rstd.len, &[rows])?;
         let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        self.norm_backward(OP, &grads, &dout, &operands, &rstd, &r)
+        self.norm_backward(OP, &grads, &dout, &operands, &rstd, None, &r).map(drop)
+    }
+
+    pub(super) fn rmsnorm_backward_add_op(
+        &self,
+        grads: Grads<ViewMut<'_>>,
+        dout: View<'_>,
+        operands: Operands<View<'_>>,
+        rstd: View<'_>,
+        residual: View<'_>,
+        shape: &NormShape,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_backward_add";
+        let &NormShape { rows, dim, .. } = shape;
+        check::nonzero(OP, "dim", dim)?;
+        check::len(OP, "dinp", grads.dinp.len, &[rows, dim])?;
+        check::len(OP, "dw", grads.dw.len, &[dim])?;
+        check::len(OP, "dout", dout.len, &[rows, dim])?;
+        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
+        check::len(OP, "w", operands.w.len, &[dim])?;
+        check::len(OP, "rstd", rstd.len, &[rows])?;
+        check::len(OP, "residual", residual.len, &[rows, dim])?;
+        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
+        if self.norm_backward(OP, &grads, &dout, &operands, &rstd, Some(&residual), &r)? {
+            return Ok(());
+        }
+        self.add_assign_op(grads.dinp, residual)
     }
 
     /// Checks a per-head norm's buffers and returns its row layout.
@@ -271,7 +304,7 @@ impl Cuda {
         check::len(OP, "dinp", grads.dinp.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dout", dout.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dw", grads.dw.len, &[2, shape.head_dim])?;
-        self.norm_backward(OP, &grads, &dout, &operands, &rstd, &r)
+        self.norm_backward(OP, &grads, &dout, &operands, &rstd, None, &r).map(drop)
     }
 }
 

@@ -143,9 +143,11 @@ __device__ __forceinline__ void block_sum_n(float* v, float (*red)[32]) {
 // does, but NORM_BWD_ROWS rows at a time (their loads all in flight, their dot products reduced
 // together), with the weight and the thread's weight-gradient columns in registers; rows are
 // still added to the partials in token order. blockDim.x >= vecs / NORM_BWD_VPT (rows up to 8192
-// at 512 threads). partials [chunks, dim] (overwrites).
+// at 512 threads). partials [chunks, dim] (overwrites). With a residual (else null), each
+// dinp row is the norm's input gradient plus that row of it, summed in f32 before rounding.
 extern "C" __global__ void __launch_bounds__(512)
-    rmsnorm_backward_vec(uint4* __restrict__ dinp, float* __restrict__ partials,
+    rmsnorm_backward_vec(uint4* __restrict__ dinp, const uint4* __restrict__ residual,
+                         float* __restrict__ partials,
                          const uint4* __restrict__ dout, const uint4* __restrict__ inp,
                          const uint4* __restrict__ w, const float* __restrict__ rstd,
                          long long tokens, long long rows_per, int vecs) {
@@ -207,6 +209,12 @@ extern "C" __global__ void __launch_bounds__(512)
         for (int e = 0; e < 8; ++e) {
           dx[e] = r[k] * wf[e] * g[e] - kk * x[e];
           acc[i][e] += g[e] * x[e] * r[k];
+        }
+        if (residual != nullptr) {
+          float res[8];
+          unpack8(residual[(t + k) * vecs + v], res);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dx[e] += res[e];
         }
         dinp[(t + k) * vecs + v] = pack8(dx);
       }
