@@ -23,6 +23,14 @@ struct Rows {
     copy_tail: bool,
 }
 
+/// The gradients a norm's backward receives: `dout` through the norm, and optionally the
+/// residual stream's, which reaches its input around it.
+#[derive(Clone, Copy)]
+struct Incoming<'a, 'b> {
+    dout: &'a View<'b>,
+    residual: Option<&'a View<'b>>,
+}
+
 /// Threads per block for rows of `dim`: one element per thread up to 256, then 256 or more.
 fn threads(dim: usize) -> u32 {
     dim.div_ceil(32).clamp(1, if dim > 4096 { 32 } else { 8 }) as u32 * 32
@@ -106,18 +114,19 @@ impl Cuda {
         )
     }
 
-    /// The backward; with `residual`, the `_vec` kernel also adds it to `dinp` and this answers
-    /// true, or it answers false and the caller adds it (the other kernel has no such input).
+    /// The backward; with a residual gradient, the `_vec` kernel also adds it to `dinp` and
+    /// this answers true, or it answers false and the caller adds it (the other kernel has no
+    /// such input).
     fn norm_backward(
         &self,
         op: &str,
         grads: &Grads<ViewMut<'_>>,
-        dout: &View<'_>,
+        incoming: Incoming<'_, '_>,
         operands: &Operands<View<'_>>,
         rstd: &View<'_>,
-        residual: Option<&View<'_>>,
         r: &Rows,
     ) -> Result<bool> {
+        let Incoming { dout, residual } = incoming;
         let Grads { dinp, dw } = grads;
         let Operands { inp, w } = operands;
         check::kind(op, "rstd", rstd, FloatKind::Accum)?;
@@ -225,7 +234,8 @@ impl Cuda {
         check::len(OP, "w", operands.w.len, &[dim])?;
         check::len(OP, "rstd", rstd.len, &[rows])?;
         let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        self.norm_backward(OP, &grads, &dout, &operands, &rstd, None, &r).map(drop)
+        let incoming = Incoming { dout: &dout, residual: None };
+        self.norm_backward(OP, &grads, incoming, &operands, &rstd, &r).map(drop)
     }
 
     pub(super) fn rmsnorm_backward_add_op(
@@ -248,7 +258,8 @@ impl Cuda {
         check::len(OP, "rstd", rstd.len, &[rows])?;
         check::len(OP, "residual", residual.len, &[rows, dim])?;
         let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        if self.norm_backward(OP, &grads, &dout, &operands, &rstd, Some(&residual), &r)? {
+        let incoming = Incoming { dout: &dout, residual: Some(&residual) };
+        if self.norm_backward(OP, &grads, incoming, &operands, &rstd, &r)? {
             return Ok(());
         }
         self.add_assign_op(grads.dinp, residual)
@@ -304,7 +315,8 @@ impl Cuda {
         check::len(OP, "dinp", grads.dinp.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dout", dout.len, &[shape.tokens, r.stride])?;
         check::len(OP, "dw", grads.dw.len, &[2, shape.head_dim])?;
-        self.norm_backward(OP, &grads, &dout, &operands, &rstd, None, &r).map(drop)
+        let incoming = Incoming { dout: &dout, residual: None };
+        self.norm_backward(OP, &grads, incoming, &operands, &rstd, &r).map(drop)
     }
 }
 
