@@ -33,7 +33,7 @@ pub(super) struct Gemm {
     /// `beta = 1` (accumulate into C) or 0 (overwrite).
     pub accumulate: bool,
     /// A bf16 vector of `m` elements added to every column of the product in the epilogue
-    /// (`CUBLASLT_EPILOGUE_BIAS`), before the one rounding to D's type; bf16 D only.
+    /// (`CUBLASLT_EPILOGUE_BIAS`); bf16 D only.
     pub bias: bool,
 }
 
@@ -361,8 +361,9 @@ impl Blas {
         self.gemm_into(g, GemmPtrs { a, b, c, d: c, bias: 0 })
     }
 
-    /// The bias vector's alignment the epilogue is given: 16 bytes, what cuBLASLt's kernels
-    /// read it in. Callers add a bias at any other address themselves.
+    /// The alignment a bias must have for the epilogue: 16 bytes, which other users of
+    /// cuBLASLt's bias epilogue found it to need. A bias at any other address is added by the
+    /// caller's own kernel.
     pub(super) const BIAS_ALIGN: u64 = 16;
 
     /// Runs `g` with its operands at `p`, on the compute stream. C and D are the same matrix

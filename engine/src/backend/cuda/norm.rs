@@ -224,18 +224,9 @@ impl Cuda {
         rstd: View<'_>,
         shape: &NormShape,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm_backward";
-        let &NormShape { rows, dim, .. } = shape;
-        check::nonzero(OP, "dim", dim)?;
-        check::len(OP, "dinp", grads.dinp.len, &[rows, dim])?;
-        check::len(OP, "dw", grads.dw.len, &[dim])?;
-        check::len(OP, "dout", dout.len, &[rows, dim])?;
-        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
-        check::len(OP, "w", operands.w.len, &[dim])?;
-        check::len(OP, "rstd", rstd.len, &[rows])?;
-        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
         let incoming = Incoming { dout: &dout, residual: None };
-        self.norm_backward(OP, &grads, incoming, &operands, &rstd, &r).map(drop)
+        self.plain_norm_backward("rmsnorm_backward", &grads, incoming, &operands, &rstd, shape)
+            .map(drop)
     }
 
     pub(super) fn rmsnorm_backward_add_op(
@@ -248,21 +239,36 @@ impl Cuda {
         shape: &NormShape,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_backward_add";
-        let &NormShape { rows, dim, .. } = shape;
-        check::nonzero(OP, "dim", dim)?;
-        check::len(OP, "dinp", grads.dinp.len, &[rows, dim])?;
-        check::len(OP, "dw", grads.dw.len, &[dim])?;
-        check::len(OP, "dout", dout.len, &[rows, dim])?;
-        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
-        check::len(OP, "w", operands.w.len, &[dim])?;
-        check::len(OP, "rstd", rstd.len, &[rows])?;
-        check::len(OP, "residual", residual.len, &[rows, dim])?;
-        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
         let incoming = Incoming { dout: &dout, residual: Some(&residual) };
-        if self.norm_backward(OP, &grads, incoming, &operands, &rstd, &r)? {
+        if self.plain_norm_backward(OP, &grads, incoming, &operands, &rstd, shape)? {
             return Ok(());
         }
         self.add_assign_op(grads.dinp, residual)
+    }
+
+    /// Checks a whole-row RMSNorm backward's buffers and runs it (see `norm_backward`).
+    fn plain_norm_backward(
+        &self,
+        op: &str,
+        grads: &Grads<ViewMut<'_>>,
+        incoming: Incoming<'_, '_>,
+        operands: &Operands<View<'_>>,
+        rstd: &View<'_>,
+        shape: &NormShape,
+    ) -> Result<bool> {
+        let &NormShape { rows, dim, .. } = shape;
+        check::nonzero(op, "dim", dim)?;
+        check::len(op, "dinp", grads.dinp.len, &[rows, dim])?;
+        check::len(op, "dw", grads.dw.len, &[dim])?;
+        check::len(op, "dout", incoming.dout.len, &[rows, dim])?;
+        if let Some(residual) = incoming.residual {
+            check::len(op, "residual", residual.len, &[rows, dim])?;
+        }
+        check::len(op, "inp", operands.inp.len, &[rows, dim])?;
+        check::len(op, "w", operands.w.len, &[dim])?;
+        check::len(op, "rstd", rstd.len, &[rows])?;
+        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
+        self.norm_backward(op, grads, incoming, operands, rstd, &r)
     }
 
     /// Checks a per-head norm's buffers and returns its row layout.
