@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::check::{self, err};
-use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
+use super::elementwise::{ROWS_PER_PARTIAL, add_assign, add_partials};
 use crate::backend::{Addends, Grads, MatmulShape, Operands};
 use crate::error::Result;
 
@@ -246,10 +246,10 @@ pub fn matmul_forward_add(
     if let Some(bias) = addends.bias {
         bias_forward(out, bias, rows, n)?;
     }
-    if let Some(residual) = addends.residual {
-        out.par_iter_mut().zip(residual).for_each(|(o, &r)| *o += r);
+    match addends.residual {
+        Some(residual) => add_assign(out, residual),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).

@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use super::check;
-use super::elementwise::{ROWS_PER_PARTIAL, add_partials};
+use super::elementwise::{ROWS_PER_PARTIAL, add_assign, add_partials};
 use crate::backend::{AttentionShape, Grads, NormShape, Operands};
 use crate::error::Result;
 
@@ -115,8 +115,7 @@ pub fn rmsnorm_backward_add(
     check::len("rmsnorm_backward_add", "residual", residual.len(), &[shape.rows, shape.dim])?;
     let Grads { dinp, dw } = grads;
     rmsnorm_backward(Grads { dinp: &mut *dinp, dw }, dout, operands, rstd, shape)?;
-    dinp.par_iter_mut().zip(residual).for_each(|(d, &r)| *d += r);
-    Ok(())
+    add_assign(dinp, residual)
 }
 
 /// Checks the buffers of a per-head norm and returns `(Dqkv, normed heads per token)`.

@@ -161,17 +161,18 @@ impl Cuda {
         if let Some(residual) = &residual {
             check::len(OP, "residual", residual.len, &[rows, n])?;
         }
-        let bf16_out = out.as_view().kind() == FloatKind::Activation;
-        let epilogue_bias = bias.filter(|b| {
-            bf16_out
-                && b.kind() == FloatKind::Activation
-                && self.ptr(b).is_multiple_of(Blas::BIAS_ALIGN)
-        });
-        let c_residual = residual.filter(|r| bf16_out && r.kind() == FloatKind::Activation);
         if rows == 0 || n == 0 {
             return Ok(());
         }
-        if k == 0 || (epilogue_bias.is_none() && c_residual.is_none()) {
+        // The epilogue takes bf16 addends into a bf16 output; an empty product (k = 0) none.
+        let fusable = k > 0 && out.as_view().kind() == FloatKind::Activation;
+        let epilogue_bias = bias.filter(|b| {
+            fusable
+                && b.kind() == FloatKind::Activation
+                && self.ptr(b).is_multiple_of(Blas::BIAS_ALIGN)
+        });
+        let c_residual = residual.filter(|r| fusable && r.kind() == FloatKind::Activation);
+        if epilogue_bias.is_none() && c_residual.is_none() {
             // Nothing for the epilogue: the plain product, then each addend in turn.
             self.matmul_forward_op(out.reborrow(), Operands { inp, w }, shape)?;
         } else {
@@ -190,10 +191,10 @@ impl Cuda {
             };
             self.blas.gemm_into(g, ptrs)?;
         }
-        if let Some(bias) = bias.filter(|_| epilogue_bias.is_none() || k == 0) {
+        if let Some(bias) = bias.filter(|_| epilogue_bias.is_none()) {
             self.bias_forward_op(out.reborrow(), bias, rows, n)?;
         }
-        if let Some(residual) = residual.filter(|_| c_residual.is_none() || k == 0) {
+        if let Some(residual) = residual.filter(|_| c_residual.is_none()) {
             self.add_assign_op(out.reborrow(), residual)?;
         }
         Ok(())
