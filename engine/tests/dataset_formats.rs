@@ -19,7 +19,7 @@ use sluice_engine::data::{
     Columns, DataOptions, DatasetReader, DatasetSource, Entry, Format, Layout, Message, Problem,
     ReadOptions, Record, Role, load, tiny_tokenizer,
 };
-use sluice_engine::train::{Devices, Job, JobSettings, ModelSource, RunOptions, RunPlacement};
+use sluice_engine::train::{Devices, Job, JobSettings, ModelSource, RunOptions};
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     let path = dir.join(name);
@@ -292,12 +292,7 @@ fn a_real_sharegpt_dump_with_an_odd_conversation_trains_with_it_skipped() {
             ..JobSettings::default()
         },
     };
-    let options = RunOptions {
-        job,
-        out: tmp.path().join("run"),
-        placement: RunPlacement::default(),
-        keep_checkpoints: None,
-    };
+    let options = RunOptions::unplanned(job, tmp.path().join("run")).unwrap();
     let summary = sluice_engine::train::run(&Cpu::new(), &options, false, &mut ()).unwrap();
     assert_eq!(summary.steps, 2);
     assert!(summary.last_loss.is_finite());

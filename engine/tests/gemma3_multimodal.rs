@@ -22,7 +22,7 @@ use sluice_engine::data::DatasetSource;
 use sluice_engine::model::HostParams;
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, RunPlacement, STATE_DIR,
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, STATE_DIR,
     load_model, save_checkpoint,
 };
 use sluice_engine::weights::{Dtype, SaveDtype, TensorSource, TextPrefix};
@@ -351,12 +351,7 @@ fn fine_tune(model: &Path, out: &Path) -> PathBuf {
             ..JobSettings::default()
         },
     };
-    let options = RunOptions {
-        job,
-        out: out.to_path_buf(),
-        placement: RunPlacement::default(),
-        keep_checkpoints: None,
-    };
+    let options = RunOptions::unplanned(job, out.to_path_buf()).expect("a plan-free placement");
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut Quiet).expect("trains");
     assert_eq!(summary.steps, 2);

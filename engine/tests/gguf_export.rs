@@ -16,7 +16,7 @@ use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
 use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, RunPlacement,
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions,
 };
 use sluice_engine::weights::gguf::{GgufType, export_gguf, import_gguf};
 
@@ -77,12 +77,7 @@ fn fine_tune(base: &Path, tmp: &Path) -> PathBuf {
             ..JobSettings::default()
         },
     };
-    let options = RunOptions {
-        job,
-        out: tmp.join("run"),
-        placement: RunPlacement::default(),
-        keep_checkpoints: None,
-    };
+    let options = RunOptions::unplanned(job, tmp.join("run")).expect("a plan-free placement");
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut Quiet).expect("fine-tunes");
     assert_eq!(summary.steps, 3);

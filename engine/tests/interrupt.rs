@@ -10,7 +10,7 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::model::HostParams;
 use sluice_engine::train::{
-    Devices, Event, Interrupt, Job, JobSettings, ModelSource, Observer, RunOptions, RunPlacement,
+    Devices, Event, Interrupt, Job, JobSettings, ModelSource, Observer, RunOptions,
     STATE_DIR, TrainingState,
 };
 use sluice_engine::weights::SaveDtype;
@@ -73,12 +73,7 @@ fn options(out: &Path) -> RunOptions {
             ..JobSettings::default()
         },
     };
-    RunOptions {
-        job,
-        out: out.to_path_buf(),
-        placement: RunPlacement::default(),
-        keep_checkpoints: None,
-    }
+    RunOptions::unplanned(job, out.to_path_buf()).expect("a plan-free placement")
 }
 
 fn weights(dir: &Path) -> Vec<Vec<f32>> {

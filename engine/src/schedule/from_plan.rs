@@ -1,44 +1,26 @@
 //! From the planner's placement to the streamer's options: one mapping for `sluice train`,
 //! `sluice bench train` and the appliance, so the streamer runs exactly the placement whose
-//! memory the planner budgeted.
+//! memory the planner budgeted. The options are then the one value a run carries (its
+//! `run.json` records them) into [`super::Streamer::new`].
 
 use super::{DiskOptions, ScheduleOptions};
 use crate::error::{Error, Result};
-use crate::placement::GradientTier;
-use crate::plan::{Capabilities, Plan};
+use crate::placement::{CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
+use crate::plan::{BatchShape, Capabilities, Plan};
 
-/// What the streamer implements, for [`crate::plan::PlanInput::supports`]: any checkpoint
-/// interval, every gradient tier (device store, host store, host ring) and both weight sources.
-pub const STREAMER: Capabilities = Capabilities {
-    max_checkpoint_interval: usize::MAX,
-    device_gradient_store: true,
-    gradient_ring: true,
-    bf16_gradient_store: true,
-    master_streaming: true,
-    only_gradients: None,
-    disk_moments: true,
-    moments: crate::plan::MomentsPolicy::Auto,
-    keep_activations: true,
-};
+/// What the streamer implements, for [`crate::plan::PlanInput::supports`]: every placement
+/// the planner offers (any checkpoint interval, every gradient tier, both weight sources, the
+/// disk tier, kept activations). A capability the planner gains is the streamer's only once
+/// this says so; the tests below hold the streamer to running its plans.
+pub const STREAMER: Capabilities = Capabilities::ALL;
 
 /// The streamer's options for `plan`, with `optimizer_threads` threads for AdamW (0: one per
 /// core). A placement the streamer does not implement is an error naming it, never silently
 /// approximated.
 pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<ScheduleOptions> {
     let p = &plan.placement;
-    if p.checkpoint_interval == 0 {
-        return Err(Error::invalid("the plan keeps no checkpoint (interval 0)"));
-    }
-    if p.gradients == GradientTier::HostRing && plan.clipping {
-        return Err(Error::invalid(
-            "the plan lands gradients in the ring, which cannot wait for the global norm, but \
-             clipping is on",
-        ));
-    }
-    let max_tokens = usize::try_from(plan.batch.micro_tokens())
-        .map_err(|_| Error::invalid("the micro-batch does not fit this machine's address space"))?;
-    Ok(ScheduleOptions {
-        max_tokens,
+    let options = ScheduleOptions {
+        max_tokens: micro_tokens(plan.batch)?,
         grad_accum: plan.batch.grad_accum,
         checkpoints: p.checkpoints,
         checkpoint_interval: p.checkpoint_interval,
@@ -58,7 +40,109 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
                 return Err(Error::invalid("the plan puts moments on a disk tier it has not got"));
             }
         },
-    })
+    };
+    options.check_runs(plan.batch, plan.clipping).map_err(|e| Error::invalid(format!("the plan: {e}")))?;
+    Ok(options)
+}
+
+impl ScheduleOptions {
+    /// The simplest placement for `batch`, which needs no plan: every layer's input
+    /// checkpointed on the device, nothing resident or kept, gradients in host memory (the
+    /// store with clipping, the ring without), weights streamed from a copy.
+    pub fn simplest(batch: BatchShape, clipping: bool) -> Result<ScheduleOptions> {
+        batch.check_sizes(
+            [BatchShape::MAX_SEQ_LEN, BatchShape::MAX_MICRO_BATCH, BatchShape::MAX_GRAD_ACCUM],
+            BatchShape::MAX_MICRO_TOKENS,
+        )?;
+        let options = ScheduleOptions {
+            max_tokens: micro_tokens(batch)?,
+            grad_accum: batch.grad_accum,
+            checkpoints: CheckpointTier::Device,
+            checkpoint_interval: 1,
+            optimizer_threads: 0,
+            resident: Vec::new(),
+            gradients: ScheduleOptions::host_gradients(clipping),
+            weights: WeightSource::StreamingCopy,
+            ring_slots: RING_SLOTS,
+            disk: None,
+            kept: Vec::new(),
+            kept_attention: Vec::new(),
+        };
+        options.check_runs(batch, clipping)?;
+        Ok(options)
+    }
+
+    /// Checks that these options run micro-batches of `batch` with clipping on or off: the
+    /// streamer's buffers are sized by `max_tokens`, its step takes `grad_accum` micro-batches,
+    /// and only the ring cannot wait for the global norm.
+    pub fn check_runs(&self, batch: BatchShape, clipping: bool) -> Result<()> {
+        let tokens = micro_tokens(batch)?;
+        if self.max_tokens < tokens {
+            return Err(Error::invalid(format!(
+                "the placement's buffers hold {} tokens a micro-batch, the job's micro-batches \
+                 have {tokens}",
+                self.max_tokens
+            )));
+        }
+        if self.grad_accum != batch.grad_accum {
+            return Err(Error::invalid(format!(
+                "the placement steps over {} micro-batches, the job over {}",
+                self.grad_accum, batch.grad_accum
+            )));
+        }
+        if self.checkpoint_interval == 0 {
+            return Err(Error::invalid("the placement keeps no checkpoint (interval 0)"));
+        }
+        if self.gradients == GradientTier::HostRing && clipping {
+            return Err(Error::invalid(
+                "the placement lands gradients in the ring, which cannot wait for the global \
+                 norm, but clipping is on",
+            ));
+        }
+        Ok(())
+    }
+
+    /// One line for logs and the job page: "3 of 30 units resident, checkpoints on the
+    /// device every layer, gradients wait on the device, ...".
+    pub fn describe(&self, units: usize) -> String {
+        let checkpoints = match self.checkpoints {
+            CheckpointTier::Device => "on the device",
+            CheckpointTier::Host => "in host memory",
+        };
+        let interval = match self.checkpoint_interval {
+            1 => "every layer".to_string(),
+            k => format!("every {k} layers"),
+        };
+        let gradients = match self.gradients {
+            GradientTier::DeviceStore => "gradients wait on the device",
+            GradientTier::HostStore => "gradients wait in host memory",
+            GradientTier::HostStoreBf16 => "gradients wait in host memory in bf16",
+            GradientTier::HostRing => "gradients go straight to the optimizer",
+        };
+        let weights = match self.weights {
+            WeightSource::Master => "weights stream from the fp32 master",
+            WeightSource::StreamingCopy => "weights stream from a copy",
+        };
+        let kept = match self.kept.len() {
+            0 => String::new(),
+            n => format!(", activations of {n} layers kept (no recompute)"),
+        };
+        let kept = match self.kept_attention.len() {
+            0 => kept,
+            n => format!("{kept}, attention outputs of {n} layers kept"),
+        };
+        format!(
+            "{} of {units} units resident, checkpoints {checkpoints} {interval}{kept}, \
+             {gradients}, {weights}",
+            self.resident.len()
+        )
+    }
+}
+
+/// Tokens in one micro-batch of `batch`, as the streamer sizes its buffers.
+fn micro_tokens(batch: BatchShape) -> Result<usize> {
+    usize::try_from(batch.micro_tokens())
+        .map_err(|_| Error::invalid("the micro-batch does not fit this machine's address space"))
 }
 
 #[cfg(test)]

@@ -60,8 +60,9 @@ pub type FillMoments<'a> = dyn FnMut(usize, &mut [f32], &mut [f32]) -> Result<()
 /// A check that says whether to abandon the current step (see [`Streamer::set_interrupt`]).
 pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
 
-/// How the streamer is laid out; the planner chooses these.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How the streamer is laid out: the planner's placement as the streamer runs it, made from a
+/// plan by [`from_plan::schedule_options`] only, and recorded in a run's `run.json`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ScheduleOptions {
     /// Largest micro-batch in tokens.
     pub max_tokens: usize,

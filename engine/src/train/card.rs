@@ -154,7 +154,7 @@ mod tests {
 
     use super::*;
     use crate::data::DatasetSource;
-    use crate::train::{Devices, Job, JobSettings, RunPlacement};
+    use crate::train::{Devices, Job, JobSettings};
 
     #[test]
     fn the_card_has_front_matter_settings_and_final_values() {
@@ -164,18 +164,14 @@ mod tests {
             r#"{"model_type": "llama", "_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}"#,
         )
         .unwrap();
-        let options = RunOptions {
-            job: Job {
-                model: ModelSource::Dir(PathBuf::from("/models/smol")),
-                data: DatasetSource::File(PathBuf::from("/data/qa.jsonl")),
-                eval_data: None,
-                devices: Devices::Cpu,
-                settings: JobSettings { lr: Some(2e-5), ..JobSettings::default() },
-            },
-            out: dir.path().to_path_buf(),
-            placement: RunPlacement::default(),
-            keep_checkpoints: None,
+        let job = Job {
+            model: ModelSource::Dir(PathBuf::from("/models/smol")),
+            data: DatasetSource::File(PathBuf::from("/data/qa.jsonl")),
+            eval_data: None,
+            devices: Devices::Cpu,
+            settings: JobSettings { lr: Some(2e-5), ..JobSettings::default() },
         };
+        let options = RunOptions::unplanned(job, dir.path().to_path_buf()).unwrap();
         let mut curves = Curves::from_step(0);
         curves.step = 12;
         curves.loss = Some(1.23456);

@@ -5,7 +5,7 @@
 //! same messages (which name each setting by its JSON field).
 //!
 //! A job is what a user asks for; the [`super::RunOptions`] a run executes add the run folder
-//! and the planner's placement ([`super::RunPlacement`]).
+//! and the planner's placement (the streamer's [`crate::schedule::ScheduleOptions`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -402,6 +402,230 @@ impl JobSettings {
     }
 }
 
+/// A setting as the command line, the API's description and the form show it. `sluice train`
+/// makes a flag of each (`--seq-len` for `seq_len`) and the appliance's
+/// `GET /api/job-defaults` lists them, so a new setting is a field of [`JobSettings`], its
+/// entry in [`JobSettings::FIELDS`], its check in [`JobSettings::validate`] and its use.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SettingDoc {
+    /// The JSON field; the flag is the same with dashes.
+    pub name: &'static str,
+    /// What it does, for a user.
+    pub help: &'static str,
+    /// The value's name in a usage line (`N`, `RATE`, ...).
+    pub value: &'static str,
+    /// The words a choice may be; empty for a number or a switch.
+    pub choices: &'static [&'static str],
+    /// The smallest value allowed (for a number; a fraction or rate must be above it when
+    /// `above` is set).
+    pub min: Option<f64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub above: bool,
+    /// The largest value allowed, before a deployment's [`Limits`] lower it (a client sees it
+    /// under the limits, [`SettingView::max_value`]).
+    #[serde(skip)]
+    pub max: Option<Max>,
+}
+
+/// Where a setting's largest value comes from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Max {
+    Value(f64),
+    /// [`Limits::max_steps`].
+    Steps,
+    /// [`Limits::max_seq_len`].
+    SeqLen,
+    /// [`Limits::max_micro_batch`].
+    MicroBatch,
+    /// [`Limits::max_grad_accum`].
+    GradAccum,
+}
+
+impl Max {
+    /// The bound under `limits`.
+    pub fn under(self, limits: &Limits) -> f64 {
+        match self {
+            Max::Value(v) => v,
+            Max::Steps => limits.max_steps as f64,
+            Max::SeqLen => limits.max_seq_len as f64,
+            Max::MicroBatch => limits.max_micro_batch as f64,
+            Max::GradAccum => limits.max_grad_accum as f64,
+        }
+    }
+}
+
+/// A setting's description with its bounds under a deployment's limits and its default.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SettingView {
+    #[serde(flatten)]
+    pub doc: SettingDoc,
+    /// [`SettingDoc::max`] under the limits.
+    #[serde(rename = "max")]
+    pub max_value: Option<f64>,
+    /// The value a job takes when the setting is left out (`null`: decided by the job, as
+    /// the learning rate by its model and the steps by its data).
+    pub default: serde_json::Value,
+}
+
+/// What a client needs to offer a job's settings without copying a constant: every setting
+/// with its default, bounds and choices, the learning rates a job takes without one, and the
+/// limits they fall under.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SettingsGuide {
+    pub settings: Vec<SettingView>,
+    /// The learning rate for a model folder and for a random-init preset.
+    pub lr_pretrained: f32,
+    pub lr_random_init: f32,
+    pub limits: Limits,
+}
+
+const NO_CHOICE: &[&str] = &[];
+
+const fn doc(name: &'static str, value: &'static str, help: &'static str) -> SettingDoc {
+    SettingDoc { name, help, value, choices: NO_CHOICE, min: None, above: false, max: None }
+}
+
+const fn count(name: &'static str, min: f64, max: Max, help: &'static str) -> SettingDoc {
+    SettingDoc { min: Some(min), max: Some(max), ..doc(name, "N", help) }
+}
+
+const fn choice(name: &'static str, choices: &'static [&'static str], help: &'static str) -> SettingDoc {
+    SettingDoc { choices, ..doc(name, "CHOICE", help) }
+}
+
+impl JobSettings {
+    /// Every setting, in the order a form or a usage line shows them; one entry per field
+    /// (a unit test holds the two together).
+    pub const FIELDS: [SettingDoc; 17] = [
+        count("seq_len", 1.0, Max::SeqLen, "Tokens per packed row."),
+        count("micro_batch", 1.0, Max::MicroBatch, "Rows per micro-batch."),
+        count("grad_accum", 1.0, Max::GradAccum, "Micro-batches per optimizer step."),
+        count("steps", 1.0, Max::Steps, "Optimizer steps [default: one pass over the data]."),
+        SettingDoc {
+            min: Some(0.0),
+            above: true,
+            max: Some(Max::Value(1.0)),
+            ..doc(
+                "lr",
+                "RATE",
+                "Peak learning rate [default: 2e-5 for a model folder, 1e-3 for a random-init \
+                 preset].",
+            )
+        },
+        choice(
+            "schedule",
+            &["constant", "linear", "cosine"],
+            "Learning-rate schedule after warmup.",
+        ),
+        count("warmup", 0.0, Max::Steps, "Steps of linear warmup."),
+        SettingDoc {
+            min: Some(0.0),
+            max: Some(Max::Value(1.0)),
+            ..doc("weight_decay", "DECAY", "AdamW's decoupled weight decay, matrices only.")
+        },
+        SettingDoc {
+            min: Some(0.0),
+            ..doc(
+                "max_grad_norm",
+                "NORM",
+                "Clip the global gradient norm to this; 0 turns clipping off.",
+            )
+        },
+        choice(
+            "gradients",
+            &GradientPolicy::NAMES,
+            "Where gradients wait for the norm while clipping: auto (the most exact that fits; \
+             of the two fp32 stores, the faster), device (fp32 in GPU memory), host (fp32 in \
+             host memory) or host_bf16 (rounded to bf16 in host memory after an fp32 norm: \
+             half the host bytes).",
+        ),
+        choice(
+            "moments",
+            &MomentsPolicy::NAMES,
+            "Where the Adam moments live: host memory and, where it runs short, the disk tier \
+             (auto), host memory only (host), or every unit's on the disk tier (disk).",
+        ),
+        SettingDoc {
+            min: Some(0.0),
+            ..doc("seed", "SEED", "Seed for random initialisation and the order of samples.")
+        },
+        doc(
+            "train_on_prompt",
+            "",
+            "Compute the loss on prompt tokens too, not only on assistant turns.",
+        ),
+        count(
+            "save_every",
+            1.0,
+            Max::Steps,
+            "Also save a checkpoint (and the resumable state) every N steps.",
+        ),
+        choice(
+            "save_dtype",
+            &["bf16", "f32"],
+            "Precision of saved weights: bf16 (half the size) or f32 (the exact master \
+             weights); the resumable state is always f32.",
+        ),
+        count(
+            "eval_every",
+            1.0,
+            Max::Steps,
+            "Report the held-out loss every N steps (and after the last).",
+        ),
+        SettingDoc {
+            min: Some(0.0),
+            above: true,
+            max: Some(Max::Value(0.5)),
+            ..doc(
+                "held_out",
+                "FRACTION",
+                "Without a separate evaluation dataset, the fraction of the data held out for \
+                 evaluation when eval_every is set.",
+            )
+        },
+    ];
+
+    /// The settings as a client offers them under `limits`.
+    pub fn guide(limits: &Limits) -> SettingsGuide {
+        let defaults = serde_json::to_value(JobSettings::default()).unwrap_or_default();
+        let settings = Self::FIELDS
+            .iter()
+            .map(|doc| SettingView {
+                doc: *doc,
+                max_value: doc.max.map(|m| m.under(limits)),
+                default: defaults.get(doc.name).cloned().unwrap_or_default(),
+            })
+            .collect();
+        SettingsGuide {
+            settings,
+            lr_pretrained: DEFAULT_LR_PRETRAINED,
+            lr_random_init: DEFAULT_LR_RANDOM_INIT,
+            limits: *limits,
+        }
+    }
+
+    /// The settings that differ from the defaults, as JSON fields in [`Self::FIELDS`]' order
+    /// (`always` are listed even at their default): what a command line or a summary shows.
+    /// Numbers read as written (`2e-5`, not the f32's f64 expansion).
+    pub fn changed(&self, always: &[&str]) -> Vec<(&'static str, serde_json::Value)> {
+        let json = |s: &JobSettings| {
+            serde_json::to_string(s)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .unwrap_or_default()
+        };
+        let (mine, defaults) = (json(self), json(&JobSettings::default()));
+        Self::FIELDS
+            .iter()
+            .filter_map(|doc| {
+                let value = mine.get(doc.name).cloned().unwrap_or_default();
+                let differs = Some(&value) != defaults.get(doc.name);
+                (differs || always.contains(&doc.name)).then_some((doc.name, value))
+            })
+            .collect()
+    }
+}
+
 /// A whole job: what to train, on what, where, and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Job {
@@ -486,6 +710,56 @@ mod tests {
         let json: Devices = serde_json::from_str("\"cuda:1,0\"").expect("json");
         assert_eq!(json, Devices::Cuda(vec![1, 0]));
         assert!(serde_json::from_str::<Devices>("\"tpu\"").is_err());
+    }
+
+    #[test]
+    fn every_setting_is_described_once_with_the_bounds_validate_holds() {
+        let defaults = serde_json::to_value(JobSettings::default()).expect("json");
+        let fields: Vec<&str> = defaults.as_object().expect("object").keys().map(|k| &**k).collect();
+        let described: Vec<&str> = JobSettings::FIELDS.iter().map(|d| d.name).collect();
+        let mut sorted = described.clone();
+        sorted.sort_unstable();
+        let mut fields_sorted = fields.clone();
+        fields_sorted.sort_unstable();
+        assert_eq!(sorted, fields_sorted, "every field of JobSettings has one entry in FIELDS");
+
+        let limits = Limits::ENGINE.at_most(1000, 4096);
+        let with = |name: &str, value: serde_json::Value| {
+            let mut map = serde_json::Map::new();
+            map.insert(name.to_string(), value);
+            // The ring needs clipping off only for gradients; every other field stands alone.
+            JobSettings::from_json(map).and_then(|s| s.validate(&limits))
+        };
+        for doc in JobSettings::FIELDS {
+            for choice in doc.choices {
+                with(doc.name, (*choice).into()).expect(choice);
+            }
+            if let Some(max) = doc.max {
+                let max = max.under(&limits);
+                with(doc.name, max.into()).unwrap_or_else(|e| panic!("{}: {max}: {e}", doc.name));
+                let past = if max.fract() == 0.0 && max > 1.0 { max + 1.0 } else { max * 1.01 };
+                let e = with(doc.name, past.into()).expect_err(doc.name).to_string();
+                assert!(e.starts_with(doc.name), "{}: {e}", doc.name);
+            }
+            if let Some(min) = doc.min {
+                let result = with(doc.name, min.into());
+                assert_eq!(result.is_err(), doc.above, "{} at its minimum {min}", doc.name);
+                let below = if doc.above { -1e-3 } else { min - 1.0 };
+                assert!(with(doc.name, below.into()).is_err(), "{} below {min}", doc.name);
+            }
+        }
+        let guide = JobSettings::guide(&limits);
+        let seq = guide.settings.iter().find(|v| v.doc.name == "seq_len").expect("seq_len");
+        assert_eq!((seq.max_value, seq.default.as_u64()), (Some(4096.0), Some(256)));
+    }
+
+    #[test]
+    fn changed_lists_what_differs_in_field_order_with_numbers_as_written() {
+        let s = JobSettings { lr: Some(2e-5), seed: 3, ..JobSettings::default() };
+        let changed = s.changed(&["seq_len"]);
+        let names: Vec<&str> = changed.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["seq_len", "lr", "seed"]);
+        assert_eq!(changed[1].1.to_string(), "2e-5");
     }
 
     #[test]

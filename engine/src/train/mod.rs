@@ -17,12 +17,12 @@ pub use crate::schedule::Interrupt;
 pub use card::{CARD_FILE, Curves, model_card, write_model_card};
 pub use job::{
     DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, GradientPolicy, Job, JobSettings,
-    Limits,
+    Limits, Max, SettingDoc, SettingView, SettingsGuide,
 };
 pub use launch::run_on;
 pub use run::{
-    LoadedModel, ModelSource, RunOptions, RunPlacement, RunSummary, load_model, model_spec,
-    read_run_options, run, run_parallel, save_checkpoint,
+    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_job, run,
+    run_parallel, save_checkpoint,
 };
 pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;

@@ -16,12 +16,9 @@ use crate::backend::{AllReduce, Backend};
 use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
-use crate::placement::{CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
-use crate::schedule::{
-    DataParallel, DiskOptions, FillMoments, Interrupt, ScheduleOptions, Streamer,
-};
+use crate::schedule::{DataParallel, FillMoments, Interrupt, ScheduleOptions, Streamer};
 use crate::spec::{self, ModelSpec};
 use crate::store::{HostStore, StoreBytes};
 use crate::weights::{
@@ -54,123 +51,22 @@ pub enum ModelSource {
     Preset(String),
 }
 
-/// What a run executes: the job, its run folder and the planner's placement; saved as
-/// `OUT/run.json` so a resume continues with exactly the same options.
+/// What a run executes: the job, its run folder and the planner's placement as the streamer
+/// runs it; saved as `OUT/run.json`. A resume reads the job back from it and plans again for
+/// the machine it resumes on (placement changes no result).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RunOptions {
     pub job: Job,
     /// Run folder: checkpoints go to `OUT/checkpoint-<step>` and `OUT/final`, the resumable
     /// state to `OUT/state`.
     pub out: PathBuf,
-    #[serde(default)]
-    pub placement: RunPlacement,
+    /// Where the streamer keeps things: [`schedule_options`] of the job's plan, the one mapping
+    /// from a plan to the streamer.
+    pub placement: ScheduleOptions,
     /// Keep only the latest N `checkpoint-<step>` folders and the best by held-out loss
     /// (`retention`); `None` keeps every one.
     #[serde(default)]
     pub keep_checkpoints: Option<usize>,
-}
-
-/// Where the streamer keeps things: the planner's choice ([`RunOptions::planned`]).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RunPlacement {
-    /// Where layer inputs wait between forward and backward.
-    pub checkpoints: CheckpointTier,
-    /// Keep every K-th layer's input only (1: every layer's).
-    pub checkpoint_interval: usize,
-    /// Units whose weights stay on the device.
-    pub resident: Vec<usize>,
-    /// Where weight gradients wait for the optimizer; `None`: the host store with clipping,
-    /// the ring without.
-    pub gradients: Option<GradientTier>,
-    /// What weights stream from; `None` (a run recorded before the choice existed): a
-    /// streaming copy.
-    #[serde(default)]
-    pub weights: Option<WeightSource>,
-    /// Slots of the host gradient ring; `None` (a run recorded before the choice existed):
-    /// [`RING_SLOTS`].
-    #[serde(default)]
-    pub ring_slots: Option<usize>,
-    /// Units whose Adam moments live on the disk tier, and its folder; `None`: host memory.
-    #[serde(default)]
-    pub disk: Option<DiskOptions>,
-    /// Decoder layers whose activations stay on the device between forward and backward.
-    #[serde(default)]
-    pub kept: Vec<usize>,
-    /// Decoder layers whose attention output stays on the device (the rest is recomputed).
-    #[serde(default)]
-    pub kept_attention: Vec<usize>,
-}
-
-impl Default for RunPlacement {
-    /// The simplest placement: every layer's input checkpointed on the device, nothing
-    /// resident, gradients on the host.
-    fn default() -> Self {
-        RunPlacement {
-            checkpoints: CheckpointTier::Device,
-            checkpoint_interval: 1,
-            resident: Vec::new(),
-            gradients: None,
-            weights: None,
-            ring_slots: None,
-            disk: None,
-            kept: Vec::new(),
-            kept_attention: Vec::new(),
-        }
-    }
-}
-
-impl RunPlacement {
-    /// The placement `plan` chose, as the streamer runs it.
-    pub fn of(plan: &Plan) -> Result<RunPlacement> {
-        let schedule = schedule_options(plan, 0)?;
-        Ok(RunPlacement {
-            checkpoints: schedule.checkpoints,
-            checkpoint_interval: schedule.checkpoint_interval,
-            resident: schedule.resident,
-            gradients: Some(schedule.gradients),
-            weights: Some(schedule.weights),
-            ring_slots: Some(schedule.ring_slots),
-            disk: schedule.disk,
-            kept: schedule.kept,
-            kept_attention: schedule.kept_attention,
-        })
-    }
-
-    /// One line for logs and the job page: "3 of 30 units resident, checkpoints on the
-    /// device every layer, gradients wait on the device".
-    pub fn describe(&self, units: usize) -> String {
-        let checkpoints = match self.checkpoints {
-            CheckpointTier::Device => "on the device",
-            CheckpointTier::Host => "in host memory",
-        };
-        let interval = match self.checkpoint_interval {
-            1 => "every layer".to_string(),
-            k => format!("every {k} layers"),
-        };
-        let gradients = match self.gradients {
-            Some(GradientTier::DeviceStore) => "gradients wait on the device",
-            Some(GradientTier::HostStore) | None => "gradients wait in host memory",
-            Some(GradientTier::HostStoreBf16) => "gradients wait in host memory in bf16",
-            Some(GradientTier::HostRing) => "gradients go straight to the optimizer",
-        };
-        let weights = match self.weights {
-            Some(WeightSource::Master) => "weights stream from the fp32 master",
-            Some(WeightSource::StreamingCopy) | None => "weights stream from a copy",
-        };
-        let kept = match self.kept.len() {
-            0 => String::new(),
-            n => format!(", activations of {n} layers kept (no recompute)"),
-        };
-        let kept = match self.kept_attention.len() {
-            0 => kept,
-            n => format!("{kept}, attention outputs of {n} layers kept"),
-        };
-        format!(
-            "{} of {units} units resident, checkpoints {checkpoints} {interval}{kept}, \
-             {gradients}, {weights}",
-            self.resident.len()
-        )
-    }
 }
 
 /// What a finished run reports.
@@ -260,9 +156,29 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
 
 impl RunOptions {
     /// The run of `job` in `out` with the placement of `plan` (the planner's answer for this
-    /// job on this machine): what `sluice train` and the appliance's runner execute.
+    /// job on this machine): what `sluice train` and the appliance's runner execute. A plan made
+    /// for another batch shape or clipping mode is refused.
     pub fn planned(job: Job, out: PathBuf, plan: &Plan) -> Result<RunOptions> {
-        Ok(RunOptions { job, out, placement: RunPlacement::of(plan)?, keep_checkpoints: None })
+        let s = &job.settings;
+        if plan.batch != s.batch() || plan.clipping != s.clipping() {
+            return Err(Error::invalid(format!(
+                "the plan is for {:?} with clipping {}, the job asks for {:?} with clipping {}",
+                plan.batch,
+                plan.clipping,
+                s.batch(),
+                s.clipping()
+            )));
+        }
+        let placement = schedule_options(plan, 0)?;
+        Ok(RunOptions { job, out, placement, keep_checkpoints: None })
+    }
+
+    /// The run of `job` in `out` with the simplest placement, which needs no plan: every
+    /// layer's input checkpointed on the device, nothing resident, gradients in host memory.
+    /// For tests on the CPU backend, where placement changes no result.
+    pub fn unplanned(job: Job, out: PathBuf) -> Result<RunOptions> {
+        let placement = ScheduleOptions::simplest(job.settings.batch(), job.settings.clipping())?;
+        Ok(RunOptions { job, out, placement, keep_checkpoints: None })
     }
 }
 
@@ -286,12 +202,22 @@ pub fn save_checkpoint(
     }
 }
 
-/// Reads the options a run folder was started with.
-pub fn read_run_options(out: &Path) -> Result<RunOptions> {
+/// Reads the job a run folder was started with, validated again: what a resume continues.
+/// Only the job is read, so a `run.json` whose placement was recorded in an older shape still
+/// resumes (the placement is planned again for the machine that resumes it).
+pub fn read_run_job(out: &Path) -> Result<Job> {
+    #[derive(serde::Deserialize)]
+    struct RunFile {
+        job: Job,
+    }
     let path = out.join(RUN_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    serde_json::from_str(&text)
-        .map_err(|e| Error::invalid(format!("{}: not a run description: {e}", path.display())))
+    let run: RunFile = serde_json::from_str(&text)
+        .map_err(|e| Error::invalid(format!("{}: not a run description: {e}", path.display())))?;
+    run.job
+        .validate(&Limits::ENGINE)
+        .map_err(|e| Error::invalid(format!("{}: {e}", path.display())))?;
+    Ok(run.job)
 }
 
 /// Trains `options.job.model` on `options.job.data` and writes checkpoints; reports progress to
@@ -480,23 +406,8 @@ fn run_with<S: Stepper>(
 
     let mut config = job.train_config();
     config.total_steps = steps;
-    let placement = &options.placement;
-    let schedule = ScheduleOptions {
-        max_tokens: settings.micro_batch * settings.seq_len,
-        grad_accum: per_step,
-        checkpoints: placement.checkpoints,
-        checkpoint_interval: placement.checkpoint_interval,
-        optimizer_threads: 0,
-        resident: placement.resident.clone(),
-        gradients: placement
-            .gradients
-            .unwrap_or_else(|| ScheduleOptions::host_gradients(config.max_grad_norm.is_some())),
-        weights: placement.weights.unwrap_or(WeightSource::StreamingCopy),
-        ring_slots: placement.ring_slots.unwrap_or(RING_SLOTS),
-        disk: placement.disk.clone(),
-        kept: placement.kept.clone(),
-        kept_attention: placement.kept_attention.clone(),
-    };
+    let schedule = options.placement.clone();
+    schedule.check_runs(settings.batch(), config.max_grad_norm.is_some())?;
     // The streamer takes the weights it starts from; no copy stays behind (at 7B a copy of
     // the f32 master is 30 GB the host store needs).
     let initial = std::mem::take(&mut model.params.units);

@@ -36,13 +36,16 @@ use sluice_engine::backend::cuda::{Cuda, Gap, OpClass, OpProfile, OpTime};
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
+use sluice_engine::data::DatasetSource;
 use sluice_engine::plan::{
     BatchShape, Capabilities, GradientTier, MachineRates, Plan, PlanInput, Verdict, plan,
 };
-use sluice_engine::schedule::from_plan::{STREAMER, schedule_options};
+use sluice_engine::schedule::from_plan::schedule_options;
 use sluice_engine::schedule::{ScheduleOptions, Streamer};
 use sluice_engine::spec::ModelSpec;
-use sluice_engine::train::{ModelSource, TrainConfig, model_spec};
+use sluice_engine::train::{
+    GradientPolicy, Job, JobSettings, Limits, ModelSource, TrainConfig, model_spec,
+};
 use sluice_engine::weights::{
     DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, TensorRef, save_hf_folder, write_safetensors,
 };
@@ -197,7 +200,9 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         (None, _) => model_spec(&source)?,
     };
-    let plan = plan_job(&args, &spec, device)?;
+    let job = bench_job(&args, &source, device);
+    job.validate(&Limits::ENGINE)?;
+    let plan = plan_job(&args, &job, &spec)?;
     let options = schedule_options(&plan, args.optimizer_threads)?;
     print_plan(&plan);
     match device {
@@ -212,27 +217,51 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The planner's verdict for the job on this machine; a refusal prints what `sluice plan` does.
-fn plan_job(args: &TrainArgs, spec: &ModelSpec, device: Device) -> anyhow::Result<Plan> {
-    let moments = args.shape.moments.unwrap_or_default();
+/// The job bench train runs, as `sluice train` would describe it: the flags' model, devices,
+/// batch shape, clipping, gradient and moments policies; its data is the synthetic tokens, so
+/// the job's data is a name that is never read.
+fn bench_job(args: &TrainArgs, source: &ModelSource, device: Device) -> Job {
+    let gradients = match args.gradients.map(GradientTier::from) {
+        Some(tier) => GradientPolicy::asking_for(tier).unwrap_or_default(),
+        None => GradientPolicy::Auto,
+    };
+    let batch = args.shape.batch();
+    Job {
+        model: source.clone(),
+        data: DatasetSource::File("synthetic tokens".into()),
+        eval_data: None,
+        devices: device.devices(),
+        settings: JobSettings {
+            seq_len: batch.seq_len,
+            micro_batch: batch.micro_batch,
+            grad_accum: batch.grad_accum,
+            max_grad_norm: if args.no_clip { 0.0 } else { JobSettings::default().max_grad_norm },
+            gradients,
+            moments: args.shape.moments.unwrap_or_default(),
+            seed: args.seed,
+            ..JobSettings::default()
+        },
+    }
+}
+
+/// The planner's verdict for `job` on this machine (what `sluice train` plans, through
+/// [`Job::plan_input`]); a refusal prints what `sluice plan` does.
+fn plan_job(args: &TrainArgs, job: &Job, spec: &ModelSpec) -> anyhow::Result<Plan> {
+    let moments = job.settings.moments;
     let memory = args
         .shape
-        .memory(device.gpu_query(), moments)
-        .with_context(|| format!("the machine of {device}"))?;
-    let input = PlanInput {
-        spec,
-        batch: args.shape.batch(),
-        clipping: !args.no_clip,
-        memory,
-        rates: MachineRates::default(),
-        supports: Capabilities {
-            master_streaming: !args.streaming_copy,
-            only_gradients: args.gradients.map(GradientTier::from),
-            moments,
-            ..STREAMER
-        },
-        gpus: 1,
-    };
+        .memory(job.devices.gpu_query(), moments)
+        .with_context(|| format!("the machine of {}", job.devices))?;
+    let mut input = job.plan_input(spec, memory);
+    // Measurements the job settings do not express: the bf16 copy where the planner would
+    // stream the master, and the ring (which a job asks for by turning clipping off).
+    input.supports.master_streaming = !args.streaming_copy;
+    if let Some(GradientsArg::Ring) = args.gradients {
+        input.supports.only_gradients = Some(GradientTier::HostRing);
+    }
+    // bench train times GPUs at the GPU's rates whatever device it runs on (the CPU backend
+    // has no step-time model).
+    input.rates = MachineRates::default();
     // A check writes every tensor's gradient only from the device store (the other tiers reuse
     // their buffers unit after unit): where the planner would put them elsewhere, it is asked
     // for the device store first, and the check falls back to norms only where that does not fit.

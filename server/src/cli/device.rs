@@ -49,6 +49,14 @@ impl Device {
         }
     }
 
+    /// This device as a job names it.
+    pub(crate) fn devices(self) -> Devices {
+        match self {
+            Device::Cpu => Devices::Cpu,
+            Device::Cuda(n) => Devices::Cuda(vec![n]),
+        }
+    }
+
     /// Which memory the planner reads for a job on this device.
     pub(crate) fn gpu_query(self) -> GpuQuery {
         match self {

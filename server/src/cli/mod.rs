@@ -14,6 +14,7 @@ mod import_gguf;
 mod plan;
 mod pull;
 mod serve;
+mod settings;
 mod shape;
 pub(crate) mod train;
 

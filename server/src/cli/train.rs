@@ -4,16 +4,16 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use serde_json::Value;
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_engine::data::{Columns, DatasetSource, ReadOptions};
-use sluice_engine::optim::Schedule;
 use sluice_engine::plan::{CheckpointTier, Plan, Verdict, plan};
 use sluice_engine::train::{
     Devices, Event, GradientPolicy, Job, JobSettings, ModelSource, Observer, RunOptions,
-    model_spec, read_run_options, run_on,
+    model_spec, read_run_job, run_on,
 };
-use sluice_engine::weights::SaveDtype;
 
+use super::settings::{self, SettingsFlags};
 use super::shape::ShapeArgs;
 
 /// Every setting is optional here: what is not given is the engine's default
@@ -25,11 +25,8 @@ pub(crate) struct TrainArgs {
     /// options it was started with (no other option but --device, the memory limits and where
     /// the Adam moments live: --moments, --disk-dir, which change no result).
     #[arg(long, value_name = "OUT", conflicts_with_all = [
-        "model", "preset", "data", "dataset", "out", "steps", "seq_len", "micro_batch", "grad_accum",
-        "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "gradients", "seed",
-        "train_on_prompt",
-        "save_every", "save_dtype", "eval_every", "eval_data", "held_out", "skip_invalid",
-        "columns",
+        "model", "preset", "data", "dataset", "out", "seq_len", "micro_batch", "grad_accum",
+        "eval_data", "skip_invalid", "columns", settings::GROUP,
     ])]
     resume: Option<PathBuf>,
 
@@ -59,62 +56,10 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
 
-    /// Optimizer steps [default: one pass over the data].
-    #[arg(long)]
-    steps: Option<u64>,
-
-    /// Peak learning rate [default: 2e-5 for a model folder, 1e-3 for a random-init preset].
-    #[arg(long)]
-    lr: Option<f32>,
-
-    /// Learning-rate schedule after warmup: constant, linear or cosine [default: cosine].
-    #[arg(long)]
-    schedule: Option<Schedule>,
-
-    /// Linear warmup steps [default: 0].
-    #[arg(long)]
-    warmup: Option<u64>,
-
-    /// AdamW weight decay, matrices only [default: 0].
-    #[arg(long)]
-    weight_decay: Option<f32>,
-
-    /// Clip the global gradient norm to this; 0 turns clipping off [default: 1].
-    #[arg(long)]
-    max_grad_norm: Option<f32>,
-
-    /// Where gradients wait for the norm while clipping: auto (the most exact that fits; of
-    /// the two fp32 stores, the faster),
-    /// device (fp32 in GPU memory), host (fp32 in host memory) or host-bf16 (rounded to bf16
-    /// in host memory after an fp32 norm: half the host bytes); `sluice plan` lists each with
-    /// its memory [default: auto].
-    #[arg(long, value_name = "POLICY")]
-    gradients: Option<GradientPolicy>,
-
-    /// Seed for initialisation and data order [default: 0].
-    #[arg(long)]
-    seed: Option<u64>,
-
-    /// Compute the loss on prompt tokens too, not only on assistant turns.
-    #[arg(long)]
-    train_on_prompt: bool,
-
-    /// Also save a checkpoint (and the resumable state) every N steps.
-    #[arg(long, value_name = "N")]
-    save_every: Option<u64>,
-
-    /// Precision of saved weights: bf16 (half the size) or f32 (the exact master weights)
-    /// [default: bf16; the resumable state is always f32].
-    #[arg(long, value_parser = ["f32", "bf16"])]
-    save_dtype: Option<String>,
-
-    /// Report the held-out loss every N steps (and after the last).
-    #[arg(long, value_name = "N")]
-    eval_every: Option<u64>,
-
-    /// Without --eval-data, the fraction of the data held out for evaluation [default: 0.05].
-    #[arg(long, value_name = "FRACTION")]
-    held_out: Option<f64>,
+    /// Every setting of the job but the batch shape and the moments policy (those are with
+    /// the shape flags above), one flag per engine setting.
+    #[command(flatten)]
+    settings: SettingsFlags,
 
     /// Evaluate on this held-out dataset (same formats as --data) instead of part of the
     /// data: its loss before the first step, every --eval-every steps and after the last.
@@ -126,7 +71,7 @@ pub(crate) fn run(args: TrainArgs) -> anyhow::Result<()> {
     let shape = args.shape.clone();
     let (job, out, resume) = match &args.resume {
         Some(out) => {
-            let mut job = read_run_options(out).context("cannot resume")?.job;
+            let mut job = read_run_job(out).context("cannot resume")?;
             if let Some(devices) = args.shape.device.clone() {
                 job.devices = devices;
             }
@@ -198,31 +143,20 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
     };
     let columns = Columns::parse(args.columns.as_deref().unwrap_or_default())?;
     let data = data.with(ReadOptions { columns, skip_invalid: args.skip_invalid });
-    let d = JobSettings::default();
-    let batch = args.shape.batch();
-    let settings = JobSettings {
-        seq_len: batch.seq_len,
-        micro_batch: batch.micro_batch,
-        grad_accum: batch.grad_accum,
-        steps: args.steps,
-        lr: args.lr,
-        schedule: args.schedule.unwrap_or(d.schedule),
-        warmup: args.warmup.unwrap_or(d.warmup),
-        weight_decay: args.weight_decay.unwrap_or(d.weight_decay),
-        max_grad_norm: args.max_grad_norm.unwrap_or(d.max_grad_norm),
-        gradients: args.gradients.unwrap_or(d.gradients),
-        moments: args.shape.moments.unwrap_or(d.moments),
-        seed: args.seed.unwrap_or(d.seed),
-        train_on_prompt: args.train_on_prompt,
-        save_every: args.save_every,
-        save_dtype: match args.save_dtype.as_deref() {
-            Some("f32") => SaveDtype::F32,
-            Some(_) => SaveDtype::Bf16,
-            None => d.save_dtype,
-        },
-        eval_every: args.eval_every,
-        held_out: args.held_out.unwrap_or(d.held_out),
-    };
+    // The settings as the API would receive them: the shape flags given, then the rest.
+    let mut fields = args.settings.given;
+    let shape = [
+        ("seq_len", args.shape.seq_len.map(Value::from)),
+        ("micro_batch", args.shape.micro_batch.map(Value::from)),
+        ("grad_accum", args.shape.grad_accum.map(Value::from)),
+        ("moments", args.shape.moments.map(|m| Value::from(m.to_string()))),
+    ];
+    for (name, value) in shape {
+        if let Some(value) = value {
+            fields.insert(name.to_string(), value);
+        }
+    }
+    let settings = JobSettings::from_json(fields)?;
     let job = Job {
         model,
         data,
@@ -238,75 +172,41 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
 /// what the appliance shows beside a job. Settings at their defaults are left out.
 pub(crate) fn command_line(job: &Job) -> String {
     let mut words: Vec<String> = vec!["sluice".into(), "train".into()];
-    let mut flag = |name: &str, value: String| {
+    // A flag and its value, or a switch alone.
+    let mut flag = |name: &str, value: Option<String>| {
         words.push(format!("--{name}"));
-        words.push(value);
+        words.extend(value);
     };
     let path = |p: &Path| p.display().to_string();
     match &job.model {
-        ModelSource::Dir(dir) => flag("model", path(dir)),
-        ModelSource::Preset(name) => flag("preset", name.clone()),
+        ModelSource::Dir(dir) => flag("model", Some(path(dir))),
+        ModelSource::Preset(name) => flag("preset", Some(name.clone())),
     }
-    flag("data", path(job.data.path()));
+    flag("data", Some(path(job.data.path())));
     if let DatasetSource::Registry { name, .. } = job.data.clone().with(ReadOptions::default()) {
-        flag("dataset", name);
+        flag("dataset", Some(name));
     }
     let read = job.data.read_options();
     if !read.columns.is_empty() {
-        flag("columns", read.columns.to_flag());
+        flag("columns", Some(read.columns.to_flag()));
     }
     if let Some(eval) = &job.eval_data {
-        flag("eval-data", path(eval.path()));
+        flag("eval-data", Some(path(eval.path())));
     }
-    flag("device", job.devices.to_string());
-    let (s, d) = (&job.settings, JobSettings::default());
-    if let Some(steps) = s.steps {
-        flag("steps", steps.to_string());
-    }
-    flag("seq-len", s.seq_len.to_string());
-    flag("micro-batch", s.micro_batch.to_string());
-    flag("grad-accum", s.grad_accum.to_string());
-    if let Some(lr) = s.lr {
-        flag("lr", format!("{lr:e}"));
-    }
-    if s.schedule != d.schedule {
-        flag("schedule", s.schedule.to_string());
-    }
-    if s.warmup != d.warmup {
-        flag("warmup", s.warmup.to_string());
-    }
-    if s.weight_decay != d.weight_decay {
-        flag("weight-decay", s.weight_decay.to_string());
-    }
-    if s.max_grad_norm != d.max_grad_norm {
-        flag("max-grad-norm", s.max_grad_norm.to_string());
-    }
-    if s.gradients != d.gradients {
-        flag("gradients", s.gradients.to_string());
-    }
-    if s.moments != d.moments {
-        flag("moments", s.moments.to_string());
-    }
-    if s.seed != d.seed {
-        flag("seed", s.seed.to_string());
-    }
-    if let Some(n) = s.save_every {
-        flag("save-every", n.to_string());
-    }
-    if s.save_dtype != d.save_dtype {
-        flag("save-dtype", s.save_dtype.to_string());
-    }
-    if let Some(n) = s.eval_every {
-        flag("eval-every", n.to_string());
-    }
-    if s.held_out != d.held_out {
-        flag("held-out", s.held_out.to_string());
-    }
-    if s.train_on_prompt {
-        words.push("--train-on-prompt".into());
+    flag("device", Some(job.devices.to_string()));
+    // Every setting that differs from its default, the batch shape always; each flag is the
+    // setting's name with dashes (`settings.rs`).
+    for (name, value) in job.settings.changed(&["seq_len", "micro_batch", "grad_accum"]) {
+        let name = name.replace('_', "-");
+        match value {
+            Value::Bool(true) => flag(&name, None),
+            Value::Bool(false) | Value::Null => {}
+            Value::String(text) => flag(&name, Some(text)),
+            number => flag(&name, Some(number.to_string())),
+        }
     }
     if job.data.skips_invalid() {
-        words.push("--skip-invalid".into());
+        flag("skip-invalid", None);
     }
     words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
 }
@@ -468,7 +368,9 @@ impl Observer for Printer {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+    use sluice_engine::optim::Schedule;
     use sluice_engine::plan::MomentsPolicy;
+    use sluice_engine::weights::SaveDtype;
 
     use super::*;
 

@@ -12,7 +12,8 @@
 use serde::Serialize;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
 use sluice_engine::spec::ModelSpec;
-use sluice_engine::train::{Devices, GradientPolicy, Job, RunPlacement};
+use sluice_engine::schedule::from_plan::schedule_options;
+use sluice_engine::train::{Devices, GradientPolicy, Job};
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
@@ -37,7 +38,7 @@ pub struct Verdict {
     pub bottleneck: String,
     /// The closest job that fits when this one does not: one setting changed.
     pub suggestion: Option<Change>,
-    /// Where everything lives, one line (see `RunPlacement::describe`).
+    /// Where everything lives, one line (see `ScheduleOptions::describe`).
     pub placement: Option<String>,
     /// Where the Adam moments live when some are on the disk tier, a sentence
     /// (`Plan::disk_text`): which units, the folder, the bytes and the disk's time per step.
@@ -184,7 +185,7 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
                     .and_then(|v| v.as_str().map(str::to_string))
                     .unwrap_or_default()
             };
-            verdict.placement = RunPlacement::of(p).map(|r| r.describe(p.model.units)).ok();
+            verdict.placement = schedule_options(p, 0).map(|o| o.describe(p.model.units)).ok();
             verdict.disk = p.disk_text();
         }
         Ok(plan::Verdict::Refused(r)) => {

@@ -307,7 +307,11 @@ pub async fn job_of(state: &AppState, row: &JobRow) -> Result<Job, String> {
         }
         None => None,
     };
-    Ok(Job { model, data, eval_data, devices, settings })
+    let job = Job { model, data, eval_data, devices, settings };
+    // Checked again as read back: a row is the job's own record, but what the engine runs must
+    // hold the engine's rules whatever wrote it.
+    job.validate(&sluice_engine::train::Limits::ENGINE).map_err(|e| e.to_string())?;
+    Ok(job)
 }
 
 /// Bytes of the files under `dir` (0 when it does not exist): what a run takes on disk.

@@ -8,6 +8,12 @@ import { gpuIndices } from './job_fields.js';
 
 await requireUser();
 
+// Every setting with its default, bounds and choices, and the learning rates a job takes
+// without one, as the engine states them under this appliance's limits: the form copies none.
+const guide = await get('/api/job-defaults');
+const SETTINGS = Object.fromEntries(guide.settings.map((s) => [s.name, s]));
+const LR = { preset: guide.lr_random_init, local: guide.lr_pretrained };
+
 // Settings a newcomer can start from. `lr` depends on the model: random-init presets learn
 // fast with a large rate; pretrained weights need a small one not to forget what they know.
 // An empty string leaves the field empty, so the engine's default applies.
@@ -15,23 +21,34 @@ const PRESETS = {
   demo: {
     hint: 'A short run to see training work: about a minute for the tiny preset, even on the processor.',
     values: { steps: 20, seq_len: 128, micro_batch: 4, grad_accum: 1, schedule: 'cosine', warmup: 2, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', moments: 'auto', save_every: '', seed: 0, eval_every: '', save_dtype: 'bf16' },
-    lr: { preset: 1e-3, local: 2e-5 },
   },
   finetune: {
     hint: 'A real fine-tune: longer sequences, 8 micro-batches per step, a checkpoint and an evaluation every 100 steps.',
     values: { steps: 500, seq_len: 1024, micro_batch: 1, grad_accum: 8, schedule: 'cosine', warmup: 20, weight_decay: 0, max_grad_norm: 1, gradients: 'auto', moments: 'auto', save_every: 100, seed: 0, eval_every: 100, save_dtype: 'bf16' },
-    lr: { preset: 1e-3, local: 2e-5 },
   },
 };
 // Changing one of these makes the settings "Custom"; the others (which data to evaluate on,
 // whether prompts are trained) belong to the data, not to a preset.
 const PRESET_FIELDS = new Set([...Object.keys(PRESETS.demo.values), 'lr']);
-// Sent as numbers, and left out when empty so that the engine's default applies.
-const NUMBER_FIELDS = ['steps', 'seq_len', 'micro_batch', 'grad_accum', 'lr', 'eval_every', 'held_out', 'save_every', 'warmup', 'max_grad_norm', 'weight_decay', 'seed'];
-const CHOICE_FIELDS = ['schedule', 'save_dtype', 'gradients', 'moments'];
-const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', 'train_on_prompt'];
+// The engine's settings by kind: a choice has words, a switch is off by default, the rest are
+// numbers (sent as numbers, and left out when empty so that the engine's default applies).
+// Only those the form has a field for are offered.
+const shown = guide.settings.filter((s) => document.getElementById(s.name));
+const CHOICE_FIELDS = shown.filter((s) => s.choices.length).map((s) => s.name);
+const SWITCH_FIELDS = shown.filter((s) => s.default === false).map((s) => s.name);
+const NUMBER_FIELDS = shown.map((s) => s.name).filter((n) => !CHOICE_FIELDS.includes(n) && !SWITCH_FIELDS.includes(n));
+const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', ...SWITCH_FIELDS];
 // What an empty field means, for the figures the page works out itself.
-const DEFAULTS = { seq_len: 256, micro_batch: 4, grad_accum: 1 };
+const DEFAULTS = Object.fromEntries(guide.settings.map((s) => [s.name, s.default]));
+// The bounds the engine holds each number to, so the browser flags a value before the server
+// does; a default is the placeholder where the field has none of its own ("one pass", "never").
+for (const id of NUMBER_FIELDS) {
+  const input = $(`#${id}`);
+  const s = SETTINGS[id];
+  if (s.min !== null && s.min !== undefined) input.min = String(s.min);
+  if (s.max !== null && s.max !== undefined) input.max = String(s.max);
+  if (!input.placeholder && s.default !== null) input.placeholder = String(s.default);
+}
 const TIER_LABELS = {
   device: 'GPU memory',
   gpu: 'GPU memory',
@@ -79,15 +96,16 @@ function applyPreset(name) {
   if (!p) return;
   for (const [key, value] of Object.entries(p.values)) $(`#${key}`).value = String(value);
   const model = selectedModel();
-  $('#lr').value = p.lr[model && model.kind === 'local' ? 'local' : 'preset'];
+  $('#lr').value = LR[model && model.kind === 'local' ? 'local' : 'preset'];
 }
 
 function describeModel() {
   const m = selectedModel();
   $('#model-hint').textContent = m ? [m.family, m.kind === 'preset' ? 'preset, starts from random weights' : 'local folder', m.note].filter(Boolean).join(' · ') : '';
   const random = !m || m.kind === 'preset';
-  $('#lr-hint').textContent = `how far each step moves the model; empty: ${random ? '1e-3 (random weights learn fast)' : '2e-5 (keeps what the model knows)'}`;
-  $('#lr').placeholder = random ? '1e-3' : '2e-5';
+  const lr = random ? LR.preset : LR.local;
+  $('#lr-hint').textContent = `how far each step moves the model; empty: ${lr} ${random ? '(random weights learn fast)' : '(keeps what the model knows)'}`;
+  $('#lr').placeholder = String(lr);
 }
 
 /** The held-out share applies only when no evaluation dataset is chosen. */
