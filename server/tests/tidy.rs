@@ -315,9 +315,10 @@ fn check_cycles(tree: &Tree, dir: &str, problems: &mut Vec<String>) {
         }
         path.push_str(&cycle[0]);
         problems.push(format!(
-            "{}: import cycle among {} files: {path}",
+            "{}: import cycle: {path} (the circle joins {} files: {})",
             cycle[0],
-            component.len()
+            component.len(),
+            component.join(", ")
         ));
     }
 }
