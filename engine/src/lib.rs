@@ -16,9 +16,11 @@
 //! - [`schedule`]: the layer-major streaming step, generic over the backend.
 //! - [`plan`]: the memory-hierarchy planner: placement, per-tier budgets, predicted step time.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
+//! - [`convert`]: GGUF import and export.
 //! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
 
 pub mod backend;
+pub mod convert;
 pub mod data;
 pub mod error;
 pub mod generate;

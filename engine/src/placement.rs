@@ -97,6 +97,18 @@ impl WeightSource {
 /// against 2^26.
 pub const LOSS_CHUNK_LOGITS: usize = 1 << 28;
 
+/// Query-key pairs a causal sequence of `s` tokens computes with an optional sliding window
+/// `w` (token `i` sees `min(i + 1, w)` keys). One document per row: packed documents only
+/// lower it, so this is the upper bound. The planner prices attention by it and the GPU
+/// profile counts attention FLOPs by it.
+pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
+    let full = s * (s + 1) / 2;
+    match window {
+        Some(w) if w < s => w * (w + 1) / 2 + (s - w) * w,
+        _ => full,
+    }
+}
+
 /// Slots of the host gradient ring unless host memory is short: the updates that may be queued
 /// or running while the next unit's gradients land.
 pub const RING_SLOTS: usize = 4;

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::convert::{GgufType, export_gguf, import_gguf};
 use sluice_engine::data::DatasetSource;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
@@ -18,7 +19,6 @@ use sluice_engine::optim::Schedule;
 use sluice_engine::train::{
     Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions,
 };
-use sluice_engine::weights::gguf::{GgufType, export_gguf, import_gguf};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 use sluice_engine::backend::cpu::Cpu;
+use sluice_engine::convert::import_gguf;
 use sluice_engine::data::{DatasetSource, Tokenizer};
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
@@ -18,7 +19,7 @@ use sluice_engine::optim::Schedule;
 use sluice_engine::train::{
     Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions,
 };
-use sluice_engine::weights::gguf::{GgufFile, MetaValue, import_gguf};
+use sluice_engine::weights::gguf::{GgufFile, MetaValue};
 
 fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/test-assets")

@@ -1,3 +1,6 @@
+//! `AppState`: the appliance's plain data (config, SQLite pool, GPUs, queue, SSE channel, try-it
+//! slot), opened by `AppState::open` with nothing running.
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -1,3 +1,6 @@
+//! Dataset formats read from files: every format's records, and each bad record reported with
+//! its line or record number.
+
 use super::*;
 
 fn examples() -> PathBuf {

@@ -1,3 +1,6 @@
+//! Packing samples into rows: targets, positions and document bounds on hand-made rows,
+//! truncation, padding that is never trained, and deterministic shuffles.
+
 use super::*;
 
 const I: i32 = IGNORE;

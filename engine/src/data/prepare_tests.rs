@@ -1,3 +1,6 @@
+//! Records to samples: loss masks over the assistant turns of real chat templates, text and
+//! prompt/completion samples, and record errors that carry their line.
+
 use super::*;
 use crate::data::formats::read_dataset;
 use crate::data::template::SpecialTokens;

@@ -1,3 +1,6 @@
+//! The record-by-record reader against the whole-file reader: the same records and problems,
+//! lines cited, over-long lines and JSON arrays, early stops and the lint's counts.
+
 use super::*;
 use crate::data::formats::{Parsed, read_dataset, read_registry_dataset};
 use crate::data::{DatasetSource, Record};

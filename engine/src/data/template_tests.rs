@@ -1,3 +1,6 @@
+//! Chat templates rendered in Hugging Face's dialect: ChatML, Qwen3 and Llama 3 templates,
+//! the assistant spans they yield, and a template's own `raise_exception`.
+
 use super::*;
 use crate::data::tokenizer::tiny_tokenizer;
 

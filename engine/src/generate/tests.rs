@@ -1,3 +1,6 @@
+//! Generation against the training forward: cached logits equal uncached ones for every family,
+//! greedy and sampled decoding, stops, bad input and the cache's bounds.
+
 #![allow(clippy::unwrap_used)]
 
 use serde_json::json;

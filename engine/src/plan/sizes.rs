@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::MachineRates;
 use crate::error::{Error, Result};
+pub use crate::placement::causal_pairs;
 use crate::spec::ModelSpec;
 
 /// bf16 bytes per element.
@@ -338,17 +339,6 @@ pub fn attention_sums_bytes(spec: &ModelSpec, t: u64, chunk: u64) -> u64 {
     let width = ((spec.q_heads + 2 * spec.kv_heads) * spec.head_dim) as u64;
     let logits = t.min(chunk.max(1)) * spec.vocab as u64 * (F32 + BF16);
     (t * width * F32).saturating_sub(logits)
-}
-
-/// Query-key pairs a causal sequence of `s` tokens computes with an optional sliding window
-/// `w` (token `i` sees `min(i + 1, w)` keys). One document per row: packed documents only
-/// lower it, so this is the upper bound.
-pub fn causal_pairs(s: u64, window: Option<u64>) -> u64 {
-    let full = s * (s + 1) / 2;
-    match window {
-        Some(w) if w < s => w * (w + 1) / 2 + (s - w) * w,
-        _ => full,
-    }
 }
 
 /// Bytes a layer's elementwise kernels read and write for `t` tokens, averaged over the

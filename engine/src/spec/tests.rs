@@ -1,3 +1,6 @@
+//! `config.json` to `ModelSpec`: family differences as data, RoPE scaling in both config
+//! generations, preset parameter counts, and bad configs that say what is wrong.
+
 use std::path::Path;
 
 use serde_json::{Value, json};

@@ -12,8 +12,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Deserialize;
+use sluice_engine::convert::{GgufType, export_gguf};
 use sluice_engine::weights::Bf16Safetensors;
-use sluice_engine::weights::gguf::{GgufType, export_gguf};
 use tokio_util::io::ReaderStream;
 
 use super::checkpoints::checkpoint_dir;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use sluice_engine::weights::gguf::{GgufType, export_gguf};
+use sluice_engine::convert::{GgufType, export_gguf};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct ExportGgufArgs {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use sluice_engine::weights::gguf::import_gguf;
+use sluice_engine::convert::import_gguf;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct ImportGgufArgs {

@@ -5,8 +5,9 @@ use std::io::Read;
 use std::path::Path;
 
 use axum::http::{StatusCode, header};
+use sluice_engine::convert::import_gguf;
 use sluice_engine::model::HostParams;
-use sluice_engine::weights::gguf::{GgufFile, MetaValue, import_gguf};
+use sluice_engine::weights::gguf::{GgufFile, MetaValue};
 use sluice_engine::weights::{
     DEFAULT_MAX_SHARD_BYTES, Dtype, SaveDtype, TensorSource, write_safetensors,
 };

@@ -20,8 +20,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use sluice::hub::HubToken;
+use sluice_engine::convert::import_gguf;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
-use sluice_engine::weights::gguf::import_gguf;
 
 use crate::common::{Client, TestApp};
 

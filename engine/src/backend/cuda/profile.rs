@@ -21,7 +21,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use super::Cuda;
 use super::device::{drv, err};
 use crate::error::Result;
-use crate::plan::sizes::causal_pairs;
+use crate::placement::causal_pairs;
 
 /// The kernel classes a profile groups ops into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]

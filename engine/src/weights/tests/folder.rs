@@ -1,3 +1,6 @@
+//! Checkpoint folders written atomically: complete, replacing, cleared after a crash, untouched
+//! by a failed save.
+
 use std::fs;
 use std::path::Path;
 

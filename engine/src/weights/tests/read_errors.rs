@@ -1,3 +1,6 @@
+//! Damaged or incomplete safetensors files and folders, each refused with the file, tensor or
+//! dtype named.
+
 use std::fs;
 use std::path::PathBuf;
 

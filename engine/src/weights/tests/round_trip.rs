@@ -1,3 +1,6 @@
+//! Safetensors written and read back: bit-exact f32, sharding, bf16 rounding, files from the
+//! `safetensors` crate, and refused inconsistencies.
+
 use std::fs;
 
 use half::{bf16, f16};

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use sluice_engine::weights::gguf::import_gguf;
+use sluice_engine::convert::import_gguf;
 use tokio::sync::Semaphore;
 use tracing::{info, warn};
 

@@ -8,11 +8,11 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::file::{GgufFile, MetaValue, TensorInfo};
 use crate::data::gguf_tokenizer::{GgufTokenizerFiles, tokenizer_from_gguf};
 use crate::error::{Error, Result};
 use crate::model::HostParams;
 use crate::spec::ModelSpec;
+use crate::weights::gguf::{GgufFile, MetaValue, TensorInfo};
 use crate::weights::{DEFAULT_MAX_SHARD_BYTES, HfFolder, SaveDtype, save_hf_folder};
 
 /// What an import produced.

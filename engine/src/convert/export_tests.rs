@@ -1,7 +1,8 @@
-#![allow(clippy::unwrap_used)]
 //! The GGUF writer: the quantisers against plain reference loops, the q/k permutation against
 //! the importer's inverse, and whole checkpoints written and read back through Sluice's own
 //! importer.
+
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +13,7 @@ use crate::data::Tokenizer;
 use crate::model::HostParams;
 use crate::train::{ModelSource, load_model, save_checkpoint};
 use crate::weights::SaveDtype;
+use crate::weights::gguf::*;
 
 /// Deterministic values of varied magnitude, with an all-zero block and an outlier.
 fn values(n: usize, seed: u64) -> Vec<f32> {

@@ -16,15 +16,14 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::file::MetaValue;
-use super::quant::GgmlType;
-use super::quantize::{Q8_0_BLOCK, quantize_into};
-use super::writer::{TensorPlan, write_gguf};
 use crate::data::Tokenizer;
 use crate::data::gguf_tokenizer::pre_tokenizer;
 use crate::error::{Error, Result};
 use crate::model::ModelLayout;
 use crate::spec::{Family, ModelSpec, RopeScaling};
+use crate::weights::gguf::{
+    GgmlType, MetaValue, Q8_0_BLOCK, TensorPlan, quantize_into, write_gguf,
+};
 use crate::weights::{TensorSource, write_file_atomically};
 
 /// llama.cpp's `llama_token_type` values.

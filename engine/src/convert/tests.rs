@@ -1,7 +1,8 @@
-#![allow(clippy::unwrap_used)]
 //! Hand-made GGUF files with known values: every quant type packed by the test from chosen
 //! integers and scales (so the expected f32 values are exact), a tiny llama model imported end
 //! to end, and malformed files.
+
+#![allow(clippy::unwrap_used)]
 
 use std::path::Path;
 
@@ -10,6 +11,7 @@ use half::{bf16, f16};
 use super::*;
 use crate::data::Tokenizer;
 use crate::model::HostParams;
+use crate::weights::gguf::*;
 
 /// A deterministic stream of small integers.
 struct Ints(u64);
