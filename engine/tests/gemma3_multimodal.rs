@@ -22,8 +22,8 @@ use sluice_engine::data::DatasetSource;
 use sluice_engine::model::HostParams;
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, STATE_DIR,
-    load_model, save_checkpoint,
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, STATE_DIR, load_model,
+    save_checkpoint,
 };
 use sluice_engine::weights::{Dtype, SaveDtype, TensorSource, TextPrefix};
 

@@ -16,9 +16,7 @@ use sluice_engine::data::DatasetSource;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
-use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions,
-};
+use sluice_engine::train::{Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

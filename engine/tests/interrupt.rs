@@ -10,8 +10,8 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::data::DatasetSource;
 use sluice_engine::model::HostParams;
 use sluice_engine::train::{
-    Devices, Event, Interrupt, Job, JobSettings, ModelSource, Observer, RunOptions,
-    STATE_DIR, TrainingState,
+    Devices, Event, Interrupt, Job, JobSettings, ModelSource, Observer, RunOptions, STATE_DIR,
+    TrainingState,
 };
 use sluice_engine::weights::SaveDtype;
 

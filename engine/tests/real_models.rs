@@ -16,9 +16,7 @@ use sluice_engine::data::{DatasetSource, Tokenizer};
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
-use sluice_engine::train::{
-    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions,
-};
+use sluice_engine::train::{Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions};
 use sluice_engine::weights::gguf::{GgufFile, MetaValue};
 
 fn assets() -> PathBuf {
@@ -378,7 +376,8 @@ fn fine_tuning_on_champ_lowers_the_training_loss() {
             ..JobSettings::default()
         },
     };
-    let options = RunOptions::unplanned(job, tmp.path().join("run")).expect("a plan-free placement");
+    let options =
+        RunOptions::unplanned(job, tmp.path().join("run")).expect("a plan-free placement");
     let mut losses = Losses(Vec::new());
     let summary =
         sluice_engine::train::run(&Cpu::new(), &options, false, &mut losses).expect("trains");

@@ -41,7 +41,9 @@ pub fn schedule_options(plan: &Plan, optimizer_threads: usize) -> Result<Schedul
             }
         },
     };
-    options.check_runs(plan.batch, plan.clipping).map_err(|e| Error::invalid(format!("the plan: {e}")))?;
+    options
+        .check_runs(plan.batch, plan.clipping)
+        .map_err(|e| Error::invalid(format!("the plan: {e}")))?;
     Ok(options)
 }
 

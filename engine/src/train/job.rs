@@ -489,7 +489,11 @@ const fn count(name: &'static str, min: f64, max: Max, help: &'static str) -> Se
     SettingDoc { min: Some(min), max: Some(max), ..doc(name, "N", help) }
 }
 
-const fn choice(name: &'static str, choices: &'static [&'static str], help: &'static str) -> SettingDoc {
+const fn choice(
+    name: &'static str,
+    choices: &'static [&'static str],
+    help: &'static str,
+) -> SettingDoc {
     SettingDoc { choices, ..doc(name, "CHOICE", help) }
 }
 
@@ -715,7 +719,8 @@ mod tests {
     #[test]
     fn every_setting_is_described_once_with_the_bounds_validate_holds() {
         let defaults = serde_json::to_value(JobSettings::default()).expect("json");
-        let fields: Vec<&str> = defaults.as_object().expect("object").keys().map(|k| &**k).collect();
+        let fields: Vec<&str> =
+            defaults.as_object().expect("object").keys().map(|k| &**k).collect();
         let described: Vec<&str> = JobSettings::FIELDS.iter().map(|d| d.name).collect();
         let mut sorted = described.clone();
         sorted.sort_unstable();

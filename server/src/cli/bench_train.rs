@@ -33,10 +33,10 @@ use serde_json::{Value, json};
 use sluice_engine::backend::Backend;
 use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::{Cuda, Gap, OpClass, OpProfile, OpTime};
+use sluice_engine::data::DatasetSource;
 use sluice_engine::data::MicroBatch;
 use sluice_engine::model::HostParams;
 use sluice_engine::optim::Schedule;
-use sluice_engine::data::DatasetSource;
 use sluice_engine::plan::{
     BatchShape, Capabilities, GradientTier, MachineRates, Plan, PlanInput, Verdict, plan,
 };

@@ -4,7 +4,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use sluice_engine::plan::GpuQuery;
 use sluice_engine::train::Devices;
 
 /// Where a job computes.
@@ -54,14 +53,6 @@ impl Device {
         match self {
             Device::Cpu => Devices::Cpu,
             Device::Cuda(n) => Devices::Cuda(vec![n]),
-        }
-    }
-
-    /// Which memory the planner reads for a job on this device.
-    pub(crate) fn gpu_query(self) -> GpuQuery {
-        match self {
-            Device::Cpu => GpuQuery::HostOnly,
-            Device::Cuda(n) => GpuQuery::Ordinal(n),
         }
     }
 

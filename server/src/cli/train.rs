@@ -4,13 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use serde_json::Value;
 use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
 use sluice_engine::data::{Columns, DatasetSource, ReadOptions};
 use sluice_engine::plan::{CheckpointTier, Plan, Verdict, plan};
 use sluice_engine::train::{
-    Devices, Event, GradientPolicy, Job, JobSettings, ModelSource, Observer, RunOptions,
-    model_spec, read_run_job, run_on,
+    Devices, Event, Job, JobSettings, ModelSource, Observer, RunOptions, model_spec, read_run_job,
+    run_on,
 };
 
 use super::settings::{self, SettingsFlags};
@@ -370,6 +370,7 @@ mod tests {
     use clap::Parser;
     use sluice_engine::optim::Schedule;
     use sluice_engine::plan::MomentsPolicy;
+    use sluice_engine::train::GradientPolicy;
     use sluice_engine::weights::SaveDtype;
 
     use super::*;

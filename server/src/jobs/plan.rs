@@ -11,8 +11,8 @@
 
 use serde::Serialize;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
-use sluice_engine::spec::ModelSpec;
 use sluice_engine::schedule::from_plan::schedule_options;
+use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{Devices, GradientPolicy, Job};
 
 use crate::AppState;
