@@ -21,13 +21,13 @@ use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
-use serde::Serialize;
 use sqlx::FromRow;
 
 use super::tokens;
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+pub use crate::store::users::User;
 
 pub const COOKIE: &str = "sluice_session";
 pub const CSRF_HEADER: &str = "x-csrf-token";
@@ -38,20 +38,6 @@ const ANONYMOUS: &str = "anon-";
 /// Sessions one user may hold at once; a login past that ends their oldest. Each login costs a
 /// password hash, so this only matters to a script logging in over and over.
 const MAX_SESSIONS_PER_USER: i64 = 32;
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, FromRow)]
-pub struct User {
-    pub id: i64,
-    pub username: String,
-    /// "admin" or "user".
-    pub role: String,
-}
-
-impl User {
-    pub fn is_admin(&self) -> bool {
-        self.role == "admin"
-    }
-}
 
 /// A live, logged-in session.
 #[derive(Debug, Clone)]

@@ -17,10 +17,10 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use sqlx::FromRow;
 
-use super::session::User;
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+use crate::store::users::User;
 
 /// What every token starts with, so a leaked one is recognisable (and searchable) as ours.
 pub const PREFIX: &str = "sluice_";
