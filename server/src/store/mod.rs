@@ -3,4 +3,7 @@
 
 pub mod datasets;
 pub mod jobs;
+pub mod sessions;
+pub mod tokens;
 pub mod users;
+pub mod webhooks;

@@ -152,3 +152,11 @@ pub async fn login_of(pool: &SqlitePool, username: &str) -> sqlx::Result<Option<
         .fetch_optional(pool)
         .await
 }
+
+/// User `id`.
+pub async fn get(pool: &SqlitePool, id: i64) -> sqlx::Result<User> {
+    sqlx::query_as("SELECT id, username, role FROM users WHERE id = ?")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+}
