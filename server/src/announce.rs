@@ -3,13 +3,12 @@
 //! to the owner's webhook, if they set one ([`crate::webhooks`]). Nothing here waits on a
 //! receiver: the queue goes on at once.
 
-use serde_json::{Value, json};
-use sqlx::FromRow;
+use serde_json::json;
 use tracing::{info, warn};
 
 use crate::AppState;
 use crate::db::now_f64;
-use crate::jobs::store::{self, JobRow, JobStatus};
+use crate::store::jobs::{self as store, JobRow, JobStatus};
 
 /// Logs that job `job` has started (once it is claimed and its thread is starting).
 pub async fn job_started(state: &AppState, job: &JobRow) {
@@ -33,7 +32,7 @@ pub fn job_ended(state: &AppState, id: i64) {
 }
 
 async fn announce_end(state: &AppState, id: i64) {
-    let job = match store::get(state, id).await {
+    let job = match store::get(state.pool(), id).await {
         Ok(Some(job)) => job,
         Ok(None) => return,
         Err(err) => {
@@ -72,12 +71,8 @@ async fn announce_end(state: &AppState, id: i64) {
             "job {id} {status}"
         ),
     }
-    // The job's name as the API shows it; an unnamed job is "job N", as the pages call it.
-    let name = match store::view(state, &job).await {
-        Ok(view) => view.get("name").and_then(Value::as_str).map(str::to_string),
-        Err(_) => None,
-    };
-    let name = name.filter(|n| !n.trim().is_empty());
+    // An unnamed job is "job N", as the pages call it.
+    let name = Some(job.name.clone()).filter(|n| !n.trim().is_empty());
     let body = json!({
         "event": "job_ended",
         "id": id,
@@ -111,9 +106,7 @@ pub fn job_url(state: &AppState, id: i64) -> String {
 }
 
 async fn username(state: &AppState, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT username FROM users WHERE id = ?")
-        .bind(user_id)
-        .fetch_optional(state.pool())
+    crate::store::users::username(state.pool(), user_id)
         .await
         .ok()
         .flatten()
@@ -122,18 +115,5 @@ async fn username(state: &AppState, user_id: i64) -> String {
 
 /// The loss of the job's last recorded step.
 async fn final_loss(state: &AppState, id: i64) -> Option<f64> {
-    #[derive(FromRow)]
-    struct Last {
-        loss: Option<f64>,
-    }
-    let last: Option<Last> = sqlx::query_as(
-        "SELECT json_extract(point, '$.loss') AS loss FROM metrics WHERE job_id = ?
-         ORDER BY step DESC LIMIT 1",
-    )
-    .bind(id)
-    .fetch_optional(state.pool())
-    .await
-    .ok()
-    .flatten();
-    last.and_then(|l| l.loss).filter(|l| l.is_finite())
+    store::final_loss(state.pool(), id).await.ok().flatten().filter(|l| l.is_finite())
 }

@@ -5,70 +5,22 @@
 //! registered at first start with no owner: every user sees it and can train on it, and only an
 //! admin can delete it (it is not registered again after that).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
-use serde::{Serialize, Serializer};
 use sluice_engine::data::{Columns, DatasetSource, Layout, ReadOptions};
-use sqlx::FromRow;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::auth::User;
-use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+use crate::store::datasets as store;
+pub use crate::store::datasets::Dataset;
+use crate::store::users::User;
 
 /// The demo dataset compiled into the binary, so a fresh install can train at once.
 const DEMO_NAME: &str = "demo-alpaca";
 const DEMO_FILE: &str = "demo-alpaca.jsonl";
 const DEMO_BYTES: &[u8] = include_bytes!("../../datasets/demo-alpaca.jsonl");
-
-#[derive(Debug, Clone, Serialize, FromRow)]
-pub struct Dataset {
-    pub id: i64,
-    pub name: String,
-    pub format: String,
-    pub records: i64,
-    pub size_bytes: i64,
-    pub created_at: i64,
-    /// The owner's username; `null` for a dataset shared with everyone (the demo).
-    pub owner: Option<String>,
-    #[serde(skip)]
-    pub owner_id: Option<i64>,
-    #[serde(skip)]
-    pub file_name: String,
-    /// `jsonl`, `json`, `csv`, `tsv` or `parquet`.
-    pub layout: String,
-    /// Uploaded leniently: invalid records are left out, here and in every job.
-    pub skip_invalid: bool,
-    /// Records left out as invalid.
-    pub skipped: i64,
-    /// The first 100 of them: `[{"line", "reason"}]` (`line` counts rows of Parquet files and
-    /// records of JSON arrays).
-    #[serde(serialize_with = "stored_json")]
-    pub skipped_records: String,
-    /// The column mapping records are read with: `{"instruction": "question", ...}`.
-    #[serde(serialize_with = "stored_json")]
-    pub columns: String,
-    /// The one-entry `dataset_info.json` kept beside the file, for a dataset uploaded with its
-    /// LLaMA-Factory registry.
-    #[serde(skip)]
-    pub registry_file: Option<String>,
-    /// That registry's entry: the dataset's name in LLaMA-Factory's terms.
-    pub registry_name: Option<String>,
-}
-
-pub(crate) const SELECT: &str =
-    "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
-        u.username AS owner, d.owner_id, d.file_name, d.layout, d.skip_invalid, d.skipped,
-        d.skipped_records, d.columns, d.registry_file, d.registry_name
-    FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
-
-/// A column of JSON text the server wrote, sent as the JSON it holds (`null` if damaged).
-fn stored_json<S: Serializer>(text: &str, serializer: S) -> Result<S::Ok, S::Error> {
-    serde_json::from_str::<serde_json::Value>(text)
-        .unwrap_or(serde_json::Value::Null)
-        .serialize(serializer)
-}
 
 impl Dataset {
     pub fn path(&self, state: &AppState) -> PathBuf {
@@ -102,12 +54,18 @@ impl Dataset {
     }
 }
 
+/// The datasets of `ids` that exist, by id: one query for any number.
+pub async fn by_ids(state: &AppState, ids: &[i64]) -> sqlx::Result<HashMap<i64, Dataset>> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let found = store::by_ids(state.pool(), ids).await?;
+    Ok(found.into_iter().map(|d| (d.id, d)).collect())
+}
+
 /// The dataset `id` if `user` may see it (theirs, shared, or any for an admin); 404 otherwise.
 pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<Dataset> {
-    let dataset: Option<Dataset> = sqlx::query_as(&format!("{SELECT} WHERE d.id = ?"))
-        .bind(id)
-        .fetch_optional(state.pool())
-        .await?;
+    let dataset = store::get(state.pool(), id).await?;
     match dataset {
         Some(d) if user.is_admin() || d.owner_id.is_none() || d.owner_id == Some(user.id) => Ok(d),
         _ => Err(ApiError::not_found(format!("no dataset {id}"))),
@@ -116,33 +74,21 @@ pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<Datase
 
 /// Every dataset `user` may see, oldest first.
 pub async fn all_visible(state: &AppState, user: &User) -> ApiResult<Vec<Dataset>> {
-    let datasets = if user.is_admin() {
-        sqlx::query_as(&format!("{SELECT} ORDER BY d.id")).fetch_all(state.pool()).await?
-    } else {
-        sqlx::query_as(&format!(
-            "{SELECT} WHERE d.owner_id = ? OR d.owner_id IS NULL ORDER BY d.id"
-        ))
-        .bind(user.id)
-        .fetch_all(state.pool())
-        .await?
-    };
-    Ok(datasets)
+    let viewer = (!user.is_admin()).then_some(user.id);
+    Ok(store::visible_to(state.pool(), viewer).await?)
 }
 
 /// The files of `owner_id`'s datasets.
 pub async fn files_of_owner(state: &AppState, owner_id: i64) -> ApiResult<Vec<PathBuf>> {
-    let owned: Vec<Dataset> = sqlx::query_as(&format!("{SELECT} WHERE d.owner_id = ?"))
-        .bind(owner_id)
-        .fetch_all(state.pool())
-        .await?;
+    let owned = store::owned_by(state.pool(), owner_id).await?;
     Ok(owned.iter().flat_map(|d| d.files(state)).collect())
 }
 
 /// Forgets `dataset` and removes its file (a file that cannot be removed is logged), answering
 /// the bytes freed; 409 while a queued or running job uses it, whatever runs beside this.
 pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<u64> {
-    if !crate::jobs::store::delete_dataset_if_unused(state, dataset.id).await? {
-        let active = crate::jobs::store::active_using_dataset(state, dataset.id).await?;
+    if !store::delete_dataset_if_unused(state.pool(), dataset.id).await? {
+        let active = crate::store::jobs::active_using_dataset(state.pool(), dataset.id).await?;
         return Err(ApiError::conflict(format!(
             "{active} queued or running jobs use this dataset; cancel them first"
         )));
@@ -246,11 +192,7 @@ fn strip_path(message: &str) -> String {
 
 /// Registers the bundled demo dataset once per installation.
 pub async fn register_demo(state: &AppState) -> anyhow::Result<()> {
-    let done: Option<String> =
-        sqlx::query_scalar("SELECT value FROM meta WHERE key = 'demo_dataset_registered'")
-            .fetch_optional(state.pool())
-            .await?;
-    if done.is_some() {
+    if store::demo_registered(state.pool()).await? {
         return Ok(());
     }
     let path = state.datasets_dir().join(DEMO_FILE);
@@ -258,23 +200,15 @@ pub async fn register_demo(state: &AppState) -> anyhow::Result<()> {
     let linted = tokio::task::spawn_blocking(move || lint(&DatasetSource::File(path)))
         .await?
         .map_err(|err| anyhow::anyhow!("the bundled demo dataset does not lint: {err:?}"))?;
-    let mut tx = state.pool().begin().await?;
-    sqlx::query(
-        "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at)
-         VALUES (NULL, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(DEMO_NAME)
-    .bind(DEMO_FILE)
-    .bind(&linted.format)
-    .bind(linted.records as i64)
-    .bind(DEMO_BYTES.len() as i64)
-    .bind(now())
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query("INSERT INTO meta (key, value) VALUES ('demo_dataset_registered', '1')")
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
+    let demo = store::NewDataset {
+        owner_id: None,
+        name: DEMO_NAME,
+        file_name: DEMO_FILE,
+        format: &linted.format,
+        records: linted.records as i64,
+        size_bytes: DEMO_BYTES.len() as i64,
+    };
+    store::register_demo(state.pool(), &demo).await?;
     info!("registered the demo dataset ({} records)", linted.records);
     Ok(())
 }

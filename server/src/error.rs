@@ -15,8 +15,6 @@ use serde_json::json;
 use tower_http::compression::{DefaultPredicate, Predicate};
 use tracing::error;
 
-use crate::AppState;
-
 #[derive(Debug)]
 pub enum ApiError {
     /// 400: malformed request: bad JSON, a missing or mistyped field, an unknown model or GPU.
@@ -171,12 +169,20 @@ const ERROR_BODY_MAX: usize = 64 << 10;
 #[derive(Debug, Clone, Copy)]
 struct ApiErrorBody;
 
+/// The upload limit in bytes, which [`json_errors`] names when a body is too large.
+#[derive(Debug, Clone, Copy)]
+pub struct UploadLimit(pub u64);
+
 /// Middleware: every error reply under `/api/` is the API's JSON, whichever layer wrote it:
 /// axum's 405 and extractor rejections (a bad multipart boundary), tower-http's 413 over the
 /// body ceiling and 416 for a range outside a file (typed as the file, with no body). The
 /// status and the other headers (`Content-Range`) stay; successes (event streams, downloads)
 /// and JSON errors pass untouched.
-pub async fn json_errors(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn json_errors(
+    State(UploadLimit(max_upload_bytes)): State<UploadLimit>,
+    request: Request,
+    next: Next,
+) -> Response {
     if !request.uri().path().starts_with("/api/") {
         return next.run(request).await;
     }
@@ -210,7 +216,7 @@ pub async fn json_errors(State(state): State<AppState>, request: Request, next: 
         format!(
             "the request body is too large: uploads may be up to {:.1} MiB (set max_upload_mb \
              to raise it)",
-            state.config().max_upload_bytes as f64 / f64::from(1u32 << 20)
+            max_upload_bytes as f64 / f64::from(1u32 << 20)
         )
     } else {
         text.unwrap_or_else(|| status_message(status, &method, &path, &parts.headers))

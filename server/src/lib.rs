@@ -18,12 +18,15 @@ pub mod db;
 pub mod error;
 pub mod gpus;
 pub mod hub;
+mod job_line;
 pub mod jobs;
 pub mod models;
 mod pages;
-mod paths;
+pub mod paths;
 mod recovery;
 mod state;
+mod store;
+mod tryit;
 mod webhooks;
 
 pub use config::Config;
@@ -38,7 +41,7 @@ pub async fn start(state: &AppState) -> anyhow::Result<()> {
     recovery::remove_leftovers(state).await?;
     datasets::register_demo(state).await?;
     jobs::runner::start(state);
-    api::start_tryit(state);
+    tryit::start(state);
     Ok(())
 }
 
@@ -65,7 +68,10 @@ pub fn app(state: AppState) -> Router {
         .fallback(fallback)
         .layer(middleware::from_fn_with_state(state.clone(), auth::session::csrf_guard))
         .layer(RequestBodyLimitLayer::new(ceiling))
-        .layer(middleware::from_fn_with_state(state.clone(), error::json_errors))
+        .layer(middleware::from_fn_with_state(
+            error::UploadLimit(state.config().max_upload_bytes),
+            error::json_errors,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), pages::security_headers))
         .layer(TraceLayer::new_for_http())
         .with_state(state)

@@ -12,7 +12,7 @@ use sluice_engine::train::ModelSource;
 use tracing::warn;
 
 use crate::AppState;
-use crate::error::{ApiError, ApiResult};
+pub use crate::hub::progress::{PullView, Pulls};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelView {
@@ -59,10 +59,10 @@ impl ResolvedModel {
     }
 }
 
-/// `preset:<name>`, `local:<folder>` or `hf:Org/Name[@revision]` to its spec; 400 naming the
-/// id when it is unknown.
-pub fn resolve(state: &AppState, id: &str) -> ApiResult<ResolvedModel> {
-    let unknown = |why: String| ApiError::bad_request(format!("unknown model {id:?}: {why}"));
+/// `preset:<name>`, `local:<folder>` or `hf:Org/Name[@revision]` to its spec; `Err` names the
+/// id and says why it is unknown, for the user.
+pub fn resolve(state: &AppState, id: &str) -> Result<ResolvedModel, String> {
+    let unknown = |why: String| format!("unknown model {id:?}: {why}");
     let source = source(state, id).map_err(unknown)?;
     let spec = match &source {
         ModelSource::Preset(name) => spec::preset(name),
@@ -226,74 +226,4 @@ fn note(spec: &ModelSpec) -> Option<String> {
             m.architecture
         )
     })
-}
-
-/// The pulls of this process, one per repo: the one under way, or how the last one ended.
-#[derive(Debug, Default)]
-pub struct Pulls(std::sync::Mutex<std::collections::BTreeMap<String, PullView>>);
-
-/// A pull as the models page shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct PullView {
-    pub repo: String,
-    pub revision: String,
-    pub commit: Option<String>,
-    /// "running", "done" or "failed".
-    pub state: &'static str,
-    /// Why it failed, for the user.
-    pub error: Option<String>,
-    /// The model id, once done.
-    pub model: Option<String>,
-    pub files: Vec<crate::hub::FileProgress>,
-    pub done: u64,
-    pub total: u64,
-}
-
-impl PullView {
-    pub fn running(repo: &str, revision: &str) -> PullView {
-        PullView {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-            commit: None,
-            state: "running",
-            error: None,
-            model: None,
-            files: Vec::new(),
-            done: 0,
-            total: 0,
-        }
-    }
-}
-
-impl Pulls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, PullView>> {
-        // A panic while holding the lock leaves plain data behind: still usable.
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Records a new pull of `repo`, unless one is under way (then `false`).
-    pub fn begin(&self, repo: &str, revision: &str) -> bool {
-        let mut pulls = self.lock();
-        if pulls.get(repo).is_some_and(|p| p.state == "running") {
-            return false;
-        }
-        pulls.insert(repo.to_string(), PullView::running(repo, revision));
-        true
-    }
-
-    /// Changes the record of `repo`'s pull.
-    pub fn update(&self, repo: &str, change: impl FnOnce(&mut PullView)) {
-        if let Some(view) = self.lock().get_mut(repo) {
-            change(view);
-        }
-    }
-
-    /// Forgets `repo`'s pull (one refused before it started).
-    pub fn forget(&self, repo: &str) {
-        self.lock().remove(repo);
-    }
-
-    pub fn all(&self) -> Vec<PullView> {
-        self.lock().values().cloned().collect()
-    }
 }

@@ -1,4 +1,6 @@
-//! Names that come from requests and become path components.
+//! Names that come from requests and become path components, and what a folder holds.
+
+use std::path::Path;
 
 /// One plain path component: not empty, no separator, not `.` or `..`, not hidden, no control
 /// characters. Anything else is refused before it reaches the file system.
@@ -7,6 +9,19 @@ pub fn is_plain_name(name: &str) -> bool {
         && name.len() <= 255
         && !name.starts_with('.')
         && !name.chars().any(|c| c == '/' || c == '\\' || c.is_control())
+}
+
+/// Bytes of the files under `dir` (0 when it does not exist): what a run takes on disk.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&entry.path()),
+            Ok(t) if t.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 #[cfg(test)]

@@ -9,11 +9,11 @@ use std::path::Path;
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::jobs::store;
+use crate::store::jobs as store;
 
 /// Removes the leftovers; says nothing when there are none.
 pub async fn remove_leftovers(state: &AppState) -> anyhow::Result<()> {
-    let owned: HashSet<String> = store::all_job_ids(state)
+    let owned: HashSet<String> = store::all_job_ids(state.pool())
         .await
         .map_err(|e| anyhow::anyhow!("listing jobs: {e:?}"))?
         .into_iter()

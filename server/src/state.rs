@@ -1,5 +1,5 @@
-//! `AppState`: the appliance's plain data (config, SQLite pool, GPUs, queue, SSE channel, try-it
-//! slot), opened by `AppState::open` with nothing running.
+//! What every handler and service reaches: [`AppState`], plain data (config, SQLite pool,
+//! GPUs, queue, live job news, the try-it slot, pulls under way) opened with nothing running.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,11 +8,11 @@ use anyhow::Context;
 use sqlx::SqlitePool;
 use tokio::sync::broadcast;
 
-use crate::api::TryIt;
 use crate::config::Config;
 use crate::db;
 use crate::gpus::Gpus;
-use crate::jobs::Queue;
+use crate::jobs::queue::Queue;
+use crate::tryit::slot::TryIt;
 
 /// Live job news for SSE viewers: one broadcast channel for all jobs, filtered per viewer.
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ struct Inner {
     queue: Queue,
     events: broadcast::Sender<JobMessage>,
     tryit: TryIt,
-    pulls: crate::models::Pulls,
+    pulls: crate::hub::progress::Pulls,
 }
 
 impl AppState {
@@ -65,7 +65,7 @@ impl AppState {
         let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let tryit = TryIt::default();
-        let pulls = crate::models::Pulls::default();
+        let pulls = crate::hub::progress::Pulls::default();
         Ok(AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit, pulls }) })
     }
 
@@ -109,7 +109,7 @@ impl AppState {
     }
 
     /// Models being pulled from the Hugging Face Hub.
-    pub fn pulls(&self) -> &crate::models::Pulls {
+    pub fn pulls(&self) -> &crate::hub::progress::Pulls {
         &self.inner.pulls
     }
 

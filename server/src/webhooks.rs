@@ -14,14 +14,14 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
 use serde_json::Value;
-use sqlx::FromRow;
 use tracing::{info, warn};
 
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+use crate::store::webhooks as store;
+pub use crate::store::webhooks::WebhookView;
 
 /// The longest URL accepted.
 pub const MAX_URL_LEN: usize = 2048;
@@ -31,19 +31,6 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The pauses before the second and the third attempt.
 const RETRY_AFTER: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
-
-/// A user's webhook and how its latest delivery went.
-#[derive(Debug, Clone, Serialize, FromRow)]
-pub struct WebhookView {
-    pub url: String,
-    pub updated_at: i64,
-    /// The job the latest delivery was about (`None` for a test, or before any).
-    pub last_job_id: Option<i64>,
-    pub last_at: Option<i64>,
-    pub last_ok: Option<bool>,
-    /// "HTTP 200", or why the delivery failed.
-    pub last_result: Option<String>,
-}
 
 /// A webhook URL: `http://` or `https://` with a host, at most [`MAX_URL_LEN`] bytes, and no
 /// user name or password in it (they would be shown on the account page).
@@ -71,13 +58,7 @@ pub fn check_url(url: &str) -> ApiResult<String> {
 
 /// `user_id`'s webhook, if they set one.
 pub async fn get(state: &AppState, user_id: i64) -> ApiResult<Option<WebhookView>> {
-    Ok(sqlx::query_as(
-        "SELECT url, updated_at, last_job_id, last_at, last_ok, last_result FROM webhooks
-         WHERE user_id = ?",
-    )
-    .bind(user_id)
-    .fetch_optional(state.pool())
-    .await?)
+    Ok(store::get(state.pool(), user_id).await?)
 }
 
 /// Sets `user_id`'s webhook to `url` (checked), or removes it. A new URL starts with no
@@ -85,25 +66,11 @@ pub async fn get(state: &AppState, user_id: i64) -> ApiResult<Option<WebhookView
 pub async fn set(state: &AppState, user_id: i64, url: Option<&str>) -> ApiResult<()> {
     match url.map(str::trim).filter(|u| !u.is_empty()) {
         None => {
-            sqlx::query("DELETE FROM webhooks WHERE user_id = ?")
-                .bind(user_id)
-                .execute(state.pool())
-                .await?;
+            store::delete(state.pool(), user_id).await?;
         }
         Some(url) => {
             let url = check_url(url)?;
-            sqlx::query(
-                "INSERT INTO webhooks (user_id, url, updated_at) VALUES (?, ?, ?)
-                 ON CONFLICT (user_id) DO UPDATE SET url = excluded.url,
-                   updated_at = excluded.updated_at, last_job_id = NULL, last_at = NULL,
-                   last_ok = NULL, last_result = NULL
-                 WHERE webhooks.url <> excluded.url",
-            )
-            .bind(user_id)
-            .bind(&url)
-            .bind(now())
-            .execute(state.pool())
-            .await?;
+            store::set(state.pool(), user_id, &url, now()).await?;
         }
     }
     Ok(())
@@ -216,23 +183,9 @@ async fn record(
     }
     // Deliveries run side by side and retries take their time: one about a job that ended
     // earlier must not replace the outcome of one about a job that ended later.
-    let stored = sqlx::query(
-        "UPDATE webhooks SET last_job_id = ?1, last_at = ?2, last_ok = ?3, last_result = ?4
-         WHERE user_id = ?5 AND url = ?6
-           AND NOT EXISTS (
-             SELECT 1 FROM jobs later, jobs this
-             WHERE later.id = webhooks.last_job_id AND this.id = ?1
-               AND (COALESCE(later.finished_at, 0), later.id)
-                 > (COALESCE(this.finished_at, 0), this.id))",
-    )
-    .bind(job_id)
-    .bind(now())
-    .bind(delivery.ok)
-    .bind(&delivery.result)
-    .bind(user_id)
-    .bind(url)
-    .execute(state.pool())
-    .await;
+    let stored =
+        store::record(state.pool(), user_id, url, job_id, now(), delivery.ok, &delivery.result)
+            .await;
     if let Err(err) = stored {
         warn!("webhook of user {user_id}: cannot store the outcome: {err:?}");
     }

@@ -15,11 +15,13 @@ use tower::ServiceExt;
 use tower_http::services::ServeFile;
 use tracing::warn;
 
+use super::access::checkpoint_dir;
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiPath, ApiResult};
-use crate::jobs::{runner, store};
+use crate::jobs::runner;
 use crate::paths::is_plain_name;
+use crate::store::jobs as store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -66,8 +68,8 @@ async fn list(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Vec<Checkpoint>>> {
-    store::visible(&state, &user, id).await?;
-    let rows = store::checkpoints(&state, id).await?;
+    super::access::visible_job(&state, &user, id).await?;
+    let rows = store::checkpoints(state.pool(), id).await?;
     let run_dir = runner::run_dir(&state, id);
     let checkpoints = tokio::task::spawn_blocking(move || {
         rows.into_iter()
@@ -84,26 +86,6 @@ async fn list(
     Ok(Json(checkpoints))
 }
 
-/// The folder of checkpoint `name` of a job `user` may see; 404 for anything else.
-pub(crate) async fn checkpoint_dir(
-    state: &AppState,
-    user: &crate::auth::User,
-    id: i64,
-    name: &str,
-) -> ApiResult<std::path::PathBuf> {
-    store::visible(state, user, id).await?;
-    let missing = || ApiError::not_found(format!("job {id} has no checkpoint {name:?}"));
-    if !is_plain_name(name) {
-        return Err(missing());
-    }
-    let known = store::has_checkpoint(state, id, name).await?;
-    let dir = runner::run_dir(state, id).join(name);
-    if !known || !dir.is_dir() {
-        return Err(missing());
-    }
-    Ok(dir)
-}
-
 /// `DELETE /api/jobs/{id}/checkpoints/{name}`: the folder; `{"freed_bytes"}`. 409 while the
 /// job runs (its run may be saving or pruning). The resumable state (`state/`) is separate and
 /// stays: a resume does not need any checkpoint folder.
@@ -113,13 +95,13 @@ async fn remove(
     ApiPath((id, name)): ApiPath<(i64, String)>,
 ) -> ApiResult<Json<serde_json::Value>> {
     let dir = checkpoint_dir(&state, &user, id, &name).await?;
-    let job = store::visible(&state, &user, id).await?;
+    let job = super::access::visible_job(&state, &user, id).await?;
     if job.status == store::JobStatus::Running {
         return Err(ApiError::conflict(
             "the job is running; delete its checkpoints once it has stopped",
         ));
     }
-    store::forget_checkpoint(&state, id, &name).await?;
+    store::forget_checkpoint(state.pool(), id, &name).await?;
     let freed = super::storage::remove_dir(dir).await;
     Ok(Json(serde_json::json!({ "name": name, "freed_bytes": freed })))
 }

@@ -16,7 +16,7 @@ use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::{is_token, random_token};
 use crate::error::{ApiError, ApiPath, ApiResult};
-use crate::jobs::store::{self, JobRow};
+use crate::store::jobs::{self as store, JobRow};
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -32,9 +32,12 @@ async fn share(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Value>> {
-    store::visible(&state, &user, id).await?;
-    let token = store::share_demo(&state, id, &random_token()).await?;
-    store::log(&state, id, &format!("demo link turned on by {}", user.username)).await;
+    super::access::visible_job(&state, &user, id).await?;
+    let token = store::share_demo(state.pool(), id, &random_token())
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no job {id}")))?;
+    crate::jobs::record::log(&state, id, &format!("demo link turned on by {}", user.username))
+        .await;
     Ok(Json(json!({ "demo": format!("/demo/{token}") })))
 }
 
@@ -44,16 +47,17 @@ async fn unshare(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Value>> {
-    store::visible(&state, &user, id).await?;
-    if store::unshare_demo(&state, id).await? {
-        store::log(&state, id, &format!("demo link turned off by {}", user.username)).await;
+    super::access::visible_job(&state, &user, id).await?;
+    if store::unshare_demo(state.pool(), id).await? {
+        crate::jobs::record::log(&state, id, &format!("demo link turned off by {}", user.username))
+            .await;
     }
     Ok(Json(json!({ "demo": null })))
 }
 
 /// The job a demo token opens: 404, saying the link is off, for an unknown token.
 async fn shared(state: &AppState, token: &str) -> ApiResult<JobRow> {
-    let job = if is_token(token) { store::by_demo_token(state, token).await? } else { None };
+    let job = if is_token(token) { store::by_demo_token(state.pool(), token).await? } else { None };
     job.ok_or_else(|| ApiError::not_found("this demo link is off or never existed"))
 }
 
@@ -72,7 +76,7 @@ async fn show(
     })
     .await
     .map_err(ApiError::internal)?;
-    let point = match store::latest_point(&state, job.id).await? {
+    let point = match store::latest_point(state.pool(), job.id).await? {
         Some(text) => serde_json::from_str::<Value>(&text).map_err(ApiError::internal)?,
         None => Value::Null,
     };

@@ -16,7 +16,7 @@ use sluice_engine::convert::{GgufType, export_gguf};
 use sluice_engine::weights::Bf16Safetensors;
 use tokio_util::io::ReaderStream;
 
-use super::checkpoints::checkpoint_dir;
+use super::access::checkpoint_dir;
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::error::{ApiError, ApiPath, ApiResult};

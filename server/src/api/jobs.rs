@@ -1,6 +1,7 @@
 //! `/api/jobs`: submit, list, show, rename, delete, cancel, resume; metrics history, the
 //! per-unit timeline of one step, live events (SSE) and the log. The queue itself (dispatcher and training threads) is in `jobs::runner`.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 
 use axum::extract::State;
@@ -18,12 +19,15 @@ use sluice_engine::train::{STATE_DIR, TrainingState};
 
 use crate::AppState;
 use crate::auth::CurrentUser;
+use crate::datasets::Dataset;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::jobs::plan;
+use crate::jobs::record;
 use crate::jobs::request::{self, JobRequest, Label};
 use crate::jobs::runner;
-use crate::jobs::store::{self, JobRow, JobStatus};
+use crate::paths::dir_bytes;
 use crate::state::JobMessage;
+use crate::store::jobs::{self as store, JobRow, JobStatus, Listed, Which};
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -41,12 +45,101 @@ async fn list(
     State(state): State<AppState>,
     CurrentUser(user): CurrentUser,
 ) -> ApiResult<Json<Vec<Value>>> {
-    let rows = store::list_for(&state, &user).await?;
-    let mut jobs = Vec::with_capacity(rows.len());
-    for row in &rows {
-        jobs.push(store::view(&state, row).await?);
-    }
-    Ok(Json(jobs))
+    let which = if user.is_admin() { Which::All } else { Which::OwnedBy(user.id) };
+    Ok(Json(views(&state, which).await?))
+}
+
+/// Jobs as the API shows them, newest first: one statement reads the rows with everything the
+/// list shows from the database, one more the datasets their command lines name; then, on one
+/// blocking thread for the whole list, each job's disk use (a walk of its run folder, which the
+/// database does not know) and its command line (the model looked up on disk).
+async fn views(state: &AppState, which: Which) -> ApiResult<Vec<Value>> {
+    let listed = store::listed(state.pool(), which).await?;
+    let ids: Vec<i64> =
+        listed.iter().flat_map(|l| [l.row.dataset_id, l.row.eval_dataset_id]).flatten().collect();
+    let datasets = crate::datasets::by_ids(state, &ids).await?;
+    let state = state.clone();
+    let views = tokio::task::spawn_blocking(move || {
+        listed.iter().map(|job| job_view(&state, job, &datasets)).collect()
+    })
+    .await?;
+    Ok(views)
+}
+
+/// Job `id` as the API shows it (the caller has checked that the user may see it).
+async fn view(state: &AppState, id: i64) -> ApiResult<Value> {
+    views(state, Which::One(id))
+        .await?
+        .pop()
+        .ok_or_else(|| ApiError::not_found(format!("no job {id}")))
+}
+
+fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>) -> Value {
+    let job = &listed.row;
+    // Every setting, defaults filled in; through text so f32 values read as written (0.001,
+    // not 0.0010000000474974513).
+    let config: Value = job
+        .settings()
+        .ok()
+        .and_then(|s| serde_json::to_string(&s).ok())
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or(Value::Null);
+    let disk_bytes = dir_bytes(&runner::run_dir(state, job.id));
+    let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
+    let command =
+        record::engine_job(state, job, datasets).ok().map(|j| crate::job_line::command_line(&j));
+    let summary = &listed.summary;
+    json!({
+        "demo": listed.demo_token.as_ref().map(|token| format!("/demo/{token}")),
+        "id": job.id,
+        "name": job.name,
+        "note": job.note,
+        "owner": listed.owner,
+        "model": job.model,
+        "dataset": job.dataset_id,
+        "dataset_name": listed.dataset_name,
+        "gpu": job.device,
+        "status": job.status,
+        "position": listed.position,
+        "error": job.error,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "progress": progress,
+        "eta_s": job.eta_s(),
+        "resumable": job.is_resumable(),
+        "eval_dataset": job.eval_dataset_id,
+        "eval_dataset_name": listed.eval_dataset_name,
+        "config": config,
+        "placement": job.placement,
+        "command": command,
+        "disk_bytes": disk_bytes,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "duration_s": job_duration_s(job),
+        "summary": {
+            "final_loss": summary.final_loss,
+            "best_loss": summary.best_loss,
+            "best_loss_step": summary.best_loss_step,
+            "final_eval_loss": summary.final_eval_loss,
+            "best_eval_loss": summary.best_eval_loss,
+            "best_eval_step": summary.best_eval_step,
+            "tokens_seen": summary.tokens_seen,
+            "trained_tokens": summary.trained_tokens,
+            "tokens_per_s": summary.tokens_per_s,
+        },
+    })
+}
+
+/// Seconds from the latest start to the finish (or to now while running).
+fn job_duration_s(job: &JobRow) -> Option<f64> {
+    let started = job.started_at?;
+    let end = match (job.status, job.finished_at) {
+        (JobStatus::Running, _) => crate::db::now_f64(),
+        (_, Some(finished)) => finished as f64,
+        (_, None) => return None,
+    };
+    Some((end - started).max(0.0))
 }
 
 /// `POST /api/jobs`: 201 `{"id"}`. 400 for a field the engine refuses (with the engine's
@@ -88,7 +181,7 @@ async fn create(
         config: &settings,
         total_steps: job.settings.steps.unwrap_or(0) as i64,
     };
-    let id = match store::insert_queued(&state, &new, limit).await? {
+    let id = match store::insert_queued(state.pool(), &new, limit).await? {
         Ok(id) => id,
         Err(store::NotQueued::AtLimit { active }) => {
             return Err(ApiError::conflict(format!(
@@ -99,7 +192,7 @@ async fn create(
             return Err(ApiError::conflict("the dataset was deleted meanwhile"));
         }
     };
-    store::log(&state, id, &format!("queued by {} on {device}", user.username)).await;
+    record::log(&state, id, &format!("queued by {} on {device}", user.username)).await;
     state.queue().wake();
     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 }
@@ -109,8 +202,8 @@ async fn show(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Value>> {
-    let job = store::visible(&state, &user, id).await?;
-    Ok(Json(store::view(&state, &job).await?))
+    let job = super::access::visible_job(&state, &user, id).await?;
+    Ok(Json(view(&state, job.id).await?))
 }
 
 /// `POST /api/jobs/{id}/cancel`: a queued job is cancelled at once (200); a running one stops
@@ -121,21 +214,22 @@ async fn cancel(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    store::visible(&state, &user, id).await?;
+    super::access::visible_job(&state, &user, id).await?;
     // Asked first, so a runner claiming the job right now still sees the request.
     state.queue().request_cancel(id);
-    let dequeued = store::cancel_queued(&state, id).await?;
-    let job =
-        store::get(&state, id).await?.ok_or_else(|| ApiError::not_found(format!("no job {id}")))?;
+    let dequeued = store::cancel_queued(state.pool(), id).await?;
+    let job = store::get(state.pool(), id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no job {id}")))?;
     if dequeued {
         state.queue().clear_cancel(id);
-        store::log(&state, id, &format!("cancelled by {} before it started", user.username)).await;
-        store::publish_status(&state, id).await?;
-        return Ok((StatusCode::OK, Json(store::view(&state, &job).await?)));
+        record::log(&state, id, &format!("cancelled by {} before it started", user.username)).await;
+        record::publish_status(&state, id).await?;
+        return Ok((StatusCode::OK, Json(view(&state, job.id).await?)));
     }
     if job.status == JobStatus::Running {
-        store::log(&state, id, &format!("cancel requested by {}", user.username)).await;
-        return Ok((StatusCode::ACCEPTED, Json(store::view(&state, &job).await?)));
+        record::log(&state, id, &format!("cancel requested by {}", user.username)).await;
+        return Ok((StatusCode::ACCEPTED, Json(view(&state, job.id).await?)));
     }
     state.queue().clear_cancel(id);
     Err(ApiError::conflict(format!(
@@ -153,7 +247,7 @@ async fn resume(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Value>> {
-    let job = store::visible(&state, &user, id).await?;
+    let job = super::access::visible_job(&state, &user, id).await?;
     if !job.is_resumable() {
         return Err(ApiError::conflict(format!(
             "the job is {}; only cancelled or interrupted jobs can be resumed",
@@ -171,7 +265,7 @@ async fn resume(
     let step = saved.unwrap_or(0) as i64;
     let limit = i64::from(state.config().limits.max_active_jobs_per_user);
     // Steps after the saved state are taken again, identically.
-    if !store::requeue(&state, id, job.owner_id, step, limit).await? {
+    if !store::requeue(state.pool(), id, job.owner_id, step, limit).await? {
         return Err(ApiError::conflict(
             "the job changed state, or its owner has the most queued or running jobs allowed; \
              reload and try again",
@@ -185,11 +279,11 @@ async fn resume(
         ),
         None => format!("resumed by {} from the start (nothing was saved)", user.username),
     };
-    store::log(&state, id, &line).await;
-    store::publish_status(&state, id).await?;
+    record::log(&state, id, &line).await;
+    record::publish_status(&state, id).await?;
     state.queue().wake();
-    let job = store::visible(&state, &user, id).await?;
-    Ok(Json(store::view(&state, &job).await?))
+    let job = super::access::visible_job(&state, &user, id).await?;
+    Ok(Json(view(&state, job.id).await?))
 }
 
 /// `PATCH /api/jobs/{id}`: `{"name", "note"}` (either may be left out), at any time.
@@ -199,7 +293,7 @@ async fn relabel(
     ApiPath(id): ApiPath<i64>,
     ApiJson(body): ApiJson<Value>,
 ) -> ApiResult<Json<Value>> {
-    let job = store::visible(&state, &user, id).await?;
+    let job = super::access::visible_job(&state, &user, id).await?;
     let Value::Object(mut fields) = body else {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     };
@@ -210,9 +304,9 @@ async fn relabel(
             "unknown field `{other}`; only `name` and `note` can be changed"
         )));
     }
-    store::set_label(&state, id, &name, &note).await?;
-    let job = store::visible(&state, &user, id).await?;
-    Ok(Json(store::view(&state, &job).await?))
+    store::set_label(state.pool(), id, &name, &note).await?;
+    let job = super::access::visible_job(&state, &user, id).await?;
+    Ok(Json(view(&state, job.id).await?))
 }
 
 /// `DELETE /api/jobs/{id}`: the job, its history and its run folder; `{"freed_bytes"}`. 409
@@ -222,9 +316,9 @@ async fn remove(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Value>> {
-    store::visible(&state, &user, id).await?;
-    if !store::delete_job_if_idle(&state, id).await? {
-        let status = store::get(&state, id).await?.map(|j| j.status);
+    super::access::visible_job(&state, &user, id).await?;
+    if !store::delete_job_if_idle(state.pool(), id).await? {
+        let status = store::get(state.pool(), id).await?.map(|j| j.status);
         return Err(ApiError::conflict(match status {
             Some(status) => format!("the job is {status}; cancel it before deleting it"),
             None => "the job was deleted meanwhile".to_string(),
@@ -243,8 +337,8 @@ async fn metrics(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Json<Vec<Value>>> {
-    store::visible(&state, &user, id).await?;
-    let points = store::metric_points(&state, id).await?;
+    super::access::visible_job(&state, &user, id).await?;
+    let points = store::metric_points(state.pool(), id).await?;
     let points = points
         .iter()
         .map(|p| serde_json::from_str(p).map(compact_point))
@@ -298,16 +392,16 @@ async fn timeline(
     ApiPath(id): ApiPath<i64>,
     query: Result<axum::extract::Query<TimelineQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    store::visible(&state, &user, id).await?;
+    super::access::visible_job(&state, &user, id).await?;
     let query = query.map_err(|_| ApiError::bad_request("step must be a step number"))?;
     let step = match query.step {
         Some(step) => step,
-        None => match store::latest_timeline_step(&state, id).await? {
+        None => match store::latest_timeline_step(state.pool(), id).await? {
             Some(step) => step,
             None => return Ok(Json(json!({ "step": null, "timeline": null }))),
         },
     };
-    let Some(text) = store::timeline_at(&state, id, step).await? else {
+    let Some(text) = store::timeline_at(state.pool(), id, step).await? else {
         return Err(ApiError::not_found(format!("job {id} has no step {step}")));
     };
     let timeline: Value = serde_json::from_str(&text).map_err(ApiError::internal)?;
@@ -324,7 +418,7 @@ async fn events(
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
     // Subscribe before reading the status, so no change falls between the two.
     let receiver = state.subscribe();
-    let job = store::visible(&state, &user, id).await?;
+    let job = super::access::visible_job(&state, &user, id).await?;
     Ok(event_stream(receiver, &job, |_| true))
 }
 
@@ -357,8 +451,8 @@ async fn log(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<impl IntoResponse> {
-    store::visible(&state, &user, id).await?;
-    let lines = store::log_lines(&state, id).await?;
+    super::access::visible_job(&state, &user, id).await?;
+    let lines = store::log_lines(state.pool(), id).await?;
     let mut text = lines.join("\n");
     if !text.is_empty() {
         text.push('\n');

@@ -11,15 +11,15 @@ use axum::routing::get;
 
 use crate::AppState;
 use crate::error::ApiResult;
-use crate::jobs::store;
+use crate::store::jobs as store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new().route("/metrics", get(metrics))
 }
 
 async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
-    let (queued, running) = store::queue_counts(&state).await?;
-    let rates = store::running_rates(&state).await?;
+    let (queued, running) = store::queue_counts(state.pool()).await?;
+    let rates = store::running_rates(state.pool()).await?;
     let gpu_state = state.clone();
     let devices = tokio::task::spawn_blocking(move || gpu_state.gpus().list()).await?;
 

@@ -2,10 +2,12 @@
 //! own router, merged here and nowhere else. Handlers check who asks and what they send, then
 //! call the areas below (`datasets`, `models`, `jobs`, `gpus`); they never train.
 
+mod access;
 mod account;
 mod checkpoints;
 mod datasets;
 mod demo;
+mod errors;
 mod exports;
 mod gpus;
 mod health;
@@ -17,9 +19,6 @@ mod plan;
 mod storage;
 mod tryit;
 mod users;
-
-pub use tryit::TryIt;
-pub(crate) use tryit::start as start_tryit;
 
 use axum::Router;
 

@@ -14,8 +14,9 @@ use crate::AppState;
 use crate::auth::session::random_token;
 use crate::auth::{AdminUser, User};
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
-use crate::jobs::{runner, store};
+use crate::jobs::runner;
 use crate::paths::is_plain_name;
+use crate::store::jobs as store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -44,19 +45,15 @@ impl Usage {
 
 /// What `user_id` takes on disk now.
 pub async fn usage_of(state: &AppState, user_id: i64) -> ApiResult<Usage> {
-    let datasets: i64 =
-        sqlx::query_scalar("SELECT COALESCE(SUM(size_bytes), 0) FROM datasets WHERE owner_id = ?")
-            .bind(user_id)
-            .fetch_one(state.pool())
-            .await?;
-    let runs: Vec<PathBuf> = store::job_ids_of_owner(state, user_id)
+    let datasets = crate::store::datasets::bytes_of(state.pool(), Some(user_id)).await?;
+    let runs: Vec<PathBuf> = store::job_ids_of_owner(state.pool(), user_id)
         .await?
         .into_iter()
         .map(|id| runner::run_dir(state, id))
         .collect();
     let (runs, checkpoints) = tokio::task::spawn_blocking(move || {
         runs.iter().fold((0, 0), |(all, saved), dir| {
-            (all + store::dir_bytes(dir), saved + checkpoint_bytes(dir))
+            (all + crate::paths::dir_bytes(dir), saved + checkpoint_bytes(dir))
         })
     })
     .await
@@ -74,18 +71,14 @@ fn checkpoint_bytes(run: &Path) -> u64 {
             let name = name.to_string_lossy();
             name == "final" || name.starts_with("checkpoint-")
         })
-        .map(|e| store::dir_bytes(&e.path()))
+        .map(|e| crate::paths::dir_bytes(&e.path()))
         .sum()
 }
 
 /// `user`'s quota in bytes, if an admin set one.
 pub async fn quota_of(state: &AppState, user_id: i64) -> ApiResult<Option<u64>> {
-    let quota: Option<Option<i64>> =
-        sqlx::query_scalar("SELECT quota_bytes FROM users WHERE id = ?")
-            .bind(user_id)
-            .fetch_optional(state.pool())
-            .await?;
-    Ok(quota.flatten().map(|q| q.max(0) as u64))
+    let quota = crate::store::users::quota(state.pool(), user_id).await?;
+    Ok(quota.map(|q| q.max(0) as u64))
 }
 
 /// Refuses when `user`'s usage plus `incoming` bytes is over their quota: 413 for an upload,
@@ -133,7 +126,7 @@ fn gib(bytes: u64) -> String {
 /// hidden name, which the next start clears.
 pub async fn remove_dir(dir: PathBuf) -> u64 {
     tokio::task::spawn_blocking(move || {
-        let bytes = store::dir_bytes(&dir);
+        let bytes = crate::paths::dir_bytes(&dir);
         if !dir.exists() {
             return 0;
         }
@@ -150,7 +143,7 @@ pub async fn remove_dir(dir: PathBuf) -> u64 {
             Ok(()) => bytes,
             Err(err) => {
                 tracing::warn!("cannot remove {}: {err}", target.display());
-                bytes.saturating_sub(store::dir_bytes(&target))
+                bytes.saturating_sub(crate::paths::dir_bytes(&target))
             }
         }
     })
@@ -161,14 +154,11 @@ pub async fn remove_dir(dir: PathBuf) -> u64 {
 /// `GET /api/storage` (admins): every user's usage and quota, the model folders with their
 /// sizes, and the data directory's disk.
 async fn overview(State(state): State<AppState>, _admin: AdminUser) -> ApiResult<Json<Value>> {
-    let users: Vec<(i64, String, Option<i64>)> =
-        sqlx::query_as("SELECT id, username, quota_bytes FROM users ORDER BY id")
-            .fetch_all(state.pool())
-            .await?;
+    let users = crate::store::users::quotas(state.pool()).await?;
     let mut rows = Vec::with_capacity(users.len());
     for (id, username, quota) in users {
         let usage = usage_of(&state, id).await?;
-        let jobs = store::job_ids_of_owner(&state, id).await?.len();
+        let jobs = store::job_ids_of_owner(state.pool(), id).await?.len();
         rows.push(json!({
             "id": id,
             "username": username,
@@ -180,11 +170,7 @@ async fn overview(State(state): State<AppState>, _admin: AdminUser) -> ApiResult
             "quota_bytes": quota,
         }));
     }
-    let shared: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(SUM(size_bytes), 0) FROM datasets WHERE owner_id IS NULL",
-    )
-    .fetch_one(state.pool())
-    .await?;
+    let shared = crate::store::datasets::bytes_of(state.pool(), None).await?;
     let (models_dir, hub_dir) = (state.models_dir(), state.config().hub_dir());
     let models = tokio::task::spawn_blocking(move || model_folders(&models_dir, &hub_dir))
         .await
@@ -274,27 +260,17 @@ fn model_folders(models: &Path, hub: &Path) -> Vec<(Model, u64)> {
     let local = folders(models)
         .into_iter()
         .filter(|(name, _)| is_plain_name(name) && !name.starts_with('.'))
-        .map(|(name, path)| (Model::Local(name), store::dir_bytes(&path)));
+        .map(|(name, path)| (Model::Local(name), crate::paths::dir_bytes(&path)));
     let pulled = folders(hub).into_iter().filter_map(|(name, path)| {
         let repo = crate::hub::cache::repo_of_folder(&name)?;
-        Some((Model::Pulled(repo), store::dir_bytes(&path)))
+        Some((Model::Pulled(repo), crate::paths::dir_bytes(&path)))
     });
     local.chain(pulled).collect()
 }
 
 /// Queued or running jobs that train `model` (any revision of a pulled repo).
 async fn active_using_model(state: &AppState, model: &Model) -> ApiResult<i64> {
-    let id = model.id();
-    let revisions = format!("{id}@");
-    Ok(sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE (model = ? OR substr(model, 1, ?) = ?)
-            AND status IN ('queued', 'running')",
-    )
-    .bind(&id)
-    .bind(revisions.len() as i64)
-    .bind(&revisions)
-    .fetch_one(state.pool())
-    .await?)
+    Ok(store::active_using_model(state.pool(), &model.id()).await?)
 }
 
 /// `PUT /api/storage/users/{id}/quota` (admins): `{"quota_bytes": N}`, or `null` for none.
@@ -316,12 +292,8 @@ async fn set_quota(
         },
         None => return Err(ApiError::bad_request("missing field `quota_bytes`")),
     };
-    let updated = sqlx::query("UPDATE users SET quota_bytes = ? WHERE id = ?")
-        .bind(quota)
-        .bind(id)
-        .execute(state.pool())
-        .await?;
-    if updated.rows_affected() != 1 {
+    let updated = crate::store::users::set_quota(state.pool(), id, quota).await?;
+    if !updated {
         return Err(ApiError::not_found(format!("no user {id}")));
     }
     Ok(Json(json!({ "id": id, "quota_bytes": quota })))

@@ -4,8 +4,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
-use sqlx::FromRow;
+use serde::Deserialize;
 use tracing::warn;
 
 use crate::AppState;
@@ -14,7 +13,8 @@ use crate::auth::password;
 use crate::datasets;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
-use crate::jobs::{runner, store};
+use crate::jobs::runner;
+use crate::store::jobs as store;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -22,18 +22,11 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/users/{id}", delete(remove))
 }
 
-#[derive(Debug, Serialize, FromRow)]
-struct UserView {
-    id: i64,
-    username: String,
-    role: String,
-    created_at: i64,
-}
-
-async fn list(State(state): State<AppState>, _admin: AdminUser) -> ApiResult<Json<Vec<UserView>>> {
-    let users = sqlx::query_as("SELECT id, username, role, created_at FROM users ORDER BY id")
-        .fetch_all(state.pool())
-        .await?;
+async fn list(
+    State(state): State<AppState>,
+    _admin: AdminUser,
+) -> ApiResult<Json<Vec<crate::store::users::UserView>>> {
+    let users = crate::store::users::list(state.pool()).await?;
     Ok(Json(users))
 }
 
@@ -55,7 +48,7 @@ async fn create(
     State(state): State<AppState>,
     _admin: AdminUser,
     ApiJson(body): ApiJson<NewUser>,
-) -> ApiResult<(StatusCode, Json<UserView>)> {
+) -> ApiResult<(StatusCode, Json<crate::store::users::UserView>)> {
     password::check_username(&body.username)?;
     password::check_password(&body.password)?;
     if body.role != "admin" && body.role != "user" {
@@ -64,24 +57,13 @@ async fn create(
             body.role
         )));
     }
-    let taken: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE username = ?")
-        .bind(&body.username)
-        .fetch_optional(state.pool())
-        .await?;
+    let taken = crate::store::users::id_of(state.pool(), &body.username).await?;
     if taken.is_some() {
         return Err(ApiError::conflict(format!("the username {:?} is taken", body.username)));
     }
     let hash = password::hash(body.password).await?;
-    let user: UserView = sqlx::query_as(
-        "INSERT INTO users (username, password_hash, role, created_at) VALUES (?, ?, ?, ?)
-         RETURNING id, username, role, created_at",
-    )
-    .bind(&body.username)
-    .bind(&hash)
-    .bind(&body.role)
-    .bind(now())
-    .fetch_one(state.pool())
-    .await?;
+    let user =
+        crate::store::users::insert(state.pool(), &body.username, &hash, &body.role, now()).await?;
     Ok((StatusCode::CREATED, Json(user)))
 }
 
@@ -96,19 +78,15 @@ async fn remove(
     if id == admin.id {
         return Err(ApiError::conflict("you cannot delete your own account"));
     }
-    let exists: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE id = ?")
-        .bind(id)
-        .fetch_optional(state.pool())
-        .await?;
-    if exists.is_none() {
+    if !crate::store::users::exists(state.pool(), id).await? {
         return Err(ApiError::not_found(format!("no user {id}")));
     }
     // Their files are found before the rows go; the rows go in one statement that also checks
     // that nothing of theirs is queued or running.
     let mut paths = datasets::files_of_owner(&state, id).await?;
-    let jobs = store::job_ids_of_owner(&state, id).await?;
-    if !store::delete_user_if_idle(&state, id).await? {
-        let active = store::active_of_owner(&state, id).await?;
+    let jobs = store::job_ids_of_owner(state.pool(), id).await?;
+    if !crate::store::users::delete_user_if_idle(state.pool(), id).await? {
+        let active = store::active_of_owner(state.pool(), id).await?;
         return Err(ApiError::conflict(format!(
             "the user has {active} queued or running jobs; cancel them first"
         )));

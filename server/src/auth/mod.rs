@@ -33,6 +33,7 @@ pub use session::{AdminUser, CurrentUser, User};
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiResult};
+use crate::store::users as store;
 use password::{Busy, Turn};
 use session::{Anonymous, Cookie, Session};
 use throttle::{Throttle, Throttled};
@@ -151,8 +152,7 @@ struct Credentials {
 }
 
 async fn setup_needed(state: &AppState) -> ApiResult<bool> {
-    let users: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(state.pool()).await?;
+    let users = store::count(state.pool()).await?;
     Ok(users == 0)
 }
 
@@ -225,26 +225,11 @@ async fn setup(
     }
     let hash = Turn::try_take()?.hash(body.password).await?;
     // The existence check and the insert are one statement, so two racing setups make one admin.
-    let created = sqlx::query(
-        "INSERT INTO users (username, password_hash, role, created_at)
-         SELECT ?, ?, 'admin', ? WHERE NOT EXISTS (SELECT 1 FROM users)",
-    )
-    .bind(&body.username)
-    .bind(&hash)
-    .bind(now())
-    .execute(state.pool())
-    .await?;
-    if created.rows_affected() == 0 {
+    let created = store::insert_first_admin(state.pool(), &body.username, &hash, now()).await?;
+    let Some(id) = created else {
         return Err(ApiError::conflict("setup is done: an admin account exists; log in").into());
-    }
-    let id = created.last_insert_rowid();
+    };
     Ok(rotate(&state, &headers, id).await?)
-}
-
-#[derive(sqlx::FromRow)]
-struct LoginRow {
-    id: i64,
-    password_hash: String,
 }
 
 /// `POST /api/login`: 401 for an unknown user or a wrong password (the same message, and the
@@ -265,13 +250,8 @@ async fn login(
     let guards = guards(&state);
     let attempt = guards.throttle.admit(&body.username, address, Instant::now())?;
     let turn = Turn::try_take()?;
-    let row: Option<LoginRow> =
-        sqlx::query_as("SELECT id, password_hash FROM users WHERE username = ?")
-            .bind(&body.username)
-            .fetch_optional(state.pool())
-            .await?;
-    let (id, stored) = match row {
-        Some(row) => (Some(row.id), Some(row.password_hash)),
+    let (id, stored) = match store::login_of(state.pool(), &body.username).await? {
+        Some((id, hash)) => (Some(id), Some(hash)),
         None => (None, None),
     };
     match (turn.verify(body.password, stored).await?, id) {

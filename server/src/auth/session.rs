@@ -21,13 +21,13 @@ use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use rand::RngCore;
-use serde::Serialize;
-use sqlx::FromRow;
 
 use super::tokens;
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+use crate::store;
+pub use crate::store::users::User;
 
 pub const COOKIE: &str = "sluice_session";
 pub const CSRF_HEADER: &str = "x-csrf-token";
@@ -38,20 +38,6 @@ const ANONYMOUS: &str = "anon-";
 /// Sessions one user may hold at once; a login past that ends their oldest. Each login costs a
 /// password hash, so this only matters to a script logging in over and over.
 const MAX_SESSIONS_PER_USER: i64 = 32;
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, FromRow)]
-pub struct User {
-    pub id: i64,
-    pub username: String,
-    /// "admin" or "user".
-    pub role: String,
-}
-
-impl User {
-    pub fn is_admin(&self) -> bool {
-        self.role == "admin"
-    }
-}
 
 /// A live, logged-in session.
 #[derive(Debug, Clone)]
@@ -77,15 +63,6 @@ pub enum Cookie {
     Session(String),
     /// An anonymous visitor's nonce (well-formed: 64 hex digits).
     Anonymous(String),
-}
-
-#[derive(FromRow)]
-struct SessionRow {
-    csrf: String,
-    expires_at: i64,
-    user_id: i64,
-    username: String,
-    role: String,
 }
 
 /// 32 random bytes from the thread-local CSPRNG, as hex.
@@ -133,19 +110,11 @@ pub fn cookie(headers: &HeaderMap) -> Option<Cookie> {
 
 /// Looks up an unexpired session.
 pub async fn load(state: &AppState, token: &str) -> ApiResult<Option<Session>> {
-    let row: Option<SessionRow> = sqlx::query_as(
-        "SELECT s.csrf, s.expires_at, u.id AS user_id, u.username, u.role
-         FROM sessions s JOIN users u ON u.id = s.user_id
-         WHERE s.token = ? AND s.expires_at > ?",
-    )
-    .bind(token)
-    .bind(now())
-    .fetch_optional(state.pool())
-    .await?;
+    let row = store::sessions::live(state.pool(), token, now()).await?;
     Ok(row.map(|row| Session {
         token: token.to_string(),
         csrf: row.csrf,
-        user: User { id: row.user_id, username: row.username, role: row.role },
+        user: row.user,
         expires_at: row.expires_at,
     }))
 }
@@ -158,36 +127,14 @@ pub async fn create(state: &AppState, user_id: i64) -> ApiResult<Session> {
     let ttl = i64::try_from(state.config().session_ttl.as_secs()).unwrap_or(i64::MAX / 2);
     let now = now();
     let expires_at = now.saturating_add(ttl);
-    sqlx::query("DELETE FROM sessions WHERE expires_at <= ?")
-        .bind(now)
-        .execute(state.pool())
-        .await?;
-    sqlx::query("INSERT INTO sessions (token, user_id, csrf, expires_at) VALUES (?, ?, ?, ?)")
-        .bind(&token)
-        .bind(user_id)
-        .bind(&csrf)
-        .bind(expires_at)
-        .execute(state.pool())
-        .await?;
-    sqlx::query(
-        "DELETE FROM sessions WHERE user_id = ? AND token NOT IN
-         (SELECT token FROM sessions WHERE user_id = ? ORDER BY expires_at DESC LIMIT ?)",
-    )
-    .bind(user_id)
-    .bind(user_id)
-    .bind(MAX_SESSIONS_PER_USER)
-    .execute(state.pool())
-    .await?;
-    let user = sqlx::query_as::<_, User>("SELECT id, username, role FROM users WHERE id = ?")
-        .bind(user_id)
-        .fetch_one(state.pool())
-        .await?;
+    let new = store::sessions::NewSession { token: &token, user_id, csrf: &csrf, expires_at };
+    store::sessions::insert(state.pool(), &new, now, MAX_SESSIONS_PER_USER).await?;
+    let user = store::users::get(state.pool(), user_id).await?;
     Ok(Session { token, csrf, user, expires_at })
 }
 
 pub async fn delete(state: &AppState, token: &str) -> ApiResult<()> {
-    sqlx::query("DELETE FROM sessions WHERE token = ?").bind(token).execute(state.pool()).await?;
-    Ok(())
+    Ok(store::sessions::delete(state.pool(), token).await?)
 }
 
 /// An anonymous visitor: `nonce` kept when the cookie already had one (so two tabs of the login
@@ -227,13 +174,7 @@ async fn csrf_key(state: &AppState) -> ApiResult<String> {
         .csrf_key
         .get_or_try_init(|| async {
             // Two first requests racing here both end up with the one row that was inserted.
-            sqlx::query("INSERT OR IGNORE INTO meta (key, value) VALUES ('csrf_key', ?)")
-                .bind(random_token())
-                .execute(state.pool())
-                .await?;
-            let key: String = sqlx::query_scalar("SELECT value FROM meta WHERE key = 'csrf_key'")
-                .fetch_one(state.pool())
-                .await?;
+            let key = store::sessions::csrf_key(state.pool(), &random_token()).await?;
             ApiResult::Ok(key)
         })
         .await?;

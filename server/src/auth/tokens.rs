@@ -13,14 +13,14 @@
 
 use axum::http::{HeaderMap, header};
 use rand::RngCore;
-use serde::Serialize;
 use sha2::{Digest, Sha256};
-use sqlx::FromRow;
 
-use super::session::User;
 use crate::AppState;
 use crate::db::now;
 use crate::error::{ApiError, ApiResult};
+use crate::store::tokens as store;
+pub use crate::store::tokens::TokenView;
+use crate::store::users::User;
 
 /// What every token starts with, so a leaked one is recognisable (and searchable) as ours.
 pub const PREFIX: &str = "sluice_";
@@ -37,17 +37,6 @@ pub const MAX_NAME_CHARS: usize = 64;
 
 /// How stale `last_used_at` may get: a busy script would otherwise write a row per request.
 const LAST_USED_RESOLUTION_S: i64 = 60;
-
-/// A token as its owner sees it in the list (never the token itself).
-#[derive(Debug, Clone, Serialize, FromRow)]
-pub struct TokenView {
-    pub id: i64,
-    pub name: String,
-    /// The token's first characters ("sluice_1a2b3c4d").
-    pub prefix: String,
-    pub created_at: i64,
-    pub last_used_at: Option<i64>,
-}
 
 /// What an `Authorization` header says, if it says `Bearer`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,31 +82,13 @@ fn refused() -> ApiError {
 /// The user a bearer credential acts as, or 401. Notes when the token was last used.
 pub async fn authenticate(state: &AppState, bearer: &Bearer) -> ApiResult<User> {
     let Bearer::Token(token) = bearer else { return Err(refused()) };
-    #[derive(FromRow)]
-    struct Row {
-        token_id: i64,
-        last_used_at: Option<i64>,
-        id: i64,
-        username: String,
-        role: String,
-    }
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT t.id AS token_id, t.last_used_at, u.id, u.username, u.role
-         FROM api_tokens t JOIN users u ON u.id = t.user_id WHERE t.token_hash = ?",
-    )
-    .bind(digest(token))
-    .fetch_optional(state.pool())
-    .await?;
+    let row = store::by_hash(state.pool(), &digest(token)).await?;
     let row = row.ok_or_else(refused)?;
     let now = now();
     if row.last_used_at.is_none_or(|t| now - t >= LAST_USED_RESOLUTION_S) {
-        sqlx::query("UPDATE api_tokens SET last_used_at = ? WHERE id = ?")
-            .bind(now)
-            .bind(row.token_id)
-            .execute(state.pool())
-            .await?;
+        store::touch(state.pool(), row.token_id, now).await?;
     }
-    Ok(User { id: row.id, username: row.username, role: row.role })
+    Ok(row.user)
 }
 
 /// A token's name, trimmed: 1 to [`MAX_NAME_CHARS`] characters, no control characters.
@@ -148,20 +119,9 @@ pub async fn create(state: &AppState, user_id: i64, name: &str) -> ApiResult<(To
     rand::rng().fill_bytes(&mut bytes);
     let token = format!("{PREFIX}{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>());
     // The count and the insert are one statement, so racing requests cannot pass the limit.
-    let view: Option<TokenView> = sqlx::query_as(
-        "INSERT INTO api_tokens (user_id, name, token_hash, prefix, created_at)
-         SELECT ?, ?, ?, ?, ? WHERE (SELECT COUNT(*) FROM api_tokens WHERE user_id = ?) < ?
-         RETURNING id, name, prefix, created_at, last_used_at",
-    )
-    .bind(user_id)
-    .bind(&name)
-    .bind(digest(&token))
-    .bind(&token[..SHOWN])
-    .bind(now())
-    .bind(user_id)
-    .bind(MAX_PER_USER)
-    .fetch_optional(state.pool())
-    .await?;
+    let new =
+        store::NewToken { user_id, name: &name, hash: &digest(&token), prefix: &token[..SHOWN] };
+    let view = store::insert(state.pool(), &new, now(), MAX_PER_USER).await?;
     match view {
         Some(view) => Ok((view, token)),
         None => Err(ApiError::conflict(format!(
@@ -172,23 +132,12 @@ pub async fn create(state: &AppState, user_id: i64, name: &str) -> ApiResult<(To
 
 /// `user_id`'s tokens, newest first.
 pub async fn list(state: &AppState, user_id: i64) -> ApiResult<Vec<TokenView>> {
-    Ok(sqlx::query_as(
-        "SELECT id, name, prefix, created_at, last_used_at FROM api_tokens
-         WHERE user_id = ? ORDER BY id DESC",
-    )
-    .bind(user_id)
-    .fetch_all(state.pool())
-    .await?)
+    Ok(store::list(state.pool(), user_id).await?)
 }
 
 /// Revokes token `id` of `user_id`; `false` when they hold no such token.
 pub async fn revoke(state: &AppState, user_id: i64, id: i64) -> ApiResult<bool> {
-    let gone = sqlx::query("DELETE FROM api_tokens WHERE id = ? AND user_id = ?")
-        .bind(id)
-        .bind(user_id)
-        .execute(state.pool())
-        .await?;
-    Ok(gone.rows_affected() > 0)
+    Ok(store::revoke(state.pool(), user_id, id).await?)
 }
 
 #[cfg(test)]

@@ -158,8 +158,8 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
             .collect()
     };
     time_fused(1, true)?; // warm-up: thread start-up is not the update's cost
-    let fused = median(time_fused(args.iters, true)?);
-    let fused_master = median(time_fused(args.iters, false)?);
+    let fused = super::bench_attention::median(time_fused(args.iters, true)?);
+    let fused_master = super::bench_attention::median(time_fused(args.iters, false)?);
 
     let report = |name: &str, d: Duration, bytes: f64| {
         let rate = n as f64 / d.as_secs_f64();
@@ -193,7 +193,11 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
         adamw_fused_scalar(state, grad.as_f32(), &next())?;
         scalar.push(t.elapsed());
     }
-    let slow = report("naive scalar, 1 thread, bf16 copy", median(scalar), copy_bytes);
+    let slow = report(
+        "naive scalar, 1 thread, bf16 copy",
+        super::bench_attention::median(scalar),
+        copy_bytes,
+    );
     println!(
         "speed-up {:.1}x with the copy; {counts} (median of {} and {} runs)",
         fast / slow,
@@ -201,9 +205,4 @@ fn adam(args: AdamArgs) -> anyhow::Result<()> {
         scalar_iters
     );
     Ok(())
-}
-
-pub(super) fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort();
-    times.get(times.len() / 2).copied().unwrap_or_default()
 }

@@ -295,5 +295,11 @@ fn time(
         cuda.synchronize()?;
         times.push(start.elapsed());
     }
-    Ok(super::bench::median(times))
+    Ok(median(times))
+}
+
+/// The middle of `times` (the upper middle for an even count); zero for none.
+pub(super) fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times.get(times.len() / 2).copied().unwrap_or_default()
 }

@@ -1,7 +1,7 @@
 //! `sluice train`: fine-tune a model folder (or train a random-init preset) on a dataset from
 //! the terminal, with a progress bar and one line per step.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -168,60 +168,6 @@ fn job(args: TrainArgs) -> anyhow::Result<(Job, PathBuf)> {
     Ok((job, out))
 }
 
-/// The `sluice train` command line that runs `job` (its run folder left to the default):
-/// what the appliance shows beside a job. Settings at their defaults are left out.
-pub(crate) fn command_line(job: &Job) -> String {
-    let mut words: Vec<String> = vec!["sluice".into(), "train".into()];
-    // A flag and its value, or a switch alone.
-    let mut flag = |name: &str, value: Option<String>| {
-        words.push(format!("--{name}"));
-        words.extend(value);
-    };
-    let path = |p: &Path| p.display().to_string();
-    match &job.model {
-        ModelSource::Dir(dir) => flag("model", Some(path(dir))),
-        ModelSource::Preset(name) => flag("preset", Some(name.clone())),
-    }
-    flag("data", Some(path(job.data.path())));
-    if let DatasetSource::Registry { name, .. } = job.data.clone().with(ReadOptions::default()) {
-        flag("dataset", Some(name));
-    }
-    let read = job.data.read_options();
-    if !read.columns.is_empty() {
-        flag("columns", Some(read.columns.to_flag()));
-    }
-    if let Some(eval) = &job.eval_data {
-        flag("eval-data", Some(path(eval.path())));
-    }
-    flag("device", Some(job.devices.to_string()));
-    // Every setting that differs from its default, the batch shape always; each flag is the
-    // setting's name with dashes (`settings.rs`).
-    for (name, value) in job.settings.changed(&["seq_len", "micro_batch", "grad_accum"]) {
-        let name = name.replace('_', "-");
-        match value {
-            Value::Bool(true) => flag(&name, None),
-            Value::Bool(false) | Value::Null => {}
-            Value::String(text) => flag(&name, Some(text)),
-            number => flag(&name, Some(number.to_string())),
-        }
-    }
-    if job.data.skips_invalid() {
-        flag("skip-invalid", None);
-    }
-    words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
-}
-
-/// `word` as a POSIX shell reads it back: bare when it is only safe characters, else in
-/// single quotes.
-pub(crate) fn shell_quote(word: &str) -> String {
-    let safe = |c: char| c.is_ascii_alphanumeric() || "-_./:,=+@%".contains(c);
-    if !word.is_empty() && word.chars().all(safe) {
-        word.to_string()
-    } else {
-        format!("'{}'", word.replace('\'', r"'\''"))
-    }
-}
-
 /// Plans the job on this machine (or the memory given, with the disk tier the flags name) with
 /// what the streamer implements; a job that does not fit is an error carrying the planner's
 /// reason and what would fit, after the same details `sluice plan` prints.
@@ -374,6 +320,9 @@ mod tests {
     use sluice_engine::weights::SaveDtype;
 
     use super::*;
+    use std::path::Path;
+
+    use crate::job_line::command_line;
 
     #[derive(Debug, Parser)]
     struct Cli {
@@ -489,8 +438,8 @@ mod tests {
         }
     }
 
-    /// POSIX words of `line` with single quotes and backslash escapes (what [`shell_quote`]
-    /// writes).
+    /// POSIX words of `line` with single quotes and backslash escapes (what
+    /// `job_line::shell_quote` writes).
     fn shell_words(line: &str) -> Vec<String> {
         let (mut words, mut word, mut quoted, mut any) = (Vec::new(), String::new(), false, false);
         let mut chars = line.chars();

@@ -16,6 +16,7 @@
 
 pub mod cache;
 pub mod client;
+pub mod progress;
 pub mod pull;
 
 use std::fmt;

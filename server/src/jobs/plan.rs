@@ -15,8 +15,8 @@ use sluice_engine::schedule::from_plan::schedule_options;
 use sluice_engine::spec::ModelSpec;
 use sluice_engine::train::{Devices, GradientPolicy, Job};
 
+use super::JobsError;
 use crate::AppState;
-use crate::error::{ApiError, ApiResult};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
@@ -87,19 +87,19 @@ pub struct Part {
 
 /// The memory a job on `devices` may use now: the first GPU's free memory as NVML reports it
 /// (each GPU of a data-parallel job plans its own share) and MemAvailable.
-pub fn machine_memory(state: &AppState, devices: &Devices) -> ApiResult<MachineMemory> {
+pub fn machine_memory(state: &AppState, devices: &Devices) -> Result<MachineMemory, JobsError> {
     let (_, host_available) = crate::gpus::host_memory();
     let host_bytes = state.queue().host_budget(host_available);
     match devices.gpus().first() {
         None => MachineMemory::detect(plan::GpuQuery::HostOnly, None, Some(host_bytes))
-            .map_err(|e| ApiError::bad_request(e.to_string())),
+            .map_err(|e| JobsError::invalid(e.to_string())),
         Some(&n) => {
             let id = format!("cuda:{n}");
             let listed = state.gpus().list();
             let gpu = listed
                 .iter()
                 .find(|d| d.id == id)
-                .ok_or_else(|| ApiError::bad_request(format!("unknown GPU {id:?}")))?;
+                .ok_or_else(|| JobsError::invalid(format!("unknown GPU {id:?}")))?;
             Ok(MachineMemory {
                 gpu_bytes: gpu.memory_total.saturating_sub(gpu.memory_used),
                 gpu_source: MemorySource::Measured,
@@ -120,19 +120,19 @@ pub fn with_disk_tier(
     job: &Job,
     spec: &ModelSpec,
     memory: MachineMemory,
-) -> ApiResult<MachineMemory> {
+) -> Result<MachineMemory, JobsError> {
     super::disk::attach(&state.config().disk_tier_dir(), job, spec, memory)
-        .map_err(ApiError::bad_request)
+        .map_err(JobsError::Invalid)
 }
 
 /// The engine planner's verdict on `job` with `memory`, in the API's shape.
 pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
     let shared = memory.shared();
-    let mut command = crate::cli::train::command_line(job);
+    let mut command = crate::job_line::command_line(job);
     // The same job from a terminal needs the same disk tier.
     if let Some(d) = &memory.disk {
         command.push_str(" --disk-dir ");
-        command.push_str(&crate::cli::train::shell_quote(&d.dir.display().to_string()));
+        command.push_str(&crate::job_line::shell_quote(&d.dir.display().to_string()));
     }
     let input = job.plan_input(spec, memory);
     let planned = plan::plan(&input);

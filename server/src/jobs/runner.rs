@@ -19,64 +19,22 @@
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use serde_json::json;
 use sluice_engine::plan::MachineMemory;
 use sluice_engine::train::{
     self, Event, Interrupt, Job, Observer, RunOptions, RunSummary, STATE_DIR, TrainingState,
 };
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info};
 
-use super::store::{self, JobRow, JobStatus};
+use super::JobsError;
+use super::queue::{Queue, lock};
+use super::record;
 use crate::AppState;
 use crate::db::now_f64;
-use crate::error::ApiResult;
-
-/// Wake-ups for the dispatcher, the devices running jobs hold, cancel requests for running
-/// jobs, and the host memory starting jobs have planned.
-#[derive(Debug, Default)]
-pub struct Queue {
-    wake: Arc<Notify>,
-    busy: Mutex<HashSet<String>>,
-    cancels: Arc<Mutex<HashSet<i64>>>,
-    /// Host bytes each starting job planned, until the engine reports it has allocated them
-    /// (they are in MemAvailable from then on).
-    reserved: Arc<Mutex<HashMap<i64, u64>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Queue {
-    /// Tells the dispatcher that a job was queued or a device came free.
-    pub fn wake(&self) {
-        self.wake.notify_one();
-    }
-
-    pub fn request_cancel(&self, job_id: i64) {
-        lock(&self.cancels).insert(job_id);
-    }
-
-    /// Forgets a cancel request; says whether there was one.
-    pub fn clear_cancel(&self, job_id: i64) -> bool {
-        lock(&self.cancels).remove(&job_id)
-    }
-
-    /// Host memory a new job may plan with, of `available` (MemAvailable): what starting jobs
-    /// have planned but not allocated yet is not free.
-    pub fn host_budget(&self, available: u64) -> u64 {
-        Self::budget(&self.reserved, available, None)
-    }
-
-    fn budget(reserved: &Mutex<HashMap<i64, u64>>, available: u64, except: Option<i64>) -> u64 {
-        let held: u64 =
-            lock(reserved).iter().filter(|(id, _)| Some(**id) != except).map(|(_, b)| b).sum();
-        available.saturating_sub(held)
-    }
-}
+use crate::store::jobs::{self as store, JobRow, JobStatus};
 
 /// A device held outside any job (a try-it generation): a queued job for it waits until the
 /// claim is dropped, which frees the device and wakes the dispatcher.
@@ -149,29 +107,29 @@ async fn dispatch(state: AppState) {
 
 /// Claims the first queued job, in queue order, whose devices are all free and not wanted by
 /// an earlier queued job; marks them busy. Jobs naming a device this machine lacks fail.
-async fn claim_ready(state: &AppState) -> ApiResult<Option<(JobRow, Vec<String>)>> {
-    let queued = store::queued_devices(state).await?;
+async fn claim_ready(state: &AppState) -> Result<Option<(JobRow, Vec<String>)>, JobsError> {
+    let queued = store::queued_devices(state.pool()).await?;
     let known = state.gpus().device_ids();
     let mut blocked = lock(&state.queue().busy).clone();
     for (id, device) in queued {
         let members = match device.parse::<train::Devices>() {
             Ok(d) => d.members(),
             Err(e) => {
-                store::finish(state, id, JobStatus::Failed, Some(&e.to_string())).await?;
+                record::finish(state, id, JobStatus::Failed, Some(&e.to_string())).await?;
                 continue;
             }
         };
         if let Some(missing) = members.iter().find(|d| !known.contains(d)) {
             let message = format!("{missing} is not on this machine");
-            store::log(state, id, &format!("cannot start: {message}")).await;
-            store::finish(state, id, JobStatus::Failed, Some(&message)).await?;
+            record::log(state, id, &format!("cannot start: {message}")).await;
+            record::finish(state, id, JobStatus::Failed, Some(&message)).await?;
             continue;
         }
         if members.iter().any(|d| blocked.contains(d)) {
             blocked.extend(members);
             continue;
         }
-        let claimed = store::claim(state, id).await?;
+        let claimed = store::claim(state.pool(), id).await?;
         if let Some(job) = claimed {
             lock(&state.queue().busy).extend(members.iter().cloned());
             // A model kept loaded for "try it" holds memory this job plans with.
@@ -198,13 +156,13 @@ enum RunEvent {
 
 async fn run_job(state: &AppState, job: JobRow) {
     let id = job.id;
-    let _ = store::publish_status(state, id).await;
+    let _ = record::publish_status(state, id).await;
     crate::announce::job_started(state, &job).await;
-    let engine_job = match store::job_of(state, &job).await {
+    let engine_job = match record::job_of(state, &job).await {
         Ok(j) => j,
         Err(message) => {
-            store::log(state, id, &format!("cannot start: {message}")).await;
-            let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
+            record::log(state, id, &format!("cannot start: {message}")).await;
+            let _ = record::finish(state, id, JobStatus::Failed, Some(&message)).await;
             crate::announce::job_ended(state, id);
             return;
         }
@@ -239,7 +197,7 @@ async fn run_job(state: &AppState, job: JobRow) {
     });
     if let Err(err) = spawned {
         let message = format!("cannot start a training thread: {err}");
-        let _ = store::finish(state, id, JobStatus::Failed, Some(&message)).await;
+        let _ = record::finish(state, id, JobStatus::Failed, Some(&message)).await;
         crate::announce::job_ended(state, id);
         return;
     }
@@ -248,7 +206,7 @@ async fn run_job(state: &AppState, job: JobRow) {
         if let RunEvent::Started { total_steps, .. } = &event {
             total = *total_steps;
         }
-        if let Err(err) = record(state, id, event).await {
+        if let Err(err) = store_event(state, id, event).await {
             error!("job {id}: cannot record an event: {err:?}");
         }
     }
@@ -266,8 +224,8 @@ async fn run_job(state: &AppState, job: JobRow) {
         ),
         Err(message) => format!("failed: {message}"),
     };
-    store::log(state, id, &line).await;
-    if let Err(err) = store::finish(state, id, status, error).await {
+    record::log(state, id, &line).await;
+    if let Err(err) = record::finish(state, id, status, error).await {
         error!("job {id}: cannot store the final status: {err:?}");
     }
     crate::announce::job_ended(state, id);
@@ -316,36 +274,36 @@ fn train_job(
 }
 
 /// Stores one event and tells live viewers.
-async fn record(state: &AppState, id: i64, event: RunEvent) -> ApiResult<()> {
+async fn store_event(state: &AppState, id: i64, event: RunEvent) -> Result<(), JobsError> {
     match event {
         RunEvent::Planned { placement, line } => {
-            store::set_placement(state, id, &placement).await?;
-            store::log(state, id, &line).await;
+            store::set_placement(state.pool(), id, &placement).await?;
+            record::log(state, id, &line).await;
         }
         RunEvent::Started { total_steps, line } => {
-            store::set_total_steps(state, id, total_steps as i64).await?;
-            store::log(state, id, &line).await;
-            store::publish_status(state, id).await?;
+            store::set_total_steps(state.pool(), id, total_steps as i64).await?;
+            record::log(state, id, &line).await;
+            record::publish_status(state, id).await?;
         }
         RunEvent::Step { step, point } => {
             let text = point.to_string();
-            store::record_step(state, id, step as i64, &text).await?;
+            store::record_step(state.pool(), id, step as i64, &text).await?;
             state.publish(id, "metric", text);
         }
         RunEvent::Saved { name, step } => {
-            store::record_checkpoint(state, id, &name, step as i64).await?;
-            store::log(state, id, &format!("saved checkpoint {name} (step {step})")).await;
+            store::record_checkpoint(state.pool(), id, &name, step as i64).await?;
+            record::log(state, id, &format!("saved checkpoint {name} (step {step})")).await;
             // The run prunes older checkpoints as it saves (and says so in its log): their rows
             // go with their folders.
             let run = run_dir(state, id);
-            for (name, _) in store::checkpoints(state, id).await? {
+            for (name, _) in store::checkpoints(state.pool(), id).await? {
                 if !run.join(&name).is_dir() {
-                    store::forget_checkpoint(state, id, &name).await?;
+                    store::forget_checkpoint(state.pool(), id, &name).await?;
                 }
             }
         }
 
-        RunEvent::Log(line) => store::log(state, id, &line).await,
+        RunEvent::Log(line) => record::log(state, id, &line).await,
     }
     Ok(())
 }

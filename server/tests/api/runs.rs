@@ -170,7 +170,7 @@ async fn deletes_free_the_disk_they_say_and_spare_running_jobs() -> anyhow::Resu
 
     // One checkpoint: its folder's bytes, and it is gone from the list and the disk.
     let folder = run.join("checkpoint-1");
-    let bytes = sluice::jobs::store::dir_bytes(&folder);
+    let bytes = sluice::paths::dir_bytes(&folder);
     assert!(bytes > 0);
     let reply = alice.delete(&format!("/api/jobs/{id}/checkpoints/checkpoint-1")).await?;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
@@ -207,7 +207,7 @@ async fn deletes_free_the_disk_they_say_and_spare_running_jobs() -> anyhow::Resu
     // Another user cannot delete it; its owner can, and learns what it freed.
     let bob = app.user(&admin, "bob").await?;
     assert_eq!(bob.delete(&format!("/api/jobs/{id}")).await?.status, StatusCode::NOT_FOUND);
-    let whole = sluice::jobs::store::dir_bytes(&run);
+    let whole = sluice::paths::dir_bytes(&run);
     let reply = alice.delete(&format!("/api/jobs/{id}")).await?;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert_eq!(reply.json()?["freed_bytes"], whole);

@@ -31,9 +31,9 @@ async fn usage_is_counted_per_user_and_a_quota_refuses_more() -> anyhow::Result<
     let storage = admin.get("/api/storage").await?.json()?;
     let mine = row(&storage, "alice");
     let run = app.state.runs_dir().join(id.to_string());
-    let run_bytes = sluice::jobs::store::dir_bytes(&run);
-    let saved = sluice::jobs::store::dir_bytes(&run.join("checkpoint-1"))
-        + sluice::jobs::store::dir_bytes(&run.join("final"));
+    let run_bytes = sluice::paths::dir_bytes(&run);
+    let saved = sluice::paths::dir_bytes(&run.join("checkpoint-1"))
+        + sluice::paths::dir_bytes(&run.join("final"));
     assert_eq!(mine["datasets_bytes"], RECORDS.len(), "{storage}");
     assert_eq!(mine["runs_bytes"], run_bytes, "{storage}");
     assert_eq!(mine["checkpoints_bytes"], saved, "{storage}");
@@ -98,7 +98,7 @@ async fn a_model_folder_is_deleted_with_its_size_but_not_while_a_job_trains_it()
         let entry = entry?;
         std::fs::copy(entry.path(), folder.join(entry.file_name()))?;
     }
-    let bytes = sluice::jobs::store::dir_bytes(&folder);
+    let bytes = sluice::paths::dir_bytes(&folder);
     let storage = admin.get("/api/storage").await?.json()?;
     let listed = storage["models"].as_array().cloned().unwrap_or_default();
     assert_eq!(listed.len(), 1, "{storage}");

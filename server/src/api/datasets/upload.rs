@@ -23,9 +23,9 @@ use super::super::multipart::{
 use crate::AppState;
 use crate::auth::CurrentUser;
 use crate::auth::session::random_token;
-use crate::datasets::{Dataset, SELECT, lint};
-use crate::db::now;
+use crate::datasets::{Dataset, lint};
 use crate::error::{ApiError, ApiResult};
+use crate::store::datasets as store;
 
 /// A lint holds one parsed record at a time, up to the engine's `MAX_RECORD_BYTES` of text: two at
 /// once bound what a burst of uploads of long records costs; later uploads wait their turn.
@@ -115,29 +115,25 @@ pub(super) async fn upload(
         .unwrap_or_else(|| "dataset".to_string());
 
     let columns = serde_json::to_string(&linted.columns).map_err(ApiError::internal)?;
-    let inserted = sqlx::query(
-        "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at,
-            layout, skip_invalid, skipped, skipped_records, columns, registry_file, registry_name)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(user.id)
-    .bind(&name)
-    .bind(&file_name)
-    .bind(&linted.format)
-    .bind(linted.records as i64)
-    .bind(size as i64)
-    .bind(now())
-    .bind(linted.layout.name())
-    .bind(read.skip_invalid)
-    .bind(linted.skipped as i64)
-    .bind(&linted.skipped_records)
-    .bind(&columns)
-    .bind(registry_file.as_ref().map(|(file, _)| file))
-    .bind(registry_file.as_ref().map(|(_, name)| name))
-    .execute(state.pool())
-    .await;
+    let new = store::NewDataset {
+        owner_id: Some(user.id),
+        name: &name,
+        file_name: &file_name,
+        format: &linted.format,
+        records: linted.records as i64,
+        size_bytes: size as i64,
+    };
+    let layout = store::Layout {
+        layout: linted.layout.name(),
+        skip_invalid: read.skip_invalid,
+        skipped: linted.skipped as i64,
+        skipped_records: &linted.skipped_records,
+        columns: &columns,
+        registry: registry_file.as_ref().map(|(file, name)| (file.as_str(), name.as_str())),
+    };
+    let inserted = store::insert(state.pool(), &new, &layout).await;
     let id = match inserted {
-        Ok(result) => result.last_insert_rowid(),
+        Ok(id) => id,
         Err(err) => {
             let _ = tokio::fs::remove_file(&final_path).await;
             if let Some((file, _)) = &registry_file {
@@ -146,10 +142,9 @@ pub(super) async fn upload(
             return Err(err.into());
         }
     };
-    let dataset: Dataset = sqlx::query_as(&format!("{SELECT} WHERE d.id = ?"))
-        .bind(id)
-        .fetch_one(state.pool())
-        .await?;
+    let dataset = store::get(state.pool(), id).await?.ok_or_else(|| {
+        ApiError::internal(anyhow::anyhow!("dataset {id} vanished as it was kept"))
+    })?;
     Ok((StatusCode::CREATED, Json(dataset)))
 }
 

@@ -1,0 +1,26 @@
+//! The services' errors as the API's: the one place that decides which HTTP status a service's
+//! failure gets. The services themselves know nothing of HTTP.
+
+use crate::error::ApiError;
+use crate::jobs::JobsError;
+use crate::tryit::TryError;
+
+impl From<TryError> for ApiError {
+    fn from(err: TryError) -> Self {
+        match err {
+            TryError::Unusable { .. } => ApiError::unprocessable(err.to_string()),
+            TryError::Busy(message) => ApiError::conflict(message),
+            TryError::Internal(err) => ApiError::Internal(err),
+        }
+    }
+}
+
+impl From<JobsError> for ApiError {
+    fn from(err: JobsError) -> Self {
+        match err {
+            JobsError::Invalid(message) => ApiError::bad_request(message),
+            JobsError::Database(err) => err.into(),
+            JobsError::Internal(err) => ApiError::Internal(err),
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! "Try it", the service: a checkpoint answers a conversation (or continues a prompt) with the KV cache, on a
+//! free GPU when one has room, else on the CPU, and the tokens stream to the page as they are
+//! made.
+//!
+//! Training comes first. A generation holds its device in the queue's busy set while it runs
+//! (a job queued for that device waits a few seconds); it never takes a device a job is
+//! training on, and when every device it could use is training it answers 409. On the CPU
+//! beside a running job it uses a quarter of the cores, so the job's optimizer keeps the rest.
+//!
+//! The last model loaded stays loaded (one slot) so a conversation's next turn starts at once;
+//! the dispatcher empties the slot before any job starts, and it is emptied after
+//! `slot::IDLE_UNLOAD` without use, so a cached model never holds memory a job could plan with.
+//!
+//! No HTTP here: `api::tryit` parses the request into an [`Ask`], calls [`begin`], and turns
+//! the [`Generation`] into a reply or server-sent events; [`TryError`] says why nothing runs.
+
+pub mod slot;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+use sluice_engine::backend::Backend;
+use sluice_engine::data::Message;
+use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
+use sluice_engine::spec::ModelSpec;
+use tokio::sync::{Semaphore, mpsc};
+
+use slot::{AnyGenerator, Key, Place, load};
+
+use crate::AppState;
+use crate::jobs::runner::{self, DeviceClaim};
+use crate::store::jobs as store;
+
+/// One generation at a time: each may hold a whole model in memory.
+static GENERATING: Semaphore = Semaphore::const_new(1);
+
+/// What the model is asked, checked.
+#[derive(Debug, Clone)]
+pub enum Ask {
+    /// A prompt: continued as is, or as one user turn with a chat template.
+    Prompt(String),
+    /// A conversation; without a chat template only its last user turn is continued.
+    Turns(Vec<Message>),
+}
+
+/// Why a generation does not run, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TryError {
+    /// The checkpoint folder cannot generate (the engine refuses it, or the conversation does
+    /// not fit the model).
+    #[error("checkpoint {checkpoint} cannot generate: {why}")]
+    Unusable { checkpoint: String, why: String },
+    /// Every device it could use is training, or starting a job.
+    #[error("{0}")]
+    Busy(String),
+    /// A fault of the server.
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+/// What a generation sends, in order: `("start", ..)`, `("token", ..)`..., `("done", ..)`; an
+/// `Err` is a failure after the start, for the user.
+pub type Item = Result<(&'static str, Value), String>;
+
+/// A generation under way, its model loaded.
+#[derive(Debug)]
+pub struct Generation {
+    /// The `start` message: device, whether the chat template applies, prompt tokens.
+    pub start: (&'static str, Value),
+    /// Everything after it.
+    pub rest: mpsc::UnboundedReceiver<Item>,
+    /// The checkpoint's name, for errors after the start.
+    checkpoint: String,
+}
+
+impl Generation {
+    /// A failure after the start, as the error it is.
+    pub fn failed(&self, why: String) -> TryError {
+        TryError::Unusable { checkpoint: self.checkpoint.clone(), why }
+    }
+}
+
+/// Starts the task that unloads an idle model.
+pub fn start(state: &AppState) {
+    let state = state.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            let state = state.clone();
+            let _ = tokio::task::spawn_blocking(move || state.tryit().unload_idle()).await;
+        }
+    });
+}
+
+/// Generates from the checkpoint `name` in `dir` on the device [`choose_device`] picks; returns
+/// once the model is loaded (errors until then are the whole answer) or it failed.
+pub async fn begin(
+    state: &AppState,
+    dir: PathBuf,
+    name: &str,
+    ask: Ask,
+    options: GenerateOptions,
+) -> Result<Generation, TryError> {
+    let unusable = |why: String| TryError::Unusable { checkpoint: name.to_string(), why };
+    let spec = ModelSpec::from_path(&dir).map_err(|e| unusable(e.to_string()))?;
+    let permit = GENERATING.acquire().await.map_err(anyhow::Error::new)?;
+    let choice = choose_device(state, &dir, &spec).await?;
+    let (sender, mut receiver) = mpsc::unbounded_channel::<Item>();
+    let worker = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let outcome = answer(&worker, &dir, choice, &ask, &options, &sender);
+        if let Err(message) = outcome {
+            let _ = sender.send(Err(message));
+        }
+    });
+    match receiver.recv().await {
+        Some(Ok(start)) => Ok(Generation { start, rest: receiver, checkpoint: name.to_string() }),
+        Some(Err(message)) => Err(unusable(message)),
+        None => Err(anyhow::anyhow!("generation ended unannounced").into()),
+    }
+}
+
+/// The device a generation will use, held until it ends, and why it is not a GPU.
+struct Choice {
+    place: Place,
+    note: Option<String>,
+    _claim: DeviceClaim,
+}
+
+/// GPU memory a model needs to generate: bf16 weights, a KV cache of a few thousand positions,
+/// and room for the context, the logits and the workspace.
+fn gpu_bytes_needed(spec: &ModelSpec) -> u64 {
+    let weights = spec.total_params() as u64 * 2;
+    let positions = spec.max_positions.min(4096) as u64;
+    let kv = 2 * spec.layers as u64 * (spec.kv_heads * spec.head_dim) as u64 * positions * 2;
+    weights + kv + (2 << 30)
+}
+
+async fn choose_device(state: &AppState, dir: &Path, spec: &ModelSpec) -> Result<Choice, TryError> {
+    let running = store::running_devices(state.pool()).await.map_err(anyhow::Error::new)?;
+    let training = |device: &str| {
+        running.iter().find(|(_, d)| d.split(',').any(|m| m == device)).map(|(id, _)| *id)
+    };
+    let needed = gpu_bytes_needed(spec);
+    let mut reasons = Vec::new();
+    for gpu in state.gpus().list().into_iter().filter(|d| d.id != "cpu") {
+        let Some(n) = gpu.id.strip_prefix("cuda:").and_then(|n| n.parse().ok()) else { continue };
+        if let Some(job) = training(&gpu.id) {
+            reasons.push(format!("{} is training job {job}", gpu.id));
+            continue;
+        }
+        let free = gpu.memory_total.saturating_sub(gpu.memory_used);
+        if free < needed && !state.tryit().holds(dir, Place::Gpu(n)) {
+            reasons.push(format!(
+                "{} has {:.1} GiB free and the model needs {:.1} GiB",
+                gpu.id,
+                gib(free),
+                gib(needed)
+            ));
+            continue;
+        }
+        match runner::try_claim(state, &gpu.id) {
+            Some(claim) => return Ok(Choice { place: Place::Gpu(n), note: None, _claim: claim }),
+            None => reasons.push(format!("{} is starting a job", gpu.id)),
+        }
+    }
+    if let Some(job) = training("cpu") {
+        return Err(TryError::Busy(format!(
+            "the CPU is training job {job}{}; try again when it finishes",
+            if reasons.is_empty() { String::new() } else { format!(" and {}", reasons.join(", ")) }
+        )));
+    }
+    let Some(claim) = runner::try_claim(state, "cpu") else {
+        return Err(TryError::Busy("the CPU is starting a job; try again in a moment".into()));
+    };
+    let note =
+        (!reasons.is_empty()).then(|| format!("{}, so this ran on the CPU", reasons.join(", ")));
+    Ok(Choice { place: Place::Cpu, note, _claim: claim })
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30)
+}
+
+type Sender = mpsc::UnboundedSender<Item>;
+
+/// Loads (or reuses) the model on the chosen device and generates, sending `start`, each
+/// `token` and `done`. Runs on a blocking thread; the device stays claimed until it returns.
+fn answer(
+    state: &AppState,
+    dir: &Path,
+    choice: Choice,
+    ask: &Ask,
+    options: &GenerateOptions,
+    sender: &Sender,
+) -> Result<(), String> {
+    let key = Key::of(dir, choice.place);
+    let (generator, reused) = match state.tryit().take(&key) {
+        Some(generator) => (generator, true),
+        None => (load(dir, choice.place).map_err(|e| e.to_string())?, false),
+    };
+    let head = Head { device: choice.place.id(), note: choice.note.clone(), reused };
+    let outcome = match &generator {
+        AnyGenerator::Cpu(g) => {
+            // Beside a running job, a quarter of the cores: the job's optimizer keeps the rest.
+            let others_busy = runner::busy_devices(state).len() > 1;
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            let threads = if others_busy { (cores / 4).max(1) } else { cores };
+            match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+                Ok(pool) => pool.install(|| run(g.as_ref(), &head, ask, options, sender)),
+                Err(e) => Err(format!("cannot start generation threads: {e}")),
+            }
+        }
+        AnyGenerator::Cuda(g) => run(g.as_ref(), &head, ask, options, sender),
+    };
+    // Back in the slot before the device is released, so a job that claims it next unloads it.
+    state.tryit().put(key, generator);
+    drop(choice);
+    outcome
+}
+
+struct Head {
+    device: String,
+    note: Option<String>,
+    reused: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Done {
+    text: String,
+    /// New tokens generated (without the prompt or the stop token).
+    tokens: usize,
+    /// Whether the model ended on its end-of-sequence token rather than the length limit.
+    stopped_at_eos: bool,
+    /// Whether the conversation went through the checkpoint's chat template.
+    chat: bool,
+    device: String,
+    device_note: Option<String>,
+    /// Seconds from the first prompt token to the last new token (loading not counted).
+    seconds: f64,
+    tokens_per_s: f64,
+}
+
+fn run<B: Backend>(
+    g: &Generator<B>,
+    head: &Head,
+    ask: &Ask,
+    options: &GenerateOptions,
+    sender: &Sender,
+) -> Result<(), String> {
+    let chat = g.has_chat_template();
+    let text_err = |e: sluice_engine::Error| e.to_string();
+    let prompt = match (ask, chat) {
+        (Ask::Prompt(p), true) => g.prompt_ids(p, PromptStyle::Chat).map_err(text_err)?,
+        (Ask::Prompt(p), false) => g.prompt_ids(p, PromptStyle::Plain).map_err(text_err)?,
+        (Ask::Turns(turns), true) => g.chat_ids(turns).map_err(text_err)?,
+        (Ask::Turns(turns), false) => {
+            let last = turns.last().map_or("", |m| m.content.as_str());
+            g.prompt_ids(last, PromptStyle::Plain).map_err(text_err)?
+        }
+    };
+    let room = g.spec().max_positions.saturating_sub(1);
+    if prompt.len() > room {
+        return Err(format!(
+            "the conversation is {} tokens and the model reads at most {room}; start a new one",
+            prompt.len()
+        ));
+    }
+    let start = json!({
+        "device": head.device,
+        "device_note": head.note,
+        "chat": chat,
+        "prompt_tokens": prompt.len(),
+        "reused": head.reused,
+    });
+    if sender.send(Ok(("start", start))).is_err() {
+        return Ok(());
+    }
+    let began = Instant::now();
+    let mut ids = Vec::new();
+    let mut shown = String::new();
+    let generated = g
+        .generate(&prompt, options, &mut |id| {
+            ids.push(id);
+            // Whole-text decoding, so a character split over tokens shows once it is complete.
+            let Ok(text) = g.decode(&ids) else { return true };
+            if text.ends_with('\u{FFFD}') || text.len() <= shown.len() {
+                return true;
+            }
+            let delta = match text.get(shown.len()..) {
+                Some(tail) if text.starts_with(&shown) => tail.to_string(),
+                _ => return true,
+            };
+            shown = text;
+            // A viewer that went away stops the generation.
+            sender.send(Ok(("token", json!({ "text": delta })))).is_ok()
+        })
+        .map_err(text_err)?;
+    let seconds = began.elapsed().as_secs_f64();
+    let text = g.decode(&generated.ids).map_err(text_err)?;
+    if text.len() > shown.len() && text.starts_with(&shown) {
+        let _ = sender.send(Ok(("token", json!({ "text": text[shown.len()..] }))));
+    }
+    let done = Done {
+        text,
+        tokens: generated.ids.len(),
+        stopped_at_eos: generated.stopped_at_eos,
+        chat,
+        device: head.device.clone(),
+        device_note: head.note.clone(),
+        seconds,
+        tokens_per_s: if seconds > 0.0 { generated.ids.len() as f64 / seconds } else { 0.0 },
+    };
+    let done = serde_json::to_value(done).map_err(|e| e.to_string())?;
+    let _ = sender.send(Ok(("done", done)));
+    Ok(())
+}
