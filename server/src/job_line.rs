@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use sluice_engine::data::{DatasetSource, ReadOptions};
 use serde_json::Value;
+use sluice_engine::data::{DatasetSource, ReadOptions};
 use sluice_engine::train::{Job, ModelSource};
 
 /// The `sluice train` command line that runs `job` (its run folder left to the default):

@@ -610,7 +610,8 @@ impl JobSettings {
 
     /// The settings that differ from the defaults, as JSON fields in [`Self::FIELDS`]' order
     /// (`always` are listed even at their default): what a command line or a summary shows.
-    /// Numbers read as written (`2e-5`, not the f32's f64 expansion).
+    /// Numbers are the shortest decimals that read back as the same values (`0.00002` for an
+    /// f32 learning rate of 2e-5, not its f64 expansion).
     pub fn changed(&self, always: &[&str]) -> Vec<(&'static str, serde_json::Value)> {
         let json = |s: &JobSettings| {
             serde_json::to_string(s)
@@ -729,6 +730,10 @@ mod tests {
         assert_eq!(sorted, fields_sorted, "every field of JobSettings has one entry in FIELDS");
 
         let limits = Limits::ENGINE.at_most(1000, 4096);
+        // Whole numbers go as JSON integers, as a client sends a count.
+        let num = |x: f64| -> serde_json::Value {
+            if x.fract() == 0.0 && x.abs() < 1e15 { (x as i64).into() } else { x.into() }
+        };
         let with = |name: &str, value: serde_json::Value| {
             let mut map = serde_json::Map::new();
             map.insert(name.to_string(), value);
@@ -741,16 +746,16 @@ mod tests {
             }
             if let Some(max) = doc.max {
                 let max = max.under(&limits);
-                with(doc.name, max.into()).unwrap_or_else(|e| panic!("{}: {max}: {e}", doc.name));
+                with(doc.name, num(max)).unwrap_or_else(|e| panic!("{}: {max}: {e}", doc.name));
                 let past = if max.fract() == 0.0 && max > 1.0 { max + 1.0 } else { max * 1.01 };
-                let e = with(doc.name, past.into()).expect_err(doc.name).to_string();
-                assert!(e.starts_with(doc.name), "{}: {e}", doc.name);
+                let e = with(doc.name, num(past)).expect_err(doc.name).to_string();
+                assert!(e.contains(doc.name), "{}: {e}", doc.name);
             }
             if let Some(min) = doc.min {
-                let result = with(doc.name, min.into());
+                let result = with(doc.name, num(min));
                 assert_eq!(result.is_err(), doc.above, "{} at its minimum {min}", doc.name);
                 let below = if doc.above { -1e-3 } else { min - 1.0 };
-                assert!(with(doc.name, below.into()).is_err(), "{} below {min}", doc.name);
+                assert!(with(doc.name, num(below)).is_err(), "{} below {min}", doc.name);
             }
         }
         let guide = JobSettings::guide(&limits);
@@ -759,12 +764,13 @@ mod tests {
     }
 
     #[test]
-    fn changed_lists_what_differs_in_field_order_with_numbers_as_written() {
+    fn changed_lists_what_differs_in_field_order_with_short_numbers() {
         let s = JobSettings { lr: Some(2e-5), seed: 3, ..JobSettings::default() };
         let changed = s.changed(&["seq_len"]);
         let names: Vec<&str> = changed.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, ["seq_len", "lr", "seed"]);
-        assert_eq!(changed[1].1.to_string(), "2e-5");
+        // The f32's shortest decimal, not its f64 expansion (1.9999999494757503e-5).
+        assert_eq!(changed[1].1.to_string(), "0.00002");
     }
 
     #[test]
