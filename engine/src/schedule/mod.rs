@@ -488,6 +488,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
         let host = self.ckpt.on_host();
         let keep = train.is_some();
 
+        // Sync: compute waits for each unit's upload (`load_unit`); queuing an upload, the host
+        // waits for the unit's update of the previous step (`prefetch`).
         let slot = self.load_unit(0)?;
         let started = Instant::now();
         self.micro.router.clear(b, g)?;
@@ -511,6 +513,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         self.slots.keep_table(b, slot)?;
         self.slots.release(b, &self.streams.compute, slot)?;
         self.clock.span(0, "compute", started);
+        // The next unit's upload overlaps this unit's compute.
         self.prefetch(1)?;
 
         // Layer l reads its input and writes layer l + 1's (see `Checkpoints::forward_io`).
@@ -692,6 +695,8 @@ impl<'b, B: Backend> Streamer<'b, B> {
                 self.prefetch(next.layer + 1)?;
             }
             if !recompute {
+                // Sync: the host waits for this unit's backward to measure its gradients; the
+                // next unit's upload, queued above, keeps `h2d` busy meanwhile.
                 self.grads_done(l + 1, early)?;
             }
         }
@@ -710,7 +715,7 @@ impl<'b, B: Backend> Streamer<'b, B> {
         }
         self.clock.span(0, "compute", started);
         self.grads_done(0, early)?;
-        // Waits for every gradient copy still in flight.
+        // Sync: the host waits for every gradient copy still in flight.
         let path = GradPath::new(b, &self.shared, &self.streams);
         self.grads.land(&path, &mut self.clock, |grads, path| grads.flush(path))
     }
