@@ -18,12 +18,20 @@
 //! never waits for a copy. Finishing a lane waits for its copy and hands the unit's update to
 //! the optimizer. Ring slots rotate independently of lanes, so an update may lag its landing by
 //! a few units before the schedule waits for a free slot.
+//!
+//! With data parallelism each unit's gradients are first summed over the ranks (on compute),
+//! then every rank measures the sum and rank 0 alone lands it. A tied LM head's gradient has
+//! its own accumulator, which joins the embedding's at the end of the backward.
+//!
+//! Events owned here, one of each per lane: `ready` (compute has finished the gradients the
+//! lane copies) and `landed` (the lane's copy has finished).
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::{AdamJob, GradAt, OptimizerWorker};
-use crate::backend::{Backend, FloatKind};
+use super::clock::Clock;
+use super::{AdamJob, GradAt, OptimizerWorker, Shared, Streams};
+use crate::backend::{AllReduce, Backend, FloatKind};
 use crate::error::{Error, Result};
 use crate::placement::GradientTier;
 use crate::store::HostStore;
@@ -54,6 +62,18 @@ pub(super) struct GradPath<'a, B: Backend> {
     pub worker: &'a OptimizerWorker,
     pub compute: &'a B::Stream,
     pub d2h: &'a B::Stream,
+}
+
+impl<'a, B: Backend> GradPath<'a, B> {
+    pub fn new(b: &'a B, shared: &'a Shared, streams: &'a Streams<B>) -> Self {
+        GradPath {
+            b,
+            store: &shared.store,
+            worker: &shared.worker,
+            compute: &streams.compute,
+            d2h: &streams.d2h,
+        }
+    }
 }
 
 /// What [`Grads::end`] and [`Grads::pump`] report back to the schedule.
@@ -96,16 +116,20 @@ pub(super) struct Grads<B: Backend> {
     pub sumsq: Vec<f64>,
     /// Device store: updates whose gradients still wait on the device, in forward order.
     waiting: VecDeque<AdamJob>,
+    /// The tied LM head's gradient, which joins the embedding's at the end of the backward.
+    tied: Option<B::Floats>,
 }
 
 impl<B: Backend> Grads<B> {
-    /// Allocates the accumulators for `tier`; returns them with their device bytes.
+    /// Allocates the accumulators for `tier`, and a tied LM head's (`tied`: the embedding's
+    /// length); returns them with their device bytes.
     pub fn new(
         b: &B,
         tier: GradientTier,
         ring_slots: usize,
         lens: Vec<usize>,
         lands: bool,
+        tied: Option<usize>,
     ) -> Result<(Grads<B>, usize)> {
         let largest = lens.iter().copied().max().unwrap_or(0);
         let sizes: Vec<usize> = match tier {
@@ -121,6 +145,13 @@ impl<B: Backend> Grads<B> {
             vec![b.alloc(largest, FloatKind::Activation)?, b.alloc(largest, FloatKind::Activation)?]
         } else {
             Vec::new()
+        };
+        let tied = match tied {
+            Some(n) => {
+                bytes += n * b.elem_bytes(FloatKind::Accum);
+                Some(b.alloc(n, FloatKind::Accum)?)
+            }
+            None => None,
         };
         let units = lens.len();
         let lanes = if tier == GradientTier::DeviceStore { ring_slots } else { 2 };
@@ -140,6 +171,7 @@ impl<B: Backend> Grads<B> {
             landed: (0..lanes).map(|_| b.new_event()).collect::<Result<_>>()?,
             sumsq: vec![0.0; units],
             waiting: VecDeque::new(),
+            tied,
         };
         Ok((grads, bytes))
     }
@@ -152,6 +184,33 @@ impl<B: Backend> Grads<B> {
     pub fn acc(&mut self, u: usize) -> &mut B::Floats {
         let i = if self.per_unit() { u } else { self.current };
         &mut self.acc[i]
+    }
+
+    /// The head's accumulator and a tied head's, after [`Grads::begin`] and
+    /// [`Grads::begin_tied`].
+    pub fn head_accs(&mut self, u: usize) -> (&mut B::Floats, Option<&mut B::Floats>) {
+        let i = if self.per_unit() { u } else { self.current };
+        (&mut self.acc[i], self.tied.as_mut())
+    }
+
+    /// Zeroes a tied head's accumulator before the head's backward.
+    pub fn begin_tied(&mut self, b: &B) -> Result<()> {
+        if let Some(tied) = &mut self.tied {
+            let n = b.len(tied);
+            b.fill_zero(b.view_mut(tied, 0..n))?;
+        }
+        Ok(())
+    }
+
+    /// A tied head's gradient becomes the start of the embedding's (unit 0's accumulator,
+    /// after [`Grads::begin`]), to which the scatter then adds.
+    pub fn seed_embedding(&mut self, b: &B) -> Result<()> {
+        let i = if self.per_unit() { 0 } else { self.current };
+        if let Some(tied) = &self.tied {
+            let n = b.len(tied);
+            b.copy(b.view_mut(&mut self.acc[i], 0..n), b.view(tied, 0..n))?;
+        }
+        Ok(())
     }
 
     /// Prepares unit `u`'s accumulator: zeroed, and (two accumulators) no longer being copied.
@@ -178,6 +237,62 @@ impl<B: Backend> Grads<B> {
         let slot = self.next_slot;
         self.next_slot = (slot + 1) % self.ring_slots.max(1);
         slot
+    }
+
+    /// Unit `u`'s gradients are complete on this rank: summed over the ranks through `peers`,
+    /// then measured and landed as [`Grads::end`] says, with `job` the update to follow them
+    /// as soon as they land (clipping off).
+    pub fn complete(
+        &mut self,
+        path: &GradPath<'_, B>,
+        clock: &mut Clock<B>,
+        peers: Option<&dyn AllReduce<B>>,
+        u: usize,
+        job: Option<AdamJob>,
+    ) -> Result<()> {
+        if let Some(peers) = peers {
+            // Every rank sums the same units in the same order, so the collectives pair up;
+            // each rank then measures (and rank 0 lands) the sum over all micro-batches.
+            let len = self.lens[u];
+            peers.all_reduce_sum(path.b, path.b.view_mut(self.acc(u), 0..len))?;
+        }
+        self.land(path, clock, |grads, path| grads.end(path, u, job))
+    }
+
+    /// Device store: lands gradients still on the device up to unit `upto` (all with `None`)
+    /// and hands their updates over; see [`Grads::pump`].
+    pub fn land_waiting(
+        &mut self,
+        path: &GradPath<'_, B>,
+        clock: &mut Clock<B>,
+        upto: Option<usize>,
+    ) -> Result<()> {
+        if !self.has_waiting() {
+            return Ok(());
+        }
+        self.land(path, clock, |grads, path| grads.pump(path, upto))
+    }
+
+    /// Runs `f`, which ships gradients along `path`: its waits for ring slots count as waits
+    /// for the optimizer, its bytes as d2h traffic, and each unit it shipped gets a d2h span on
+    /// the timeline.
+    pub fn land(
+        &mut self,
+        path: &GradPath<'_, B>,
+        clock: &mut Clock<B>,
+        f: impl FnOnce(&mut Self, &GradPath<'_, B>) -> Result<Landed>,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let landed = clock.optimizer_wait(path.b, path.compute, || {
+            let landed = f(self, path)?;
+            let waited = landed.waited;
+            Ok((landed, waited))
+        })?;
+        clock.add_d2h(landed.bytes);
+        for &u in &landed.units {
+            clock.span(u, "d2h", started);
+        }
+        Ok(())
     }
 
     /// Unit `u`'s gradients are complete (queued on `path.compute`): records their sum of
