@@ -11,10 +11,10 @@ pub(crate) use rand::{Rng, SeedableRng};
 pub(crate) use rand_chacha::ChaCha8Rng;
 pub(crate) use sluice_engine::backend::cpu::Cpu;
 pub(crate) use sluice_engine::backend::cuda::Cuda;
+pub(crate) use sluice_engine::backend::prelude::*;
 pub(crate) use sluice_engine::backend::{
-    Addends, AttentionOut, AttentionShape, Backend, ExpertLayout, FloatKind, GluAct, Grads,
-    GroupedShape, IGNORE, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands,
-    RouterKind, Routing,
+    Addends, AttentionOut, AttentionShape, ExpertLayout, FloatKind, GluAct, Grads, GroupedShape,
+    IGNORE, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, RouterKind, Routing,
 };
 pub(crate) use sluice_engine::data::MicroBatch;
 pub(crate) use sluice_engine::model::{

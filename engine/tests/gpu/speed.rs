@@ -77,7 +77,7 @@ pub(crate) fn speed_at_7b_layer_shapes() {
     );
 }
 
-/// `Backend::elapsed` reads the compute stream's own time between two marks, which is how a
+/// `Device::elapsed` reads the compute stream's own time between two marks, which is how a
 /// step reports the optimizer's exposed time: a host wait while the stream is idle counts
 /// whole, one that work queued before it covers counts nothing.
 #[test]

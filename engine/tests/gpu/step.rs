@@ -554,7 +554,7 @@ pub(crate) fn a_casting_upload_rounds_as_the_host_does() {
             .expect("casting upload");
     }
     g.record(&done, &stream).expect("record");
-    Backend::synchronize(g, &done).expect("sync");
+    Device::synchronize(g, &done).expect("sync");
     let mut got = vec![0f32; n];
     g.download(&mut got, g.view(&out, 0..n)).expect("download");
     let bad = got
