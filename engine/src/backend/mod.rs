@@ -1,5 +1,13 @@
-//! The coarse operations one training step needs, behind one trait with two implementations:
-//! `cpu` (the reference: f32, plain loops) and, on NVIDIA GPUs, `cuda`.
+//! The coarse operations one training step needs, with two implementations: `cpu` (the
+//! reference: f32, plain loops) and, on NVIDIA GPUs, `cuda`.
+//!
+//! The contract is split in two. [`Device`] is the device itself: its buffers and views,
+//! synchronous and asynchronous transfers, streams, events and timing marks. The ops come in
+//! families, one trait each, every one a subtrait of [`Device`]: [`ElementwiseOps`],
+//! [`MatmulOps`], [`NormOps`], [`AttentionOps`], [`MoeOps`], [`LossOps`]. [`Backend`] is all
+//! of them together and is implemented for every type that implements them, so code generic
+//! over `B: Backend` calls every method; code holding a concrete backend imports the traits it
+//! calls (`use backend::prelude::*` brings them all).
 //!
 //! Conventions, shared by every op on every backend:
 //! - Arguments come in the order outputs, inputs, sizes. Every tensor is row-major; its shape is
@@ -21,12 +29,19 @@
 //!   [`IGNORE`] means the token is not trained.
 //!
 //! A backend stores floats in its own precision (f32 on the CPU; bf16 activations and weights
-//! with f32 gradient accumulators on a GPU), chosen by [`FloatKind`] at allocation. The trait is
-//! deliberately small: only what the decoder in `model` and the KV-cached inference forward in
-//! `generate` call.
+//! with f32 gradient accumulators on a GPU), chosen by [`FloatKind`] at allocation. The ops are
+//! what the decoder in `model`, the schedule and the KV-cached inference forward in `generate`
+//! call, and no more: 25 methods of [`Device`] and 43 ops.
 
 pub mod cpu;
 pub mod cuda;
+
+/// Every trait of the backend, for code that calls ops on a concrete backend (`Cpu`, `Cuda`).
+pub mod prelude {
+    pub use super::{
+        AttentionOps, Backend, Device, ElementwiseOps, LossOps, MatmulOps, MoeOps, NormOps,
+    };
+}
 
 use std::ops::Range;
 
@@ -118,7 +133,7 @@ pub enum ExpertLayout {
 /// `offsets[e]..offsets[e + 1]` by its own matrix.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupedShape<'a> {
-    /// `[E + 1]`, non-decreasing, from [`Backend::moe_sort`]; the last entry is the row count.
+    /// `[E + 1]`, non-decreasing, from [`MoeOps::moe_sort`]; the last entry is the row count.
     pub offsets: &'a [usize],
     /// Input width.
     pub k: usize,
@@ -178,7 +193,7 @@ fn softmax_scale(d: usize) -> f32 {
 }
 
 /// The shapes of an attention call of a few new queries against a key/value cache
-/// ([`Backend::attention_decode`]): one sequence, no documents.
+/// ([`AttentionOps::attention_decode`]): one sequence, no documents.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeShape {
     /// Positions already in the cache before the new tokens.
@@ -269,7 +284,7 @@ pub struct Operands<I, W = I> {
     pub w: W,
 }
 
-/// What [`Backend::matmul_forward_add`] adds to the product: a bias `[N]` broadcast over the
+/// What [`MatmulOps::matmul_forward_add`] adds to the product: a bias `[N]` broadcast over the
 /// rows, and a residual `[T, N]`, each optional.
 #[derive(Debug, Clone, Copy)]
 pub struct Addends<V> {
@@ -303,7 +318,7 @@ pub struct AttentionOut<V> {
     pub lse: V,
 }
 
-/// A router's decisions as [`Backend::moe_route`] wrote them, which its backward reads.
+/// A router's decisions as [`MoeOps::moe_route`] wrote them, which its backward reads.
 #[derive(Debug, Clone, Copy)]
 pub struct Routing<V, I> {
     /// `[T, k]` (Accum).
@@ -314,7 +329,6 @@ pub struct Routing<V, I> {
     pub experts: I,
 }
 
-/// A compute device and its memory. Only the schedule in `train` drives it.
 /// One rank's link to the other ranks of a data-parallel group: sums a buffer over every rank,
 /// in place. Implementations: NCCL on GPUs (`cuda::nccl`), shared memory between threads on the
 /// CPU (`schedule::CpuGroup`).
@@ -327,7 +341,10 @@ pub trait AllReduce<B: Backend>: Send {
     fn all_reduce_sum(&self, b: &B, x: B::ViewMut<'_>) -> Result<()>;
 }
 
-pub trait Backend: Send + Sync {
+/// A compute device and its memory: buffers, transfers, streams, events and timing marks.
+/// Only the schedule in `schedule` creates streams and events; the ops ([`Backend`]) run on
+/// [`Device::compute_stream`].
+pub trait Device: Send + Sync {
     /// An owned float buffer in device memory.
     type Floats: Send;
     /// An owned `i32` buffer in device memory.
@@ -346,7 +363,7 @@ pub trait Backend: Send + Sync {
     type Stream;
     /// A point in a stream that other streams or the host can wait for.
     type Event;
-    /// A point in a stream whose device time can be read back ([`Backend::elapsed`]).
+    /// A point in a stream whose device time can be read back ([`Device::elapsed`]).
     type Mark;
 
     /// Human-readable name for messages ("cpu", "cuda:0 NVIDIA H200").
@@ -360,8 +377,9 @@ pub trait Backend: Send + Sync {
 
     /// The dtype of [`FloatKind::Activation`] buffers, in which weights are streamed.
     fn weight_dtype(&self) -> WeightDtype;
+
     /// Bytes per element of a float buffer of `kind` (what a host slab must hold per element
-    /// for [`Backend::upload_on`] / [`Backend::download_on`]).
+    /// for [`Device::upload_on`] / [`Device::download_on`]).
     fn elem_bytes(&self, kind: FloatKind) -> usize {
         match kind {
             FloatKind::Activation => self.weight_dtype().bytes(),
@@ -369,28 +387,35 @@ pub trait Backend: Send + Sync {
         }
     }
 
-    // ---- streams, events and asynchronous transfers (only the schedule calls these) --------
-
     /// Page-locks a host slab so transfers can read and write it asynchronously at full speed;
     /// not write-combined, because the CPU reads it too. A no-op on the CPU.
     fn pin(&self, slab: &mut HostSlab) -> Result<()>;
+
     fn new_stream(&self) -> Result<Self::Stream>;
+
     fn new_event(&self) -> Result<Self::Event>;
+
     /// The stream every op below (memory, compute) is queued on; transfers on other streams
     /// are ordered against it with events.
     fn compute_stream(&self) -> Self::Stream;
+
     /// Marks the current end of `stream`'s work.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+
     /// Work queued on `stream` after this call starts only once `event` has completed.
     fn wait(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+
     /// Blocks the calling thread until `event` has completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
-    /// Marks the current end of `stream`'s work, to time it with [`Backend::elapsed`].
+
+    /// Marks the current end of `stream`'s work, to time it with [`Device::elapsed`].
     fn mark(&self, stream: &Self::Stream) -> Result<Self::Mark>;
+
     /// The device time from mark `a` to mark `b`, both on one stream and `b` the later, once
     /// the stream has reached `b`: `None` where the ops run on the calling thread (the CPU),
     /// so that any host wait between two marks is time the device did nothing.
     fn elapsed(&self, a: &Self::Mark, b: &Self::Mark) -> Result<Option<std::time::Duration>>;
+
     /// Queues a copy of the view's length in elements from `src` (starting `offset` bytes in,
     /// in the buffer's own dtype) into `dst` on `stream`, and returns before it has run.
     ///
@@ -405,15 +430,16 @@ pub trait Backend: Send + Sync {
         src: &HostSlab,
         offset: usize,
     ) -> Result<()>;
+
     /// Queues a copy of the view's length in f32 elements from `src` (starting `offset` bytes
     /// in) into `dst`, converted to `dst`'s dtype on the device (round to nearest even, as
     /// `half::bf16::from_f32`), on `stream`, and returns before it has run. Where the dtypes
     /// differ the values pass through `staging`, an f32 buffer (`FloatKind::Accum`), a chunk
     /// of its length at a time; where they are the same (the CPU's f32 weights) this is
-    /// [`Backend::upload_on`] and `staging` may be `None`.
+    /// [`Device::upload_on`] and `staging` may be `None`.
     ///
     /// # Safety
-    /// As [`Backend::upload_on`], and `staging` must not be read or written by work on another
+    /// As [`Device::upload_on`], and `staging` must not be read or written by work on another
     /// stream until an event recorded on `stream` after this call has completed.
     unsafe fn upload_f32_on(
         &self,
@@ -433,6 +459,7 @@ pub trait Backend: Send + Sync {
         // SAFETY: the caller's obligations are `upload_on`'s.
         unsafe { self.upload_on(stream, dst, src, offset) }
     }
+
     /// Queues a copy of `src` (in its own dtype) into `dst` at `offset` bytes on `stream`, and
     /// returns before it has run.
     ///
@@ -448,10 +475,9 @@ pub trait Backend: Send + Sync {
         src: Self::View<'_>,
     ) -> Result<()>;
 
-    // ---- memory ---------------------------------------------------------------------------
-
     /// A zero-filled float buffer of `len` elements.
     fn alloc(&self, len: usize, kind: FloatKind) -> Result<Self::Floats>;
+
     /// A buffer holding `src`'s values in the precision `kind` chooses. The CPU backend keeps
     /// the vector itself (no copy); others allocate and upload.
     fn upload_vec(&self, src: Vec<f32>, kind: FloatKind) -> Result<Self::Floats> {
@@ -459,34 +485,47 @@ pub trait Backend: Send + Sync {
         self.upload(self.view_mut(&mut buf, 0..src.len()), &src)?;
         Ok(buf)
     }
+
     /// A zero-filled int buffer of `len` elements.
     fn alloc_ints(&self, len: usize) -> Result<Self::Ints>;
+
     /// Number of elements in a float buffer.
     fn len(&self, buf: &Self::Floats) -> usize;
+
     fn view<'a>(&self, buf: &'a Self::Floats, range: Range<usize>) -> Self::View<'a>;
+
     fn view_mut<'a>(&self, buf: &'a mut Self::Floats, range: Range<usize>) -> Self::ViewMut<'a>;
+
     /// Host to device; `src.len()` must equal the view's length.
     fn upload(&self, dst: Self::ViewMut<'_>, src: &[f32]) -> Result<()>;
+
     /// Device to host; `dst.len()` must equal the view's length.
     fn download(&self, dst: &mut [f32], src: Self::View<'_>) -> Result<()>;
+
     /// Host to device for ints; `src.len()` must not exceed the buffer's length.
     fn upload_ints(&self, dst: &mut Self::Ints, src: &[i32]) -> Result<()>;
+}
+
+/// Elementwise ops and reductions: zero fills, copies, adds, sums, the embedding, biases,
+/// the gated activations and RoPE.
+pub trait ElementwiseOps: Device {
+    /// `dst = 0`.
     fn fill_zero(&self, dst: Self::ViewMut<'_>) -> Result<()>;
+
     /// `dst = src`, same length.
     fn copy(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>) -> Result<()>;
 
-    // ---- elementwise and reductions -------------------------------------------------------
-
     /// `out = a + b` (the residual connection), all `[n]`.
     fn add(&self, out: Self::ViewMut<'_>, a: Self::View<'_>, b: Self::View<'_>) -> Result<()>;
+
     /// `dst += src`, both `[n]` (gradients meeting at a residual fork).
     fn add_assign(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>) -> Result<()>;
+
     /// Sum of all elements, accumulated in f64 on the host side of the call.
     fn sum(&self, src: Self::View<'_>) -> Result<f64>;
+
     /// Sum of squares of all elements (the gradient-norm reduction), in f64.
     fn sum_squares(&self, src: Self::View<'_>) -> Result<f64>;
-
-    // ---- embedding ------------------------------------------------------------------------
 
     /// `out[t] = scale · table[ids[t]]` (Gemma scales its embeddings by `sqrt(H)`; 1 elsewhere).
     /// out `[T, H]`, ids `[T]`, table `[V, H]`.
@@ -499,6 +538,7 @@ pub trait Backend: Send + Sync {
         hidden: usize,
         scale: f32,
     ) -> Result<()>;
+
     /// `dtable[ids[t]] += scale · dout[t]` (accumulates). dtable `[V, H]`, dout `[T, H]`.
     fn embedding_backward(
         &self,
@@ -510,38 +550,6 @@ pub trait Backend: Send + Sync {
         scale: f32,
     ) -> Result<()>;
 
-    // ---- matmul and bias ------------------------------------------------------------------
-
-    /// `out = inp · wᵀ`. out `[T, N]`, inp `[T, K]`, w `[N, K]` (PyTorch's `nn.Linear`).
-    fn matmul_forward(
-        &self,
-        out: Self::ViewMut<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()>;
-    /// `out = inp · wᵀ + bias + residual`, each addend where given: the projection that ends
-    /// in a residual connection (`x1 = x + o(att)`), or one with a bias. The CUDA backend adds
-    /// both in the GEMM's epilogue, where [`Backend::matmul_forward`], [`Backend::bias_forward`]
-    /// and [`Backend::add`] would move the output through memory twice more and round it three
-    /// times (the epilogue rounds the residual's sum once; cuBLASLt may round the product
-    /// before it adds a bias, within one more bf16 ulp).
-    /// out `[T, N]`, inp `[T, K]`, w `[N, K]`, bias `[N]`, residual `[T, N]`.
-    fn matmul_forward_add(
-        &self,
-        out: Self::ViewMut<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        addends: Addends<Self::View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()>;
-    /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
-    /// dinp `[T, K]`, dw `[N, K]`, dout `[T, N]`, inp `[T, K]`, w `[N, K]`.
-    fn matmul_backward(
-        &self,
-        grads: Grads<Self::ViewMut<'_>>,
-        dout: Self::View<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()>;
     /// `out[t] += bias` for every row. out `[T, N]`, bias `[N]`.
     fn bias_forward(
         &self,
@@ -550,6 +558,7 @@ pub trait Backend: Send + Sync {
         rows: usize,
         n: usize,
     ) -> Result<()>;
+
     /// `dbias += Σ_t dout[t]` (accumulates). dbias `[N]`, dout `[T, N]`.
     fn bias_backward(
         &self,
@@ -558,65 +567,6 @@ pub trait Backend: Send + Sync {
         rows: usize,
         n: usize,
     ) -> Result<()>;
-
-    // ---- normalisation --------------------------------------------------------------------
-
-    /// RMSNorm over the last dimension: `out = inp / sqrt(mean(inp²) + eps) * w`, and
-    /// `rstd[r] = 1 / sqrt(mean(inp[r]²) + eps)` kept for the backward.
-    /// out `[R, D]`, rstd `[R]` (Accum), inp `[R, D]`, w `[D]`.
-    /// Reference: `LlamaRMSNorm` in transformers' modeling_llama.py.
-    fn rmsnorm_forward(
-        &self,
-        out: Self::ViewMut<'_>,
-        rstd: Self::ViewMut<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        shape: &NormShape,
-    ) -> Result<()>;
-    /// dinp `[R, D]` (overwrites), dw `[D]` (accumulates), dout `[R, D]`, inp `[R, D]`, w `[D]`,
-    /// rstd `[R]`.
-    fn rmsnorm_backward(
-        &self,
-        grads: Grads<Self::ViewMut<'_>>,
-        dout: Self::View<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        rstd: Self::View<'_>,
-        shape: &NormShape,
-    ) -> Result<()>;
-    /// [`Backend::rmsnorm_backward`] with `dinp = (norm's input gradient) + residual`: the
-    /// gradient of a residual stream that feeds both the norm and, around it, the next residual
-    /// add, summed where the CUDA backend computes the first term instead of in another pass.
-    /// residual `[R, D]`, the rest as for [`Backend::rmsnorm_backward`].
-    fn rmsnorm_backward_add(
-        &self,
-        grads: Grads<Self::ViewMut<'_>>,
-        dout: Self::View<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        rstd: Self::View<'_>,
-        residual: Self::View<'_>,
-        shape: &NormShape,
-    ) -> Result<()>;
-    /// Qwen3's per-head RMSNorm of the query and key heads inside a fused `qkv` row; the value
-    /// heads are copied unchanged. out and inp `[T, Dqkv]`, rstd `[T, nq + nkv]` (Accum),
-    /// w `[2 hd]` = `[q_norm (hd) | k_norm (hd)]`.
-    fn head_rmsnorm_forward(
-        &self,
-        out: Self::ViewMut<'_>,
-        rstd: Self::ViewMut<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        shape: &AttentionShape,
-        eps: f32,
-    ) -> Result<()>;
-    /// dinp `[T, Dqkv]` (overwrites; value heads pass through), dw `[2 hd]` (accumulates).
-    fn head_rmsnorm_backward(
-        &self,
-        grads: Grads<Self::ViewMut<'_>>,
-        dout: Self::View<'_>,
-        operands: Operands<Self::View<'_>, Self::View<'_>>,
-        rstd: Self::View<'_>,
-        shape: &AttentionShape,
-    ) -> Result<()>;
-
-    // ---- rotary position embedding --------------------------------------------------------
 
     /// Rotates the query and key heads of `qkv` `[T, Dqkv]` in place by `pos[t] * inv_freq[i]`,
     /// pairing element `i` with `i + r/2` (Hugging Face's `rotate_half`) where `r = 2 ·
@@ -633,8 +583,9 @@ pub trait Backend: Send + Sync {
         scale: f32,
         shape: &AttentionShape,
     ) -> Result<()>;
-    /// The transpose of [`Backend::rope_forward`]: rotates the gradient in place by `-angle`,
-    /// scaled alike.
+
+    /// The transpose of [`ElementwiseOps::rope_forward`]: rotates the gradient in place by
+    /// `-angle`, scaled alike.
     fn rope_backward(
         &self,
         dqkv: Self::ViewMut<'_>,
@@ -644,8 +595,129 @@ pub trait Backend: Send + Sync {
         shape: &AttentionShape,
     ) -> Result<()>;
 
-    // ---- attention ------------------------------------------------------------------------
+    /// The gated MLP's activation: `out = act(gate) * up`. out `[T, I]`, gate_up `[T, 2I]`.
+    /// Reference: `LlamaMLP` (SiLU) and `Gemma3MLP` (GELU, tanh approximation).
+    fn glu_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        gate_up: Self::View<'_>,
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()>;
 
+    /// dgate_up `[T, 2I]` (overwrites), dout `[T, I]`, gate_up `[T, 2I]`.
+    fn glu_backward(
+        &self,
+        dgate_up: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        gate_up: Self::View<'_>,
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()>;
+}
+
+/// `nn.Linear`'s product and its backward (cuBLASLt on a GPU).
+pub trait MatmulOps: Device {
+    /// `out = inp · wᵀ`. out `[T, N]`, inp `[T, K]`, w `[N, K]` (PyTorch's `nn.Linear`).
+    fn matmul_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()>;
+
+    /// `out = inp · wᵀ + bias + residual`, each addend where given: the projection that ends
+    /// in a residual connection (`x1 = x + o(att)`), or one with a bias. The CUDA backend adds
+    /// both in the GEMM's epilogue, where [`MatmulOps::matmul_forward`],
+    /// [`ElementwiseOps::bias_forward`] and [`ElementwiseOps::add`] would move the output through
+    /// memory twice more and round it three times (the epilogue rounds the residual's sum once;
+    /// cuBLASLt may round the product before it adds a bias, within one more bf16 ulp).
+    /// out `[T, N]`, inp `[T, K]`, w `[N, K]`, bias `[N]`, residual `[T, N]`.
+    fn matmul_forward_add(
+        &self,
+        out: Self::ViewMut<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        addends: Addends<Self::View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()>;
+
+    /// `dinp = dout · w` (overwrites) and `dw += doutᵀ · inp` (accumulates).
+    /// dinp `[T, K]`, dw `[N, K]`, dout `[T, N]`, inp `[T, K]`, w `[N, K]`.
+    fn matmul_backward(
+        &self,
+        grads: Grads<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &MatmulShape,
+    ) -> Result<()>;
+}
+
+/// RMSNorm, over whole rows and per head.
+pub trait NormOps: Device {
+    /// RMSNorm over the last dimension: `out = inp / sqrt(mean(inp²) + eps) * w`, and
+    /// `rstd[r] = 1 / sqrt(mean(inp[r]²) + eps)` kept for the backward.
+    /// out `[R, D]`, rstd `[R]` (Accum), inp `[R, D]`, w `[D]`.
+    /// Reference: `LlamaRMSNorm` in transformers' modeling_llama.py.
+    fn rmsnorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &NormShape,
+    ) -> Result<()>;
+
+    /// dinp `[R, D]` (overwrites), dw `[D]` (accumulates), dout `[R, D]`, inp `[R, D]`, w `[D]`,
+    /// rstd `[R]`.
+    fn rmsnorm_backward(
+        &self,
+        grads: Grads<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        rstd: Self::View<'_>,
+        shape: &NormShape,
+    ) -> Result<()>;
+
+    /// [`NormOps::rmsnorm_backward`] with `dinp = (norm's input gradient) + residual`: the
+    /// gradient of a residual stream that feeds both the norm and, around it, the next residual
+    /// add, summed where the CUDA backend computes the first term instead of in another pass.
+    /// residual `[R, D]`, the rest as for [`NormOps::rmsnorm_backward`].
+    fn rmsnorm_backward_add(
+        &self,
+        grads: Grads<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        rstd: Self::View<'_>,
+        residual: Self::View<'_>,
+        shape: &NormShape,
+    ) -> Result<()>;
+
+    /// Qwen3's per-head RMSNorm of the query and key heads inside a fused `qkv` row; the value
+    /// heads are copied unchanged. out and inp `[T, Dqkv]`, rstd `[T, nq + nkv]` (Accum),
+    /// w `[2 hd]` = `[q_norm (hd) | k_norm (hd)]`.
+    fn head_rmsnorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        shape: &AttentionShape,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// dinp `[T, Dqkv]` (overwrites; value heads pass through), dw `[2 hd]` (accumulates).
+    fn head_rmsnorm_backward(
+        &self,
+        grads: Grads<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        operands: Operands<Self::View<'_>, Self::View<'_>>,
+        rstd: Self::View<'_>,
+        shape: &AttentionShape,
+    ) -> Result<()>;
+}
+
+/// Attention over packed documents, against a KV cache, and attention sinks.
+pub trait AttentionOps: Device {
     /// Causal grouped-query attention within documents, scale `1/sqrt(hd)`.
     /// att.out `[T, nq hd]`, att.lse `[T, nq]` (Accum: the log-sum-exp of each query's scaled
     /// scores), qkv `[T, Dqkv]` (after RoPE), cu_seqlens `[docs + 1]`.
@@ -656,6 +728,7 @@ pub trait Backend: Send + Sync {
         cu_seqlens: &Self::Ints,
         shape: &AttentionShape,
     ) -> Result<()>;
+
     /// dqkv `[T, Dqkv]` (overwrites), dout `[T, nq hd]`, qkv and att from the forward.
     fn attention_backward(
         &self,
@@ -673,7 +746,7 @@ pub trait Backend: Send + Sync {
     /// backward). out `[tokens, nq hd]`, q `[tokens, nq hd]` (after RoPE), k_cache and v_cache
     /// `[past + tokens, nkv hd]` (keys after RoPE; the new tokens' rows already appended).
     /// With `sinks` `[nq]` (GPT-OSS), each head's softmax denominator also holds `exp(sink)`,
-    /// as [`Backend::attention_sinks_forward`] describes.
+    /// as [`AttentionOps::attention_sinks_forward`] describes.
     fn attention_decode(
         &self,
         out: Self::ViewMut<'_>,
@@ -684,11 +757,12 @@ pub trait Backend: Send + Sync {
         shape: &DecodeShape,
     ) -> Result<()>;
 
-    /// GPT-OSS's attention sinks, applied to [`Backend::attention_forward`]'s results: head `h`
-    /// has a learned logit `sinks[h]` in its softmax's denominator with no value behind it
+    /// GPT-OSS's attention sinks, applied to [`AttentionOps::attention_forward`]'s results: head
+    /// `h` has a learned logit `sinks[h]` in its softmax's denominator with no value behind it
     /// (`eager_attention_forward` in modeling_gpt_oss.py), so `lse' = log(exp(lse) +
-    /// exp(sink))` and `out *= exp(lse - lse')`, both in place. [`Backend::attention_backward`]
-    /// given the new `out` and `lse` is then the backward of the sinked attention as it stands.
+    /// exp(sink))` and `out *= exp(lse - lse')`, both in place.
+    /// [`AttentionOps::attention_backward`] given the new `out` and `lse` is then the backward of
+    /// the sinked attention as it stands.
     /// att.out `[T, nq hd]`, att.lse `[T, nq]` (Accum), sinks `[nq]`.
     fn attention_sinks_forward(
         &self,
@@ -696,8 +770,9 @@ pub trait Backend: Send + Sync {
         sinks: Self::View<'_>,
         shape: &AttentionShape,
     ) -> Result<()>;
+
     /// `dsinks[h] += -Σ_t exp(sinks[h] - lse[t, h]) · (dout[t, h] · out[t, h])` (accumulates),
-    /// with `out` and `lse` as [`Backend::attention_sinks_forward`] left them. dsinks `[nq]`
+    /// with `out` and `lse` as [`AttentionOps::attention_sinks_forward`] left them. dsinks `[nq]`
     /// (Accum), dout and att.out `[T, nq hd]`, att.lse `[T, nq]`.
     fn attention_sinks_backward(
         &self,
@@ -707,39 +782,17 @@ pub trait Backend: Send + Sync {
         sinks: Self::View<'_>,
         shape: &AttentionShape,
     ) -> Result<()>;
+}
 
-    // ---- MLP ------------------------------------------------------------------------------
-
-    /// The gated MLP's activation: `out = act(gate) * up`. out `[T, I]`, gate_up `[T, 2I]`.
-    /// Reference: `LlamaMLP` (SiLU) and `Gemma3MLP` (GELU, tanh approximation).
-    fn glu_forward(
-        &self,
-        out: Self::ViewMut<'_>,
-        gate_up: Self::View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()>;
-    /// dgate_up `[T, 2I]` (overwrites), dout `[T, I]`, gate_up `[T, 2I]`.
-    fn glu_backward(
-        &self,
-        dgate_up: Self::ViewMut<'_>,
-        dout: Self::View<'_>,
-        gate_up: Self::View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()>;
-
-    // ---- mixture of experts ---------------------------------------------------------------
-    //
-    // A layer's MoE MLP: `z = x · Wrᵀ (+ br)` (matmul_forward), `moe_route` picks each token's
-    // experts and weights, `moe_sort` orders the `T k` (token, slot) pairs by expert,
-    // `moe_gather` copies each pair's input row into that order, two `grouped_matmul_forward`
-    // around `glu_forward` run every expert on its rows, and `moe_combine` sums each token's
-    // expert outputs by their weights. Reference: `MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`,
-    // `GptOssMLP` in transformers.
-
+/// A mixture-of-experts MLP's routing, sorting, gathers, combines and grouped GEMMs.
+///
+/// A layer's MoE MLP: `z = x · Wrᵀ (+ br)` (matmul_forward), `moe_route` picks each token's
+/// experts and weights, `moe_sort` orders the `T k` (token, slot) pairs by expert,
+/// `moe_gather` copies each pair's input row into that order, two `grouped_matmul_forward`
+/// around `glu_forward` run every expert on its rows, and `moe_combine` sums each token's
+/// expert outputs by their weights. Reference: `MixtralSparseMoeBlock`,
+/// `Qwen3MoeSparseMoeBlock`, `GptOssMLP` in transformers.
+pub trait MoeOps: Device {
     /// Routing. probs `[T, E]` (Accum) = `softmax(logits)` in f32 (kept for the load-balancing
     /// loss and the backward), experts `[T, k]` the chosen experts in descending order of
     /// logit, weights `[T, k]` (Accum) as `shape.router` says. logits `[T, E]`.
@@ -751,12 +804,13 @@ pub trait Backend: Send + Sync {
         logits: Self::View<'_>,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// dlogits `[T, E]` (overwrites): the gradient through the routing weights of `dweights`
     /// `[T, k]`, plus, with `aux = Some((counts, scale))`, the load-balancing loss's
     /// `scale · p_e (c_e − Σ_j p_j c_j)` where `c = counts [E]` (Accum) are the step's counts
     /// of pairs per expert (transformers' `load_balancing_loss_func`: the loss is
     /// `E Σ_e c_e P_e / N²`, `P_e` the summed probabilities, and the counts carry no gradient).
-    /// `routing` is what [`Backend::moe_route`] wrote.
+    /// `routing` is what [`MoeOps::moe_route`] wrote.
     fn moe_route_backward(
         &self,
         dlogits: Self::ViewMut<'_>,
@@ -765,6 +819,7 @@ pub trait Backend: Send + Sync {
         aux: Option<(Self::View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// The load-balancing loss's statistics, accumulated over layers: `stats[e] +=` the pairs
     /// routed to expert `e`, `stats[E + e] += Σ_t probs[t, e]`. stats `[2E]` (Accum).
     fn moe_router_stats(
@@ -774,6 +829,7 @@ pub trait Backend: Send + Sync {
         experts: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// Orders the `T k` pairs (pair `p = t k + j` is token `t`'s `j`-th expert) by expert,
     /// keeping pair order within an expert: `order[r]` is the pair at sorted row `r`,
     /// `rows[p]` the sorted row of pair `p`. Returns the offsets `[E + 1]` on the host: expert
@@ -786,6 +842,7 @@ pub trait Backend: Send + Sync {
         experts: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<Vec<usize>>;
+
     /// `xs[r] = x[order[r] / k]`. xs `[T k, H]`, x `[T, H]`.
     fn moe_gather(
         &self,
@@ -794,6 +851,7 @@ pub trait Backend: Send + Sync {
         order: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// `dx[t] = Σ_j dxs[rows[t k + j]]`, j ascending (overwrites). dx `[T, H]`, dxs `[T k, H]`.
     fn moe_gather_backward(
         &self,
@@ -802,6 +860,7 @@ pub trait Backend: Send + Sync {
         rows: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// `out[t] = Σ_j weights[t, j] · y[rows[t k + j]]`, j ascending (overwrites).
     /// out `[T, H]`, y `[T k, H]`, weights `[T, k]` (Accum).
     fn moe_combine(
@@ -812,6 +871,7 @@ pub trait Backend: Send + Sync {
         rows: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// `dy[rows[t k + j]] = weights[t, j] · dout[t]` and `dweights[t, j] = dout[t] ·
     /// y[rows[t k + j]]` (both overwrite; the dot in f32): `grads.dinp` is dy `[T k, H]`,
     /// `grads.dw` dweights `[T, k]` (Accum). dout `[T, H]`.
@@ -824,6 +884,7 @@ pub trait Backend: Send + Sync {
         rows: &Self::Ints,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// Qwen2 MoE's gated shared expert: `out[t] += sigmoid(logits[t]) · y[t]` (accumulates onto
     /// the routed experts' output). out and y `[T, H]`, logits `[T]` (Accum); of the shape only
     /// `tokens` and `hidden` matter (the shared expert is not routed).
@@ -835,6 +896,7 @@ pub trait Backend: Send + Sync {
         logits: Self::View<'_>,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// `dy[t] = sigmoid(logits[t]) · dout[t]` and `dlogits[t] = σ'(logits[t]) · (dout[t] ·
     /// y[t])` with `σ' = σ (1 − σ)`, the dot in f32 (both overwrite). dy `[T, H]`, dlogits `[T]`.
     fn sigmoid_gate_backward(
@@ -846,6 +908,7 @@ pub trait Backend: Send + Sync {
         logits: Self::View<'_>,
         shape: &MoeShape,
     ) -> Result<()>;
+
     /// Every expert's GEMM over its rows, `out[r] = inp[r] · W_e(ᵀ) (+ bias[e])` for `r` in
     /// expert `e`'s rows. out `[R, N]`, inp `[R, K]`, w `[E, N, K]` or `[E, K, N]` as
     /// `g.layout` says, bias `[E, N]`.
@@ -856,6 +919,7 @@ pub trait Backend: Send + Sync {
         bias: Option<Self::View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()>;
+
     /// dinp `[R, K]` (overwrites), dw like w (accumulates).
     fn grouped_matmul_backward(
         &self,
@@ -864,6 +928,7 @@ pub trait Backend: Send + Sync {
         operands: Operands<Self::View<'_>, Self::View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()>;
+
     /// `dbias[e] += Σ_{r in expert e's rows} dout[r]` (accumulates). dbias `[E, N]`,
     /// dout `[R, N]`.
     fn grouped_bias_backward(
@@ -872,9 +937,10 @@ pub trait Backend: Send + Sync {
         dout: Self::View<'_>,
         g: &GroupedShape<'_>,
     ) -> Result<()>;
+}
 
-    // ---- LM head and loss -----------------------------------------------------------------
-
+/// The LM head's chunked cross-entropy.
+pub trait LossOps: Device {
     /// Cross-entropy of the LM head's logits `x · wᵀ` against `targets`, computed a chunk of the
     /// vocabulary or of the tokens at a time so `[T, V]` logits never exist at once.
     /// losses `[T]` (Accum; 0 where the target is [`IGNORE`]), lse `[T]` (Accum: log-sum-exp of
@@ -888,6 +954,7 @@ pub trait Backend: Send + Sync {
         targets: &Self::Ints,
         shape: &LossShape,
     ) -> Result<()>;
+
     /// Gradient of `scale · Σ_t losses[t]`: dinp `[T, H]` (overwrites), dw `[V, H]`
     /// (accumulates). `scale` is 1 / (trained tokens in the whole optimizer step).
     fn cross_entropy_backward(
@@ -899,7 +966,8 @@ pub trait Backend: Send + Sync {
         scale: f32,
         shape: &LossShape,
     ) -> Result<()>;
-    /// [`Backend::cross_entropy_forward`] followed by [`Backend::cross_entropy_backward`] with
+
+    /// [`LossOps::cross_entropy_forward`] followed by [`LossOps::cross_entropy_backward`] with
     /// the lse just written, bit for bit, for training's head, whose backward follows its
     /// forward at once: each chunk's logits are computed once instead of twice.
     fn cross_entropy_forward_backward(
@@ -911,4 +979,16 @@ pub trait Backend: Send + Sync {
         scale: f32,
         shape: &LossShape,
     ) -> Result<()>;
+}
+
+/// Everything a training step and the inference forward call: the device and every op family.
+/// Implemented for every type that implements its parts, so `B: Backend` reaches every method.
+pub trait Backend:
+    Device + ElementwiseOps + MatmulOps + NormOps + AttentionOps + MoeOps + LossOps
+{
+}
+
+impl<B> Backend for B where
+    B: Device + ElementwiseOps + MatmulOps + NormOps + AttentionOps + MoeOps + LossOps
+{
 }

@@ -1,7 +1,7 @@
 //! The decoder's inference forward with a key/value cache, on any [`Backend`]. Each layer is the
 //! training forward itself ([`Decoder::layer_forward`]) with [`Keys::Cached`]: the new tokens
 //! append their keys and values to the cache and attend to every earlier position there
-//! ([`Backend::attention_decode`]), so each new token costs one row of work per layer and a
+//! ([`AttentionOps::attention_decode`]), so each new token costs one row of work per layer and a
 //! family's layer is defined once, for training and generation alike.
 //!
 //! The cache lives on the backend, one key and one value buffer per layer, sized when it is made

@@ -27,7 +27,7 @@ pub(crate) fn len(op: &str, name: &str, actual: usize, dims: &[usize]) -> Result
 }
 
 /// Int buffers may be allocated for the largest batch and filled only in part (see
-/// `Backend::upload_ints`), so they need at least `needed` elements and only that prefix is read.
+/// `Device::upload_ints`), so they need at least `needed` elements and only that prefix is read.
 pub(crate) fn ints<'a>(op: &str, name: &str, buf: &'a [i32], needed: usize) -> Result<&'a [i32]> {
     buf.get(..needed).ok_or_else(|| {
         err(op, format!("`{name}` has {} elements, expected at least {needed}", buf.len()))

@@ -49,9 +49,9 @@ pub use norm::{
 pub use rope::{rope_backward, rope_forward};
 
 use super::{
-    Addends, AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads,
-    GroupedShape, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing,
-    WeightDtype,
+    Addends, AttentionOps, AttentionOut, AttentionShape, DecodeShape, Device, ElementwiseOps,
+    FloatKind, GluAct, Grads, GroupedShape, LossOps, LossOut, LossShape, MatmulOps, MatmulShape,
+    MoeOps, MoeShape, NormOps, NormShape, Operands, Routing, WeightDtype,
 };
 use crate::error::Result;
 use crate::store::HostSlab;
@@ -85,7 +85,7 @@ impl Cpu {
     }
 }
 
-impl Backend for Cpu {
+impl Device for Cpu {
     type Floats = Vec<f32>;
     type Ints = Vec<i32>;
     type View<'a> = &'a [f32];
@@ -215,7 +215,9 @@ impl Backend for Cpu {
         prefix.copy_from_slice(src);
         Ok(())
     }
+}
 
+impl ElementwiseOps for Cpu {
     fn fill_zero(&self, dst: &mut [f32]) -> Result<()> {
         dst.fill(0.0);
         Ok(())
@@ -267,6 +269,61 @@ impl Backend for Cpu {
         embedding_backward(dtable, dout, ids, tokens, hidden, scale)
     }
 
+    fn bias_forward(&self, out: &mut [f32], bias: &[f32], rows: usize, n: usize) -> Result<()> {
+        bias_forward(out, bias, rows, n)
+    }
+
+    fn bias_backward(&self, dbias: &mut [f32], dout: &[f32], rows: usize, n: usize) -> Result<()> {
+        bias_backward(dbias, dout, rows, n)
+    }
+
+    fn rope_forward(
+        &self,
+        qkv: &mut [f32],
+        pos: &Vec<i32>,
+        inv_freq: &[f32],
+        scale: f32,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        rope_forward(qkv, pos, inv_freq, scale, shape)
+    }
+
+    fn rope_backward(
+        &self,
+        dqkv: &mut [f32],
+        pos: &Vec<i32>,
+        inv_freq: &[f32],
+        scale: f32,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        rope_backward(dqkv, pos, inv_freq, scale, shape)
+    }
+
+    fn glu_forward(
+        &self,
+        out: &mut [f32],
+        gate_up: &[f32],
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()> {
+        glu_forward(out, gate_up, rows, inter, act)
+    }
+
+    fn glu_backward(
+        &self,
+        dgate_up: &mut [f32],
+        dout: &[f32],
+        gate_up: &[f32],
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()> {
+        glu_backward(dgate_up, dout, gate_up, rows, inter, act)
+    }
+}
+
+impl MatmulOps for Cpu {
     fn matmul_forward(
         &self,
         out: &mut [f32],
@@ -295,15 +352,9 @@ impl Backend for Cpu {
     ) -> Result<()> {
         matmul_backward(grads, dout, operands, shape)
     }
+}
 
-    fn bias_forward(&self, out: &mut [f32], bias: &[f32], rows: usize, n: usize) -> Result<()> {
-        bias_forward(out, bias, rows, n)
-    }
-
-    fn bias_backward(&self, dbias: &mut [f32], dout: &[f32], rows: usize, n: usize) -> Result<()> {
-        bias_backward(dbias, dout, rows, n)
-    }
-
+impl NormOps for Cpu {
     fn rmsnorm_forward(
         &self,
         out: &mut [f32],
@@ -358,29 +409,9 @@ impl Backend for Cpu {
     ) -> Result<()> {
         head_rmsnorm_backward(grads, dout, operands, rstd, shape)
     }
+}
 
-    fn rope_forward(
-        &self,
-        qkv: &mut [f32],
-        pos: &Vec<i32>,
-        inv_freq: &[f32],
-        scale: f32,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        rope_forward(qkv, pos, inv_freq, scale, shape)
-    }
-
-    fn rope_backward(
-        &self,
-        dqkv: &mut [f32],
-        pos: &Vec<i32>,
-        inv_freq: &[f32],
-        scale: f32,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        rope_backward(dqkv, pos, inv_freq, scale, shape)
-    }
-
+impl AttentionOps for Cpu {
     fn attention_forward(
         &self,
         att: AttentionOut<&mut [f32]>,
@@ -434,7 +465,9 @@ impl Backend for Cpu {
     ) -> Result<()> {
         attention_sinks_backward(dsinks, dout, att, sinks, shape)
     }
+}
 
+impl MoeOps for Cpu {
     fn moe_route(
         &self,
         weights: &mut [f32],
@@ -572,30 +605,9 @@ impl Backend for Cpu {
     ) -> Result<()> {
         grouped_bias_backward(dbias, dout, g)
     }
+}
 
-    fn glu_forward(
-        &self,
-        out: &mut [f32],
-        gate_up: &[f32],
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        glu_forward(out, gate_up, rows, inter, act)
-    }
-
-    fn glu_backward(
-        &self,
-        dgate_up: &mut [f32],
-        dout: &[f32],
-        gate_up: &[f32],
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        glu_backward(dgate_up, dout, gate_up, rows, inter, act)
-    }
-
+impl LossOps for Cpu {
     fn cross_entropy_forward(
         &self,
         losses: &mut [f32],

@@ -8,10 +8,12 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::{Arg, base_ptr, scratch};
+use super::device::{base_ptr, scratch};
 use super::elementwise::COLUMN_CHUNKS;
+use super::kernel;
+use super::profile::{self, OpClass};
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::{AttentionOut, AttentionShape, FloatKind};
+use crate::backend::{AttentionOps, AttentionOut, AttentionShape, DecodeShape, FloatKind};
 use crate::error::Result;
 
 /// The scalar kernels' instantiation for a head size: (bucket, rows per warp).
@@ -217,28 +219,25 @@ impl Sizes {
         })
     }
 
-    /// The sizes after `docs`, as the scalar kernels take them.
-    fn scalar_args(&self) -> [Arg; 7] {
-        [
-            Arg::I32(self.tokens),
-            Arg::I32(self.nq),
-            Arg::I32(self.nkv),
-            Arg::I32(self.hd),
-            Arg::I32(self.window),
-            Arg::F32(self.scale),
-            Arg::F32(self.cap),
-        ]
-    }
-
-    /// The sizes after `docs`, as the tensor-core kernels take them (head_dim is built in).
-    fn flash_args(&self) -> [Arg; 5] {
-        [
-            Arg::I32(self.tokens),
-            Arg::I32(self.nq),
-            Arg::I32(self.nkv),
-            Arg::I32(self.window),
-            Arg::F32(self.scale),
-        ]
+    /// The scalar kernels' backward arguments (`attention_backward_dq_*`, `_dkv_*`), which
+    /// take the tensor-core kernels' and add the head size and the soft-cap.
+    fn scalar_backward(&self, k: kernel::flash_backward) -> kernel::attention_backward {
+        kernel::attention_backward {
+            dqkv: k.dqkv,
+            dout: k.dout,
+            qkv: k.qkv,
+            lse: k.lse,
+            dsum: k.dsum,
+            cu: k.cu,
+            docs: k.docs,
+            T: k.T,
+            nq: k.nq,
+            nkv: k.nkv,
+            hd: self.hd,
+            window: k.window,
+            scale: k.scale,
+            cap: self.cap,
+        }
     }
 
     /// The scalar kernels' size bucket, as named: `_capped_` ones soft-cap the scores.
@@ -273,148 +272,6 @@ impl Cuda {
         }
         let (hd, rows_per_warp) = bucket(op, shape.head_dim)?;
         Ok((Sizes::new(op, shape)?, hd, rows_per_warp))
-    }
-
-    pub(super) fn attention_forward_op(
-        &self,
-        att: AttentionOut<ViewMut<'_>>,
-        qkv: View<'_>,
-        cu: &Ints,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        const OP: &str = "attention_forward";
-        let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
-        let (o, l) = (att.out.as_view(), att.lse.as_view());
-        check::len(OP, "out", o.len, &[shape.tokens, shape.q_heads, shape.head_dim])?;
-        check::len(OP, "lse", l.len, &[shape.tokens, shape.q_heads])?;
-        check::kind(OP, "out", &o, FloatKind::Activation)?;
-        check::kind(OP, "lse", &l, FloatKind::Accum)?;
-        let mut args = vec![
-            Arg::Ptr(self.ptr(&o)),
-            Arg::Ptr(self.ptr(&l)),
-            Arg::Ptr(self.ptr(&qkv)),
-            Arg::Ptr(self.ints_ptr(cu)),
-            Arg::I32(s.docs),
-        ];
-        let (t, nq) = (shape.tokens, shape.q_heads);
-        // The tensor-core kernels have no soft-cap: a capped attention takes the scalar ones.
-        let flash = if shape.softcap.is_some() {
-            None
-        } else {
-            flash(shape.head_dim, &[self.ptr(&o), self.ptr(&qkv)])
-        };
-        if let Some(f) = flash {
-            args.extend(s.flash_args());
-            if let Some(name) = self.hopper_forward(shape) {
-                let cfg = LaunchConfig {
-                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, nq as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: hopper_forward_shared(shape.head_dim) as u32,
-                };
-                return self.launch(name, cfg, &args);
-            }
-            let k = &f.forward;
-            return self.launch(
-                k.name,
-                k.config(t.div_ceil(k.rows()), nq, f.forward_shared()),
-                &args,
-            );
-        }
-        args.extend(s.scalar_args());
-        let name = format!("attention_forward_{}", s.scalar_name(hd));
-        self.launch(&name, scalar_config(t.div_ceil(4 * qw), nq), &args)
-    }
-
-    pub(super) fn attention_backward_op(
-        &self,
-        dqkv: ViewMut<'_>,
-        dout: View<'_>,
-        qkv: View<'_>,
-        att: AttentionOut<View<'_>>,
-        cu: &Ints,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        const OP: &str = "attention_backward";
-        let AttentionOut { out, lse } = att;
-        let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
-        let (t, nq) = (shape.tokens, shape.q_heads);
-        let d = dqkv.as_view();
-        check::len(OP, "dqkv", d.len, &[t, shape.qkv_width()])?;
-        check::len(OP, "dout", dout.len, &[t, nq, shape.head_dim])?;
-        check::len(OP, "out", out.len, &[t, nq, shape.head_dim])?;
-        check::len(OP, "lse", lse.len, &[t, nq])?;
-        check::kind(OP, "dqkv", &d, FloatKind::Activation)?;
-        check::kind(OP, "dout", &dout, FloatKind::Activation)?;
-        check::kind(OP, "out", &out, FloatKind::Activation)?;
-        check::kind(OP, "lse", &lse, FloatKind::Accum)?;
-        if t == 0 {
-            return Ok(());
-        }
-        if nq == 0 {
-            // No query heads: nothing attends, so every key and value gradient is zero.
-            return self.zero(&dqkv);
-        }
-        // D_i = dout_i · out_i, per query and head.
-        let dsum = scratch::<f32>(&self.compute, t * nq)?;
-        let dsum_ptr = base_ptr(&dsum, &self.compute);
-        self.launch(
-            "attention_backward_dot",
-            LaunchConfig {
-                grid_dim: ((t * nq).div_ceil(4) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &[
-                Arg::Ptr(dsum_ptr),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::Ptr(self.ptr(&out)),
-                Arg::I64((t * nq) as i64),
-                Arg::I32(s.hd),
-            ],
-        )?;
-        let mut args = vec![
-            Arg::Ptr(self.ptr(&d)),
-            Arg::Ptr(self.ptr(&dout)),
-            Arg::Ptr(self.ptr(&qkv)),
-            Arg::Ptr(self.ptr(&lse)),
-            Arg::Ptr(dsum_ptr),
-            Arg::Ptr(self.ints_ptr(cu)),
-            Arg::I32(s.docs),
-        ];
-        let pointers = [self.ptr(&d), self.ptr(&dout), self.ptr(&qkv)];
-        let flash = if shape.softcap.is_some() { None } else { flash(shape.head_dim, &pointers) };
-        if let Some(f) = flash {
-            args.extend(s.flash_args());
-            if let Some((dq, dkv)) = self.hopper_backward(shape) {
-                let hd = shape.head_dim;
-                let cfg = |heads: usize, shared: usize| LaunchConfig {
-                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, heads as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: shared as u32,
-                };
-                self.launch(dq, cfg(nq, hopper_dq_shared(hd)), &args)?;
-                return self.launch(dkv, cfg(shape.kv_heads, hopper_dkv_shared(hd)), &args);
-            }
-            if let Some(k) = self.fused_backward(f, shape) {
-                return self.attention_backward_fused(f, &k, args, shape);
-            }
-            let k = &f.dq;
-            self.launch(k.name, k.config(t.div_ceil(k.rows()), nq, f.dq_shared()), &args)?;
-            for (k, writes_dk) in f.dkv {
-                let shared = f.dkv_shared(k, *writes_dk);
-                self.launch(k.name, k.config(t.div_ceil(k.rows()), shape.kv_heads, shared), &args)?;
-            }
-            return Ok(());
-        }
-        args.extend(s.scalar_args());
-        let blocks = t.div_ceil(4 * qw);
-        let name = s.scalar_name(hd);
-        self.launch(&format!("attention_backward_dq_{name}"), scalar_config(blocks, nq), &args)?;
-        self.launch(
-            &format!("attention_backward_dkv_{name}"),
-            scalar_config(blocks, shape.kv_heads),
-            &args,
-        )
     }
 
     /// The Hopper forward kernel for `shape` (no soft-cap, views aligned to 16 bytes) when it
@@ -479,7 +336,7 @@ impl Cuda {
         &self,
         f: &Flash,
         k: &Tiles,
-        mut args: Vec<Arg>,
+        args: kernel::flash_backward,
         shape: &AttentionShape,
     ) -> Result<()> {
         let (t, nq, nkv) = (shape.tokens, shape.q_heads, shape.kv_heads);
@@ -502,22 +359,230 @@ impl Cuda {
                 self.compute.cu_stream(),
             )
         })?;
-        args.splice(1..1, [Arg::Ptr(base_ptr(&acc, &self.compute)), Arg::Ptr(sync_ptr)]);
+        // The split kernels' arguments with the f32 accumulators and the counters after dqkv.
+        let fused = kernel::flash_backward_fused {
+            dqkv: args.dqkv,
+            acc: base_ptr(&acc, &self.compute),
+            sync: sync_ptr,
+            dout: args.dout,
+            qkv: args.qkv,
+            lse: args.lse,
+            dsum: args.dsum,
+            cu: args.cu,
+            docs: args.docs,
+            T: args.T,
+            nq: args.nq,
+            nkv: args.nkv,
+            window: args.window,
+            scale: args.scale,
+        };
         let cfg = LaunchConfig {
             grid_dim: ((key_blocks * nq) as u32, 1, 1),
             block_dim: (32 * k.warps as u32, 1, 1),
             shared_mem_bytes: f.fused_shared(k) as u32,
         };
-        self.launch(k.name, cfg, &args)
+        self.launch_as(k.name, cfg, fused)
+    }
+}
+
+impl AttentionOps for Cuda {
+    fn attention_forward(
+        &self,
+        att: AttentionOut<ViewMut<'_>>,
+        qkv: View<'_>,
+        cu: &Ints,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let _t = self.timed(
+            "attention_forward",
+            OpClass::Attention,
+            profile::attention_flops(&cu.host, shape.q_heads, shape.head_dim, shape.window),
+        );
+        const OP: &str = "attention_forward";
+        let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
+        let (o, l) = (att.out.as_view(), att.lse.as_view());
+        check::len(OP, "out", o.len, &[shape.tokens, shape.q_heads, shape.head_dim])?;
+        check::len(OP, "lse", l.len, &[shape.tokens, shape.q_heads])?;
+        check::kind(OP, "out", &o, FloatKind::Activation)?;
+        check::kind(OP, "lse", &l, FloatKind::Accum)?;
+        let (t, nq) = (shape.tokens, shape.q_heads);
+        // The tensor-core kernels have no soft-cap: a capped attention takes the scalar ones.
+        let flash = if shape.softcap.is_some() {
+            None
+        } else {
+            flash(shape.head_dim, &[self.ptr(&o), self.ptr(&qkv)])
+        };
+        if let Some(f) = flash {
+            let args = kernel::flash_forward {
+                out: self.ptr(&o),
+                lse: self.ptr(&l),
+                qkv: self.ptr(&qkv),
+                cu: self.ints_ptr(cu),
+                docs: s.docs,
+                T: s.tokens,
+                nq: s.nq,
+                nkv: s.nkv,
+                window: s.window,
+                scale: s.scale,
+            };
+            if let Some(name) = self.hopper_forward(shape) {
+                let cfg = LaunchConfig {
+                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, nq as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: hopper_forward_shared(shape.head_dim) as u32,
+                };
+                return self.launch_as(name, cfg, args);
+            }
+            let k = &f.forward;
+            return self.launch_as(
+                k.name,
+                k.config(t.div_ceil(k.rows()), nq, f.forward_shared()),
+                args,
+            );
+        }
+        let args = kernel::attention_forward {
+            out: self.ptr(&o),
+            lse: self.ptr(&l),
+            qkv: self.ptr(&qkv),
+            cu: self.ints_ptr(cu),
+            docs: s.docs,
+            T: s.tokens,
+            nq: s.nq,
+            nkv: s.nkv,
+            hd: s.hd,
+            window: s.window,
+            scale: s.scale,
+            cap: s.cap,
+        };
+        let name = format!("attention_forward_{}", s.scalar_name(hd));
+        self.launch_as(&name, scalar_config(t.div_ceil(4 * qw), nq), args)
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: ViewMut<'_>,
+        dout: View<'_>,
+        qkv: View<'_>,
+        att: AttentionOut<View<'_>>,
+        cu: &Ints,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let _t = self.timed(
+            "attention_backward",
+            OpClass::Attention,
+            2.5 * profile::attention_flops(&cu.host, shape.q_heads, shape.head_dim, shape.window),
+        );
+        const OP: &str = "attention_backward";
+        let AttentionOut { out, lse } = att;
+        let (s, hd, qw) = self.attention_common(OP, &qkv, cu, shape)?;
+        let (t, nq) = (shape.tokens, shape.q_heads);
+        let d = dqkv.as_view();
+        check::len(OP, "dqkv", d.len, &[t, shape.qkv_width()])?;
+        check::len(OP, "dout", dout.len, &[t, nq, shape.head_dim])?;
+        check::len(OP, "out", out.len, &[t, nq, shape.head_dim])?;
+        check::len(OP, "lse", lse.len, &[t, nq])?;
+        check::kind(OP, "dqkv", &d, FloatKind::Activation)?;
+        check::kind(OP, "dout", &dout, FloatKind::Activation)?;
+        check::kind(OP, "out", &out, FloatKind::Activation)?;
+        check::kind(OP, "lse", &lse, FloatKind::Accum)?;
+        if t == 0 {
+            return Ok(());
+        }
+        if nq == 0 {
+            // No query heads: nothing attends, so every key and value gradient is zero.
+            return self.zero(&dqkv);
+        }
+        // D_i = dout_i · out_i, per query and head.
+        let dsum = scratch::<f32>(&self.compute, t * nq)?;
+        let dsum_ptr = base_ptr(&dsum, &self.compute);
+        self.launch(
+            LaunchConfig {
+                grid_dim: ((t * nq).div_ceil(4) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            kernel::attention_backward_dot {
+                dsum: dsum_ptr,
+                dout: self.ptr(&dout),
+                out: self.ptr(&out),
+                rows: (t * nq) as i64,
+                hd: s.hd,
+            },
+        )?;
+        let args = kernel::flash_backward {
+            dqkv: self.ptr(&d),
+            dout: self.ptr(&dout),
+            qkv: self.ptr(&qkv),
+            lse: self.ptr(&lse),
+            dsum: dsum_ptr,
+            cu: self.ints_ptr(cu),
+            docs: s.docs,
+            T: s.tokens,
+            nq: s.nq,
+            nkv: s.nkv,
+            window: s.window,
+            scale: s.scale,
+        };
+        let pointers = [self.ptr(&d), self.ptr(&dout), self.ptr(&qkv)];
+        let flash = if shape.softcap.is_some() { None } else { flash(shape.head_dim, &pointers) };
+        if let Some(f) = flash {
+            if let Some((dq, dkv)) = self.hopper_backward(shape) {
+                let hd = shape.head_dim;
+                let cfg = |heads: usize, shared: usize| LaunchConfig {
+                    grid_dim: (t.div_ceil(HOPPER_ROWS) as u32, heads as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: shared as u32,
+                };
+                self.launch_as(dq, cfg(nq, hopper_dq_shared(hd)), args)?;
+                return self.launch_as(dkv, cfg(shape.kv_heads, hopper_dkv_shared(hd)), args);
+            }
+            if let Some(k) = self.fused_backward(f, shape) {
+                return self.attention_backward_fused(f, &k, args, shape);
+            }
+            let k = &f.dq;
+            self.launch_as(k.name, k.config(t.div_ceil(k.rows()), nq, f.dq_shared()), args)?;
+            for (k, writes_dk) in f.dkv {
+                let shared = f.dkv_shared(k, *writes_dk);
+                self.launch_as(
+                    k.name,
+                    k.config(t.div_ceil(k.rows()), shape.kv_heads, shared),
+                    args,
+                )?;
+            }
+            return Ok(());
+        }
+        let args = s.scalar_backward(args);
+        let blocks = t.div_ceil(4 * qw);
+        let name = s.scalar_name(hd);
+        self.launch_as(&format!("attention_backward_dq_{name}"), scalar_config(blocks, nq), args)?;
+        self.launch_as(
+            &format!("attention_backward_dkv_{name}"),
+            scalar_config(blocks, shape.kv_heads),
+            args,
+        )
+    }
+
+    fn attention_decode(
+        &self,
+        out: ViewMut<'_>,
+        q: View<'_>,
+        k_cache: View<'_>,
+        v_cache: View<'_>,
+        sinks: Option<View<'_>>,
+        shape: &DecodeShape,
+    ) -> Result<()> {
+        let _t = self.timed("attention_decode", OpClass::Attention, 0.0);
+        self.decode(out, q, k_cache, v_cache, sinks, shape)
     }
 
     /// GPT-OSS's sinks on `attention_forward`'s out and lse, one warp per (token, head).
-    pub(super) fn attention_sinks_forward_op(
+    fn attention_sinks_forward(
         &self,
         att: AttentionOut<ViewMut<'_>>,
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("attention_sinks_forward", OpClass::Attention, 0.0);
         const OP: &str = "attention_sinks_forward";
         let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
         let (o, l) = (att.out.as_view(), att.lse.as_view());
@@ -533,27 +598,26 @@ impl Cuda {
         let rows = t * nq;
         let blocks = check::int(OP, "tokens x q_heads / 8", rows.div_ceil(SINK_WARPS))?;
         self.launch(
-            OP,
             LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32 * SINK_WARPS as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::Ptr(self.ptr(&l)),
-                Arg::Ptr(self.ptr(&sinks)),
-                Arg::I32(sinks.is_f32()),
-                Arg::I64(rows as i64),
-                Arg::I32(check::int(OP, "q_heads", nq)?),
-                Arg::I32(check::int(OP, "head_dim", hd)?),
-            ],
+            kernel::attention_sinks_forward {
+                out: self.ptr(&o),
+                lse: self.ptr(&l),
+                sinks: self.ptr(&sinks),
+                sinks_f32: sinks.is_f32(),
+                rows: rows as i64,
+                nq: check::int(OP, "q_heads", nq)?,
+                hd: check::int(OP, "head_dim", hd)?,
+            },
         )
     }
 
     /// The sinks' gradient: per-head partial sums over fixed chunks of tokens, then the chunks
     /// in order (`finish_columns`), so the sum over tokens is deterministic.
-    pub(super) fn attention_sinks_backward_op(
+    fn attention_sinks_backward(
         &self,
         dsinks: ViewMut<'_>,
         dout: View<'_>,
@@ -561,6 +625,7 @@ impl Cuda {
         sinks: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("attention_sinks_backward", OpClass::Attention, 0.0);
         const OP: &str = "attention_sinks_backward";
         let AttentionOut { out, lse } = att;
         let (t, nq, hd) = (shape.tokens, shape.q_heads, shape.head_dim);
@@ -583,24 +648,23 @@ impl Cuda {
         let partials = scratch::<f32>(&self.compute, chunks * nq)?;
         let pp = base_ptr(&partials, &self.compute);
         self.launch(
-            OP,
             LaunchConfig {
                 grid_dim: (chunks as u32, nq as u32, 1),
                 block_dim: (32 * SINK_WARPS as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(pp),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::Ptr(self.ptr(&out)),
-                Arg::Ptr(self.ptr(&lse)),
-                Arg::Ptr(self.ptr(&sinks)),
-                Arg::I32(sinks.is_f32()),
-                Arg::I64(t as i64),
-                Arg::I64(rows_per as i64),
-                Arg::I32(nq as i32),
-                Arg::I32(check::int(OP, "head_dim", hd)?),
-            ],
+            kernel::attention_sinks_backward {
+                partials: pp,
+                dout: self.ptr(&dout),
+                out: self.ptr(&out),
+                lse: self.ptr(&lse),
+                sinks: self.ptr(&sinks),
+                sinks_f32: sinks.is_f32(),
+                tokens: t as i64,
+                rows_per: rows_per as i64,
+                nq: nq as i32,
+                hd: check::int(OP, "head_dim", hd)?,
+            },
         )?;
         self.finish_columns(&dsinks, pp, chunks, nq)
     }

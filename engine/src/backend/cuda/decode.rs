@@ -4,7 +4,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::Arg;
+use super::kernel;
 use super::{Cuda, View, ViewMut, check};
 use crate::backend::{DecodeShape, FloatKind};
 use crate::error::Result;
@@ -24,7 +24,8 @@ fn bucket(op: &str, hd: usize) -> Result<usize> {
 const THREADS: u32 = 8 * 32;
 
 impl Cuda {
-    pub(super) fn attention_decode_op(
+    /// The attention against a KV cache, untimed: `AttentionOps::attention_decode` times it.
+    pub(super) fn decode(
         &self,
         out: ViewMut<'_>,
         q: View<'_>,
@@ -62,25 +63,25 @@ impl Cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(
+        self.launch_as(
             &format!("attention_decode_{bucket}"),
             cfg,
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::Ptr(self.ptr(&q)),
-                Arg::Ptr(self.ptr(&k_cache)),
-                Arg::Ptr(self.ptr(&v_cache)),
+            kernel::attention_decode {
+                out: self.ptr(&o),
+                q: self.ptr(&q),
+                kc: self.ptr(&k_cache),
+                vc: self.ptr(&v_cache),
                 // The kernel reads no sink through a null pointer.
-                Arg::Ptr(sinks.as_ref().map_or(0, |s| self.ptr(s))),
-                Arg::I32(sinks.as_ref().map_or(0, View::is_f32)),
-                Arg::I32(check::int(OP, "past", shape.past)?),
-                Arg::I32(nq as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(hd as i32),
-                Arg::I32(window),
-                Arg::F32(shape.softmax_scale()),
-                Arg::F32(shape.softcap.unwrap_or(0.0)),
-            ],
+                sinks: sinks.as_ref().map_or(0, |s| self.ptr(s)),
+                sinks_f32: sinks.as_ref().map_or(0, View::is_f32),
+                past: check::int(OP, "past", shape.past)?,
+                nq: nq as i32,
+                nkv: nkv as i32,
+                hd: hd as i32,
+                window,
+                scale: shape.softmax_scale(),
+                cap: shape.softcap.unwrap_or(0.0),
+            },
         )
     }
 }

@@ -9,10 +9,11 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self as cu, CUdeviceptr};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, result as driver,
+    result as driver,
 };
 
 use super::compile;
+use super::kernel::Kernel;
 use crate::error::{Error, Result};
 
 pub(super) fn err(message: impl std::fmt::Display) -> Error {
@@ -205,26 +206,18 @@ impl Kernels {
     }
 }
 
-/// One kernel argument by value.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Arg {
-    Ptr(CUdeviceptr),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
 /// Dynamic shared memory a block gets without opting in.
 const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
-/// Launches `f` on `stream` with `args`, which must match the kernel's parameters in order and
-/// type (pointers as 64-bit device addresses).
-pub(super) fn launch(
+/// Launches `f` on `stream` with `args`, whose fields are the kernel's parameters in order and
+/// type (pointers as 64-bit device addresses): `kernel.rs` declares them and checks them against
+/// the CUDA C signatures.
+pub(super) fn launch<K: Kernel>(
     stream: &CudaStream,
     f: &CudaFunction,
     name: &str,
     cfg: LaunchConfig,
-    args: &[Arg],
+    args: &K,
 ) -> Result<()> {
     if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
         return Ok(());
@@ -240,16 +233,10 @@ pub(super) fn launch(
         )?;
     }
     let mut b = stream.launch_builder(f);
-    for a in args {
-        match a {
-            Arg::Ptr(p) => b.arg(p),
-            Arg::I32(v) => b.arg(v),
-            Arg::I64(v) => b.arg(v),
-            Arg::F32(v) => b.arg(v),
-        };
-    }
-    // SAFETY: every call site passes the kernel's parameters in order with matching types
-    // (device addresses of live buffers whose extents were checked against the sizes passed).
+    args.push(&mut b);
+    // SAFETY: `args` holds the kernel's parameters in order with matching types (its declaration
+    // is checked against the kernel's signature), device addresses of live buffers whose extents
+    // the caller checked against the sizes passed.
     drv(&format!("launching {name}"), unsafe { b.launch(cfg) }.map(|_| ()))
 }
 

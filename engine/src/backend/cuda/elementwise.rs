@@ -4,9 +4,11 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
+use super::device::{base_ptr, drv, grid_1d, scratch};
+use super::kernel;
+use super::profile::OpClass;
 use super::{Cuda, Ints, View, ViewMut, check};
-use crate::backend::{AttentionShape, FloatKind, GluAct};
+use crate::backend::{AttentionShape, ElementwiseOps, FloatKind, GluAct};
 use crate::error::Result;
 
 /// Elements per partial sum of `sum`/`sum_squares`: fixed, so the result does not depend on the
@@ -32,41 +34,6 @@ impl Cuda {
         views.iter().all(|v| bf16_vectors(v.kind(), self.ptr(v)))
     }
 
-    pub(super) fn add_op(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
-        check::len("add", "a", a.len, &[out.len])?;
-        check::len("add", "b", b.len, &[out.len])?;
-        let o = out.as_view();
-        self.launch(
-            "add",
-            grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&a)),
-                Arg::I32(a.is_f32()),
-                Arg::Ptr(self.ptr(&b)),
-                Arg::I32(b.is_f32()),
-                Arg::I64(o.len as i64),
-            ],
-        )
-    }
-
-    pub(super) fn add_assign_op(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        check::len("add_assign", "src", src.len, &[dst.len])?;
-        let d = dst.as_view();
-        self.launch(
-            "add_assign",
-            grid_1d(d.len),
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&src)),
-                Arg::I32(src.is_f32()),
-                Arg::I64(d.len as i64),
-            ],
-        )
-    }
-
     /// `Σ src` or `Σ src²`: one f64 partial per fixed chunk on the device, added in chunk order
     /// on the host.
     pub(super) fn reduce(&self, op: &str, src: View<'_>, squares: bool) -> Result<f64> {
@@ -76,20 +43,19 @@ impl Cuda {
         let chunks = src.len.div_ceil(SUM_CHUNK);
         let partials = scratch::<f64>(&self.compute, chunks)?;
         self.launch(
-            "sum_partials",
             LaunchConfig {
                 grid_dim: (chunks as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(base_ptr(&partials, &self.compute)),
-                Arg::Ptr(self.ptr(&src)),
-                Arg::I32(src.is_f32()),
-                Arg::I64(src.len as i64),
-                Arg::I64(SUM_CHUNK as i64),
-                Arg::I32(i32::from(squares)),
-            ],
+            kernel::sum_partials {
+                partials: base_ptr(&partials, &self.compute),
+                src: self.ptr(&src),
+                src_f32: src.is_f32(),
+                n: src.len as i64,
+                chunk: SUM_CHUNK as i64,
+                squares: i32::from(squares),
+            },
         )?;
         let host = drv(op, self.compute.clone_dtoh(&partials))?;
         Ok(host.iter().sum())
@@ -112,20 +78,19 @@ impl Cuda {
         let partials = scratch::<f32>(&self.compute, chunks * n)?;
         let pp = base_ptr(&partials, &self.compute);
         self.launch(
-            "colsum_partials",
             LaunchConfig {
                 grid_dim: (n.div_ceil(256) as u32, chunks as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(pp),
-                Arg::Ptr(self.ptr(src)),
-                Arg::I32(src.is_f32()),
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-                Arg::I64(rows_per as i64),
-            ],
+            kernel::colsum_partials {
+                partials: pp,
+                src: self.ptr(src),
+                src_f32: src.is_f32(),
+                rows: rows as i64,
+                n: n as i64,
+                rows_per: rows_per as i64,
+            },
         )?;
         self.finish_columns(dst, pp, chunks, n)
     }
@@ -143,150 +108,23 @@ impl Cuda {
         // columns over more SMs.
         let threads = 64;
         self.launch(
-            "colsum_finish",
             LaunchConfig {
                 grid_dim: (n.div_ceil(threads).min(1 << 20) as u32, 1, 1),
                 block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(partials),
-                Arg::I64(chunks as i64),
-                Arg::I64(n as i64),
-            ],
-        )
-    }
-
-    pub(super) fn bias_forward_op(
-        &self,
-        out: ViewMut<'_>,
-        bias: View<'_>,
-        rows: usize,
-        n: usize,
-    ) -> Result<()> {
-        const OP: &str = "bias_forward";
-        check::len(OP, "out", out.len, &[rows, n])?;
-        check::len(OP, "bias", bias.len, &[n])?;
-        if n == 0 {
-            return Ok(());
-        }
-        let o = out.as_view();
-        self.launch(
-            OP,
-            grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&bias)),
-                Arg::I32(bias.is_f32()),
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-            ],
-        )
-    }
-
-    pub(super) fn bias_backward_op(
-        &self,
-        dbias: ViewMut<'_>,
-        dout: View<'_>,
-        rows: usize,
-        n: usize,
-    ) -> Result<()> {
-        const OP: &str = "bias_backward";
-        check::len(OP, "dbias", dbias.len, &[n])?;
-        check::len(OP, "dout", dout.len, &[rows, n])?;
-        self.column_sum(&dbias, &dout, rows, n)
-    }
-
-    pub(super) fn glu_forward_op(
-        &self,
-        out: ViewMut<'_>,
-        gu: View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        const OP: &str = "glu_forward";
-        check::len(OP, "out", out.len, &[rows, inter])?;
-        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
-        let o = out.as_view();
-        if glu_vectors(act, inter) && self.vectors(&[&o, &gu]) {
-            return self.launch(
-                "glu_forward_vec",
-                glu_vec_grid(rows, inter),
-                &[
-                    Arg::Ptr(self.ptr(&o)),
-                    Arg::Ptr(self.ptr(&gu)),
-                    Arg::I64(rows as i64),
-                    Arg::I32(check::int(OP, "inter", inter / 8)?),
-                    Arg::I32(glu_act_id(act)),
-                ],
-            );
-        }
-        self.launch(
-            OP,
-            grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&gu)),
-                Arg::I32(gu.is_f32()),
-                Arg::I64(rows as i64),
-                Arg::I64(inter as i64),
-                Arg::I32(glu_act_id(act)),
-            ],
-        )
-    }
-
-    pub(super) fn glu_backward_op(
-        &self,
-        dgu: ViewMut<'_>,
-        dout: View<'_>,
-        gu: View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        const OP: &str = "glu_backward";
-        check::len(OP, "dgate_up", dgu.len, &[rows, 2, inter])?;
-        check::len(OP, "dout", dout.len, &[rows, inter])?;
-        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
-        let d = dgu.as_view();
-        if glu_vectors(act, inter) && self.vectors(&[&d, &dout, &gu]) {
-            return self.launch(
-                "glu_backward_vec",
-                glu_vec_grid(rows, inter),
-                &[
-                    Arg::Ptr(self.ptr(&d)),
-                    Arg::Ptr(self.ptr(&dout)),
-                    Arg::Ptr(self.ptr(&gu)),
-                    Arg::I64(rows as i64),
-                    Arg::I32(check::int(OP, "inter", inter / 8)?),
-                    Arg::I32(glu_act_id(act)),
-                ],
-            );
-        }
-        self.launch(
-            OP,
-            grid_1d(dout.len),
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(self.ptr(&gu)),
-                Arg::I32(gu.is_f32()),
-                Arg::I64(rows as i64),
-                Arg::I64(inter as i64),
-                Arg::I32(glu_act_id(act)),
-            ],
+            kernel::colsum_finish {
+                dst: self.ptr(&d),
+                dst_f32: d.is_f32(),
+                partials,
+                chunks: chunks as i64,
+                n: n as i64,
+            },
         )
     }
 
     /// RoPE by `+θ` (`sign` 1, `rope_forward`) or its transpose (`sign` -1, `rope_backward`).
-    pub(super) fn rope_op(
+    fn rope(
         &self,
         qkv: ViewMut<'_>,
         pos: &Ints,
@@ -316,47 +154,102 @@ impl Cuda {
         if hd.is_multiple_of(8) && half.is_multiple_of(8) && half <= 256 && self.vectors(&[&q]) {
             let threads = (heads * half / 8).next_multiple_of(32).min(256);
             return self.launch(
-                "rope_vec",
                 LaunchConfig {
                     grid_dim: (check::int(op, "tokens", shape.tokens)? as u32, 1, 1),
                     block_dim: (threads as u32, 1, 1),
                     shared_mem_bytes: 0,
                 },
-                &[
-                    Arg::Ptr(self.ptr(&q)),
-                    Arg::Ptr(self.ints_ptr(pos)),
-                    Arg::Ptr(self.ptr(&inv_freq)),
-                    Arg::I32(inv_freq.is_f32()),
-                    Arg::I64(width as i64),
-                    Arg::I32(check::int(op, "heads", heads)?),
-                    Arg::I32(check::int(op, "head_dim", hd)?),
-                    Arg::I32(check::int(op, "half", half)?),
-                    Arg::F32(scale),
-                    Arg::F32(sign),
-                ],
+                kernel::rope_vec {
+                    qkv: self.ptr(&q),
+                    pos: self.ints_ptr(pos),
+                    inv_freq: self.ptr(&inv_freq),
+                    freq_f32: inv_freq.is_f32(),
+                    width: width as i64,
+                    heads: check::int(op, "heads", heads)?,
+                    hd: check::int(op, "head_dim", hd)?,
+                    half: check::int(op, "half", half)?,
+                    scale,
+                    sign,
+                },
             );
         }
         self.launch(
-            "rope",
             grid_1d(shape.tokens * heads * half),
-            &[
-                Arg::Ptr(self.ptr(&q)),
-                Arg::I32(q.is_f32()),
-                Arg::Ptr(self.ints_ptr(pos)),
-                Arg::Ptr(self.ptr(&inv_freq)),
-                Arg::I32(inv_freq.is_f32()),
-                Arg::I64(shape.tokens as i64),
-                Arg::I64(width as i64),
-                Arg::I32(check::int(op, "heads", heads)?),
-                Arg::I32(check::int(op, "head_dim", hd)?),
-                Arg::I32(check::int(op, "half", half)?),
-                Arg::F32(scale),
-                Arg::F32(sign),
-            ],
+            kernel::rope {
+                qkv: self.ptr(&q),
+                qkv_f32: q.is_f32(),
+                pos: self.ints_ptr(pos),
+                inv_freq: self.ptr(&inv_freq),
+                freq_f32: inv_freq.is_f32(),
+                tokens: shape.tokens as i64,
+                width: width as i64,
+                heads: check::int(op, "heads", heads)?,
+                hd: check::int(op, "head_dim", hd)?,
+                half: check::int(op, "half", half)?,
+                scale,
+                sign,
+            },
+        )
+    }
+}
+
+impl ElementwiseOps for Cuda {
+    fn fill_zero(&self, dst: ViewMut<'_>) -> Result<()> {
+        let _t = self.timed("fill_zero", OpClass::Elementwise, 0.0);
+        self.zero(&dst)
+    }
+
+    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let _t = self.timed("copy", OpClass::Elementwise, 0.0);
+        self.copy_floats(dst, src)
+    }
+
+    fn add(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
+        let _t = self.timed("add", OpClass::Elementwise, 0.0);
+        check::len("add", "a", a.len, &[out.len])?;
+        check::len("add", "b", b.len, &[out.len])?;
+        let o = out.as_view();
+        self.launch(
+            grid_1d(o.len),
+            kernel::add {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                a: self.ptr(&a),
+                a_f32: a.is_f32(),
+                b: self.ptr(&b),
+                b_f32: b.is_f32(),
+                n: o.len as i64,
+            },
         )
     }
 
-    pub(super) fn embedding_forward_op(
+    fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let _t = self.timed("add_assign", OpClass::Elementwise, 0.0);
+        check::len("add_assign", "src", src.len, &[dst.len])?;
+        let d = dst.as_view();
+        self.launch(
+            grid_1d(d.len),
+            kernel::add_assign {
+                dst: self.ptr(&d),
+                dst_f32: d.is_f32(),
+                src: self.ptr(&src),
+                src_f32: src.is_f32(),
+                n: d.len as i64,
+            },
+        )
+    }
+
+    fn sum(&self, src: View<'_>) -> Result<f64> {
+        let _t = self.timed("sum", OpClass::Reduction, 0.0);
+        self.reduce("sum", src, false)
+    }
+
+    fn sum_squares(&self, src: View<'_>) -> Result<f64> {
+        let _t = self.timed("sum_squares", OpClass::Reduction, 0.0);
+        self.reduce("sum_squares", src, true)
+    }
+
+    fn embedding_forward(
         &self,
         out: ViewMut<'_>,
         ids: &Ints,
@@ -365,6 +258,7 @@ impl Cuda {
         hidden: usize,
         scale: f32,
     ) -> Result<()> {
+        let _t = self.timed("embedding_forward", OpClass::Embedding, 0.0);
         const OP: &str = "embedding_forward";
         let vocab = table_rows(OP, table.len, hidden)?;
         check::len(OP, "out", out.len, &[tokens, hidden])?;
@@ -372,25 +266,24 @@ impl Cuda {
         check::ids(OP, "ids", host, vocab)?;
         let o = out.as_view();
         self.launch(
-            OP,
             grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ints_ptr(ids)),
-                Arg::Ptr(self.ptr(&table)),
-                Arg::I32(table.is_f32()),
-                Arg::I64(tokens as i64),
-                Arg::I64(hidden as i64),
-                Arg::F32(scale),
-            ],
+            kernel::embedding_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                ids: self.ints_ptr(ids),
+                table: self.ptr(&table),
+                table_f32: table.is_f32(),
+                tokens: tokens as i64,
+                hidden: hidden as i64,
+                scale,
+            },
         )
     }
 
     /// Deterministic without atomics: the tokens are grouped by id on the host (stable, so each
     /// row sums its tokens in token order, as the CPU reference does), and one block owns each
     /// row.
-    pub(super) fn embedding_backward_op(
+    fn embedding_backward(
         &self,
         dtable: ViewMut<'_>,
         dout: View<'_>,
@@ -399,6 +292,7 @@ impl Cuda {
         hidden: usize,
         scale: f32,
     ) -> Result<()> {
+        let _t = self.timed("embedding_backward", OpClass::Embedding, 0.0);
         const OP: &str = "embedding_backward";
         let vocab = table_rows(OP, dtable.len, hidden)?;
         check::len(OP, "dout", dout.len, &[tokens, hidden])?;
@@ -426,27 +320,169 @@ impl Cuda {
         let rows = drv(OP, self.compute.clone_htod(&rows))?;
         let d = dtable.as_view();
         self.launch(
-            OP,
             LaunchConfig {
                 grid_dim: (groups as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(base_ptr(&order, &self.compute)),
-                Arg::Ptr(base_ptr(&starts, &self.compute)),
-                Arg::Ptr(base_ptr(&rows, &self.compute)),
-                Arg::I64(hidden as i64),
-                Arg::F32(scale),
-            ],
+            kernel::embedding_backward {
+                dtable: self.ptr(&d),
+                dtable_f32: d.is_f32(),
+                dout: self.ptr(&dout),
+                dout_f32: dout.is_f32(),
+                order: base_ptr(&order, &self.compute),
+                starts: base_ptr(&starts, &self.compute),
+                rows: base_ptr(&rows, &self.compute),
+                hidden: hidden as i64,
+                scale,
+            },
         )?;
         // The host vectors were copied from pageable memory; the device copies live until the
         // kernel has run (freed in stream order when dropped).
         Ok(())
+    }
+
+    fn bias_forward(&self, out: ViewMut<'_>, bias: View<'_>, rows: usize, n: usize) -> Result<()> {
+        let _t = self.timed("bias_forward", OpClass::Elementwise, 0.0);
+        const OP: &str = "bias_forward";
+        check::len(OP, "out", out.len, &[rows, n])?;
+        check::len(OP, "bias", bias.len, &[n])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let o = out.as_view();
+        self.launch(
+            grid_1d(o.len),
+            kernel::bias_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                bias: self.ptr(&bias),
+                bias_f32: bias.is_f32(),
+                rows: rows as i64,
+                n: n as i64,
+            },
+        )
+    }
+
+    fn bias_backward(
+        &self,
+        dbias: ViewMut<'_>,
+        dout: View<'_>,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let _t = self.timed("bias_backward", OpClass::Elementwise, 0.0);
+        const OP: &str = "bias_backward";
+        check::len(OP, "dbias", dbias.len, &[n])?;
+        check::len(OP, "dout", dout.len, &[rows, n])?;
+        self.column_sum(&dbias, &dout, rows, n)
+    }
+
+    fn glu_forward(
+        &self,
+        out: ViewMut<'_>,
+        gu: View<'_>,
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()> {
+        let _t = self.timed("glu_forward", OpClass::Activation, 0.0);
+        const OP: &str = "glu_forward";
+        check::len(OP, "out", out.len, &[rows, inter])?;
+        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
+        let o = out.as_view();
+        if glu_vectors(act, inter) && self.vectors(&[&o, &gu]) {
+            return self.launch(
+                glu_vec_grid(rows, inter),
+                kernel::glu_forward_vec {
+                    out: self.ptr(&o),
+                    gu: self.ptr(&gu),
+                    rows: rows as i64,
+                    vecs: check::int(OP, "inter", inter / 8)?,
+                    act: glu_act_id(act),
+                },
+            );
+        }
+        self.launch(
+            grid_1d(o.len),
+            kernel::glu_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                gu: self.ptr(&gu),
+                gu_f32: gu.is_f32(),
+                rows: rows as i64,
+                inter: inter as i64,
+                act: glu_act_id(act),
+            },
+        )
+    }
+
+    fn glu_backward(
+        &self,
+        dgu: ViewMut<'_>,
+        dout: View<'_>,
+        gu: View<'_>,
+        rows: usize,
+        inter: usize,
+        act: GluAct,
+    ) -> Result<()> {
+        let _t = self.timed("glu_backward", OpClass::Activation, 0.0);
+        const OP: &str = "glu_backward";
+        check::len(OP, "dgate_up", dgu.len, &[rows, 2, inter])?;
+        check::len(OP, "dout", dout.len, &[rows, inter])?;
+        check::len(OP, "gate_up", gu.len, &[rows, 2, inter])?;
+        let d = dgu.as_view();
+        if glu_vectors(act, inter) && self.vectors(&[&d, &dout, &gu]) {
+            return self.launch(
+                glu_vec_grid(rows, inter),
+                kernel::glu_backward_vec {
+                    dgu: self.ptr(&d),
+                    dout: self.ptr(&dout),
+                    gu: self.ptr(&gu),
+                    rows: rows as i64,
+                    vecs: check::int(OP, "inter", inter / 8)?,
+                    act: glu_act_id(act),
+                },
+            );
+        }
+        self.launch(
+            grid_1d(dout.len),
+            kernel::glu_backward {
+                dgu: self.ptr(&d),
+                dgu_f32: d.is_f32(),
+                dout: self.ptr(&dout),
+                dout_f32: dout.is_f32(),
+                gu: self.ptr(&gu),
+                gu_f32: gu.is_f32(),
+                rows: rows as i64,
+                inter: inter as i64,
+                act: glu_act_id(act),
+            },
+        )
+    }
+
+    fn rope_forward(
+        &self,
+        qkv: ViewMut<'_>,
+        pos: &Ints,
+        inv_freq: View<'_>,
+        scale: f32,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let _t = self.timed("rope_forward", OpClass::Rope, 0.0);
+        self.rope(qkv, pos, inv_freq, scale, shape, 1.0)
+    }
+
+    fn rope_backward(
+        &self,
+        dqkv: ViewMut<'_>,
+        pos: &Ints,
+        inv_freq: View<'_>,
+        scale: f32,
+        shape: &AttentionShape,
+    ) -> Result<()> {
+        let _t = self.timed("rope_backward", OpClass::Rope, 0.0);
+        self.rope(dqkv, pos, inv_freq, scale, shape, -1.0)
     }
 }
 
@@ -490,8 +526,8 @@ fn glu_act_id(act: GluAct) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Backend;
     use crate::backend::cuda::Floats;
+    use crate::backend::prelude::*;
 
     /// Values in [-scale, scale) from a fixed xorshift sequence.
     fn values(n: usize, mut x: u64, scale: f32) -> Vec<f32> {
@@ -519,7 +555,7 @@ mod tests {
         host.iter().map(|x| x.to_bits()).collect()
     }
 
-    /// On a GPU: the vector kernels give the generic kernels' bits (tests/gpu.rs checks both
+    /// On a GPU: the vector kernels give the generic kernels' bits (tests/gpu/ checks both
     /// against the CPU). Without one (CI) there is nothing to run.
     #[test]
     fn vector_kernels_give_the_generic_kernels_bits() {

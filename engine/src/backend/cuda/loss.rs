@@ -8,10 +8,12 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::{Arg, scratch};
+use super::device::scratch;
+use super::kernel;
 use super::matmul::GemmCall;
+use super::profile::OpClass;
 use super::{Cuda, Floats, Ints, View, ViewMut, check};
-use crate::backend::{FloatKind, Grads, IGNORE, LossOut, LossShape, Operands};
+use crate::backend::{FloatKind, Grads, IGNORE, LossOps, LossOut, LossShape, Operands};
 use crate::error::Result;
 
 /// Default logits per chunk: the planner's budget for the head's workspace.
@@ -137,8 +139,10 @@ impl Cuda {
             },
         )
     }
+}
 
-    pub(super) fn cross_entropy_forward_op(
+impl LossOps for Cuda {
+    fn cross_entropy_forward(
         &self,
         losses: ViewMut<'_>,
         lse: ViewMut<'_>,
@@ -146,6 +150,12 @@ impl Cuda {
         targets: &Ints,
         shape: &LossShape,
     ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
+        let _t = self.timed(
+            "cross_entropy_forward",
+            OpClass::Loss,
+            2.0 * (tokens * hidden * vocab) as f64,
+        );
         const OP: &str = "cross_entropy_forward";
         Self::check_head(OP, &operands, targets, shape)?;
         let Operands { inp: x, w } = operands;
@@ -163,22 +173,21 @@ impl Cuda {
             let z = scratch_view(&logits, m * vocab);
             self.chunk_logits(OP, w, Self::chunk_rows(&x, c0, m, hidden), z, m)?;
             self.launch(
-                "cross_entropy_rows",
                 row_config(m),
-                &[
-                    Arg::Ptr(self.ptr(&lo) + 4 * c0 as u64),
-                    Arg::Ptr(self.ptr(&ls) + 4 * c0 as u64),
-                    Arg::Ptr(self.ptr(&z)),
-                    Arg::Ptr(tp + 4 * c0 as u64),
-                    Arg::I64(vocab as i64),
-                    Arg::F32(softcap.unwrap_or(0.0)),
-                ],
+                kernel::cross_entropy_rows {
+                    losses: self.ptr(&lo) + 4 * c0 as u64,
+                    lse: self.ptr(&ls) + 4 * c0 as u64,
+                    logits: self.ptr(&z),
+                    targets: tp + 4 * c0 as u64,
+                    vocab: vocab as i64,
+                    cap: softcap.unwrap_or(0.0),
+                },
             )?;
         }
         Ok(())
     }
 
-    pub(super) fn cross_entropy_backward_op(
+    fn cross_entropy_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
         operands: Operands<View<'_>>,
@@ -187,6 +196,12 @@ impl Cuda {
         scale: f32,
         shape: &LossShape,
     ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
+        let _t = self.timed(
+            "cross_entropy_backward",
+            OpClass::Loss,
+            6.0 * (tokens * hidden * vocab) as f64,
+        );
         const OP: &str = "cross_entropy_backward";
         let host = Self::check_head(OP, &operands, targets, shape)?;
         let Operands { inp: x, w } = operands;
@@ -213,17 +228,16 @@ impl Cuda {
             let (z, g) = (scratch_view(&logits, m * vocab), scratch_view(&grad, m * vocab));
             self.chunk_logits(OP, w, xc, z, m)?;
             self.launch(
-                "cross_entropy_grad_rows",
                 row_config(m),
-                &[
-                    Arg::Ptr(self.ptr(&g)),
-                    Arg::Ptr(self.ptr(&z)),
-                    Arg::Ptr(self.ptr(&lse) + 4 * c0 as u64),
-                    Arg::Ptr(tp + 4 * c0 as u64),
-                    Arg::F32(scale),
-                    Arg::I64(vocab as i64),
-                    Arg::F32(softcap.unwrap_or(0.0)),
-                ],
+                kernel::cross_entropy_grad_rows {
+                    grad: self.ptr(&g),
+                    logits: self.ptr(&z),
+                    lse: self.ptr(&lse) + 4 * c0 as u64,
+                    targets: tp + 4 * c0 as u64,
+                    scale,
+                    vocab: vocab as i64,
+                    cap: softcap.unwrap_or(0.0),
+                },
             )?;
             self.chunk_grads(OP, Operands { inp: xc, w }, g, dxc, dwv, m)?;
         }
@@ -233,7 +247,7 @@ impl Cuda {
     /// The forward and the backward over each chunk's logits computed once: the same kernels'
     /// arithmetic (`row_lse`, `row_grad` in `loss.cu`) and the same GEMMs as the two ops, so
     /// the same bits.
-    pub(super) fn cross_entropy_forward_backward_op(
+    fn cross_entropy_forward_backward(
         &self,
         out: LossOut<ViewMut<'_>>,
         grads: Grads<ViewMut<'_>>,
@@ -242,6 +256,12 @@ impl Cuda {
         scale: f32,
         shape: &LossShape,
     ) -> Result<()> {
+        let &LossShape { tokens, hidden, vocab, .. } = shape;
+        let _t = self.timed(
+            "cross_entropy_forward_backward",
+            OpClass::Loss,
+            6.0 * (tokens * hidden * vocab) as f64,
+        );
         const OP: &str = "cross_entropy_forward_backward";
         let host = Self::check_head(OP, &operands, targets, shape)?;
         let Operands { inp: x, w } = operands;
@@ -261,18 +281,17 @@ impl Cuda {
             let (z, g) = (scratch_view(&logits, m * vocab), scratch_view(&grad, m * vocab));
             self.chunk_logits(OP, w, xc, z, m)?;
             self.launch(
-                "cross_entropy_loss_grad_rows",
                 row_config(m),
-                &[
-                    Arg::Ptr(self.ptr(&lo) + 4 * c0 as u64),
-                    Arg::Ptr(self.ptr(&ls) + 4 * c0 as u64),
-                    Arg::Ptr(self.ptr(&g)),
-                    Arg::Ptr(self.ptr(&z)),
-                    Arg::Ptr(tp + 4 * c0 as u64),
-                    Arg::F32(scale),
-                    Arg::I64(vocab as i64),
-                    Arg::F32(softcap.unwrap_or(0.0)),
-                ],
+                kernel::cross_entropy_loss_grad_rows {
+                    losses: self.ptr(&lo) + 4 * c0 as u64,
+                    lse: self.ptr(&ls) + 4 * c0 as u64,
+                    grad: self.ptr(&g),
+                    logits: self.ptr(&z),
+                    targets: tp + 4 * c0 as u64,
+                    scale,
+                    vocab: vocab as i64,
+                    cap: softcap.unwrap_or(0.0),
+                },
             )?;
             let dxc = Self::chunk_rows(&dxv, c0, m, hidden);
             if host[c0..c0 + m].iter().all(|&y| y == IGNORE) {

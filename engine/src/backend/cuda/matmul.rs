@@ -11,8 +11,9 @@
 //!   A=inp (ld K), B=dout (ld N), C=dw (ld K), beta=1)`.
 
 use super::blas::{Blas, Gemm, GemmPtrs};
+use super::profile::OpClass;
 use super::{Cuda, View, ViewMut, check};
-use crate::backend::{Addends, FloatKind, Grads, MatmulShape, Operands};
+use crate::backend::{Addends, ElementwiseOps, FloatKind, Grads, MatmulOps, MatmulShape, Operands};
 use crate::error::Result;
 
 /// One column-major GEMM for [`Cuda::gemm`] and [`Cuda::gemm_group`]: (trans_a, trans_b),
@@ -108,13 +109,17 @@ impl Cuda {
             cudarc::driver::result::memset_d8_async(self.ptr(v), 0, bytes, self.compute.cu_stream())
         })
     }
+}
 
-    pub(super) fn matmul_forward_op(
+impl MatmulOps for Cuda {
+    fn matmul_forward(
         &self,
         out: ViewMut<'_>,
         operands: Operands<View<'_>>,
         shape: &MatmulShape,
     ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
+        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
         const OP: &str = "matmul_forward";
         let Operands { inp, w } = operands;
         let &MatmulShape { rows, k, n } = shape;
@@ -139,13 +144,16 @@ impl Cuda {
     /// (beta 1, D = out), the bias in its epilogue. An addend the GEMM cannot take (an f32
     /// output or residual, a bias not on a 16-byte boundary or not bf16) is added by its own
     /// kernel after the product, as the unfused ops would.
-    pub(super) fn matmul_forward_add_op(
+    fn matmul_forward_add(
         &self,
         mut out: ViewMut<'_>,
         operands: Operands<View<'_>>,
         addends: Addends<View<'_>>,
         shape: &MatmulShape,
     ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
+        // A GEMM: whatever its epilogue adds is a few bytes an output element.
+        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
         const OP: &str = "matmul_forward_add";
         let Operands { inp, w } = operands;
         let Addends { bias, residual } = addends;
@@ -174,7 +182,7 @@ impl Cuda {
         let c_residual = residual.filter(|r| fusable && r.kind() == FloatKind::Activation);
         if epilogue_bias.is_none() && c_residual.is_none() {
             // Nothing for the epilogue: the plain product, then each addend in turn.
-            self.matmul_forward_op(out.reborrow(), Operands { inp, w }, shape)?;
+            self.matmul_forward(out.reborrow(), Operands { inp, w }, shape)?;
         } else {
             self.bind()?;
             let d = out.as_view();
@@ -192,21 +200,23 @@ impl Cuda {
             self.blas.gemm_into(g, ptrs)?;
         }
         if let Some(bias) = bias.filter(|_| epilogue_bias.is_none()) {
-            self.bias_forward_op(out.reborrow(), bias, rows, n)?;
+            self.bias_forward(out.reborrow(), bias, rows, n)?;
         }
         if let Some(residual) = residual.filter(|_| c_residual.is_none()) {
-            self.add_assign_op(out.reborrow(), residual)?;
+            self.add_assign(out.reborrow(), residual)?;
         }
         Ok(())
     }
 
-    pub(super) fn matmul_backward_op(
+    fn matmul_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
         operands: Operands<View<'_>>,
         shape: &MatmulShape,
     ) -> Result<()> {
+        let &MatmulShape { rows, k, n } = shape;
+        let _t = self.timed("matmul_backward", OpClass::Gemm, 4.0 * (rows * k * n) as f64);
         const OP: &str = "matmul_backward";
         let Operands { inp, w } = operands;
         let &MatmulShape { rows, k, n } = shape;

@@ -5,7 +5,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::device::{Arg, PinnedBuffer, drv, grid_1d};
+use super::device::{PinnedBuffer, drv, grid_1d};
+use super::kernel;
 use super::{Cuda, Floats, Ints, View, ViewMut, check};
 use crate::error::Result;
 
@@ -170,15 +171,14 @@ impl Cuda {
         }
         let d = dst.as_view();
         self.launch(
-            "convert",
             grid_1d(dst.len),
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&src)),
-                Arg::I32(src.is_f32()),
-                Arg::I64(dst.len as i64),
-            ],
+            kernel::convert {
+                dst: self.ptr(&d),
+                dst_f32: d.is_f32(),
+                src: self.ptr(&src),
+                src_f32: src.is_f32(),
+                n: dst.len as i64,
+            },
         )
     }
 }

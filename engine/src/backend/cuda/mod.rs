@@ -8,6 +8,12 @@
 //! GEMMs go through cuBLASLt, and the experts' grouped GEMMs through cuBLAS where it takes them
 //! (`blas`).
 //!
+//! Layout: [`Device`] is implemented here (memory in `memory`, transfers and events in
+//! `transfer`); each op family's trait is implemented in its own file (`elementwise`, `matmul`,
+//! `norm`, `attention` with `decode`, `moe`, `loss`), each op opening its profiling scope
+//! (`profile`) as its first statement. Every kernel's parameters are declared once in `kernel`,
+//! and launches build them by name.
+//!
 //! Streams: every op here runs on the backend's `compute` stream; the schedule creates its own
 //! transfer streams and events and orders them against `compute` (cudarc's per-buffer event
 //! tracking is off). `upload_on`/`download_on` are asynchronous on the stream they are given;
@@ -25,6 +31,7 @@ pub mod compile;
 mod decode;
 mod device;
 mod elementwise;
+mod kernel;
 mod loss;
 mod matmul;
 mod memory;
@@ -44,11 +51,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::{PinnedBuffer, device_memory, probe};
 pub use profile::{Gap, OpClass, OpProfile, OpTime};
 
-use super::{
-    Addends, AttentionOut, AttentionShape, Backend, DecodeShape, FloatKind, GluAct, Grads,
-    GroupedShape, LossOut, LossShape, MatmulShape, MoeShape, NormShape, Operands, Routing,
-    WeightDtype,
-};
+use super::{Device, FloatKind, WeightDtype};
 use crate::error::Result;
 use crate::store::HostSlab;
 use device::{Kernels, drv, err};
@@ -184,7 +187,7 @@ impl std::fmt::Debug for Cuda {
 
 impl Cuda {
     /// Opens GPU `ordinal`: checks the driver, the device and the libraries, creates the context
-    /// and the three streams, and loads every kernel (compiled for this GPU, or from the cache).
+    /// and the compute stream, and loads every kernel (compiled for this GPU, or from the cache).
     pub fn new(ordinal: usize) -> Result<Cuda> {
         let count = probe()?;
         if ordinal >= count {
@@ -351,14 +354,27 @@ impl Cuda {
         drv("binding the CUDA context", self.ctx.bind_to_thread())
     }
 
-    fn launch(
+    /// Launches the kernel `args` declares (one entry point) on the compute stream.
+    fn launch<K: kernel::Kernel>(&self, cfg: cudarc::driver::LaunchConfig, args: K) -> Result<()> {
+        match K::NAMES {
+            [name] if !name.ends_with('*') => self.launch_as(name, cfg, args),
+            _ => Err(err(format!("{:?} name several kernels: launch one by name", K::NAMES))),
+        }
+    }
+
+    /// Launches entry point `name`, one of those `args`'s declaration serves, on the compute
+    /// stream.
+    fn launch_as<K: kernel::Kernel>(
         &self,
         name: &str,
         cfg: cudarc::driver::LaunchConfig,
-        args: &[device::Arg],
+        args: K,
     ) -> Result<()> {
+        if !kernel::serves(K::NAMES, name) {
+            return Err(err(format!("kernel {name} is not one of {:?}", K::NAMES)));
+        }
         self.bind()?;
-        device::launch(&self.compute, self.kernels.get(name)?, name, cfg, args)
+        device::launch(&self.compute, self.kernels.get(name)?, name, cfg, &args)
     }
 }
 
@@ -370,12 +386,12 @@ fn clamp_range(range: Range<usize>, len: usize) -> (usize, usize) {
     }
 }
 
-impl Backend for Cuda {
+impl Device for Cuda {
     type Floats = Floats;
     type Ints = Ints;
     type View<'a> = View<'a>;
-    // One stream and no device-side events yet: transfers complete before they return (see
-    // `transfer`), so the schedule's ordering holds trivially.
+    // The schedule's transfer streams and the events that order them against `compute`
+    // (`transfer`).
     type Stream = Arc<CudaStream>;
     type Event = transfer::Event;
     type Mark = cudarc::driver::CudaEvent;
@@ -516,505 +532,6 @@ impl Backend for Cuda {
 
     fn upload_ints(&self, dst: &mut Ints, src: &[i32]) -> Result<()> {
         self.upload_int_values(dst, src)
-    }
-
-    fn fill_zero(&self, dst: ViewMut<'_>) -> Result<()> {
-        let _t = self.timed("fill_zero", OpClass::Elementwise, 0.0);
-        self.zero(&dst)
-    }
-
-    fn copy(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        let _t = self.timed("copy", OpClass::Elementwise, 0.0);
-        self.copy_floats(dst, src)
-    }
-
-    fn add(&self, out: ViewMut<'_>, a: View<'_>, b: View<'_>) -> Result<()> {
-        let _t = self.timed("add", OpClass::Elementwise, 0.0);
-        self.add_op(out, a, b)
-    }
-
-    fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
-        let _t = self.timed("add_assign", OpClass::Elementwise, 0.0);
-        self.add_assign_op(dst, src)
-    }
-
-    fn sum(&self, src: View<'_>) -> Result<f64> {
-        let _t = self.timed("sum", OpClass::Reduction, 0.0);
-        self.reduce("sum", src, false)
-    }
-
-    fn sum_squares(&self, src: View<'_>) -> Result<f64> {
-        let _t = self.timed("sum_squares", OpClass::Reduction, 0.0);
-        self.reduce("sum_squares", src, true)
-    }
-
-    fn embedding_forward(
-        &self,
-        out: ViewMut<'_>,
-        ids: &Ints,
-        table: View<'_>,
-        tokens: usize,
-        hidden: usize,
-        scale: f32,
-    ) -> Result<()> {
-        let _t = self.timed("embedding_forward", OpClass::Embedding, 0.0);
-        self.embedding_forward_op(out, ids, table, tokens, hidden, scale)
-    }
-
-    fn embedding_backward(
-        &self,
-        dtable: ViewMut<'_>,
-        dout: View<'_>,
-        ids: &Ints,
-        tokens: usize,
-        hidden: usize,
-        scale: f32,
-    ) -> Result<()> {
-        let _t = self.timed("embedding_backward", OpClass::Embedding, 0.0);
-        self.embedding_backward_op(dtable, dout, ids, tokens, hidden, scale)
-    }
-
-    fn matmul_forward(
-        &self,
-        out: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()> {
-        let &MatmulShape { rows, k, n } = shape;
-        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
-        self.matmul_forward_op(out, operands, shape)
-    }
-
-    fn matmul_forward_add(
-        &self,
-        out: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        addends: Addends<View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()> {
-        let &MatmulShape { rows, k, n } = shape;
-        // A GEMM: whatever its epilogue adds is a few bytes an output element.
-        let _t = self.timed("matmul_forward", OpClass::Gemm, 2.0 * (rows * k * n) as f64);
-        self.matmul_forward_add_op(out, operands, addends, shape)
-    }
-
-    fn matmul_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        shape: &MatmulShape,
-    ) -> Result<()> {
-        let &MatmulShape { rows, k, n } = shape;
-        let _t = self.timed("matmul_backward", OpClass::Gemm, 4.0 * (rows * k * n) as f64);
-        self.matmul_backward_op(grads, dout, operands, shape)
-    }
-
-    fn bias_forward(&self, out: ViewMut<'_>, bias: View<'_>, rows: usize, n: usize) -> Result<()> {
-        let _t = self.timed("bias_forward", OpClass::Elementwise, 0.0);
-        self.bias_forward_op(out, bias, rows, n)
-    }
-
-    fn bias_backward(
-        &self,
-        dbias: ViewMut<'_>,
-        dout: View<'_>,
-        rows: usize,
-        n: usize,
-    ) -> Result<()> {
-        let _t = self.timed("bias_backward", OpClass::Elementwise, 0.0);
-        self.bias_backward_op(dbias, dout, rows, n)
-    }
-
-    fn rmsnorm_forward(
-        &self,
-        out: ViewMut<'_>,
-        rstd: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        let _t = self.timed("rmsnorm_forward", OpClass::Norm, 0.0);
-        self.rmsnorm_forward_op(out, rstd, operands, shape)
-    }
-
-    fn rmsnorm_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        rstd: View<'_>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
-        self.rmsnorm_backward_op(grads, dout, operands, rstd, shape)
-    }
-
-    fn rmsnorm_backward_add(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        rstd: View<'_>,
-        residual: View<'_>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
-        self.rmsnorm_backward_add_op(grads, dout, operands, rstd, residual, shape)
-    }
-
-    fn head_rmsnorm_forward(
-        &self,
-        out: ViewMut<'_>,
-        rstd: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        shape: &AttentionShape,
-        eps: f32,
-    ) -> Result<()> {
-        let _t = self.timed("head_rmsnorm_forward", OpClass::Norm, 0.0);
-        self.head_rmsnorm_forward_op(out, rstd, operands, shape, eps)
-    }
-
-    fn head_rmsnorm_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        rstd: View<'_>,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed("head_rmsnorm_backward", OpClass::Norm, 0.0);
-        self.head_rmsnorm_backward_op(grads, dout, operands, rstd, shape)
-    }
-
-    fn rope_forward(
-        &self,
-        qkv: ViewMut<'_>,
-        pos: &Ints,
-        inv_freq: View<'_>,
-        scale: f32,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed("rope_forward", OpClass::Rope, 0.0);
-        self.rope_op(qkv, pos, inv_freq, scale, shape, 1.0)
-    }
-
-    fn rope_backward(
-        &self,
-        dqkv: ViewMut<'_>,
-        pos: &Ints,
-        inv_freq: View<'_>,
-        scale: f32,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed("rope_backward", OpClass::Rope, 0.0);
-        self.rope_op(dqkv, pos, inv_freq, scale, shape, -1.0)
-    }
-
-    fn attention_forward(
-        &self,
-        att: AttentionOut<ViewMut<'_>>,
-        qkv: View<'_>,
-        cu_seqlens: &Ints,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed(
-            "attention_forward",
-            OpClass::Attention,
-            profile::attention_flops(&cu_seqlens.host, shape.q_heads, shape.head_dim, shape.window),
-        );
-        self.attention_forward_op(att, qkv, cu_seqlens, shape)
-    }
-
-    fn attention_backward(
-        &self,
-        dqkv: ViewMut<'_>,
-        dout: View<'_>,
-        qkv: View<'_>,
-        att: AttentionOut<View<'_>>,
-        cu_seqlens: &Ints,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed(
-            "attention_backward",
-            OpClass::Attention,
-            2.5 * profile::attention_flops(
-                &cu_seqlens.host,
-                shape.q_heads,
-                shape.head_dim,
-                shape.window,
-            ),
-        );
-        self.attention_backward_op(dqkv, dout, qkv, att, cu_seqlens, shape)
-    }
-
-    fn attention_decode(
-        &self,
-        out: ViewMut<'_>,
-        q: View<'_>,
-        k_cache: View<'_>,
-        v_cache: View<'_>,
-        sinks: Option<View<'_>>,
-        shape: &DecodeShape,
-    ) -> Result<()> {
-        let _t = self.timed("attention_decode", OpClass::Attention, 0.0);
-        self.attention_decode_op(out, q, k_cache, v_cache, sinks, shape)
-    }
-
-    fn attention_sinks_forward(
-        &self,
-        att: AttentionOut<ViewMut<'_>>,
-        sinks: View<'_>,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed("attention_sinks_forward", OpClass::Attention, 0.0);
-        self.attention_sinks_forward_op(att, sinks, shape)
-    }
-
-    fn attention_sinks_backward(
-        &self,
-        dsinks: ViewMut<'_>,
-        dout: View<'_>,
-        att: AttentionOut<View<'_>>,
-        sinks: View<'_>,
-        shape: &AttentionShape,
-    ) -> Result<()> {
-        let _t = self.timed("attention_sinks_backward", OpClass::Attention, 0.0);
-        self.attention_sinks_backward_op(dsinks, dout, att, sinks, shape)
-    }
-
-    fn glu_forward(
-        &self,
-        out: ViewMut<'_>,
-        gate_up: View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        let _t = self.timed("glu_forward", OpClass::Activation, 0.0);
-        self.glu_forward_op(out, gate_up, rows, inter, act)
-    }
-
-    fn glu_backward(
-        &self,
-        dgate_up: ViewMut<'_>,
-        dout: View<'_>,
-        gate_up: View<'_>,
-        rows: usize,
-        inter: usize,
-        act: GluAct,
-    ) -> Result<()> {
-        let _t = self.timed("glu_backward", OpClass::Activation, 0.0);
-        self.glu_backward_op(dgate_up, dout, gate_up, rows, inter, act)
-    }
-
-    fn moe_route(
-        &self,
-        weights: ViewMut<'_>,
-        probs: ViewMut<'_>,
-        experts: &mut Ints,
-        logits: View<'_>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_route", OpClass::Routing, 0.0);
-        self.moe_route_op(weights, probs, experts, logits, shape)
-    }
-
-    fn moe_route_backward(
-        &self,
-        dlogits: ViewMut<'_>,
-        dweights: View<'_>,
-        routing: Routing<View<'_>, &Ints>,
-        aux: Option<(View<'_>, f32)>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_route_backward", OpClass::Routing, 0.0);
-        self.moe_route_backward_op(dlogits, dweights, routing, aux, shape)
-    }
-
-    fn moe_router_stats(
-        &self,
-        stats: ViewMut<'_>,
-        probs: View<'_>,
-        experts: &Ints,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_router_stats", OpClass::Routing, 0.0);
-        self.moe_router_stats_op(stats, probs, experts, shape)
-    }
-
-    fn moe_sort(
-        &self,
-        order: &mut Ints,
-        rows: &mut Ints,
-        experts: &Ints,
-        shape: &MoeShape,
-    ) -> Result<Vec<usize>> {
-        let _t = self.timed("moe_sort", OpClass::Routing, 0.0);
-        self.moe_sort_op(order, rows, experts, shape)
-    }
-
-    fn moe_gather(
-        &self,
-        xs: ViewMut<'_>,
-        x: View<'_>,
-        order: &Ints,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_gather", OpClass::Routing, 0.0);
-        self.moe_gather_op(xs, x, order, shape)
-    }
-
-    fn moe_gather_backward(
-        &self,
-        dx: ViewMut<'_>,
-        dxs: View<'_>,
-        rows: &Ints,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_gather_backward", OpClass::Routing, 0.0);
-        self.moe_gather_backward_op(dx, dxs, rows, shape)
-    }
-
-    fn moe_combine(
-        &self,
-        out: ViewMut<'_>,
-        y: View<'_>,
-        weights: View<'_>,
-        rows: &Ints,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_combine", OpClass::Routing, 0.0);
-        self.moe_combine_op(out, y, weights, rows, shape)
-    }
-
-    fn moe_combine_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        y: View<'_>,
-        weights: View<'_>,
-        rows: &Ints,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("moe_combine_backward", OpClass::Routing, 0.0);
-        self.moe_combine_backward_op(grads, dout, y, weights, rows, shape)
-    }
-
-    fn grouped_matmul_forward(
-        &self,
-        out: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        bias: Option<View<'_>>,
-        g: &GroupedShape<'_>,
-    ) -> Result<()> {
-        let _t = self.timed(
-            "grouped_matmul_forward",
-            OpClass::Gemm,
-            2.0 * (g.rows() * g.k * g.n) as f64,
-        );
-        self.grouped_matmul_forward_op(out, operands, bias, g)
-    }
-
-    fn grouped_matmul_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        g: &GroupedShape<'_>,
-    ) -> Result<()> {
-        let _t = self.timed(
-            "grouped_matmul_backward",
-            OpClass::Gemm,
-            4.0 * (g.rows() * g.k * g.n) as f64,
-        );
-        self.grouped_matmul_backward_op(grads, dout, operands, g)
-    }
-
-    fn sigmoid_gate_forward(
-        &self,
-        out: ViewMut<'_>,
-        y: View<'_>,
-        logits: View<'_>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("sigmoid_gate_forward", OpClass::Activation, 0.0);
-        self.sigmoid_gate_forward_op(out, y, logits, shape)
-    }
-
-    fn sigmoid_gate_backward(
-        &self,
-        dy: ViewMut<'_>,
-        dlogits: ViewMut<'_>,
-        dout: View<'_>,
-        y: View<'_>,
-        logits: View<'_>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        let _t = self.timed("sigmoid_gate_backward", OpClass::Activation, 0.0);
-        self.sigmoid_gate_backward_op(dy, dlogits, dout, y, logits, shape)
-    }
-
-    fn grouped_bias_backward(
-        &self,
-        dbias: ViewMut<'_>,
-        dout: View<'_>,
-        g: &GroupedShape<'_>,
-    ) -> Result<()> {
-        let _t = self.timed("grouped_bias_backward", OpClass::Elementwise, 0.0);
-        self.grouped_bias_backward_op(dbias, dout, g)
-    }
-
-    fn cross_entropy_forward(
-        &self,
-        losses: ViewMut<'_>,
-        lse: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        targets: &Ints,
-        shape: &LossShape,
-    ) -> Result<()> {
-        let &LossShape { tokens, hidden, vocab, .. } = shape;
-        let _t = self.timed(
-            "cross_entropy_forward",
-            OpClass::Loss,
-            2.0 * (tokens * hidden * vocab) as f64,
-        );
-        self.cross_entropy_forward_op(losses, lse, operands, targets, shape)
-    }
-
-    fn cross_entropy_backward(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        operands: Operands<View<'_>>,
-        lse: View<'_>,
-        targets: &Ints,
-        scale: f32,
-        shape: &LossShape,
-    ) -> Result<()> {
-        let &LossShape { tokens, hidden, vocab, .. } = shape;
-        let _t = self.timed(
-            "cross_entropy_backward",
-            OpClass::Loss,
-            6.0 * (tokens * hidden * vocab) as f64,
-        );
-        self.cross_entropy_backward_op(grads, operands, lse, targets, scale, shape)
-    }
-
-    fn cross_entropy_forward_backward(
-        &self,
-        out: LossOut<ViewMut<'_>>,
-        grads: Grads<ViewMut<'_>>,
-        operands: Operands<View<'_>>,
-        targets: &Ints,
-        scale: f32,
-        shape: &LossShape,
-    ) -> Result<()> {
-        let &LossShape { tokens, hidden, vocab, .. } = shape;
-        let _t = self.timed(
-            "cross_entropy_forward_backward",
-            OpClass::Loss,
-            6.0 * (tokens * hidden * vocab) as f64,
-        );
-        self.cross_entropy_forward_backward_op(out, grads, operands, targets, scale, shape)
     }
 }
 

@@ -18,11 +18,13 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::device::{Arg, base_ptr, drv, grid_1d, scratch};
+use super::device::{base_ptr, drv, grid_1d, scratch};
+use super::kernel;
 use super::matmul::GemmCall;
+use super::profile::OpClass;
 use super::{Cuda, Ints, View, ViewMut, check};
 use crate::backend::{
-    ExpertLayout, FloatKind, Grads, GroupedShape, MoeShape, Operands, RouterKind, Routing,
+    ExpertLayout, FloatKind, Grads, GroupedShape, MoeOps, MoeShape, Operands, RouterKind, Routing,
 };
 use crate::error::Result;
 
@@ -93,7 +95,37 @@ fn part<'a>(v: &View<'a>, start: usize, len: usize) -> View<'a> {
 }
 
 impl Cuda {
-    pub(super) fn moe_route_op(
+    /// Pairs per expert in each chunk of `SORT_CHUNK` pairs: `[chunks, E + 1]`, the last column
+    /// counting ids outside `0..E`. Returns the counts and the number of chunks.
+    fn count_pairs(
+        &self,
+        op: &str,
+        experts: &Ints,
+        pairs: usize,
+        e: usize,
+    ) -> Result<(CudaSlice<i32>, usize)> {
+        let chunks = pairs.div_ceil(SORT_CHUNK);
+        let counts = scratch::<i32>(&self.compute, chunks * (e + 1))?;
+        self.launch(
+            LaunchConfig {
+                grid_dim: (check::int(op, "chunks", chunks)? as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (4 * (e + 1)) as u32,
+            },
+            kernel::moe_count {
+                counts: base_ptr(&counts, &self.compute),
+                experts: self.ints_ptr(experts),
+                pairs: pairs as i64,
+                E: e as i32,
+                chunk: SORT_CHUNK as i64,
+            },
+        )?;
+        Ok((counts, chunks))
+    }
+}
+
+impl MoeOps for Cuda {
+    fn moe_route(
         &self,
         weights: ViewMut<'_>,
         probs: ViewMut<'_>,
@@ -101,6 +133,7 @@ impl Cuda {
         logits: View<'_>,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_route", OpClass::Routing, 0.0);
         const OP: &str = "moe_route";
         let pairs = moe_shape(OP, shape)?;
         let (t, e, k) = (shape.tokens, shape.experts, shape.top_k);
@@ -112,23 +145,22 @@ impl Cuda {
         check::kind(OP, "probs", &p, FloatKind::Accum)?;
         check::ints(OP, "experts", &experts.host, pairs)?;
         self.launch(
-            OP,
             warp_rows(OP, t)?,
-            &[
-                Arg::Ptr(self.ptr(&w)),
-                Arg::Ptr(self.ptr(&p)),
-                Arg::Ptr(self.ints_ptr(experts)),
-                Arg::Ptr(self.ptr(&logits)),
-                Arg::I32(logits.is_f32()),
-                Arg::I64(t as i64),
-                Arg::I32(e as i32),
-                Arg::I32(k as i32),
-                Arg::I32(router_id(shape.router)),
-            ],
+            kernel::moe_route {
+                weights: self.ptr(&w),
+                probs: self.ptr(&p),
+                experts: self.ints_ptr(experts),
+                logits: self.ptr(&logits),
+                z_f32: logits.is_f32(),
+                tokens: t as i64,
+                E: e as i32,
+                k: k as i32,
+                router: router_id(shape.router),
+            },
         )
     }
 
-    pub(super) fn moe_route_backward_op(
+    fn moe_route_backward(
         &self,
         dlogits: ViewMut<'_>,
         dweights: View<'_>,
@@ -136,6 +168,7 @@ impl Cuda {
         aux: Option<(View<'_>, f32)>,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_route_backward", OpClass::Routing, 0.0);
         const OP: &str = "moe_route_backward";
         let Routing { weights, probs, experts } = routing;
         let pairs = moe_shape(OP, shape)?;
@@ -154,66 +187,37 @@ impl Cuda {
         }
         let (counts, scale) = aux.map_or((0, 0.0), |(c, s)| (self.ptr(&c), s));
         self.launch(
-            OP,
             warp_rows(OP, t)?,
-            &[
-                Arg::Ptr(self.ptr(&dz)),
-                Arg::I32(dz.is_f32()),
-                Arg::Ptr(self.ptr(&dweights)),
-                Arg::I32(dweights.is_f32()),
-                Arg::Ptr(self.ptr(&weights)),
-                Arg::Ptr(self.ptr(&probs)),
-                Arg::Ptr(self.ints_ptr(experts)),
+            kernel::moe_route_backward {
+                dlogits: self.ptr(&dz),
+                dz_f32: dz.is_f32(),
+                dweights: self.ptr(&dweights),
+                dw_f32: dweights.is_f32(),
+                weights: self.ptr(&weights),
+                probs: self.ptr(&probs),
+                experts: self.ints_ptr(experts),
                 // A null pointer: no load-balancing term.
-                Arg::Ptr(counts),
-                Arg::F32(scale),
-                Arg::I64(t as i64),
-                Arg::I32(e as i32),
-                Arg::I32(k as i32),
-                Arg::I32(router_id(shape.router)),
-            ],
-        )
-    }
-
-    /// Pairs per expert in each chunk of `SORT_CHUNK` pairs: `[chunks, E + 1]`, the last column
-    /// counting ids outside `0..E`. Returns the counts and the number of chunks.
-    fn count_pairs(
-        &self,
-        op: &str,
-        experts: &Ints,
-        pairs: usize,
-        e: usize,
-    ) -> Result<(CudaSlice<i32>, usize)> {
-        let chunks = pairs.div_ceil(SORT_CHUNK);
-        let counts = scratch::<i32>(&self.compute, chunks * (e + 1))?;
-        self.launch(
-            "moe_count",
-            LaunchConfig {
-                grid_dim: (check::int(op, "chunks", chunks)? as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: (4 * (e + 1)) as u32,
+                counts,
+                aux_scale: scale,
+                tokens: t as i64,
+                E: e as i32,
+                k: k as i32,
+                router: router_id(shape.router),
             },
-            &[
-                Arg::Ptr(base_ptr(&counts, &self.compute)),
-                Arg::Ptr(self.ints_ptr(experts)),
-                Arg::I64(pairs as i64),
-                Arg::I32(e as i32),
-                Arg::I64(SORT_CHUNK as i64),
-            ],
-        )?;
-        Ok((counts, chunks))
+        )
     }
 
     /// The counts as the CPU twin forms them, added to `stats[..E]`; the summed probabilities
     /// through the deterministic column sum. Ids outside `0..E` are not counted (checking them
     /// would wait for the device; `moe_sort` refuses them).
-    pub(super) fn moe_router_stats_op(
+    fn moe_router_stats(
         &self,
         stats: ViewMut<'_>,
         probs: View<'_>,
         experts: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_router_stats", OpClass::Routing, 0.0);
         const OP: &str = "moe_router_stats";
         let pairs = moe_shape(OP, shape)?;
         let (t, e) = (shape.tokens, shape.experts);
@@ -226,15 +230,14 @@ impl Cuda {
         let s = stats.as_view();
         let (counts, chunks) = self.count_pairs(OP, experts, pairs, e)?;
         self.launch(
-            "moe_count_stats",
             grid_1d(e),
-            &[
-                Arg::Ptr(self.ptr(&s)),
-                Arg::I32(s.is_f32()),
-                Arg::Ptr(base_ptr(&counts, &self.compute)),
-                Arg::I32(chunks as i32),
-                Arg::I32(e as i32),
-            ],
+            kernel::moe_count_stats {
+                stats: self.ptr(&s),
+                stats_f32: s.is_f32(),
+                counts: base_ptr(&counts, &self.compute),
+                chunks: chunks as i32,
+                E: e as i32,
+            },
         )?;
         let ViewMut { buf, start, .. } = stats;
         let sums = ViewMut { buf, start: start + e, len: e };
@@ -244,13 +247,14 @@ impl Cuda {
     /// A stable counting sort on the device: chunk counts, their scan into offsets and per-chunk
     /// starts, and a scatter in pair order; then the offsets come back to the host. An id
     /// outside `0..E` is found only there, after `order` and `rows` were written in part.
-    pub(super) fn moe_sort_op(
+    fn moe_sort(
         &self,
         order: &mut Ints,
         rows: &mut Ints,
         experts: &Ints,
         shape: &MoeShape,
     ) -> Result<Vec<usize>> {
+        let _t = self.timed("moe_sort", OpClass::Routing, 0.0);
         const OP: &str = "moe_sort";
         let pairs = moe_shape(OP, shape)?;
         let e = shape.experts;
@@ -265,36 +269,34 @@ impl Cuda {
         let base = scratch::<i32>(&self.compute, chunks * e)?;
         let (op, bp) = (base_ptr(&offsets, &self.compute), base_ptr(&base, &self.compute));
         self.launch(
-            "moe_sort_bounds",
             LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: (4 * (e + 1)) as u32,
             },
-            &[
-                Arg::Ptr(op),
-                Arg::Ptr(bp),
-                Arg::Ptr(base_ptr(&counts, &self.compute)),
-                Arg::I32(chunks as i32),
-                Arg::I32(e as i32),
-            ],
+            kernel::moe_sort_bounds {
+                offsets: op,
+                base: bp,
+                counts: base_ptr(&counts, &self.compute),
+                chunks: chunks as i32,
+                E: e as i32,
+            },
         )?;
         self.launch(
-            "moe_sort_scatter",
             LaunchConfig {
                 grid_dim: (chunks as u32, 1, 1),
                 block_dim: (32, 1, 1),
                 shared_mem_bytes: (4 * e) as u32,
             },
-            &[
-                Arg::Ptr(self.ints_ptr(order)),
-                Arg::Ptr(self.ints_ptr(rows)),
-                Arg::Ptr(self.ints_ptr(experts)),
-                Arg::Ptr(bp),
-                Arg::I64(pairs as i64),
-                Arg::I32(e as i32),
-                Arg::I64(SORT_CHUNK as i64),
-            ],
+            kernel::moe_sort_scatter {
+                order: self.ints_ptr(order),
+                rows: self.ints_ptr(rows),
+                experts: self.ints_ptr(experts),
+                base: bp,
+                pairs: pairs as i64,
+                E: e as i32,
+                chunk: SORT_CHUNK as i64,
+            },
         )?;
         // Into pageable memory: returns once the copy (and so the sort before it) is done.
         let host = drv(OP, self.compute.clone_dtoh(&offsets))?;
@@ -311,13 +313,14 @@ impl Cuda {
         Ok(host[..=e].iter().map(|&o| o as usize).collect())
     }
 
-    pub(super) fn moe_gather_op(
+    fn moe_gather(
         &self,
         xs: ViewMut<'_>,
         x: View<'_>,
         order: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_gather", OpClass::Routing, 0.0);
         const OP: &str = "moe_gather";
         let pairs = moe_shape(OP, shape)?;
         let (t, h) = (shape.tokens, shape.hidden);
@@ -326,28 +329,28 @@ impl Cuda {
         check::len(OP, "x", x.len, &[t, h])?;
         check::ints(OP, "order", &order.host, pairs)?;
         self.launch(
-            OP,
             grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&x)),
-                Arg::I32(x.is_f32()),
-                Arg::Ptr(self.ints_ptr(order)),
-                Arg::I64(pairs as i64),
-                Arg::I64(h as i64),
-                Arg::I32(shape.top_k as i32),
-            ],
+            kernel::moe_gather {
+                xs: self.ptr(&o),
+                xs_f32: o.is_f32(),
+                x: self.ptr(&x),
+                x_f32: x.is_f32(),
+                order: self.ints_ptr(order),
+                pairs: pairs as i64,
+                hidden: h as i64,
+                k: shape.top_k as i32,
+            },
         )
     }
 
-    pub(super) fn moe_gather_backward_op(
+    fn moe_gather_backward(
         &self,
         dx: ViewMut<'_>,
         dxs: View<'_>,
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_gather_backward", OpClass::Routing, 0.0);
         const OP: &str = "moe_gather_backward";
         let pairs = moe_shape(OP, shape)?;
         let (t, h) = (shape.tokens, shape.hidden);
@@ -356,95 +359,22 @@ impl Cuda {
         check::len(OP, "dxs", dxs.len, &[pairs, h])?;
         check::ints(OP, "rows", &rows.host, pairs)?;
         self.launch(
-            OP,
             grid_1d(d.len),
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&dxs)),
-                Arg::I32(dxs.is_f32()),
-                Arg::Ptr(self.ints_ptr(rows)),
-                Arg::I64(t as i64),
-                Arg::I64(pairs as i64),
-                Arg::I64(h as i64),
-                Arg::I32(shape.top_k as i32),
-            ],
+            kernel::moe_gather_backward {
+                dx: self.ptr(&d),
+                dx_f32: d.is_f32(),
+                dxs: self.ptr(&dxs),
+                dxs_f32: dxs.is_f32(),
+                rows: self.ints_ptr(rows),
+                tokens: t as i64,
+                pairs: pairs as i64,
+                hidden: h as i64,
+                k: shape.top_k as i32,
+            },
         )
     }
 
-    pub(super) fn sigmoid_gate_forward_op(
-        &self,
-        out: ViewMut<'_>,
-        y: View<'_>,
-        logits: View<'_>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        const OP: &str = "sigmoid_gate_forward";
-        let (rows, n) = (shape.tokens, shape.hidden);
-        let o = out.as_view();
-        check::len(OP, "out", o.len, &[rows, n])?;
-        check::len(OP, "y", y.len, &[rows, n])?;
-        check::len(OP, "logits", logits.len, &[rows])?;
-        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
-        if o.len == 0 {
-            return Ok(());
-        }
-        self.launch(
-            OP,
-            grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&y)),
-                Arg::I32(y.is_f32()),
-                Arg::Ptr(self.ptr(&logits)),
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-            ],
-        )
-    }
-
-    pub(super) fn sigmoid_gate_backward_op(
-        &self,
-        dy: ViewMut<'_>,
-        dlogits: ViewMut<'_>,
-        dout: View<'_>,
-        y: View<'_>,
-        logits: View<'_>,
-        shape: &MoeShape,
-    ) -> Result<()> {
-        const OP: &str = "sigmoid_gate_backward";
-        let (rows, n) = (shape.tokens, shape.hidden);
-        let (d, dz) = (dy.as_view(), dlogits.as_view());
-        check::len(OP, "dy", d.len, &[rows, n])?;
-        check::len(OP, "dlogits", dz.len, &[rows])?;
-        check::len(OP, "dout", dout.len, &[rows, n])?;
-        check::len(OP, "y", y.len, &[rows, n])?;
-        check::len(OP, "logits", logits.len, &[rows])?;
-        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        self.launch(
-            OP,
-            warp_rows(OP, rows)?,
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&dz)),
-                Arg::I32(dz.is_f32()),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(self.ptr(&y)),
-                Arg::I32(y.is_f32()),
-                Arg::Ptr(self.ptr(&logits)),
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-            ],
-        )
-    }
-
-    pub(super) fn moe_combine_op(
+    fn moe_combine(
         &self,
         out: ViewMut<'_>,
         y: View<'_>,
@@ -452,6 +382,7 @@ impl Cuda {
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_combine", OpClass::Routing, 0.0);
         const OP: &str = "moe_combine";
         let pairs = moe_shape(OP, shape)?;
         let (t, h, k) = (shape.tokens, shape.hidden, shape.top_k);
@@ -462,24 +393,23 @@ impl Cuda {
         check::kind(OP, "weights", &weights, FloatKind::Accum)?;
         check::ints(OP, "rows", &rows.host, pairs)?;
         self.launch(
-            OP,
             grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&y)),
-                Arg::I32(y.is_f32()),
-                Arg::Ptr(self.ptr(&weights)),
-                Arg::Ptr(self.ints_ptr(rows)),
-                Arg::I64(t as i64),
-                Arg::I64(pairs as i64),
-                Arg::I64(h as i64),
-                Arg::I32(k as i32),
-            ],
+            kernel::moe_combine {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                y: self.ptr(&y),
+                y_f32: y.is_f32(),
+                weights: self.ptr(&weights),
+                rows: self.ints_ptr(rows),
+                tokens: t as i64,
+                pairs: pairs as i64,
+                hidden: h as i64,
+                k: k as i32,
+            },
         )
     }
 
-    pub(super) fn moe_combine_backward_op(
+    fn moe_combine_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
@@ -488,6 +418,7 @@ impl Cuda {
         rows: &Ints,
         shape: &MoeShape,
     ) -> Result<()> {
+        let _t = self.timed("moe_combine_backward", OpClass::Routing, 0.0);
         const OP: &str = "moe_combine_backward";
         let pairs = moe_shape(OP, shape)?;
         let (t, h, k) = (shape.tokens, shape.hidden, shape.top_k);
@@ -501,34 +432,104 @@ impl Cuda {
         check::kind(OP, "weights", &weights, FloatKind::Accum)?;
         check::ints(OP, "rows", &rows.host, pairs)?;
         self.launch(
-            "moe_combine_backward_dy",
             grid_1d(d.len),
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(self.ptr(&weights)),
-                Arg::Ptr(self.ints_ptr(rows)),
-                Arg::I64(pairs as i64),
-                Arg::I64(h as i64),
-                Arg::I32(k as i32),
-            ],
+            kernel::moe_combine_backward_dy {
+                dy: self.ptr(&d),
+                dy_f32: d.is_f32(),
+                dout: self.ptr(&dout),
+                dout_f32: dout.is_f32(),
+                weights: self.ptr(&weights),
+                rows: self.ints_ptr(rows),
+                pairs: pairs as i64,
+                hidden: h as i64,
+                k: k as i32,
+            },
         )?;
         self.launch(
-            "moe_combine_backward_dw",
             warp_rows(OP, pairs)?,
-            &[
-                Arg::Ptr(self.ptr(&dw)),
-                Arg::Ptr(self.ptr(&dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(self.ptr(&y)),
-                Arg::I32(y.is_f32()),
-                Arg::Ptr(self.ints_ptr(rows)),
-                Arg::I64(pairs as i64),
-                Arg::I64(h as i64),
-                Arg::I32(k as i32),
-            ],
+            kernel::moe_combine_backward_dw {
+                dweights: self.ptr(&dw),
+                dout: self.ptr(&dout),
+                dout_f32: dout.is_f32(),
+                y: self.ptr(&y),
+                y_f32: y.is_f32(),
+                rows: self.ints_ptr(rows),
+                pairs: pairs as i64,
+                hidden: h as i64,
+                k: k as i32,
+            },
+        )
+    }
+
+    fn sigmoid_gate_forward(
+        &self,
+        out: ViewMut<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        let _t = self.timed("sigmoid_gate_forward", OpClass::Activation, 0.0);
+        const OP: &str = "sigmoid_gate_forward";
+        let (rows, n) = (shape.tokens, shape.hidden);
+        let o = out.as_view();
+        check::len(OP, "out", o.len, &[rows, n])?;
+        check::len(OP, "y", y.len, &[rows, n])?;
+        check::len(OP, "logits", logits.len, &[rows])?;
+        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
+        if o.len == 0 {
+            return Ok(());
+        }
+        self.launch(
+            grid_1d(o.len),
+            kernel::sigmoid_gate_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                y: self.ptr(&y),
+                y_f32: y.is_f32(),
+                logits: self.ptr(&logits),
+                rows: rows as i64,
+                n: n as i64,
+            },
+        )
+    }
+
+    fn sigmoid_gate_backward(
+        &self,
+        dy: ViewMut<'_>,
+        dlogits: ViewMut<'_>,
+        dout: View<'_>,
+        y: View<'_>,
+        logits: View<'_>,
+        shape: &MoeShape,
+    ) -> Result<()> {
+        let _t = self.timed("sigmoid_gate_backward", OpClass::Activation, 0.0);
+        const OP: &str = "sigmoid_gate_backward";
+        let (rows, n) = (shape.tokens, shape.hidden);
+        let (d, dz) = (dy.as_view(), dlogits.as_view());
+        check::len(OP, "dy", d.len, &[rows, n])?;
+        check::len(OP, "dlogits", dz.len, &[rows])?;
+        check::len(OP, "dout", dout.len, &[rows, n])?;
+        check::len(OP, "y", y.len, &[rows, n])?;
+        check::len(OP, "logits", logits.len, &[rows])?;
+        check::kind(OP, "logits", &logits, FloatKind::Accum)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.launch(
+            warp_rows(OP, rows)?,
+            kernel::sigmoid_gate_backward {
+                dy: self.ptr(&d),
+                dy_f32: d.is_f32(),
+                dlogits: self.ptr(&dz),
+                dlogits_f32: dz.is_f32(),
+                dout: self.ptr(&dout),
+                dout_f32: dout.is_f32(),
+                y: self.ptr(&y),
+                y_f32: y.is_f32(),
+                logits: self.ptr(&logits),
+                rows: rows as i64,
+                n: n as i64,
+            },
         )
     }
 
@@ -536,13 +537,18 @@ impl Cuda {
     /// to cuBLAS's column-major product is `matmul`'s, and for `Cols` (`w_e [K, N]`,
     /// out = inp · w_e):
     /// `outᵀ[N, m] = w_e (stored N x K, ld N) · inpᵀ`.
-    pub(super) fn grouped_matmul_forward_op(
+    fn grouped_matmul_forward(
         &self,
         out: ViewMut<'_>,
         operands: Operands<View<'_>>,
         bias: Option<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "grouped_matmul_forward",
+            OpClass::Gemm,
+            2.0 * (g.rows() * g.k * g.n) as f64,
+        );
         const OP: &str = "grouped_matmul_forward";
         let Operands { inp, w } = operands;
         grouped_shape(OP, g)?;
@@ -587,18 +593,17 @@ impl Cuda {
         self.bind()?;
         let offsets = drv(OP, self.compute.clone_htod(&offsets))?;
         self.launch(
-            "grouped_bias_forward",
             grid_1d(o.len),
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&bias)),
-                Arg::I32(bias.is_f32()),
-                Arg::Ptr(base_ptr(&offsets, &self.compute)),
-                Arg::I32(check::int(OP, "experts", e)?),
-                Arg::I64(r as i64),
-                Arg::I64(n as i64),
-            ],
+            kernel::grouped_bias_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                bias: self.ptr(&bias),
+                bias_f32: bias.is_f32(),
+                offsets: base_ptr(&offsets, &self.compute),
+                E: check::int(OP, "experts", e)?,
+                rows: r as i64,
+                n: n as i64,
+            },
         )
         // The offsets were copied from pageable memory; the device copy lives until the kernel
         // has run (freed in stream order when dropped).
@@ -608,13 +613,18 @@ impl Cuda {
     /// together by `gemm_group` and then their weight gradients; for `Cols`:
     /// `dinpᵀ[K, m] = op(w_e stored N x K, transposed) · doutᵀ` and
     /// `dw_eᵀ[N, K] += doutᵀ · inp` (beta = 1 into the f32 accumulator).
-    pub(super) fn grouped_matmul_backward_op(
+    fn grouped_matmul_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
         operands: Operands<View<'_>>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed(
+            "grouped_matmul_backward",
+            OpClass::Gemm,
+            4.0 * (g.rows() * g.k * g.n) as f64,
+        );
         const OP: &str = "grouped_matmul_backward";
         let Operands { inp, w } = operands;
         grouped_shape(OP, g)?;
@@ -658,12 +668,13 @@ impl Cuda {
     }
 
     /// The column sums of each expert's rows, by the deterministic `column_sum`.
-    pub(super) fn grouped_bias_backward_op(
+    fn grouped_bias_backward(
         &self,
         dbias: ViewMut<'_>,
         dout: View<'_>,
         g: &GroupedShape<'_>,
     ) -> Result<()> {
+        let _t = self.timed("grouped_bias_backward", OpClass::Elementwise, 0.0);
         const OP: &str = "grouped_bias_backward";
         grouped_shape(OP, g)?;
         let (r, n, e) = (g.rows(), g.n, g.experts());

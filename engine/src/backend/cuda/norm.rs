@@ -5,10 +5,14 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::{Arg, base_ptr, scratch};
+use super::device::{base_ptr, scratch};
 use super::elementwise::COLUMN_CHUNKS;
+use super::kernel;
+use super::profile::OpClass;
 use super::{Cuda, View, ViewMut, check};
-use crate::backend::{AttentionShape, FloatKind, Grads, NormShape, Operands};
+use crate::backend::{
+    AttentionShape, ElementwiseOps, FloatKind, Grads, NormOps, NormShape, Operands,
+};
 use crate::error::Result;
 
 /// How a norm call lays its rows out.
@@ -72,45 +76,43 @@ impl Cuda {
             && self.vectors(&[&o, inp, w])
         {
             return self.launch(
-                "rmsnorm_forward_vec",
                 LaunchConfig {
                     grid_dim: (r.tokens as u32, 1, 1),
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: 0,
                 },
-                &[
-                    Arg::Ptr(self.ptr(&o)),
-                    Arg::Ptr(self.ptr(&rs)),
-                    Arg::Ptr(self.ptr(inp)),
-                    Arg::Ptr(self.ptr(w)),
-                    Arg::I32(check::int(op, "dim", r.dim / 8)?),
-                    Arg::F32(eps),
-                ],
+                kernel::rmsnorm_forward_vec {
+                    out: self.ptr(&o),
+                    rstd: self.ptr(&rs),
+                    inp: self.ptr(inp),
+                    w: self.ptr(w),
+                    vecs: check::int(op, "dim", r.dim / 8)?,
+                    eps,
+                },
             );
         }
         let grid_y = r.heads + usize::from(r.copy_tail);
         self.launch(
-            "rmsnorm_forward",
             LaunchConfig {
                 grid_dim: (r.tokens as u32, grid_y as u32, 1),
                 block_dim: (threads(r.dim), 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(self.ptr(&o)),
-                Arg::I32(o.is_f32()),
-                Arg::Ptr(self.ptr(&rs)),
-                Arg::Ptr(self.ptr(inp)),
-                Arg::I32(inp.is_f32()),
-                Arg::Ptr(self.ptr(w)),
-                Arg::I32(w.is_f32()),
-                Arg::I64(r.stride as i64),
-                Arg::I32(check::int(op, "heads", r.heads)?),
-                Arg::I32(check::int(op, "nq", r.nq)?),
-                Arg::I32(check::int(op, "dim", r.dim)?),
-                Arg::F32(eps),
-                Arg::I32(i32::from(r.copy_tail)),
-            ],
+            kernel::rmsnorm_forward {
+                out: self.ptr(&o),
+                out_f32: o.is_f32(),
+                rstd: self.ptr(&rs),
+                inp: self.ptr(inp),
+                inp_f32: inp.is_f32(),
+                w: self.ptr(w),
+                w_f32: w.is_f32(),
+                stride: r.stride as i64,
+                heads: check::int(op, "heads", r.heads)?,
+                nq: check::int(op, "nq", r.nq)?,
+                dim: check::int(op, "dim", r.dim)?,
+                eps,
+                copy_tail: i32::from(r.copy_tail),
+            },
         )
     }
 
@@ -144,106 +146,56 @@ impl Cuda {
             && residual.is_none_or(|res| self.vectors(&[res]))
         {
             self.launch(
-                "rmsnorm_backward_vec",
                 LaunchConfig {
                     grid_dim: (chunks as u32, 1, 1),
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: 0,
                 },
-                &[
-                    Arg::Ptr(self.ptr(&d)),
-                    Arg::Ptr(residual.map_or(0, |res| self.ptr(res))),
-                    Arg::Ptr(pp),
-                    Arg::Ptr(self.ptr(dout)),
-                    Arg::Ptr(self.ptr(inp)),
-                    Arg::Ptr(self.ptr(w)),
-                    Arg::Ptr(self.ptr(rstd)),
-                    Arg::I64(r.tokens as i64),
-                    Arg::I64(rows_per as i64),
-                    Arg::I32(check::int(op, "dim", r.dim / 8)?),
-                ],
+                kernel::rmsnorm_backward_vec {
+                    dinp: self.ptr(&d),
+                    residual: residual.map_or(0, |res| self.ptr(res)),
+                    partials: pp,
+                    dout: self.ptr(dout),
+                    inp: self.ptr(inp),
+                    w: self.ptr(w),
+                    rstd: self.ptr(rstd),
+                    tokens: r.tokens as i64,
+                    rows_per: rows_per as i64,
+                    vecs: check::int(op, "dim", r.dim / 8)?,
+                },
             )?;
             self.finish_columns(dw, pp, chunks, wlen)?;
             return Ok(true);
         }
         self.launch(
-            "rmsnorm_backward",
             LaunchConfig {
                 grid_dim: (chunks as u32, 1, 1),
                 block_dim: (threads(r.dim), 1, 1),
                 shared_mem_bytes: 0,
             },
-            &[
-                Arg::Ptr(self.ptr(&d)),
-                Arg::I32(d.is_f32()),
-                Arg::Ptr(pp),
-                Arg::I32(check::int(op, "w", wlen)?),
-                Arg::Ptr(self.ptr(dout)),
-                Arg::I32(dout.is_f32()),
-                Arg::Ptr(self.ptr(inp)),
-                Arg::I32(inp.is_f32()),
-                Arg::Ptr(self.ptr(w)),
-                Arg::I32(w.is_f32()),
-                Arg::Ptr(self.ptr(rstd)),
-                Arg::I64(r.tokens as i64),
-                Arg::I64(rows_per as i64),
-                Arg::I64(r.stride as i64),
-                Arg::I32(check::int(op, "heads", r.heads)?),
-                Arg::I32(check::int(op, "nq", r.nq)?),
-                Arg::I32(check::int(op, "dim", r.dim)?),
-                Arg::I32(i32::from(r.copy_tail)),
-            ],
+            kernel::rmsnorm_backward {
+                dinp: self.ptr(&d),
+                dinp_f32: d.is_f32(),
+                partials: pp,
+                wlen: check::int(op, "w", wlen)?,
+                dout: self.ptr(dout),
+                dout_f32: dout.is_f32(),
+                inp: self.ptr(inp),
+                inp_f32: inp.is_f32(),
+                w: self.ptr(w),
+                w_f32: w.is_f32(),
+                rstd: self.ptr(rstd),
+                tokens: r.tokens as i64,
+                rows_per: rows_per as i64,
+                stride: r.stride as i64,
+                heads: check::int(op, "heads", r.heads)?,
+                nq: check::int(op, "nq", r.nq)?,
+                dim: check::int(op, "dim", r.dim)?,
+                copy_tail: i32::from(r.copy_tail),
+            },
         )?;
         self.finish_columns(dw, pp, chunks, wlen)?;
         Ok(residual.is_none())
-    }
-
-    pub(super) fn rmsnorm_forward_op(
-        &self,
-        out: ViewMut<'_>,
-        rstd: ViewMut<'_>,
-        operands: Operands<View<'_>>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        const OP: &str = "rmsnorm_forward";
-        let &NormShape { rows, dim, eps } = shape;
-        check::nonzero(OP, "dim", dim)?;
-        check::len(OP, "out", out.len, &[rows, dim])?;
-        check::len(OP, "rstd", rstd.len, &[rows])?;
-        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
-        check::len(OP, "w", operands.w.len, &[dim])?;
-        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
-        self.norm_forward(OP, &out, &rstd, &operands, &r, eps)
-    }
-
-    pub(super) fn rmsnorm_backward_op(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        rstd: View<'_>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        let incoming = Incoming { dout: &dout, residual: None };
-        self.plain_norm_backward("rmsnorm_backward", &grads, incoming, &operands, &rstd, shape)
-            .map(drop)
-    }
-
-    pub(super) fn rmsnorm_backward_add_op(
-        &self,
-        grads: Grads<ViewMut<'_>>,
-        dout: View<'_>,
-        operands: Operands<View<'_>>,
-        rstd: View<'_>,
-        residual: View<'_>,
-        shape: &NormShape,
-    ) -> Result<()> {
-        const OP: &str = "rmsnorm_backward_add";
-        let incoming = Incoming { dout: &dout, residual: Some(&residual) };
-        if self.plain_norm_backward(OP, &grads, incoming, &operands, &rstd, shape)? {
-            return Ok(());
-        }
-        self.add_assign_op(grads.dinp, residual)
     }
 
     /// Checks a whole-row RMSNorm backward's buffers and runs it (see `norm_backward`).
@@ -293,8 +245,61 @@ impl Cuda {
             copy_tail: true,
         })
     }
+}
 
-    pub(super) fn head_rmsnorm_forward_op(
+impl NormOps for Cuda {
+    fn rmsnorm_forward(
+        &self,
+        out: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+        operands: Operands<View<'_>>,
+        shape: &NormShape,
+    ) -> Result<()> {
+        let _t = self.timed("rmsnorm_forward", OpClass::Norm, 0.0);
+        const OP: &str = "rmsnorm_forward";
+        let &NormShape { rows, dim, eps } = shape;
+        check::nonzero(OP, "dim", dim)?;
+        check::len(OP, "out", out.len, &[rows, dim])?;
+        check::len(OP, "rstd", rstd.len, &[rows])?;
+        check::len(OP, "inp", operands.inp.len, &[rows, dim])?;
+        check::len(OP, "w", operands.w.len, &[dim])?;
+        let r = Rows { tokens: rows, stride: dim, heads: 1, nq: 1, dim, copy_tail: false };
+        self.norm_forward(OP, &out, &rstd, &operands, &r, eps)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        grads: Grads<ViewMut<'_>>,
+        dout: View<'_>,
+        operands: Operands<View<'_>>,
+        rstd: View<'_>,
+        shape: &NormShape,
+    ) -> Result<()> {
+        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
+        let incoming = Incoming { dout: &dout, residual: None };
+        self.plain_norm_backward("rmsnorm_backward", &grads, incoming, &operands, &rstd, shape)
+            .map(drop)
+    }
+
+    fn rmsnorm_backward_add(
+        &self,
+        grads: Grads<ViewMut<'_>>,
+        dout: View<'_>,
+        operands: Operands<View<'_>>,
+        rstd: View<'_>,
+        residual: View<'_>,
+        shape: &NormShape,
+    ) -> Result<()> {
+        let _t = self.timed("rmsnorm_backward", OpClass::Norm, 0.0);
+        const OP: &str = "rmsnorm_backward_add";
+        let incoming = Incoming { dout: &dout, residual: Some(&residual) };
+        if self.plain_norm_backward(OP, &grads, incoming, &operands, &rstd, shape)? {
+            return Ok(());
+        }
+        self.add_assign(grads.dinp, residual)
+    }
+
+    fn head_rmsnorm_forward(
         &self,
         out: ViewMut<'_>,
         rstd: ViewMut<'_>,
@@ -302,13 +307,14 @@ impl Cuda {
         shape: &AttentionShape,
         eps: f32,
     ) -> Result<()> {
+        let _t = self.timed("head_rmsnorm_forward", OpClass::Norm, 0.0);
         const OP: &str = "head_rmsnorm_forward";
         let r = Self::head_rows(OP, shape, operands.inp.len, rstd.len, operands.w.len)?;
         check::len(OP, "out", out.len, &[shape.tokens, r.stride])?;
         self.norm_forward(OP, &out, &rstd, &operands, &r, eps)
     }
 
-    pub(super) fn head_rmsnorm_backward_op(
+    fn head_rmsnorm_backward(
         &self,
         grads: Grads<ViewMut<'_>>,
         dout: View<'_>,
@@ -316,6 +322,7 @@ impl Cuda {
         rstd: View<'_>,
         shape: &AttentionShape,
     ) -> Result<()> {
+        let _t = self.timed("head_rmsnorm_backward", OpClass::Norm, 0.0);
         const OP: &str = "head_rmsnorm_backward";
         let r = Self::head_rows(OP, shape, operands.inp.len, rstd.len, operands.w.len)?;
         check::len(OP, "dinp", grads.dinp.len, &[shape.tokens, r.stride])?;

@@ -257,7 +257,10 @@ impl Cuda {
         Ok(OpProfile { ops, window_s: window, gaps })
     }
 
-    /// Times the op that holds the returned scope (see the module docs).
+    /// Times the op that holds the returned scope (see the module docs). Every method of the
+    /// op traits (`ElementwiseOps`, `MatmulOps`, ...) opens one as its first statement, under
+    /// the op's name as the profile reports it; `Device`'s methods are not ops and are not
+    /// timed.
     pub(super) fn timed(&self, op: &'static str, class: OpClass, flops: f64) -> Scope<'_> {
         self.profiler.scope(&self.ctx, &self.compute, op, class, flops)
     }

@@ -124,7 +124,7 @@ impl Cuda {
     }
 
     /// # Safety
-    /// As [`crate::backend::Backend::upload_on`]: the copy runs after this returns.
+    /// As [`crate::backend::Device::upload_on`]: the copy runs after this returns.
     pub(super) unsafe fn upload_slab(
         &self,
         stream: &CudaStream,
@@ -148,7 +148,7 @@ impl Cuda {
     }
 
     /// # Safety
-    /// As [`crate::backend::Backend::upload_f32_on`]: the copies and casts run after this
+    /// As [`crate::backend::Device::upload_f32_on`]: the copies and casts run after this
     /// returns.
     pub(super) unsafe fn upload_cast_slab(
         &self,
@@ -198,20 +198,20 @@ impl Cuda {
                 convert,
                 "convert",
                 grid_1d(n),
-                &[
-                    device::Arg::Ptr(out + (start * 2) as u64),
-                    device::Arg::I32(0),
-                    device::Arg::Ptr(stage),
-                    device::Arg::I32(1),
-                    device::Arg::I64(n as i64),
-                ],
+                &super::kernel::convert {
+                    dst: out + (start * 2) as u64,
+                    dst_f32: 0,
+                    src: stage,
+                    src_f32: 1,
+                    n: n as i64,
+                },
             )?;
         }
         Ok(())
     }
 
     /// # Safety
-    /// As [`crate::backend::Backend::download_on`]: the copy runs after this returns.
+    /// As [`crate::backend::Device::download_on`]: the copy runs after this returns.
     pub(super) unsafe fn download_slab(
         &self,
         stream: &CudaStream,
