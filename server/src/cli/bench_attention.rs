@@ -13,7 +13,10 @@ use anyhow::{Context, bail};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_engine::backend::cuda::Cuda;
-use sluice_engine::backend::{AttentionOut, AttentionShape, Backend, FloatKind};
+use sluice_engine::backend::{AttentionOps, AttentionOut, AttentionShape, FloatKind};
+// The device side (buffers, transfers) of the concrete backend, by its trait alone: `Device`
+// here is the subcommand's.
+use sluice_engine::backend::Device as _;
 use sluice_engine::plan::sizes::causal_pairs;
 
 use super::device::Device;
