@@ -42,7 +42,7 @@ pub fn command_line(job: &Job) -> String {
             Value::Bool(true) => flag(&name, None),
             Value::Bool(false) | Value::Null => {}
             Value::String(text) => flag(&name, Some(text)),
-            number => flag(&name, Some(number.to_string())),
+            number => flag(&name, Some(short_number(&number))),
         }
     }
     if job.data.skips_invalid() {
@@ -59,5 +59,17 @@ pub fn shell_quote(word: &str) -> String {
         word.to_string()
     } else {
         format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// A number as a person writes it on a command line: integers as they are, fractions in the
+/// shorter of plain and scientific notation (`0.25`, `1e-3`); both read back as the same value.
+fn short_number(number: &Value) -> String {
+    match number.as_f64() {
+        Some(x) if !(number.is_i64() || number.is_u64()) => {
+            let (plain, scientific) = (number.to_string(), format!("{x:e}"));
+            if scientific.len() < plain.len() { scientific } else { plain }
+        }
+        _ => number.to_string(),
     }
 }

@@ -32,7 +32,7 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("POST", "/api/setup" | "/api/login") => Public,
         ("POST", "/api/logout") => User,
         ("GET" | "POST", "/api/jobs" | "/api/datasets") => User,
-        ("GET", "/api/models" | "/api/gpus") => User,
+        ("GET", "/api/models" | "/api/gpus" | "/api/job-defaults") => User,
         ("POST", "/api/models/import" | "/api/plan" | "/api/models/pull") => User,
         ("GET", "/api/models/pulls") => User,
         ("GET", "/api/jobs/{id}" | "/api/jobs/{id}/metrics" | "/api/jobs/{id}/events") => Owner,

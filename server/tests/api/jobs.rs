@@ -437,3 +437,31 @@ async fn cancel_stops_a_long_cpu_step_between_micro_batches() -> anyhow::Result<
     assert_eq!(stopped["resumable"], true, "{stopped}");
     Ok(())
 }
+
+/// `GET /api/job-defaults` describes every setting the engine takes, with the engine's defaults
+/// and this appliance's limits, so the form needs no copy of either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_defaults_describe_every_setting_under_the_sites_limits() -> anyhow::Result<()> {
+    use sluice_engine::train::JobSettings;
+    let app = TestApp::with_config(|c| c.limits.max_seq_len = 2048).await?;
+    let admin = app.admin().await?;
+    let reply = admin.get("/api/job-defaults").await?;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let guide = reply.json()?;
+    let settings = guide["settings"].as_array().cloned().unwrap_or_default();
+    let names: Vec<&str> = settings.iter().filter_map(|s| s["name"].as_str()).collect();
+    let fields: Vec<&str> = JobSettings::FIELDS.iter().map(|f| f.name).collect();
+    assert_eq!(names, fields);
+    let defaults = serde_json::to_value(JobSettings::default())?;
+    for s in &settings {
+        let name = s["name"].as_str().unwrap_or_default();
+        assert_eq!(s["default"], defaults[name], "{name}");
+    }
+    let seq_len = settings.iter().find(|s| s["name"] == "seq_len").cloned().unwrap_or_default();
+    assert_eq!((seq_len["min"].as_f64(), seq_len["max"].as_f64()), (Some(1.0), Some(2048.0)));
+    let gradients = settings.iter().find(|s| s["name"] == "gradients").cloned().unwrap_or_default();
+    assert_eq!(gradients["choices"], json!(["auto", "device", "host", "host_bf16"]));
+    assert_eq!(guide["lr_pretrained"].as_f64().map(|x| x as f32), Some(2e-5));
+    assert_eq!(guide["limits"]["max_seq_len"], 2048);
+    Ok(())
+}
