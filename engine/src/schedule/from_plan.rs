@@ -56,7 +56,7 @@ impl ScheduleOptions {
             [BatchShape::MAX_SEQ_LEN, BatchShape::MAX_MICRO_BATCH, BatchShape::MAX_GRAD_ACCUM],
             BatchShape::MAX_MICRO_TOKENS,
         )?;
-        let options = ScheduleOptions {
+        Ok(ScheduleOptions {
             max_tokens: micro_tokens(batch)?,
             grad_accum: batch.grad_accum,
             checkpoints: CheckpointTier::Device,
@@ -69,9 +69,7 @@ impl ScheduleOptions {
             disk: None,
             kept: Vec::new(),
             kept_attention: Vec::new(),
-        };
-        options.check_runs(batch, clipping)?;
-        Ok(options)
+        })
     }
 
     /// Checks that these options run micro-batches of `batch` with clipping on or off: the

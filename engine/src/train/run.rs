@@ -156,19 +156,9 @@ pub fn load_model(source: &ModelSource, seed: u64) -> Result<LoadedModel> {
 
 impl RunOptions {
     /// The run of `job` in `out` with the placement of `plan` (the planner's answer for this
-    /// job on this machine): what `sluice train` and the appliance's runner execute. A plan made
-    /// for another batch shape or clipping mode is refused.
+    /// job on this machine): what `sluice train` and the appliance's runner execute. The run
+    /// checks the placement against the job ([`ScheduleOptions::check_runs`]) before it builds.
     pub fn planned(job: Job, out: PathBuf, plan: &Plan) -> Result<RunOptions> {
-        let s = &job.settings;
-        if plan.batch != s.batch() || plan.clipping != s.clipping() {
-            return Err(Error::invalid(format!(
-                "the plan is for {:?} with clipping {}, the job asks for {:?} with clipping {}",
-                plan.batch,
-                plan.clipping,
-                s.batch(),
-                s.clipping()
-            )));
-        }
         let placement = schedule_options(plan, 0)?;
         Ok(RunOptions { job, out, placement, keep_checkpoints: None })
     }

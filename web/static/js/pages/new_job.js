@@ -38,8 +38,6 @@ const CHOICE_FIELDS = shown.filter((s) => s.choices.length).map((s) => s.name);
 const SWITCH_FIELDS = shown.filter((s) => s.default === false).map((s) => s.name);
 const NUMBER_FIELDS = shown.map((s) => s.name).filter((n) => !CHOICE_FIELDS.includes(n) && !SWITCH_FIELDS.includes(n));
 const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', ...SWITCH_FIELDS];
-// What an empty field means, for the figures the page works out itself.
-const DEFAULTS = Object.fromEntries(guide.settings.map((s) => [s.name, s.default]));
 // The bounds the engine holds each number to, so the browser flags a value before the server
 // does; a default is the placeholder where the field has none of its own ("one pass", "never").
 for (const id of NUMBER_FIELDS) {
@@ -312,7 +310,8 @@ function renderPlan() {
   const body = jobBody();
   fill(verdict, el('span', { class: `badge ${plan.fits ? 'fits' : 'nofit'}`, id: 'plan-fits', dataset: { fits: String(plan.fits) } },
     plan.fits ? 'Fits' : 'Does not fit'));
-  const size = (key) => body[key] ?? DEFAULTS[key];
+  // An empty field means the engine's default.
+  const size = (key) => body[key] ?? SETTINGS[key].default;
   // grad_accum counts the micro-batches of a whole step, over every GPU of a data-parallel job.
   const tokensPerStep = size('seq_len') * size('micro_batch') * size('grad_accum');
   // The server words the whole run's time as the sentence does ("about 7 days").
