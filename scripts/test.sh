@@ -29,6 +29,8 @@ command -v npm >/dev/null 2>&1 || missing+=(npm)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 command -v unzip >/dev/null 2>&1 || missing+=(unzip)
+# The query cache check builds a scratch database from the migrations with the sqlite3 shell.
+command -v sqlite3 >/dev/null 2>&1 || missing+=(sqlite3)
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "all present"
@@ -117,6 +119,11 @@ echo "SLUICE_NVRTC_LIB=$SLUICE_NVRTC_LIB"
 # --- format, lints, build, tests ---------------------------------------------------------------
 stage "cargo fmt --check"
 cargo fmt --all -- --check
+
+# Every `sqlx::query!` is checked against the schema at compile time, through the committed
+# cache in server/.sqlx; this checks that cache against the queries and migrations as they are.
+stage "query cache (server/.sqlx)"
+bash scripts/sqlx_cache.sh check
 
 stage "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings

@@ -1,8 +1,9 @@
 //! The rules of ARCHITECTURE.md that a program can check, checked by reading the source tree
 //! (rust-analyzer's `tidy.rs`): the layer tables of its `## Layers` section against the
-//! `use crate::` paths, no import circle among the server's files, SQL only in the store, job
-//! statuses only through `JobStatus`, no `#[ignore]` or `#[should_panic]`, streams and events
-//! created only by the schedule and the backend, and a module doc atop every Rust file.
+//! `use crate::` paths, no import circle among the server's files, SQL only in the store and
+//! only through the compile-checked macros, job statuses only through `JobStatus`, no
+//! `#[ignore]` or `#[should_panic]`, streams and events created only by the schedule and the
+//! backend, and a module doc atop every Rust file.
 //!
 //! It lives with the server's tests only because `cargo test` runs the default member; it reads
 //! the whole workspace, with the standard library alone.
@@ -19,6 +20,11 @@ use std::path::{Path, PathBuf};
 
 /// Where SQL may be written: `sqlx::query*` appears only in files under this folder.
 const SQL_HOME: &str = "server/src/store/";
+
+/// sqlx's unchecked query functions: the store uses their macro forms (`sqlx::query!`), which
+/// check each statement against the schema at compile time (through `server/.sqlx` offline).
+const UNCHECKED_QUERIES: &[&str] =
+    &["sqlx::query(", "sqlx::query_as(", "sqlx::query_scalar(", "sqlx::query_as_with("];
 
 /// Where streams and events may be created: the schedule, and the backends that define them.
 const STREAM_HOMES: &[&str] = &["engine/src/schedule/", "engine/src/backend/"];
@@ -65,7 +71,18 @@ fn sql_only_in_store() {
             }
         }
     }
-    report("SQL only in the store", &problems);
+    for file in tree.files.iter().filter(|f| f.rel.starts_with(SQL_HOME)) {
+        for (line, code) in file.shipped_lines(&file.code) {
+            if let Some(unchecked) = UNCHECKED_QUERIES.iter().find(|q| code.contains(**q)) {
+                problems.push(format!(
+                    "{}:{line}: {unchecked}..) is not checked at compile time: use the macro form ({}..)",
+                    file.rel,
+                    unchecked.replace('(', "!(")
+                ));
+            }
+        }
+    }
+    report("SQL only in the store, compile-checked", &problems);
 }
 
 #[test]

@@ -1,12 +1,12 @@
 //! The `datasets` table, and the `meta` flag that says the demo dataset was registered once.
 
 use serde::{Serialize, Serializer};
-use sqlx::{FromRow, SqlitePool};
+use sqlx::SqlitePool;
 
 use super::jobs::JobStatus;
 use crate::db::now;
 
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Dataset {
     pub id: i64,
     pub name: String,
@@ -41,11 +41,6 @@ pub struct Dataset {
     pub registry_name: Option<String>,
 }
 
-const SELECT: &str = "SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
-        u.username AS owner, d.owner_id, d.file_name, d.layout, d.skip_invalid, d.skipped,
-        d.skipped_records, d.columns, d.registry_file, d.registry_name
-    FROM datasets d LEFT JOIN users u ON u.id = d.owner_id";
-
 /// A column of JSON text the server wrote, sent as the JSON it holds (`null` if damaged).
 fn stored_json<S: Serializer>(text: &str, serializer: S) -> Result<S::Ok, S::Error> {
     serde_json::from_str::<serde_json::Value>(text)
@@ -77,46 +72,69 @@ pub struct Layout<'a> {
     pub registry: Option<(&'a str, &'a str)>,
 }
 
+/// Which datasets [`select`] reads: all its conditions hold.
+#[derive(Default)]
+struct Filter<'a> {
+    /// Only these ids.
+    ids: Option<&'a [i64]>,
+    /// Only those this user uploaded...
+    owner: Option<i64>,
+    /// ...and, if set, the shared ones too.
+    or_shared: bool,
+}
+
+/// The datasets `filter` names, oldest first, with their owners' names: the one query every
+/// reader of the table goes through.
+async fn select(pool: &SqlitePool, filter: Filter<'_>) -> sqlx::Result<Vec<Dataset>> {
+    let ids = filter.ids.map(|ids| serde_json::Value::from(ids.to_vec()).to_string());
+    sqlx::query_as!(
+        Dataset,
+        r#"SELECT d.id, d.name, d.format, d.records, d.size_bytes, d.created_at,
+                  u.username AS "owner?", d.owner_id, d.file_name, d.layout,
+                  d.skip_invalid AS "skip_invalid: bool", d.skipped, d.skipped_records,
+                  d.columns, d.registry_file, d.registry_name
+           FROM datasets d LEFT JOIN users u ON u.id = d.owner_id
+           WHERE (?1 IS NULL OR d.id IN (SELECT value FROM json_each(?1)))
+             AND (?2 IS NULL OR d.owner_id = ?2 OR (?3 AND d.owner_id IS NULL))
+           ORDER BY d.id"#,
+        ids,
+        filter.owner,
+        filter.or_shared,
+    )
+    .fetch_all(pool)
+    .await
+}
+
 /// Dataset `id`, if it exists.
 pub async fn get(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<Dataset>> {
-    sqlx::query_as(&format!("{SELECT} WHERE d.id = ?")).bind(id).fetch_optional(pool).await
+    let found = select(pool, Filter { ids: Some(&[id]), ..Filter::default() }).await?;
+    Ok(found.into_iter().next())
 }
 
 /// Every dataset (`viewer` `None`), or those of user `viewer` and the shared ones, oldest first.
 pub async fn visible_to(pool: &SqlitePool, viewer: Option<i64>) -> sqlx::Result<Vec<Dataset>> {
-    match viewer {
-        None => sqlx::query_as(&format!("{SELECT} ORDER BY d.id")).fetch_all(pool).await,
-        Some(user) => {
-            sqlx::query_as(&format!(
-                "{SELECT} WHERE d.owner_id = ? OR d.owner_id IS NULL ORDER BY d.id"
-            ))
-            .bind(user)
-            .fetch_all(pool)
-            .await
-        }
-    }
+    select(pool, Filter { owner: viewer, or_shared: true, ..Filter::default() }).await
 }
 
 /// The datasets `owner_id` uploaded.
 pub async fn owned_by(pool: &SqlitePool, owner_id: i64) -> sqlx::Result<Vec<Dataset>> {
-    sqlx::query_as(&format!("{SELECT} WHERE d.owner_id = ?")).bind(owner_id).fetch_all(pool).await
+    select(pool, Filter { owner: Some(owner_id), ..Filter::default() }).await
 }
 
 /// The datasets of `ids` that exist: one query for any number.
 pub async fn by_ids(pool: &SqlitePool, ids: &[i64]) -> sqlx::Result<Vec<Dataset>> {
-    let list = serde_json::Value::from(ids.to_vec()).to_string();
-    sqlx::query_as(&format!("{SELECT} WHERE d.id IN (SELECT value FROM json_each(?))"))
-        .bind(list)
-        .fetch_all(pool)
-        .await
+    select(pool, Filter { ids: Some(ids), ..Filter::default() }).await
 }
 
 /// Bytes of the datasets `owner_id` uploaded (`None`: of the shared ones).
 pub async fn bytes_of(pool: &SqlitePool, owner_id: Option<i64>) -> sqlx::Result<i64> {
-    sqlx::query_scalar("SELECT COALESCE(SUM(size_bytes), 0) FROM datasets WHERE owner_id IS ?")
-        .bind(owner_id)
-        .fetch_one(pool)
-        .await
+    sqlx::query_scalar!(
+        r#"SELECT COALESCE(SUM(size_bytes), 0) AS "bytes!: i64" FROM datasets
+           WHERE owner_id IS ?"#,
+        owner_id
+    )
+    .fetch_one(pool)
+    .await
 }
 
 /// Records an uploaded dataset, read as `layout` says; its id.
@@ -125,25 +143,27 @@ pub async fn insert(
     new: &NewDataset<'_>,
     layout: &Layout<'_>,
 ) -> sqlx::Result<i64> {
-    let inserted = sqlx::query(
+    let now = now();
+    let (registry_file, registry_name) = layout.registry.unzip();
+    let inserted = sqlx::query!(
         "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at,
             layout, skip_invalid, skipped, skipped_records, columns, registry_file, registry_name)
          VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        new.owner_id,
+        new.name,
+        new.file_name,
+        new.format,
+        new.records,
+        new.size_bytes,
+        now,
+        layout.layout,
+        layout.skip_invalid,
+        layout.skipped,
+        layout.skipped_records,
+        layout.columns,
+        registry_file,
+        registry_name,
     )
-    .bind(new.owner_id)
-    .bind(new.name)
-    .bind(new.file_name)
-    .bind(new.format)
-    .bind(new.records)
-    .bind(new.size_bytes)
-    .bind(now())
-    .bind(layout.layout)
-    .bind(layout.skip_invalid)
-    .bind(layout.skipped)
-    .bind(layout.skipped_records)
-    .bind(layout.columns)
-    .bind(layout.registry.map(|(file, _)| file))
-    .bind(layout.registry.map(|(_, name)| name))
     .execute(pool)
     .await?;
     Ok(inserted.last_insert_rowid())
@@ -151,30 +171,30 @@ pub async fn insert(
 
 /// Whether the demo dataset was registered (it is never registered again, even once deleted).
 pub async fn demo_registered(pool: &SqlitePool) -> sqlx::Result<bool> {
-    let done: Option<String> =
-        sqlx::query_scalar("SELECT value FROM meta WHERE key = 'demo_dataset_registered'")
-            .fetch_optional(pool)
-            .await?;
+    let done = sqlx::query_scalar!("SELECT value FROM meta WHERE key = 'demo_dataset_registered'")
+        .fetch_optional(pool)
+        .await?;
     Ok(done.is_some())
 }
 
 /// Records the demo dataset and that it was registered, together.
 pub async fn register_demo(pool: &SqlitePool, demo: &NewDataset<'_>) -> sqlx::Result<()> {
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    let now = now();
+    sqlx::query!(
         "INSERT INTO datasets (owner_id, name, file_name, format, records, size_bytes, created_at)
          VALUES (?, ?, ?, ?, ?, ?, ?)",
+        demo.owner_id,
+        demo.name,
+        demo.file_name,
+        demo.format,
+        demo.records,
+        demo.size_bytes,
+        now,
     )
-    .bind(demo.owner_id)
-    .bind(demo.name)
-    .bind(demo.file_name)
-    .bind(demo.format)
-    .bind(demo.records)
-    .bind(demo.size_bytes)
-    .bind(now())
     .execute(&mut *tx)
     .await?;
-    sqlx::query("INSERT INTO meta (key, value) VALUES ('demo_dataset_registered', '1')")
+    sqlx::query!("INSERT INTO meta (key, value) VALUES ('demo_dataset_registered', '1')")
         .execute(&mut *tx)
         .await?;
     tx.commit().await
@@ -184,15 +204,15 @@ pub async fn register_demo(pool: &SqlitePool, demo: &NewDataset<'_>) -> sqlx::Re
 /// it, in one statement, so no submit or resume can slip in between the check and the delete.
 /// Says whether it was deleted.
 pub async fn delete_dataset_if_unused(pool: &SqlitePool, dataset_id: i64) -> sqlx::Result<bool> {
-    let deleted = sqlx::query(&format!(
-        "DELETE FROM datasets WHERE id = ?
-           AND NOT EXISTS (SELECT 1 FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
-                                              AND status IN {})",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(dataset_id)
-    .bind(dataset_id)
-    .bind(dataset_id)
+    let [queued, running] = JobStatus::ACTIVE;
+    let deleted = sqlx::query!(
+        "DELETE FROM datasets WHERE id = ?1
+           AND NOT EXISTS (SELECT 1 FROM jobs WHERE (dataset_id = ?1 OR eval_dataset_id = ?1)
+                                              AND status IN (?2, ?3))",
+        dataset_id,
+        queued,
+        running,
+    )
     .execute(pool)
     .await?;
     Ok(deleted.rows_affected() == 1)

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use serde_json::{Value, json};
 use sluice_engine::train::JobSettings;
-use sqlx::{FromRow, SqlitePool};
+use sqlx::{SqliteExecutor, SqlitePool};
 
 use crate::db::{now, now_f64};
 
@@ -26,10 +26,10 @@ pub enum JobStatus {
 }
 
 impl JobStatus {
-    /// The states that hold a place in the queue or a device, as an SQL list: what the limits
-    /// on jobs, and the deletes that must not pull a dataset or user from under a job, test.
-    /// A test holds it to [`JobStatus::as_str`].
-    pub const ACTIVE_SQL: &'static str = "('queued', 'running')";
+    /// The states that hold a place in the queue or a device: what the limits on jobs, and the
+    /// deletes that must not pull a dataset or user from under a job, test (bound into
+    /// `status IN (?, ?)`).
+    pub const ACTIVE: [JobStatus; 2] = [JobStatus::Queued, JobStatus::Running];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -49,7 +49,7 @@ impl std::fmt::Display for JobStatus {
     }
 }
 
-#[derive(Debug, Clone, FromRow)]
+#[derive(Debug, Clone)]
 pub struct JobRow {
     pub id: i64,
     pub owner_id: i64,
@@ -75,10 +75,6 @@ pub struct JobRow {
     /// Its owner's note ("" when none).
     pub note: String,
 }
-
-pub const COLUMNS: &str = "id, owner_id, model, dataset_id, device, config, status, queue_seq, \
-    error, total_steps, step, start_step, started_at, finished_at, resume_from, created_at, \
-    eval_dataset_id, placement, name, note";
 
 impl JobRow {
     /// The engine's settings the job was accepted with.
@@ -118,16 +114,26 @@ impl JobRow {
 }
 
 pub async fn get(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<JobRow>> {
-    sqlx::query_as(&format!("SELECT {COLUMNS} FROM jobs WHERE id = ?"))
-        .bind(id)
-        .fetch_optional(pool)
-        .await
+    row(pool, id).await
+}
+
+/// Job `id`'s row, read by `db` (the pool, or a transaction that just changed it).
+async fn row(db: impl SqliteExecutor<'_>, id: i64) -> sqlx::Result<Option<JobRow>> {
+    sqlx::query_as!(
+        JobRow,
+        r#"SELECT id, owner_id, model, dataset_id, device, config, status AS "status: JobStatus",
+                  queue_seq, error, total_steps, step, start_step, started_at, finished_at,
+                  resume_from, created_at, eval_dataset_id, placement, name, note
+           FROM jobs WHERE id = ?"#,
+        id
+    )
+    .fetch_optional(db)
+    .await
 }
 
 /// The token of job `id`'s demo link, while its owner keeps it on.
 pub async fn demo_token(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar("SELECT token FROM demo_links WHERE job_id = ?")
-        .bind(id)
+    sqlx::query_scalar!("SELECT token FROM demo_links WHERE job_id = ?", id)
         .fetch_optional(pool)
         .await
 }
@@ -135,13 +141,14 @@ pub async fn demo_token(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<Strin
 /// Turns job `id`'s demo link on and returns its token: the one it has, or `fresh`; `None`
 /// when the job is gone.
 pub async fn share_demo(pool: &SqlitePool, id: i64, fresh: &str) -> sqlx::Result<Option<String>> {
-    sqlx::query(
+    let now = now();
+    sqlx::query!(
         "INSERT INTO demo_links (job_id, token, created_at) VALUES (?, ?, ?)
          ON CONFLICT (job_id) DO NOTHING",
+        id,
+        fresh,
+        now,
     )
-    .bind(id)
-    .bind(fresh)
-    .bind(now())
     .execute(pool)
     .await?;
     demo_token(pool, id).await
@@ -149,28 +156,29 @@ pub async fn share_demo(pool: &SqlitePool, id: i64, fresh: &str) -> sqlx::Result
 
 /// Turns job `id`'s demo link off; whether it was on.
 pub async fn unshare_demo(pool: &SqlitePool, id: i64) -> sqlx::Result<bool> {
-    let done =
-        sqlx::query("DELETE FROM demo_links WHERE job_id = ?").bind(id).execute(pool).await?;
+    let done = sqlx::query!("DELETE FROM demo_links WHERE job_id = ?", id).execute(pool).await?;
     Ok(done.rows_affected() > 0)
 }
 
 /// The job whose demo link carries `token`, if that link is on.
 pub async fn by_demo_token(pool: &SqlitePool, token: &str) -> sqlx::Result<Option<JobRow>> {
-    sqlx::query_as(&format!(
-        "SELECT {COLUMNS} FROM jobs WHERE id = (SELECT job_id FROM demo_links WHERE token = ?)"
-    ))
-    .bind(token)
-    .fetch_optional(pool)
-    .await
+    let job =
+        sqlx::query_scalar!(r#"SELECT job_id AS "id!" FROM demo_links WHERE token = ?"#, token)
+            .fetch_optional(pool)
+            .await?;
+    match job {
+        Some(id) => row(pool, id).await,
+        None => Ok(None),
+    }
 }
 
 /// The loss of job `id`'s last recorded step.
 pub async fn final_loss(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<f64>> {
-    let last: Option<Option<f64>> = sqlx::query_scalar(
-        "SELECT json_extract(point, '$.loss') FROM metrics WHERE job_id = ?
-         ORDER BY step DESC LIMIT 1",
+    let last = sqlx::query_scalar!(
+        r#"SELECT json_extract(point, '$.loss') AS "loss: f64" FROM metrics WHERE job_id = ?
+         ORDER BY step DESC LIMIT 1"#,
+        id
     )
-    .bind(id)
     .fetch_optional(pool)
     .await?;
     Ok(last.flatten())
@@ -178,18 +186,14 @@ pub async fn final_loss(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<f64>>
 
 /// Job `id`'s latest metric point (JSON text, with its timeline), if it has one.
 pub async fn latest_point(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<String>> {
-    sqlx::query_scalar("SELECT point FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1")
-        .bind(id)
+    sqlx::query_scalar!("SELECT point FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1", id)
         .fetch_optional(pool)
         .await
 }
 
 /// Appends a line to job `job_id`'s log, stamped `t` (Unix seconds).
 pub async fn append_log(pool: &SqlitePool, job_id: i64, t: f64, line: &str) -> sqlx::Result<()> {
-    sqlx::query("INSERT INTO job_logs (job_id, t, line) VALUES (?, ?, ?)")
-        .bind(job_id)
-        .bind(t)
-        .bind(line)
+    sqlx::query!("INSERT INTO job_logs (job_id, t, line) VALUES (?, ?, ?)", job_id, t, line)
         .execute(pool)
         .await?;
     Ok(())
@@ -202,13 +206,16 @@ pub async fn finish(
     status: JobStatus,
     error: Option<&str>,
 ) -> sqlx::Result<()> {
-    sqlx::query("UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?")
-        .bind(status)
-        .bind(error)
-        .bind(now())
-        .bind(job_id)
-        .execute(pool)
-        .await?;
+    let now = now();
+    sqlx::query!(
+        "UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+        status,
+        error,
+        now,
+        job_id,
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
@@ -242,36 +249,34 @@ pub async fn insert_queued(
     job: &NewJob<'_>,
     limit: i64,
 ) -> sqlx::Result<Result<i64, NotQueued>> {
-    let id: Option<i64> = sqlx::query_scalar(&format!(
-        "INSERT INTO jobs (id, owner_id, name, note, model, dataset_id, eval_dataset_id, device,
+    let [queued, running] = JobStatus::ACTIVE;
+    let now = now();
+    let id = sqlx::query_scalar!(
+        r#"INSERT INTO jobs (id, owner_id, name, note, model, dataset_id, eval_dataset_id, device,
                            config, status, queue_seq, total_steps, created_at)
          SELECT MAX(COALESCE((SELECT MAX(id) FROM jobs), 0),
                     COALESCE((SELECT CAST(value AS INTEGER) FROM meta
                               WHERE key = 'job_id_high_water'), 0)) + 1,
-                ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
-                ?, ?
-         WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN {active}) < ?
-           AND EXISTS (SELECT 1 FROM datasets WHERE id = ?)
-           AND (? IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?))
-         RETURNING id",
-        active = JobStatus::ACTIVE_SQL,
-    ))
-    .bind(job.owner_id)
-    .bind(job.name)
-    .bind(job.note)
-    .bind(job.model)
-    .bind(job.dataset_id)
-    .bind(job.eval_dataset_id)
-    .bind(job.device)
-    .bind(job.config)
-    .bind(JobStatus::Queued)
-    .bind(job.total_steps)
-    .bind(now())
-    .bind(job.owner_id)
-    .bind(limit)
-    .bind(job.dataset_id)
-    .bind(job.eval_dataset_id)
-    .bind(job.eval_dataset_id)
+                ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9,
+                (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs), ?10, ?11
+         WHERE (SELECT COUNT(*) FROM jobs WHERE owner_id = ?1 AND status IN (?9, ?12)) < ?13
+           AND EXISTS (SELECT 1 FROM datasets WHERE id = ?5)
+           AND (?6 IS NULL OR EXISTS (SELECT 1 FROM datasets WHERE id = ?6))
+         RETURNING id AS "id!: i64""#,
+        job.owner_id,
+        job.name,
+        job.note,
+        job.model,
+        job.dataset_id,
+        job.eval_dataset_id,
+        job.device,
+        job.config,
+        queued,
+        job.total_steps,
+        now,
+        running,
+        limit,
+    )
     .fetch_optional(pool)
     .await?;
     if let Some(id) = id {
@@ -283,24 +288,27 @@ pub async fn insert_queued(
 
 /// Queued or running jobs of `owner_id`.
 pub async fn active_of_owner(pool: &SqlitePool, owner_id: i64) -> sqlx::Result<i64> {
-    sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN {}",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(owner_id)
+    let [queued, running] = JobStatus::ACTIVE;
+    sqlx::query_scalar!(
+        r#"SELECT COUNT(*) AS "count!: i64" FROM jobs WHERE owner_id = ? AND status IN (?, ?)"#,
+        owner_id,
+        queued,
+        running,
+    )
     .fetch_one(pool)
     .await
 }
 
 /// Queued or running jobs that train on, or evaluate with, dataset `dataset_id`.
 pub async fn active_using_dataset(pool: &SqlitePool, dataset_id: i64) -> sqlx::Result<i64> {
-    sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM jobs WHERE (dataset_id = ? OR eval_dataset_id = ?)
-             AND status IN {}",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(dataset_id)
-    .bind(dataset_id)
+    let [queued, running] = JobStatus::ACTIVE;
+    sqlx::query_scalar!(
+        r#"SELECT COUNT(*) AS "count!: i64" FROM jobs
+           WHERE (dataset_id = ?1 OR eval_dataset_id = ?1) AND status IN (?2, ?3)"#,
+        dataset_id,
+        queued,
+        running,
+    )
     .fetch_one(pool)
     .await
 }
@@ -308,83 +316,106 @@ pub async fn active_using_dataset(pool: &SqlitePool, dataset_id: i64) -> sqlx::R
 /// Queued or running jobs that train model `id`, or any revision of it (`id@...`).
 pub async fn active_using_model(pool: &SqlitePool, id: &str) -> sqlx::Result<i64> {
     let revisions = format!("{id}@");
-    sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM jobs WHERE (model = ? OR substr(model, 1, ?) = ?) AND status IN {}",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(id)
-    .bind(revisions.len() as i64)
-    .bind(&revisions)
+    let length = revisions.len() as i64;
+    let [queued, running] = JobStatus::ACTIVE;
+    sqlx::query_scalar!(
+        r#"SELECT COUNT(*) AS "count!: i64" FROM jobs
+           WHERE (model = ? OR substr(model, 1, ?) = ?) AND status IN (?, ?)"#,
+        id,
+        length,
+        revisions,
+        queued,
+        running,
+    )
     .fetch_one(pool)
     .await
 }
 
 /// Jobs by status: (queued, running).
 pub async fn queue_counts(pool: &SqlitePool) -> sqlx::Result<(i64, i64)> {
-    let (queued, running): (i64, i64) = sqlx::query_as(
-        "SELECT COALESCE(SUM(status = ?), 0), COALESCE(SUM(status = ?), 0) FROM jobs",
+    let [queued, running] = JobStatus::ACTIVE;
+    let counts = sqlx::query!(
+        r#"SELECT COALESCE(SUM(status = ?), 0) AS "queued!: i64",
+                  COALESCE(SUM(status = ?), 0) AS "running!: i64"
+           FROM jobs"#,
+        queued,
+        running,
     )
-    .bind(JobStatus::Queued)
-    .bind(JobStatus::Running)
     .fetch_one(pool)
     .await?;
-    Ok((queued, running))
+    Ok((counts.queued, counts.running))
 }
 
 /// Each running job's id and its latest tokens per second, if it reported one.
 pub async fn running_rates(pool: &SqlitePool) -> sqlx::Result<Vec<(i64, Option<f64>)>> {
-    sqlx::query_as(
-        "SELECT j.id, (SELECT json_extract(m.point, '$.tokens_per_s') FROM metrics m
-                       WHERE m.job_id = j.id ORDER BY m.step DESC LIMIT 1) AS tokens_per_s
-         FROM jobs j WHERE j.status = ? ORDER BY j.id",
+    let rows = sqlx::query!(
+        r#"SELECT j.id, (SELECT json_extract(m.point, '$.tokens_per_s') FROM metrics m
+                       WHERE m.job_id = j.id ORDER BY m.step DESC LIMIT 1) AS "tokens_per_s: f64"
+         FROM jobs j WHERE j.status = ? ORDER BY j.id"#,
+        JobStatus::Running,
     )
-    .bind(JobStatus::Running)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.tokens_per_s)).collect())
 }
 
 /// Running jobs with their devices ("cuda:0,1").
 pub async fn running_devices(pool: &SqlitePool) -> sqlx::Result<Vec<(i64, String)>> {
-    sqlx::query_as("SELECT id, device FROM jobs WHERE status = ?")
-        .bind(JobStatus::Running)
-        .fetch_all(pool)
-        .await
+    let rows = sqlx::query!(
+        r#"SELECT id AS "id!", device FROM jobs WHERE status = ?"#,
+        JobStatus::Running
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.device)).collect())
 }
 
 /// Queued jobs with their devices, in queue order.
 pub async fn queued_devices(pool: &SqlitePool) -> sqlx::Result<Vec<(i64, String)>> {
-    sqlx::query_as("SELECT id, device FROM jobs WHERE status = ? ORDER BY queue_seq")
-        .bind(JobStatus::Queued)
-        .fetch_all(pool)
-        .await
+    let rows = sqlx::query!(
+        r#"SELECT id AS "id!", device FROM jobs WHERE status = ? ORDER BY queue_seq"#,
+        JobStatus::Queued
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.device)).collect())
 }
 
 /// Marks queued job `id` running (from the step it is at); `None` when it is no longer queued.
 pub async fn claim(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<JobRow>> {
-    sqlx::query_as(&format!(
+    let mut tx = pool.begin().await?;
+    let started = now_f64();
+    let claimed = sqlx::query!(
         "UPDATE jobs SET status = ?, started_at = ?, start_step = step, error = NULL,
              finished_at = NULL
-         WHERE id = ? AND status = ?
-         RETURNING {COLUMNS}"
-    ))
-    .bind(JobStatus::Running)
-    .bind(now_f64())
-    .bind(id)
-    .bind(JobStatus::Queued)
-    .fetch_optional(pool)
-    .await
+         WHERE id = ? AND status = ?",
+        JobStatus::Running,
+        started,
+        id,
+        JobStatus::Queued,
+    )
+    .execute(&mut *tx)
+    .await?;
+    if claimed.rows_affected() != 1 {
+        return Ok(None);
+    }
+    let job = row(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(job)
 }
 
 /// Cancels job `id` if it is still queued; says whether it was.
 pub async fn cancel_queued(pool: &SqlitePool, id: i64) -> sqlx::Result<bool> {
-    let dequeued =
-        sqlx::query("UPDATE jobs SET status = ?, finished_at = ? WHERE id = ? AND status = ?")
-            .bind(JobStatus::Cancelled)
-            .bind(now())
-            .bind(id)
-            .bind(JobStatus::Queued)
-            .execute(pool)
-            .await?;
+    let now = now();
+    let dequeued = sqlx::query!(
+        "UPDATE jobs SET status = ?, finished_at = ? WHERE id = ? AND status = ?",
+        JobStatus::Cancelled,
+        now,
+        id,
+        JobStatus::Queued,
+    )
+    .execute(pool)
+    .await?;
     Ok(dequeued.rows_affected() == 1)
 }
 
@@ -400,32 +431,31 @@ pub async fn requeue(
     limit: i64,
 ) -> sqlx::Result<bool> {
     let mut tx = pool.begin().await?;
-    sqlx::query("DELETE FROM metrics WHERE job_id = ? AND step > ?")
-        .bind(id)
-        .bind(step)
+    sqlx::query!("DELETE FROM metrics WHERE job_id = ? AND step > ?", id, step)
         .execute(&mut *tx)
         .await?;
-    let queued = sqlx::query(&format!(
-        "UPDATE jobs SET status = ?, queue_seq = (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
-             error = NULL, finished_at = NULL, step = ?, start_step = ?
-         WHERE id = ? AND status IN (?, ?)
+    let [queued, running] = JobStatus::ACTIVE;
+    let requeued = sqlx::query!(
+        "UPDATE jobs SET status = ?1,
+             queue_seq = (SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs),
+             error = NULL, finished_at = NULL, step = ?2, start_step = ?2
+         WHERE id = ?3 AND status IN (?4, ?5)
            AND EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.dataset_id)
            AND (jobs.eval_dataset_id IS NULL
                 OR EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.eval_dataset_id))
-           AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ? AND status IN {}) < ?",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(JobStatus::Queued)
-    .bind(step)
-    .bind(step)
-    .bind(id)
-    .bind(JobStatus::Cancelled)
-    .bind(JobStatus::Interrupted)
-    .bind(owner_id)
-    .bind(limit)
+           AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ?6 AND status IN (?1, ?7)) < ?8",
+        queued,
+        step,
+        id,
+        JobStatus::Cancelled,
+        JobStatus::Interrupted,
+        owner_id,
+        running,
+        limit,
+    )
     .execute(&mut *tx)
     .await?;
-    if queued.rows_affected() != 1 {
+    if requeued.rows_affected() != 1 {
         return Ok(false);
     }
     tx.commit().await?;
@@ -435,31 +465,25 @@ pub async fn requeue(
 /// Jobs that were running when the server stopped cannot be running now: marks them
 /// interrupted and returns how many there were.
 pub async fn mark_interrupted(pool: &sqlx::SqlitePool) -> sqlx::Result<u64> {
-    let marked = sqlx::query(
+    let marked = sqlx::query!(
         "UPDATE jobs SET status = ?, finished_at = CAST(strftime('%s', 'now') AS INTEGER),
              error = 'the server stopped while the job was running; resume it to continue'
          WHERE status = ?",
+        JobStatus::Interrupted,
+        JobStatus::Running,
     )
-    .bind(JobStatus::Interrupted)
-    .bind(JobStatus::Running)
     .execute(pool)
     .await?;
     Ok(marked.rows_affected())
 }
 
 pub async fn set_placement(pool: &SqlitePool, id: i64, placement: &str) -> sqlx::Result<()> {
-    sqlx::query("UPDATE jobs SET placement = ? WHERE id = ?")
-        .bind(placement)
-        .bind(id)
-        .execute(pool)
-        .await?;
+    sqlx::query!("UPDATE jobs SET placement = ? WHERE id = ?", placement, id).execute(pool).await?;
     Ok(())
 }
 
 pub async fn set_total_steps(pool: &SqlitePool, id: i64, total_steps: i64) -> sqlx::Result<()> {
-    sqlx::query("UPDATE jobs SET total_steps = ? WHERE id = ?")
-        .bind(total_steps)
-        .bind(id)
+    sqlx::query!("UPDATE jobs SET total_steps = ? WHERE id = ?", total_steps, id)
         .execute(pool)
         .await?;
     Ok(())
@@ -468,17 +492,15 @@ pub async fn set_total_steps(pool: &SqlitePool, id: i64, total_steps: i64) -> sq
 /// Stores step `step`'s metrics point (JSON) and moves the job's step there.
 pub async fn record_step(pool: &SqlitePool, id: i64, step: i64, point: &str) -> sqlx::Result<()> {
     let mut tx = pool.begin().await?;
-    sqlx::query("INSERT OR REPLACE INTO metrics (job_id, step, point) VALUES (?, ?, ?)")
-        .bind(id)
-        .bind(step)
-        .bind(point)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("UPDATE jobs SET step = ? WHERE id = ?")
-        .bind(step)
-        .bind(id)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "INSERT OR REPLACE INTO metrics (job_id, step, point) VALUES (?, ?, ?)",
+        id,
+        step,
+        point,
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query!("UPDATE jobs SET step = ? WHERE id = ?", step, id).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(())
 }
@@ -486,10 +508,11 @@ pub async fn record_step(pool: &SqlitePool, id: i64, step: i64, point: &str) -> 
 /// Every stored metrics point of job `id` (JSON text) without its per-unit timeline, which is
 /// most of a point's bytes (see [`timeline_at`]), in step order.
 pub async fn metric_points(pool: &SqlitePool, id: i64) -> sqlx::Result<Vec<String>> {
-    sqlx::query_scalar(
-        "SELECT json_remove(point, '$.timeline') FROM metrics WHERE job_id = ? ORDER BY step",
+    sqlx::query_scalar!(
+        r#"SELECT json_remove(point, '$.timeline') AS "point!: String" FROM metrics
+           WHERE job_id = ? ORDER BY step"#,
+        id
     )
-    .bind(id)
     .fetch_all(pool)
     .await
 }
@@ -497,11 +520,12 @@ pub async fn metric_points(pool: &SqlitePool, id: i64) -> sqlx::Result<Vec<Strin
 /// The per-unit timeline of job `id`'s step `step` (JSON text): `Ok(None)` when the step has no
 /// point; `Some("null")` when it has no timeline.
 pub async fn timeline_at(pool: &SqlitePool, id: i64, step: i64) -> sqlx::Result<Option<String>> {
-    let found: Option<Option<String>> = sqlx::query_scalar(
-        "SELECT json_extract(point, '$.timeline') FROM metrics WHERE job_id = ? AND step = ?",
+    let found = sqlx::query_scalar!(
+        r#"SELECT json_extract(point, '$.timeline') AS "timeline: String" FROM metrics
+           WHERE job_id = ? AND step = ?"#,
+        id,
+        step,
     )
-    .bind(id)
-    .bind(step)
     .fetch_optional(pool)
     .await?;
     Ok(found.map(|t| t.unwrap_or_else(|| "null".to_string())))
@@ -509,19 +533,19 @@ pub async fn timeline_at(pool: &SqlitePool, id: i64, step: i64) -> sqlx::Result<
 
 /// The latest step of job `id` whose point has a timeline.
 pub async fn latest_timeline_step(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<i64>> {
-    sqlx::query_scalar(
-        "SELECT MAX(step) FROM metrics WHERE job_id = ?
+    sqlx::query_scalar!(
+        r#"SELECT MAX(step) AS "step: i64" FROM metrics WHERE job_id = ?
            AND json_type(point, '$.timeline') IS NOT NULL
-           AND json_type(point, '$.timeline') != 'null'",
+           AND json_type(point, '$.timeline') != 'null'"#,
+        id
     )
-    .bind(id)
     .fetch_one(pool)
     .await
 }
 
 /// What a job's summary needs from its metrics (read by [`listed`]): the latest and best losses (with their steps),
 /// the tokens of every step, and the tokens per second over the time spent in steps.
-#[derive(Debug, Default, FromRow)]
+#[derive(Debug, Default)]
 pub struct MetricSummary {
     pub best_loss: Option<f64>,
     pub best_loss_step: Option<i64>,
@@ -536,10 +560,7 @@ pub struct MetricSummary {
 
 /// Sets job `id`'s name and note.
 pub async fn set_label(pool: &SqlitePool, id: i64, name: &str, note: &str) -> sqlx::Result<()> {
-    sqlx::query("UPDATE jobs SET name = ?, note = ? WHERE id = ?")
-        .bind(name)
-        .bind(note)
-        .bind(id)
+    sqlx::query!("UPDATE jobs SET name = ?, note = ? WHERE id = ?", name, note, id)
         .execute(pool)
         .await?;
     Ok(())
@@ -548,21 +569,17 @@ pub async fn set_label(pool: &SqlitePool, id: i64, name: &str, note: &str) -> sq
 /// Deletes job `id` (its metrics, log and checkpoint rows go with it) unless it is queued or
 /// running, in one statement, so no resume or claim slips in between. Says whether it was.
 pub async fn delete_job_if_idle(pool: &SqlitePool, id: i64) -> sqlx::Result<bool> {
-    let deleted = sqlx::query(&format!(
-        "DELETE FROM jobs WHERE id = ? AND status NOT IN {}",
-        JobStatus::ACTIVE_SQL
-    ))
-    .bind(id)
-    .execute(pool)
-    .await?;
+    let [queued, running] = JobStatus::ACTIVE;
+    let deleted =
+        sqlx::query!("DELETE FROM jobs WHERE id = ? AND status NOT IN (?, ?)", id, queued, running)
+            .execute(pool)
+            .await?;
     Ok(deleted.rows_affected() == 1)
 }
 
 /// Forgets checkpoint `name` of job `id`.
 pub async fn forget_checkpoint(pool: &SqlitePool, id: i64, name: &str) -> sqlx::Result<()> {
-    sqlx::query("DELETE FROM checkpoints WHERE job_id = ? AND name = ?")
-        .bind(id)
-        .bind(name)
+    sqlx::query!("DELETE FROM checkpoints WHERE job_id = ? AND name = ?", id, name)
         .execute(pool)
         .await?;
     Ok(())
@@ -570,8 +587,7 @@ pub async fn forget_checkpoint(pool: &SqlitePool, id: i64, name: &str) -> sqlx::
 
 /// Every log line of job `id`, oldest first.
 pub async fn log_lines(pool: &SqlitePool, id: i64) -> sqlx::Result<Vec<String>> {
-    sqlx::query_scalar("SELECT line FROM job_logs WHERE job_id = ? ORDER BY id")
-        .bind(id)
+    sqlx::query_scalar!("SELECT line FROM job_logs WHERE job_id = ? ORDER BY id", id)
         .fetch_all(pool)
         .await
 }
@@ -583,29 +599,30 @@ pub async fn record_checkpoint(
     name: &str,
     step: i64,
 ) -> sqlx::Result<()> {
-    sqlx::query("INSERT OR REPLACE INTO checkpoints (job_id, name, step) VALUES (?, ?, ?)")
-        .bind(id)
-        .bind(name)
-        .bind(step)
-        .execute(pool)
-        .await?;
+    sqlx::query!(
+        "INSERT OR REPLACE INTO checkpoints (job_id, name, step) VALUES (?, ?, ?)",
+        id,
+        name,
+        step,
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
 /// Job `id`'s checkpoints as (name, step), in step order.
 pub async fn checkpoints(pool: &SqlitePool, id: i64) -> sqlx::Result<Vec<(String, i64)>> {
-    sqlx::query_as("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step, name")
-        .bind(id)
-        .fetch_all(pool)
-        .await
+    let rows =
+        sqlx::query!("SELECT name, step FROM checkpoints WHERE job_id = ? ORDER BY step, name", id)
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().map(|r| (r.name, r.step)).collect())
 }
 
 /// Whether job `id` recorded a checkpoint called `name`.
 pub async fn has_checkpoint(pool: &SqlitePool, id: i64, name: &str) -> sqlx::Result<bool> {
-    let known: Option<String> =
-        sqlx::query_scalar("SELECT name FROM checkpoints WHERE job_id = ? AND name = ?")
-            .bind(id)
-            .bind(name)
+    let known =
+        sqlx::query_scalar!("SELECT name FROM checkpoints WHERE job_id = ? AND name = ?", id, name)
             .fetch_optional(pool)
             .await?;
     Ok(known.is_some())
@@ -613,22 +630,20 @@ pub async fn has_checkpoint(pool: &SqlitePool, id: i64, name: &str) -> sqlx::Res
 
 /// The ids of `owner_id`'s jobs.
 pub async fn job_ids_of_owner(pool: &SqlitePool, owner_id: i64) -> sqlx::Result<Vec<i64>> {
-    sqlx::query_scalar("SELECT id FROM jobs WHERE owner_id = ?")
-        .bind(owner_id)
+    sqlx::query_scalar!(r#"SELECT id AS "id!" FROM jobs WHERE owner_id = ?"#, owner_id)
         .fetch_all(pool)
         .await
 }
 
 /// Every job id (to find run folders no job owns).
 pub async fn all_job_ids(pool: &SqlitePool) -> sqlx::Result<Vec<i64>> {
-    sqlx::query_scalar("SELECT id FROM jobs").fetch_all(pool).await
+    sqlx::query_scalar!(r#"SELECT id AS "id!" FROM jobs"#).fetch_all(pool).await
 }
 
 /// A job as the API lists it: its row with what the list shows beside it, all from one
 /// statement (names joined in, the rest as subqueries per row).
-#[derive(Debug, FromRow)]
+#[derive(Debug)]
 pub struct Listed {
-    #[sqlx(flatten)]
     pub row: JobRow,
     /// The owner's name; `None` only in the instant of a user's delete.
     pub owner: Option<String>,
@@ -637,7 +652,6 @@ pub struct Listed {
     /// Place in its device's queue (1 is next), while queued.
     pub position: Option<i64>,
     pub demo_token: Option<String>,
-    #[sqlx(flatten)]
     pub summary: MetricSummary,
 }
 
@@ -653,75 +667,104 @@ pub enum Which {
 /// position, its demo token and the summary of its metrics: one statement for any number of
 /// jobs.
 pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>> {
-    let columns = COLUMNS.split(", ").map(|c| format!("j.{c} AS {c}")).collect::<Vec<_>>();
-    let (filter, id) = match which {
-        Which::All => ("1 = 1 OR ? IS NULL", None),
-        Which::OwnedBy(owner) => ("j.owner_id = ?", Some(owner)),
-        Which::One(job) => ("j.id = ?", Some(job)),
+    let (owner, job) = match which {
+        Which::All => (None, None),
+        Which::OwnedBy(owner) => (Some(owner), None),
+        Which::One(job) => (None, Some(job)),
     };
-    let point = |field: &str| format!("json_extract(m.point, '$.{field}')");
-    let over = |select: String, rest: &str| {
-        format!("(SELECT {select} FROM metrics m WHERE m.job_id = j.id {rest})")
-    };
-    let (loss, eval_loss) = (point("loss"), point("eval_loss"));
-    let (tokens, step_s) = (point("tokens"), point("step_s"));
-    let sql = format!(
-        "SELECT {columns},
-                u.username AS owner,
-                d.name AS dataset_name,
-                e.name AS eval_dataset_name,
+    // The metric summaries read the JSON points of each job's steps; `m.point ->> '$.x'` is
+    // SQLite's json_extract.
+    let rows = sqlx::query!(
+        r#"SELECT j.id AS "id!: i64", j.owner_id AS "owner_id!: i64", j.model AS "model!",
+                j.dataset_id, j.device AS "device!", j.config AS "config!",
+                j.status AS "status!: JobStatus", j.queue_seq AS "queue_seq!: i64", j.error,
+                j.total_steps AS "total_steps!: i64", j.step AS "step!: i64",
+                j.start_step AS "start_step!: i64", j.started_at, j.finished_at, j.resume_from,
+                j.created_at AS "created_at!: i64", j.eval_dataset_id, j.placement,
+                j.name AS "name!", j.note AS "note!",
+                u.username AS "owner?",
+                d.name AS "dataset_name?",
+                e.name AS "eval_dataset_name?",
                 CASE WHEN j.status = ?1 THEN
                     (SELECT COUNT(*) FROM jobs q
                      WHERE q.device = j.device AND q.status = ?1 AND q.queue_seq <= j.queue_seq)
-                END AS position,
-                (SELECT token FROM demo_links l WHERE l.job_id = j.id) AS demo_token,
-                {best_loss} AS best_loss,
-                {best_loss_step} AS best_loss_step,
-                {final_loss} AS final_loss,
-                {final_eval_loss} AS final_eval_loss,
-                {best_eval_loss} AS best_eval_loss,
-                {best_eval_step} AS best_eval_step,
-                {tokens_seen} AS tokens_seen,
-                {trained_tokens} AS trained_tokens,
-                {tokens_per_s} AS tokens_per_s
+                END AS "position: i64",
+                (SELECT token FROM demo_links l WHERE l.job_id = j.id) AS "demo_token: String",
+                (SELECT MIN(m.point ->> '$.loss') FROM metrics m WHERE m.job_id = j.id)
+                    AS "best_loss: f64",
+                (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                    AND m.point ->> '$.loss' IS NOT NULL
+                    ORDER BY m.point ->> '$.loss', m.step LIMIT 1) AS "best_loss_step: i64",
+                (SELECT m.point ->> '$.loss' FROM metrics m WHERE m.job_id = j.id
+                    ORDER BY m.step DESC LIMIT 1) AS "final_loss: f64",
+                (SELECT m.point ->> '$.eval_loss' FROM metrics m WHERE m.job_id = j.id
+                    AND m.point ->> '$.eval_loss' IS NOT NULL
+                    ORDER BY m.step DESC LIMIT 1) AS "final_eval_loss: f64",
+                (SELECT MIN(m.point ->> '$.eval_loss') FROM metrics m WHERE m.job_id = j.id)
+                    AS "best_eval_loss: f64",
+                (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                    AND m.point ->> '$.eval_loss' IS NOT NULL
+                    ORDER BY m.point ->> '$.eval_loss', m.step LIMIT 1) AS "best_eval_step: i64",
+                (SELECT SUM(m.point ->> '$.tokens') FROM metrics m WHERE m.job_id = j.id)
+                    AS "tokens_seen: i64",
+                (SELECT SUM(m.point ->> '$.trained_tokens') FROM metrics m WHERE m.job_id = j.id)
+                    AS "trained_tokens: i64",
+                (SELECT CASE WHEN SUM(m.point ->> '$.step_s') > 0
+                        THEN SUM(m.point ->> '$.tokens') / SUM(m.point ->> '$.step_s') END
+                    FROM metrics m WHERE m.job_id = j.id) AS "tokens_per_s: f64"
          FROM jobs j
          LEFT JOIN users u ON u.id = j.owner_id
          LEFT JOIN datasets d ON d.id = j.dataset_id
          LEFT JOIN datasets e ON e.id = j.eval_dataset_id
-         WHERE {filter}
-         ORDER BY j.id DESC",
-        columns = columns.join(", "),
-        filter = filter.replace('?', "?2"),
-        best_loss = over(format!("MIN({loss})"), ""),
-        best_loss_step = over(
-            "m.step".into(),
-            &format!("AND {loss} IS NOT NULL ORDER BY {loss}, m.step LIMIT 1")
-        ),
-        final_loss = over(loss.clone(), "ORDER BY m.step DESC LIMIT 1"),
-        final_eval_loss = over(
-            eval_loss.clone(),
-            &format!("AND {eval_loss} IS NOT NULL ORDER BY m.step DESC LIMIT 1")
-        ),
-        best_eval_loss = over(format!("MIN({eval_loss})"), ""),
-        best_eval_step = over(
-            "m.step".into(),
-            &format!("AND {eval_loss} IS NOT NULL ORDER BY {eval_loss}, m.step LIMIT 1")
-        ),
-        tokens_seen = over(format!("SUM({tokens})"), ""),
-        trained_tokens = over(format!("SUM({})", point("trained_tokens")), ""),
-        tokens_per_s =
-            over(format!("CASE WHEN SUM({step_s}) > 0 THEN SUM({tokens}) / SUM({step_s}) END"), ""),
-    );
-    sqlx::query_as(&sql).bind(JobStatus::Queued).bind(id).fetch_all(pool).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::JobStatus;
-
-    #[test]
-    fn the_active_list_names_the_active_states() {
-        let names = [JobStatus::Queued, JobStatus::Running].map(JobStatus::as_str);
-        assert_eq!(JobStatus::ACTIVE_SQL, format!("('{}', '{}')", names[0], names[1]));
-    }
+         WHERE (?2 IS NULL OR j.owner_id = ?2) AND (?3 IS NULL OR j.id = ?3)
+         ORDER BY j.id DESC"#,
+        JobStatus::Queued,
+        owner,
+        job,
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Listed {
+            row: JobRow {
+                id: r.id,
+                owner_id: r.owner_id,
+                model: r.model,
+                dataset_id: r.dataset_id,
+                device: r.device,
+                config: r.config,
+                status: r.status,
+                queue_seq: r.queue_seq,
+                error: r.error,
+                total_steps: r.total_steps,
+                step: r.step,
+                start_step: r.start_step,
+                started_at: r.started_at,
+                finished_at: r.finished_at,
+                resume_from: r.resume_from,
+                created_at: r.created_at,
+                eval_dataset_id: r.eval_dataset_id,
+                placement: r.placement,
+                name: r.name,
+                note: r.note,
+            },
+            owner: r.owner,
+            dataset_name: r.dataset_name,
+            eval_dataset_name: r.eval_dataset_name,
+            position: r.position,
+            demo_token: r.demo_token,
+            summary: MetricSummary {
+                best_loss: r.best_loss,
+                best_loss_step: r.best_loss_step,
+                final_loss: r.final_loss,
+                final_eval_loss: r.final_eval_loss,
+                best_eval_loss: r.best_eval_loss,
+                best_eval_step: r.best_eval_step,
+                tokens_seen: r.tokens_seen,
+                trained_tokens: r.trained_tokens,
+                tokens_per_s: r.tokens_per_s,
+            },
+        })
+        .collect())
 }

@@ -1,12 +1,12 @@
 //! The `api_tokens` table: personal API tokens, stored as their SHA-256.
 
 use serde::Serialize;
-use sqlx::{FromRow, SqlitePool};
+use sqlx::SqlitePool;
 
 use super::users::User;
 
 /// A token as its owner sees it in the list (never the token itself).
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct TokenView {
     pub id: i64,
     pub name: String,
@@ -17,11 +17,10 @@ pub struct TokenView {
 }
 
 /// A token's owner, found by the token's hash.
-#[derive(Debug, FromRow)]
+#[derive(Debug)]
 pub struct Holder {
     pub token_id: i64,
     pub last_used_at: Option<i64>,
-    #[sqlx(flatten)]
     pub user: User,
 }
 
@@ -38,20 +37,23 @@ pub struct NewToken<'a> {
 
 /// The token whose hash is `hash`, with its user.
 pub async fn by_hash(pool: &SqlitePool, hash: &str) -> sqlx::Result<Option<Holder>> {
-    sqlx::query_as(
-        "SELECT t.id AS token_id, t.last_used_at, u.id, u.username, u.role
-         FROM api_tokens t JOIN users u ON u.id = t.user_id WHERE t.token_hash = ?",
+    let found = sqlx::query!(
+        r#"SELECT t.id AS "token_id!", t.last_used_at, u.id AS "id!", u.username, u.role
+           FROM api_tokens t JOIN users u ON u.id = t.user_id WHERE t.token_hash = ?"#,
+        hash
     )
-    .bind(hash)
     .fetch_optional(pool)
-    .await
+    .await?;
+    Ok(found.map(|r| Holder {
+        token_id: r.token_id,
+        last_used_at: r.last_used_at,
+        user: User { id: r.id, username: r.username, role: r.role },
+    }))
 }
 
 /// Notes that token `id` was used at `now`.
 pub async fn touch(pool: &SqlitePool, id: i64, now: i64) -> sqlx::Result<()> {
-    sqlx::query("UPDATE api_tokens SET last_used_at = ? WHERE id = ?")
-        .bind(now)
-        .bind(id)
+    sqlx::query!("UPDATE api_tokens SET last_used_at = ? WHERE id = ?", now, id)
         .execute(pool)
         .await?;
     Ok(())
@@ -65,38 +67,38 @@ pub async fn insert(
     now: i64,
     max: i64,
 ) -> sqlx::Result<Option<TokenView>> {
-    sqlx::query_as(
-        "INSERT INTO api_tokens (user_id, name, token_hash, prefix, created_at)
-         SELECT ?, ?, ?, ?, ? WHERE (SELECT COUNT(*) FROM api_tokens WHERE user_id = ?) < ?
-         RETURNING id, name, prefix, created_at, last_used_at",
+    sqlx::query_as!(
+        TokenView,
+        r#"INSERT INTO api_tokens (user_id, name, token_hash, prefix, created_at)
+         SELECT ?1, ?2, ?3, ?4, ?5 WHERE (SELECT COUNT(*) FROM api_tokens WHERE user_id = ?1) < ?6
+         RETURNING id AS "id!: i64", name AS "name!", prefix AS "prefix!",
+                   created_at AS "created_at!: i64", last_used_at"#,
+        new.user_id,
+        new.name,
+        new.hash,
+        new.prefix,
+        now,
+        max,
     )
-    .bind(new.user_id)
-    .bind(new.name)
-    .bind(new.hash)
-    .bind(new.prefix)
-    .bind(now)
-    .bind(new.user_id)
-    .bind(max)
     .fetch_optional(pool)
     .await
 }
 
 /// `user_id`'s tokens, newest first.
 pub async fn list(pool: &SqlitePool, user_id: i64) -> sqlx::Result<Vec<TokenView>> {
-    sqlx::query_as(
-        "SELECT id, name, prefix, created_at, last_used_at FROM api_tokens
-         WHERE user_id = ? ORDER BY id DESC",
+    sqlx::query_as!(
+        TokenView,
+        r#"SELECT id AS "id!", name, prefix, created_at, last_used_at FROM api_tokens
+           WHERE user_id = ? ORDER BY id DESC"#,
+        user_id
     )
-    .bind(user_id)
     .fetch_all(pool)
     .await
 }
 
 /// Revokes token `id` of `user_id`; `false` when they hold no such token.
 pub async fn revoke(pool: &SqlitePool, user_id: i64, id: i64) -> sqlx::Result<bool> {
-    let gone = sqlx::query("DELETE FROM api_tokens WHERE id = ? AND user_id = ?")
-        .bind(id)
-        .bind(user_id)
+    let gone = sqlx::query!("DELETE FROM api_tokens WHERE id = ? AND user_id = ?", id, user_id)
         .execute(pool)
         .await?;
     Ok(gone.rows_affected() > 0)

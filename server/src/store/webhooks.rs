@@ -1,10 +1,10 @@
 //! The `webhooks` table: a user's webhook and how its latest delivery went.
 
 use serde::Serialize;
-use sqlx::{FromRow, SqlitePool};
+use sqlx::SqlitePool;
 
 /// A user's webhook and how its latest delivery went.
-#[derive(Debug, Clone, Serialize, FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub struct WebhookView {
     pub url: String,
     pub updated_at: i64,
@@ -18,33 +18,34 @@ pub struct WebhookView {
 
 /// `user_id`'s webhook, if they set one.
 pub async fn get(pool: &SqlitePool, user_id: i64) -> sqlx::Result<Option<WebhookView>> {
-    sqlx::query_as(
-        "SELECT url, updated_at, last_job_id, last_at, last_ok, last_result FROM webhooks
-         WHERE user_id = ?",
+    sqlx::query_as!(
+        WebhookView,
+        r#"SELECT url, updated_at, last_job_id, last_at, last_ok AS "last_ok: bool", last_result
+           FROM webhooks WHERE user_id = ?"#,
+        user_id
     )
-    .bind(user_id)
     .fetch_optional(pool)
     .await
 }
 
 /// Removes `user_id`'s webhook.
 pub async fn delete(pool: &SqlitePool, user_id: i64) -> sqlx::Result<()> {
-    sqlx::query("DELETE FROM webhooks WHERE user_id = ?").bind(user_id).execute(pool).await?;
+    sqlx::query!("DELETE FROM webhooks WHERE user_id = ?", user_id).execute(pool).await?;
     Ok(())
 }
 
 /// Sets `user_id`'s webhook to `url` (checked); a new URL starts with no delivery result.
 pub async fn set(pool: &SqlitePool, user_id: i64, url: &str, now: i64) -> sqlx::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO webhooks (user_id, url, updated_at) VALUES (?, ?, ?)
          ON CONFLICT (user_id) DO UPDATE SET url = excluded.url,
            updated_at = excluded.updated_at, last_job_id = NULL, last_at = NULL,
            last_ok = NULL, last_result = NULL
          WHERE webhooks.url <> excluded.url",
+        user_id,
+        url,
+        now,
     )
-    .bind(user_id)
-    .bind(url)
-    .bind(now)
     .execute(pool)
     .await?;
     Ok(())
@@ -62,7 +63,7 @@ pub async fn record(
     ok: bool,
     result: &str,
 ) -> sqlx::Result<()> {
-    sqlx::query(
+    sqlx::query!(
         "UPDATE webhooks SET last_job_id = ?1, last_at = ?2, last_ok = ?3, last_result = ?4
          WHERE user_id = ?5 AND url = ?6
            AND NOT EXISTS (
@@ -70,13 +71,13 @@ pub async fn record(
              WHERE later.id = webhooks.last_job_id AND this.id = ?1
                AND (COALESCE(later.finished_at, 0), later.id)
                  > (COALESCE(this.finished_at, 0), this.id))",
+        job_id,
+        at,
+        ok,
+        result,
+        user_id,
+        url,
     )
-    .bind(job_id)
-    .bind(at)
-    .bind(ok)
-    .bind(result)
-    .bind(user_id)
-    .bind(url)
     .execute(pool)
     .await?;
     Ok(())
