@@ -53,7 +53,7 @@ async fn list(
 /// list shows from the database, one more the datasets their command lines name; then, on one
 /// blocking thread for the whole list, each job's disk use (a walk of its run folder, which the
 /// database does not know) and its command line (the model looked up on disk).
-async fn views(state: &AppState, which: Which) -> ApiResult<Vec<Value>> {
+pub(crate) async fn views(state: &AppState, which: Which) -> ApiResult<Vec<Value>> {
     let listed = store::listed(state.pool(), which).await?;
     let ids: Vec<i64> =
         listed.iter().flat_map(|l| [l.row.dataset_id, l.row.eval_dataset_id]).flatten().collect();
@@ -67,7 +67,7 @@ async fn views(state: &AppState, which: Which) -> ApiResult<Vec<Value>> {
 }
 
 /// Job `id` as the API shows it (the caller has checked that the user may see it).
-async fn view(state: &AppState, id: i64) -> ApiResult<Value> {
+pub(crate) async fn view(state: &AppState, id: i64) -> ApiResult<Value> {
     views(state, Which::One(id))
         .await?
         .pop()

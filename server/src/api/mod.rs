@@ -2,7 +2,7 @@
 //! own router, merged here and nowhere else. Handlers check who asks and what they send, then
 //! call the areas below (`datasets`, `models`, `jobs`, `gpus`); they never train.
 
-mod access;
+pub(crate) mod access;
 mod account;
 mod checkpoints;
 mod datasets;
@@ -11,7 +11,7 @@ mod errors;
 mod exports;
 mod gpus;
 mod health;
-mod jobs;
+pub(crate) mod jobs;
 mod metrics;
 mod models;
 mod multipart;

@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
 pub use session::{AdminUser, CurrentUser, User};
@@ -151,18 +151,20 @@ struct Credentials {
     password: String,
 }
 
-async fn setup_needed(state: &AppState) -> ApiResult<bool> {
+pub(crate) async fn setup_needed(state: &AppState) -> ApiResult<bool> {
     let users = store::count(state.pool()).await?;
     Ok(users == 0)
 }
 
+/// A logged-in session as the pages see it (from `GET /api/session`, or embedded in a page).
+/// Setup is never needed once someone is logged in.
+pub(crate) fn session_body(session: &Session) -> Value {
+    json!({ "setup_needed": false, "user": session.user, "csrf": session.csrf })
+}
+
 /// A logged-in session as the pages see it, with its cookie.
 async fn session_response(state: &AppState, session: &Session) -> ApiResult<Response> {
-    let body = json!({
-        "setup_needed": setup_needed(state).await?,
-        "user": session.user,
-        "csrf": session.csrf,
-    });
+    let body = session_body(session);
     let cookie = session::session_cookie(state, session)?;
     Ok(([(header::SET_COOKIE, cookie)], Json(body)).into_response())
 }

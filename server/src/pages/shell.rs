@@ -1,14 +1,15 @@
-//! Page shells: the shared layout around each page's static HTML. The pages hold no data; their
-//! scripts fetch it from the JSON API, so a shell is the same for every user and every id.
+//! The layout around every page (`web/templates/layout.html`, through askama): the window title,
+//! the chart library where a page draws, the top bar with the navigation the user's role may
+//! use, and the page's first data embedded as JSON so its script starts without a round trip.
 
-use axum::http::{HeaderValue, header};
+use askama::Template;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::assets::UPLOT_VERSION;
+use crate::store::users::User;
 
-const LAYOUT: &str = include_str!("../../../web/templates/layout.html");
-
-/// Which navigation entry a page highlights; `None` pages (login, setup) show no navigation.
+/// Which navigation entry a page highlights; `None` pages (login, setup, demo) show no top bar.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Nav {
     None,
@@ -22,17 +23,84 @@ pub(crate) enum Nav {
     Storage,
 }
 
-/// One page: its title, its body (a fragment of `web/templates/pages/`) and the module script
-/// under `/static/js/pages/` that brings it to life.
+/// One link of the top bar.
 #[derive(Debug)]
-pub(crate) struct Page {
+pub(crate) struct NavEntry {
+    pub href: &'static str,
+    pub label: &'static str,
+    pub current: bool,
+}
+
+/// The navigation: (entry, path, label, admins only).
+const NAVIGATION: [(Nav, &str, &str, bool); 6] = [
+    (Nav::Dashboard, "/", "Dashboard", false),
+    (Nav::Datasets, "/datasets", "Datasets", false),
+    (Nav::Models, "/models", "Models", false),
+    (Nav::NewJob, "/jobs/new", "New job", false),
+    (Nav::Users, "/admin/users", "Users", true),
+    (Nav::Storage, "/admin/storage", "Storage", true),
+];
+
+/// What the layout needs from a page.
+#[derive(Debug)]
+pub(crate) struct Shell<'a> {
     /// Shown before " · Sluice" in the window title; empty for the home page, titled "Sluice".
     pub title: &'static str,
-    pub body: &'static str,
+    /// The module under `/static/js/pages/` that brings the page to life.
     pub script: &'static str,
     pub nav: Nav,
     /// Loads the chart library's stylesheet and script before the page's module.
     pub charts: bool,
+    /// Who is logged in; the top bar is drawn only for them, on pages with navigation.
+    pub user: Option<&'a User>,
+    /// JSON the page's script reads before it asks the API (`#first-data`), already safe to
+    /// place inside a `<script>` element (see [`first_data`]).
+    pub first_data: Option<String>,
+}
+
+impl Shell<'_> {
+    pub(crate) fn window_title(&self) -> String {
+        if self.title.is_empty() {
+            "Sluice".to_owned()
+        } else {
+            format!("{} · Sluice", self.title)
+        }
+    }
+
+    /// The user the top bar is drawn for: none on pages without navigation.
+    pub(crate) fn top_bar(&self) -> Option<&User> {
+        self.user.filter(|_| self.nav != Nav::None)
+    }
+
+    pub(crate) fn nav_is_account(&self) -> bool {
+        self.nav == Nav::Account
+    }
+
+    pub(crate) fn uplot(&self) -> String {
+        format!("/static/vendor/uplot-{UPLOT_VERSION}")
+    }
+
+    /// The links the user may follow: the admin pages only for admins.
+    pub(crate) fn nav_entries(&self) -> Vec<NavEntry> {
+        let admin = self.user.is_some_and(User::is_admin);
+        NAVIGATION
+            .iter()
+            .filter(|(_, _, _, admins_only)| admin || !admins_only)
+            .map(|&(nav, href, label, _)| NavEntry { href, label, current: nav == self.nav })
+            .collect()
+    }
+}
+
+/// `value` as JSON text that can sit inside a `<script>` element: `<`, `>` and `&` written as
+/// JSON escapes, so no string in it can close the element or open a comment.
+pub(crate) fn first_data(value: &serde_json::Value) -> String {
+    value
+        .to_string()
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+        .replace('\u{2028}', "\\u2028")
+        .replace('\u{2029}', "\\u2029")
 }
 
 /// Scripts may come only from the appliance itself; uPlot sets element styles from script,
@@ -41,95 +109,94 @@ const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self' 'unsa
                    img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; \
                    form-action 'self'; frame-ancestors 'none'";
 
-impl Page {
-    pub(crate) fn render(&self) -> String {
-        let uplot = format!("/static/vendor/uplot-{UPLOT_VERSION}");
-        let (chart_css, chart_js) = if self.charts {
-            (
-                format!(r#"<link rel="stylesheet" href="{uplot}/uPlot.min.css">"#),
-                format!(r#"<script src="{uplot}/uPlot.iife.min.js"></script>"#),
-            )
-        } else {
-            (String::new(), String::new())
-        };
-        let nav = if self.nav == Nav::None { String::new() } else { nav_html(self.nav) };
-        let title = if self.title.is_empty() {
-            "Sluice".to_owned()
-        } else {
-            format!("{} · Sluice", self.title)
-        };
-        LAYOUT
-            .replace("{{title}}", &title)
-            .replace("{{chart_css}}", &chart_css)
-            .replace("{{chart_js}}", &chart_js)
-            .replace("{{nav}}", &nav)
-            .replace("{{body}}", self.body)
-            .replace("{{script}}", self.script)
-    }
-
-    pub(crate) fn response(&self) -> Response {
-        (
+/// A rendered template as an HTML reply. Pages carry the user's name and data, so no cache may
+/// keep them (`no-store`); a template that fails to render (it cannot, short of a bug in a
+/// value's `Display`) answers 500 without a panic.
+pub(crate) fn html(status: StatusCode, page: &impl Template) -> Response {
+    match page.render() {
+        Ok(html) => (
+            status,
             [
                 (header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8")),
-                (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+                (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
                 (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP)),
             ],
-            self.render(),
+            html,
         )
-            .into_response()
+            .into_response(),
+        Err(e) => {
+            tracing::error!("rendering a page: {e}");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
     }
-}
-
-/// The top bar. On narrow screens the navigation and the account fold into `#menu`, opened by
-/// `#menu-button` (`static/js/shell.js`); on wide ones the button is hidden and the menu is a row.
-fn nav_html(active: Nav) -> String {
-    let entries = [
-        (Nav::Dashboard, "/", "Dashboard", ""),
-        (Nav::Datasets, "/datasets", "Datasets", ""),
-        (Nav::Models, "/models", "Models", ""),
-        (Nav::NewJob, "/jobs/new", "New job", ""),
-        // Shown by the page script once the session says the user is an admin.
-        (Nav::Users, "/admin/users", "Users", " data-admin-only hidden"),
-        (Nav::Storage, "/admin/storage", "Storage", " data-admin-only hidden"),
-    ];
-    let mut links = String::new();
-    for (nav, href, label, extra) in entries {
-        let current = if nav == active { r#" aria-current="page""# } else { "" };
-        links.push_str(&format!(r#"<a href="{href}"{current}{extra}>{label}</a>"#));
-    }
-    let account = if active == Nav::Account { r#" aria-current="page""# } else { "" };
-    format!(
-        r#"<header class="topbar"><a class="brand" href="/">Sluice</a><button type="button" class="menu-button" id="menu-button" aria-expanded="false" aria-controls="menu">Menu</button><div class="menu" id="menu"><nav aria-label="Main">{links}</nav><div class="who"><a id="who-name" href="/account" title="Your account: API tokens and webhook"{account}></a><button type="button" id="logout" class="link">Log out</button></div></div></header>"#
-    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn page(nav: Nav, charts: bool) -> Page {
-        Page { title: "T", body: "<p id=b>body</p>", script: "x", nav, charts }
+    /// A page through the real layout, with a body of its own.
+    #[derive(Template)]
+    #[template(
+        source = r#"{% extends "layout.html" %}{% block main %}<p id=b>body</p>{% endblock %}"#,
+        ext = "html"
+    )]
+    struct Probe<'a> {
+        shell: Shell<'a>,
+    }
+
+    fn render(nav: Nav, charts: bool, user: Option<&User>) -> String {
+        let shell = Shell { title: "T", script: "x", nav, charts, user, first_data: None };
+        Probe { shell }.render().unwrap_or_else(|e| panic!("render: {e}"))
+    }
+
+    fn user(role: &str) -> User {
+        User { id: 1, username: "ann<b>".into(), role: role.into() }
     }
 
     #[test]
-    fn render_fills_every_placeholder() {
-        let html = page(Nav::Datasets, true).render();
-        assert!(!html.contains("{{"), "unfilled placeholder in {html}");
-        assert!(html.contains("<title>T · Sluice</title>"));
-        let home = Page { title: "", ..page(Nav::Dashboard, false) };
-        assert!(home.render().contains("<title>Sluice</title>"));
+    fn the_layout_frames_the_page() {
+        let ann = user("user");
+        let html = render(Nav::Datasets, true, Some(&ann));
+        assert!(html.contains("<title>T · Sluice</title>"), "{html}");
         assert!(html.contains("<p id=b>body</p>"));
         assert!(html.contains(r#"src="/static/js/pages/x.js""#));
         assert!(html.contains(&format!("uplot-{UPLOT_VERSION}/uPlot.iife.min.js")));
         assert!(html.contains(r#"<a href="/datasets" aria-current="page">"#));
         assert!(!html.contains(r#"<a href="/" aria-current"#));
         assert!(html.contains(r#"aria-controls="menu""#) && html.contains(r#"id="menu""#));
+        // The name is the user's, escaped.
+        assert!(html.contains("ann&#60;b&#62;") || html.contains("ann&lt;b&gt;"), "{html}");
+        let home = Probe {
+            shell: Shell {
+                title: "",
+                script: "x",
+                nav: Nav::Dashboard,
+                charts: false,
+                user: None,
+                first_data: None,
+            },
+        };
+        assert!(home.render().is_ok_and(|h| h.contains("<title>Sluice</title>")));
+    }
+
+    #[test]
+    fn the_navigation_shows_admin_pages_to_admins_only() {
+        let (plain, admin) = (user("user"), user("admin"));
+        let html = render(Nav::Dashboard, false, Some(&plain));
+        assert!(!html.contains("/admin/users") && !html.contains("/admin/storage"), "{html}");
+        assert!(!html.contains("(admin)"));
+        let html = render(Nav::Dashboard, false, Some(&admin));
+        assert!(html.contains(r#"<a href="/admin/users">Users</a>"#), "{html}");
+        assert!(html.contains(r#"<a href="/admin/storage">Storage</a>"#));
+        assert!(html.contains("(admin)"));
     }
 
     #[test]
     fn every_page_starts_with_a_skip_link_to_main() {
-        for nav in [Nav::None, Nav::Dashboard] {
-            let html = page(nav, false).render();
+        let ann = user("user");
+        for (nav, who) in [(Nav::None, None), (Nav::Dashboard, Some(&ann))] {
+            let html = render(nav, false, who);
             let body = &html[html.find("<body>").unwrap_or(0)..];
             let first_link = body.find("<a ").unwrap_or(usize::MAX);
             assert_eq!(
@@ -142,9 +209,21 @@ mod tests {
     }
 
     #[test]
-    fn login_pages_have_no_navigation_and_no_charts() {
-        let html = page(Nav::None, false).render();
-        assert!(!html.contains("topbar"));
-        assert!(!html.contains("uPlot"));
+    fn pages_without_navigation_or_user_have_no_top_bar_and_no_charts() {
+        let ann = user("user");
+        for (nav, who) in [(Nav::None, Some(&ann)), (Nav::Dashboard, None)] {
+            let html = render(nav, false, who);
+            assert!(!html.contains("topbar"), "{html}");
+            assert!(!html.contains("uPlot"));
+        }
+    }
+
+    #[test]
+    fn first_data_cannot_close_its_script_element() {
+        let value = serde_json::json!({ "name": "</script><script>alert(1)</script> & <!--" });
+        let text = first_data(&value);
+        assert!(!text.contains('<') && !text.contains('>') && !text.contains('&'), "{text}");
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        assert_eq!(back, value);
     }
 }

@@ -1,4 +1,5 @@
-//! The handlers called directly: pages and static files need no application state.
+//! The static files' handler, called directly (it needs no application state); the pages,
+//! which need a session, are tested through the whole app in `tests/api/pages.rs`.
 
 use axum::body::to_bytes;
 use axum::http::{HeaderMap, HeaderValue, header};
@@ -12,35 +13,6 @@ async fn body_text(response: Response) -> String {
 
 async fn asset(path: &str, headers: HeaderMap) -> Response {
     assets::serve(Path(path.to_owned()), headers).await
-}
-
-#[tokio::test]
-async fn pages_are_html_with_a_strict_script_policy() {
-    for page in [
-        &SETUP, &LOGIN, &DASHBOARD, &DATASETS, &DATASET, &MODELS, &NEW_JOB, &JOB, &USERS, &COMPARE,
-        &STORAGE,
-    ] {
-        let response = page.response();
-        assert_eq!(response.status(), StatusCode::OK);
-        let headers = response.headers();
-        assert_eq!(headers[header::CONTENT_TYPE], "text/html; charset=utf-8");
-        let csp = headers[header::CONTENT_SECURITY_POLICY].to_str().unwrap_or_default();
-        assert!(csp.contains("script-src 'self'"), "{csp}");
-        let html = body_text(response).await;
-        // Every script a page loads must be one the binary serves.
-        let script = format!("js/pages/{}.js", page.script);
-        assert_eq!(asset(&script, HeaderMap::new()).await.status(), StatusCode::OK, "{script}");
-        assert!(html.contains(&format!("/static/{script}")), "{}", page.script);
-    }
-}
-
-#[tokio::test]
-async fn object_pages_accept_only_numeric_ids() {
-    let ok = with_id(Path("42".to_owned()), &JOB).await;
-    assert_eq!(ok.status(), StatusCode::OK);
-    let bad = with_id(Path("42x".to_owned()), &JOB).await;
-    assert_eq!(bad.status(), StatusCode::NOT_FOUND);
-    assert!(body_text(bad).await.contains("Page not found"));
 }
 
 #[tokio::test]

@@ -15,6 +15,7 @@ mod isolation;
 mod jobs;
 mod misc;
 mod models;
+mod pages;
 mod plan_words;
 mod recovery;
 mod runs;

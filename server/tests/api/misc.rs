@@ -12,7 +12,12 @@ use crate::common::{Reply, TestApp, tiny_job};
 async fn root_serves_the_placeholder_and_unknown_routes_get_404() -> anyhow::Result<()> {
     let app = TestApp::new().await?;
     let client = app.client();
+    // Before the first account exists, the home page sends everyone to the setup.
     let root = client.get("/").await?;
+    assert_eq!(root.status, StatusCode::SEE_OTHER);
+    assert_eq!(root.header(header::LOCATION), "/setup");
+    let admin = app.admin().await?;
+    let root = admin.get("/").await?;
     assert_eq!(root.status, StatusCode::OK);
     assert!(root.header(header::CONTENT_TYPE).starts_with("text/html"));
     assert!(root.text().contains("<title>Sluice</title>"), "{}", root.text());
@@ -201,7 +206,7 @@ async fn every_reply_carries_the_security_headers_and_hsts_only_over_https() -> 
         assert!(!reply.headers.contains_key(header::STRICT_TRANSPORT_SECURITY), "{path}");
     }
     // Pages keep their script policy beside the new headers.
-    let page = client.get("/").await?;
+    let page = client.get("/login").await?;
     assert!(page.header(header::CONTENT_SECURITY_POLICY).contains("frame-ancestors 'none'"));
 
     let https = TestApp::with_config(|c| c.https = true).await?;

@@ -11,11 +11,37 @@ export class ApiError extends Error {
   }
 }
 
+let embedded;
+
+/**
+ * What the server embedded in the page for its script's first render (`#first-data`: the
+ * session, and the job, dataset or job list the page shows), taken once: `undefined` when it
+ * embedded no `key` or it was taken already, so later refreshes ask the API.
+ */
+export function firstData(key) {
+  if (embedded === undefined) {
+    const holder = document.getElementById('first-data');
+    try {
+      embedded = holder ? JSON.parse(holder.textContent) : {};
+    } catch {
+      embedded = {};
+    }
+  }
+  const value = embedded[key];
+  delete embedded[key];
+  return value;
+}
+
 let sessionPromise = null;
 
-/** `GET /api/session`, fetched once per page. */
+/** The session: embedded in pages behind the login, else `GET /api/session`, once per page. */
 export function session() {
   if (!sessionPromise) {
+    const given = firstData('session');
+    if (given) {
+      sessionPromise = Promise.resolve(given);
+      return sessionPromise;
+    }
     sessionPromise = request('GET', '/api/session').catch((err) => {
       sessionPromise = null;
       throw err;
@@ -241,8 +267,9 @@ export function safeNext(raw, origin = location.origin) {
 }
 
 /**
- * For every page behind the login: sends visitors without a session to setup or login, fills in
- * the top bar, and returns the signed-in user.
+ * For every page behind the login: sends visitors without a session to setup or login (the
+ * server does so first; this covers a session that ends while the page is open), wires the
+ * top bar's logout (the server draws the bar for the user's role), and returns the user.
  */
 export async function requireUser() {
   const s = await session();
@@ -254,11 +281,6 @@ export async function requireUser() {
     const next = location.pathname + location.search;
     location.replace(`/login?next=${encodeURIComponent(next)}`);
     return new Promise(() => {});
-  }
-  const name = document.getElementById('who-name');
-  if (name) name.textContent = s.user.username + (s.user.role === 'admin' ? ' (admin)' : '');
-  if (s.user.role === 'admin') {
-    for (const el of document.querySelectorAll('[data-admin-only]')) el.hidden = false;
   }
   const logout = document.getElementById('logout');
   if (logout) {

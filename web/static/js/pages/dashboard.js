@@ -1,6 +1,6 @@
 // Dashboard: every job the user may see (ticked ones open side by side in the comparison), and
 // the GPUs with their memory in use.
-import { get, requireUser } from '../api.js';
+import { firstData, get, requireUser } from '../api.js';
 import { $, bar, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, ownerName, showError, statusBadge } from '../ui.js';
 import { jobProgress, modelLabel, placeInLine, queuePosition } from './job_fields.js';
 
@@ -84,7 +84,8 @@ function renderGpus(gpus) {
 }
 
 async function refresh() {
-  const [jobs, gpus] = await Promise.allSettled([get('/api/jobs'), get('/api/gpus')]);
+  const given = firstData('jobs');
+  const [jobs, gpus] = await Promise.allSettled([given ?? get('/api/jobs'), get('/api/gpus')]);
   const failed = [jobs, gpus].find((r) => r.status === 'rejected');
   showError($('#error'), failed ? failed.reason : null);
   if (jobs.status === 'fulfilled') renderJobs(jobs.value);

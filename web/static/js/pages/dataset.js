@@ -1,7 +1,7 @@
 // One dataset: its first examples as the chosen model sees them (trained tokens highlighted),
 // which tokenizer and template rendered them, the records a lenient upload skipped, token
 // statistics and a length histogram.
-import { del, get, requireUser } from '../api.js';
+import { del, firstData, get, requireUser } from '../api.js';
 import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
 
 const me = await requireUser();
@@ -106,7 +106,8 @@ async function main() {
   let dataset;
   let models;
   try {
-    [dataset, models] = await Promise.all([get(`/api/datasets/${id}`), get('/api/models')]);
+    const given = firstData('dataset');
+    [dataset, models] = await Promise.all([given ?? get(`/api/datasets/${id}`), get('/api/models')]);
   } catch (err) {
     if (err.status === 404) err.message = 'There is no dataset here, or it belongs to someone else.';
     showError(error, err);

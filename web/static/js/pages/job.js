@@ -4,7 +4,7 @@
 // written); cancel and resume (which continues from the saved training state exactly). A summary
 // (times, losses, tokens, throughput) with the job's name and note, "run again", and deletes of
 // the job or of single checkpoints that say what they free.
-import { ApiError, del, get, post, postStream, request, requireUser } from '../api.js';
+import { ApiError, del, firstData, get, post, postStream, request, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
 import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
@@ -237,7 +237,7 @@ function notice(text) {
 }
 
 async function refreshJob() {
-  job = await get(`/api/jobs/${id}`);
+  job = firstData('job') ?? (await get(`/api/jobs/${id}`));
   renderJob();
   return job;
 }
