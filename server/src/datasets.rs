@@ -12,7 +12,6 @@ use sluice_engine::data::{Columns, DatasetSource, Layout, ReadOptions};
 use tracing::{info, warn};
 
 use crate::AppState;
-use crate::error::{ApiError, ApiResult};
 use crate::store::datasets as store;
 pub use crate::store::datasets::Dataset;
 use crate::store::users::User;
@@ -54,6 +53,24 @@ impl Dataset {
     }
 }
 
+/// Why a dataset could not be read, kept or removed; `api/errors.rs` gives each its status.
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetsError {
+    /// No such dataset, or one the user may not see (the two read the same).
+    #[error("no dataset {0}")]
+    NotFound(i64),
+    /// Queued or running jobs train on it or evaluate with it.
+    #[error("{active} queued or running jobs use this dataset; cancel them first")]
+    InUse { active: i64 },
+    /// The file is not a dataset the engine can train on: why, and one line per bad record.
+    #[error("{message}")]
+    Unusable { message: String, problems: Vec<String> },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+pub type DatasetsResult<T> = Result<T, DatasetsError>;
+
 /// The datasets of `ids` that exist, by id: one query for any number.
 pub async fn by_ids(state: &AppState, ids: &[i64]) -> sqlx::Result<HashMap<i64, Dataset>> {
     if ids.is_empty() {
@@ -63,35 +80,33 @@ pub async fn by_ids(state: &AppState, ids: &[i64]) -> sqlx::Result<HashMap<i64, 
     Ok(found.into_iter().map(|d| (d.id, d)).collect())
 }
 
-/// The dataset `id` if `user` may see it (theirs, shared, or any for an admin); 404 otherwise.
-pub async fn visible(state: &AppState, user: &User, id: i64) -> ApiResult<Dataset> {
+/// The dataset `id` if `user` may see it (theirs, shared, or any for an admin).
+pub async fn visible(state: &AppState, user: &User, id: i64) -> DatasetsResult<Dataset> {
     let dataset = store::get(state.pool(), id).await?;
     match dataset {
         Some(d) if user.is_admin() || d.owner_id.is_none() || d.owner_id == Some(user.id) => Ok(d),
-        _ => Err(ApiError::not_found(format!("no dataset {id}"))),
+        _ => Err(DatasetsError::NotFound(id)),
     }
 }
 
 /// Every dataset `user` may see, oldest first.
-pub async fn all_visible(state: &AppState, user: &User) -> ApiResult<Vec<Dataset>> {
+pub async fn all_visible(state: &AppState, user: &User) -> DatasetsResult<Vec<Dataset>> {
     let viewer = (!user.is_admin()).then_some(user.id);
     Ok(store::visible_to(state.pool(), viewer).await?)
 }
 
 /// The files of `owner_id`'s datasets.
-pub async fn files_of_owner(state: &AppState, owner_id: i64) -> ApiResult<Vec<PathBuf>> {
+pub async fn files_of_owner(state: &AppState, owner_id: i64) -> DatasetsResult<Vec<PathBuf>> {
     let owned = store::owned_by(state.pool(), owner_id).await?;
     Ok(owned.iter().flat_map(|d| d.files(state)).collect())
 }
 
 /// Forgets `dataset` and removes its file (a file that cannot be removed is logged), answering
-/// the bytes freed; 409 while a queued or running job uses it, whatever runs beside this.
-pub async fn delete(state: &AppState, dataset: &Dataset) -> ApiResult<u64> {
+/// the bytes freed; refused while a queued or running job uses it, whatever runs beside this.
+pub async fn delete(state: &AppState, dataset: &Dataset) -> DatasetsResult<u64> {
     if !store::delete_dataset_if_unused(state.pool(), dataset.id).await? {
         let active = crate::store::jobs::active_using_dataset(state.pool(), dataset.id).await?;
-        return Err(ApiError::conflict(format!(
-            "{active} queued or running jobs use this dataset; cancel them first"
-        )));
+        return Err(DatasetsError::InUse { active });
     }
     let mut freed = 0;
     for path in dataset.files(state) {
@@ -121,13 +136,13 @@ pub struct Linted {
 const SHOWN_PROBLEMS: usize = 100;
 
 /// Reads `source` with the engine, record by record, so a file of any size costs only its
-/// largest record in memory. A file with any bad record is refused with 422 and one line per
-/// problem (the first 100), unless the source skips invalid records: then they are counted and
-/// listed, and only a file with no valid record is refused. A table whose columns name no format
-/// is refused with its columns listed, for a mapping.
-pub fn lint(source: &DatasetSource) -> ApiResult<Linted> {
+/// largest record in memory. A file with any bad record is refused, with one line per problem
+/// (the first 100), unless the source skips invalid records: then they are counted and listed,
+/// and only a file with no valid record is refused. A table whose columns name no format is
+/// refused with its columns listed, for a mapping.
+pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
     let lint = source.open().and_then(|reader| reader.lint(SHOWN_PROBLEMS)).map_err(|err| {
-        ApiError::Unprocessable {
+        DatasetsError::Unusable {
             message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
             problems: Vec::new(),
         }
@@ -149,10 +164,10 @@ pub fn lint(source: &DatasetSource) -> ApiResult<Linted> {
                 lint.column_names.join(", ")
             )
         };
-        return Err(ApiError::Unprocessable { message, problems: listed(&lint) });
+        return Err(DatasetsError::Unusable { message, problems: listed(&lint) });
     };
     if lint.bad > 0 && !source.skips_invalid() {
-        return Err(ApiError::Unprocessable {
+        return Err(DatasetsError::Unusable {
             message: format!(
                 "the dataset has {} bad records; fix them and upload again, or skip invalid \
                  records",
@@ -162,7 +177,7 @@ pub fn lint(source: &DatasetSource) -> ApiResult<Linted> {
         });
     }
     if lint.records == 0 {
-        return Err(ApiError::Unprocessable {
+        return Err(DatasetsError::Unusable {
             message: format!("all {} records are invalid; nothing is left to train on", lint.bad),
             problems: listed(&lint),
         });

@@ -59,10 +59,15 @@ impl ResolvedModel {
     }
 }
 
+/// A model id that names no model the appliance can load: the id and why, for the user.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UnknownModel(pub String);
+
 /// `preset:<name>`, `local:<folder>` or `hf:Org/Name[@revision]` to its spec; `Err` names the
-/// id and says why it is unknown, for the user.
-pub fn resolve(state: &AppState, id: &str) -> Result<ResolvedModel, String> {
-    let unknown = |why: String| format!("unknown model {id:?}: {why}");
+/// id and says why it is unknown.
+pub fn resolve(state: &AppState, id: &str) -> Result<ResolvedModel, UnknownModel> {
+    let unknown = |why: String| UnknownModel(format!("unknown model {id:?}: {why}"));
     let source = source(state, id).map_err(unknown)?;
     let spec = match &source {
         ModelSource::Preset(name) => spec::preset(name),

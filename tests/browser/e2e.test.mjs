@@ -428,13 +428,17 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.goto(url('/datasets'));
     await page.waitForSelector('#datasets table, #datasets .empty');
     assert.equal(await page.locator(`[data-dataset="${datasetId}"]`).count(), 0);
-    await page.goto(url(`/jobs/${jobId}`));
-    await page.waitForSelector('#error:visible');
-    assert.match(await page.locator('#error').innerText(), /no job here/);
-    assert.ok(await page.locator('#job-body').isHidden());
-    await page.goto(url(`/datasets/${datasetId}`));
-    await page.waitForSelector('#error:visible');
-    assert.equal(await page.locator('.sample').count(), 0);
+    // Another user's job and dataset answer the plain not-found page, as ids that do not exist.
+    for (const path of [`/jobs/${jobId}`, `/datasets/${datasetId}`]) {
+      const reply = await page.goto(url(path));
+      assert.equal(reply.status(), 404, path);
+      assert.match(await page.locator('h1').innerText(), /Page not found/);
+      assert.equal(await page.locator('#first-data').count(), 0);
+    }
+    // So do the admin's pages.
+    for (const path of ['/admin/users', '/admin/storage']) {
+      assert.equal((await page.goto(url(path))).status(), 404, path);
+    }
     await page.goto(url('/jobs/new'));
     await page.waitForSelector('#plan-fits, #plan .alert');
     assert.equal(await page.locator(`#dataset option[value="${datasetId}"]`).count(), 0);

@@ -1,9 +1,30 @@
 //! The services' errors as the API's: the one place that decides which HTTP status a service's
 //! failure gets. The services themselves know nothing of HTTP.
 
+use crate::datasets::DatasetsError;
 use crate::error::ApiError;
 use crate::jobs::JobsError;
+use crate::models::UnknownModel;
 use crate::tryit::TryError;
+
+impl From<DatasetsError> for ApiError {
+    fn from(err: DatasetsError) -> Self {
+        match err {
+            DatasetsError::NotFound(_) => ApiError::not_found(err.to_string()),
+            DatasetsError::InUse { .. } => ApiError::conflict(err.to_string()),
+            DatasetsError::Unusable { message, problems } => {
+                ApiError::Unprocessable { message, problems }
+            }
+            DatasetsError::Database(err) => err.into(),
+        }
+    }
+}
+
+impl From<UnknownModel> for ApiError {
+    fn from(err: UnknownModel) -> Self {
+        ApiError::bad_request(err.to_string())
+    }
+}
 
 impl From<TryError> for ApiError {
     fn from(err: TryError) -> Self {

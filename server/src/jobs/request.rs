@@ -158,10 +158,11 @@ pub async fn resolve(
     // Another user's dataset is as unknown as a missing one (400, not 404: it is a field).
     let visible = |field: &'static str, id: Option<i64>| async move {
         let Some(id) = id else { return Ok(None) };
-        datasets::visible(state, user, id)
-            .await
-            .map(Some)
-            .map_err(|_| JobsError::invalid(format!("unknown {field} {id}")))
+        match datasets::visible(state, user, id).await {
+            Ok(dataset) => Ok(Some(dataset)),
+            Err(datasets::DatasetsError::Database(err)) => Err(JobsError::Database(err)),
+            Err(_) => Err(JobsError::invalid(format!("unknown {field} {id}"))),
+        }
     };
     let dataset = visible("dataset", request.dataset).await?;
     let eval_dataset = visible("eval_dataset", request.eval_dataset).await?;
@@ -169,7 +170,7 @@ pub async fn resolve(
     let model_id = request.model.clone();
     let model = tokio::task::spawn_blocking(move || models::resolve(&model_state, &model_id))
         .await?
-        .map_err(JobsError::Invalid)?;
+        .map_err(|unknown| JobsError::Invalid(unknown.0))?;
     let mut settings = request.settings;
     // Stored as used: the model's default learning rate is part of what the job ran with.
     settings.lr = Some(settings.lr_for(&model.source));

@@ -135,7 +135,7 @@ pub(super) async fn preview(
     let preview = tokio::task::spawn_blocking(move || -> ApiResult<Preview> {
         // Held by the work itself: a client that goes away does not free its place early.
         let _permit = permit;
-        let model = models::resolve(&state, &query.model).map_err(ApiError::bad_request)?;
+        let model = models::resolve(&state, &query.model)?;
         let tokenizer = model.tokenizer().map_err(|e| {
             ApiError::unprocessable(format!("cannot load the model's tokenizer: {e}"))
         })?;
