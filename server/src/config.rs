@@ -31,6 +31,10 @@ pub struct Config {
     /// The disk tier's folder, where jobs keep Adam moments that host memory cannot hold (on a
     /// local SSD); `None`: `DATA_DIR/disk-tier` ([`Config::disk_tier_dir`]).
     pub disk_dir: Option<PathBuf>,
+    /// Hosts a webhook may reach although they are on this machine or a private network (a
+    /// department's own relay), by name as the URL writes it; every other private, loopback or
+    /// link-local target is refused (`webhooks.rs`).
+    pub webhook_private_hosts: Vec<String>,
 }
 
 /// Where models by Hugging Face name come from.
@@ -97,6 +101,7 @@ impl Config {
                 user_cache: None,
             },
             disk_dir: None,
+            webhook_private_hosts: Vec::new(),
         }
     }
 
@@ -177,6 +182,20 @@ impl Config {
         if let Some(dir) = &file.disk_dir {
             self.disk_dir = Some(dir.clone());
         }
+        if let Some(hosts) = &file.webhook_private_hosts {
+            for host in hosts {
+                let bare = host.trim_start_matches('[').trim_end_matches(']');
+                let ipv6 = bare.parse::<std::net::Ipv6Addr>().is_ok();
+                anyhow::ensure!(
+                    !bare.is_empty()
+                        && !bare.contains(['/', '@', ' '])
+                        && (ipv6 || !bare.contains(':')),
+                    "webhook_private_hosts: {host:?} must be a host name or address, without a \
+                     scheme, port or path"
+                );
+            }
+            self.webhook_private_hosts.clone_from(hosts);
+        }
         if let Some(url) = &file.public_url {
             let lower = url.to_ascii_lowercase();
             let (https, host) = if let Some(host) = lower.strip_prefix("https://") {
@@ -213,6 +232,7 @@ pub struct FileConfig {
     pub hf_token: Option<crate::hub::HubToken>,
     pub hf_cache: Option<PathBuf>,
     pub disk_dir: Option<PathBuf>,
+    pub webhook_private_hosts: Option<Vec<String>>,
 }
 
 impl FileConfig {
@@ -236,6 +256,7 @@ impl FileConfig {
             hf_token: self.hf_token.or(lower.hf_token),
             hf_cache: self.hf_cache.or(lower.hf_cache),
             disk_dir: self.disk_dir.or(lower.disk_dir),
+            webhook_private_hosts: self.webhook_private_hosts.or(lower.webhook_private_hosts),
         }
     }
 

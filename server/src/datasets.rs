@@ -198,7 +198,7 @@ pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
 }
 
 /// Engine errors name the file; the server-chosen name means nothing to the user.
-fn strip_path(message: &str) -> String {
+pub fn strip_path(message: &str) -> String {
     match message.split_once(": ") {
         Some((head, rest)) if head.contains('/') => rest.to_string(),
         _ => message.to_string(),

@@ -4,14 +4,21 @@
 //! (rustls with ring, or plain `http://`), with a short timeout and a few retries spaced out,
 //! so a slow or dead receiver never holds the queue or a handler. The outcome of the latest
 //! delivery (after its retries) is kept in the `webhooks` row for the account page, and a
-//! failure is logged. Redirects are not followed: the URL the user gave is the one posted to.
+//! failure is logged.
 //!
-//! URLs aimed at this machine (loopback, private ranges) are allowed: a webhook carries no
-//! credential, its body is fixed by the appliance, and its sender sees only the receiver's
-//! status code or the kind of failure, so it reveals no more than which local ports answer,
-//! which anyone with an account on the appliance's host could find out anyway; and a hook to
-//! a local relay (a chat bridge, a script) is a legitimate use.
+//! A webhook is a request the appliance makes on a user's behalf, so it must not become a
+//! probe of the network the appliance sits in (its own API on the loopback, a cloud's metadata
+//! service, a department's intranet). Each attempt resolves the host itself, refuses it when
+//! any address is loopback, link-local, private, unique-local, shared (CGNAT), multicast,
+//! unspecified or reserved (in any notation: `2130706433`, `::ffff:127.0.0.1` and `0x7f.1` all
+//! resolve to 127.0.0.1), and connects only to the addresses it checked, so a DNS answer that
+//! changes in between cannot swap them. Redirects are not followed: a 3xx is a failure. An
+//! admin may name hosts that may be private (`webhook_private_hosts`), for a department's own
+//! relay. The user sees only whether a delivery was delivered or failed, with a reason that
+//! says nothing of what answered (no status code, no "connection refused"); the details are
+//! logged for the admin.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -56,6 +63,102 @@ pub fn check_url(url: &str) -> ApiResult<String> {
     Ok(url.to_string())
 }
 
+/// Refuses a URL whose host resolves (now) to an address webhooks may not reach, unless an
+/// admin named the host, so a user learns at once rather than at the first delivery; a host
+/// that does not resolve yet is left to the delivery, which checks again every time.
+async fn check_target(state: &AppState, url: &str) -> ApiResult<()> {
+    let Some(target) = Target::of(url) else { return Ok(()) };
+    if target.is_named_in(&state.config().webhook_private_hosts) {
+        return Ok(());
+    }
+    let Ok(addrs) = tokio::net::lookup_host((target.host.as_str(), target.port)).await else {
+        return Ok(());
+    };
+    if addrs.into_iter().any(|a| !reachable(a.ip())) {
+        return Err(ApiError::bad_request(format!("url: {NOT_ALLOWED}")));
+    }
+    Ok(())
+}
+
+/// Why a target is refused, as the user is told.
+const NOT_ALLOWED: &str = "webhooks go only to public addresses, not to this machine or a \
+                           private network (an administrator can allow a named host)";
+
+/// A URL's host (an IPv6 address without its brackets) and port.
+struct Target {
+    host: String,
+    port: u16,
+}
+
+impl Target {
+    fn of(url: &str) -> Option<Target> {
+        let uri: axum::http::Uri = url.parse().ok()?;
+        let default = match uri.scheme_str()? {
+            "https" => 443,
+            "http" => 80,
+            _ => return None,
+        };
+        let host = uri.host()?.trim_start_matches('[').trim_end_matches(']').to_string();
+        Some(Target { host, port: uri.port_u16().unwrap_or(default) })
+    }
+
+    fn is_named_in(&self, allowed: &[String]) -> bool {
+        allowed.iter().any(|name| {
+            name.trim_start_matches('[').trim_end_matches(']').eq_ignore_ascii_case(&self.host)
+        })
+    }
+}
+
+/// Whether a webhook may be sent to `ip`: a public unicast address. An IPv6 address that
+/// carries an IPv4 one (mapped, compatible, NAT64, 6to4) is judged by that.
+pub fn reachable(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => reachable_v4(v4),
+        IpAddr::V6(v6) => reachable_v6(v6),
+    }
+}
+
+fn reachable_v4(ip: Ipv4Addr) -> bool {
+    let [a, b, ..] = ip.octets();
+    let this_network = a == 0;
+    let shared = a == 100 && (64..128).contains(&b);
+    let reserved = a >= 240;
+    !(this_network
+        || ip.is_loopback()
+        || ip.is_private()
+        || ip.is_link_local()
+        || shared
+        || ip.is_multicast()
+        || reserved)
+}
+
+fn reachable_v6(ip: Ipv6Addr) -> bool {
+    let s = ip.segments();
+    let octets = ip.octets();
+    let embedded =
+        |at: usize| Ipv4Addr::new(octets[at], octets[at + 1], octets[at + 2], octets[at + 3]);
+    if let Some(v4) = ip.to_ipv4_mapped() {
+        return reachable_v4(v4);
+    }
+    // IPv4-compatible (::a.b.c.d, which also covers :: and ::1) and NAT64 (64:ff9b::/96).
+    if s[..6] == [0; 6] || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        return reachable_v4(embedded(12));
+    }
+    // 6to4 (2002:a.b.c.d::/48).
+    if s[0] == 0x2002 {
+        return reachable_v4(embedded(2));
+    }
+    let unique_local = s[0] & 0xfe00 == 0xfc00;
+    let link_local = s[0] & 0xffc0 == 0xfe80;
+    let site_local = s[0] & 0xffc0 == 0xfec0;
+    !(ip.is_unspecified()
+        || ip.is_loopback()
+        || ip.is_multicast()
+        || unique_local
+        || link_local
+        || site_local)
+}
+
 /// `user_id`'s webhook, if they set one.
 pub async fn get(state: &AppState, user_id: i64) -> ApiResult<Option<WebhookView>> {
     Ok(store::get(state.pool(), user_id).await?)
@@ -70,19 +173,25 @@ pub async fn set(state: &AppState, user_id: i64, url: Option<&str>) -> ApiResult
         }
         Some(url) => {
             let url = check_url(url)?;
+            check_target(state, &url).await?;
             store::set(state.pool(), user_id, &url, now()).await?;
         }
     }
     Ok(())
 }
 
-/// The outcome of a delivery.
+/// The outcome of a delivery, as the user sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delivery {
     pub ok: bool,
-    /// "HTTP 204", or why it failed.
+    /// [`DELIVERED`], [`FAILED`] or [`REFUSED`]: nothing of what answered.
     pub result: String,
 }
+
+pub const DELIVERED: &str = "delivered";
+pub const FAILED: &str = "failed: the receiver could not be reached or did not accept it";
+pub const REFUSED: &str = "failed: webhooks go only to public addresses, not to this machine \
+                           or a private network";
 
 /// Posts `body` to `user_id`'s webhook, if they have one, on a task of its own: up to three
 /// attempts, then the outcome is stored. Returns at once.
@@ -97,7 +206,8 @@ pub fn send_later(state: &AppState, user_id: i64, job_id: Option<i64>, body: Val
                 return;
             }
         };
-        let delivery = deliver(&hook.url, &body, 1 + RETRY_AFTER.len()).await;
+        let allowed = state.config().webhook_private_hosts.clone();
+        let delivery = deliver(&hook.url, &body, 1 + RETRY_AFTER.len(), allowed).await;
         record(&state, user_id, &hook.url, job_id, &delivery).await;
     });
 }
@@ -106,31 +216,38 @@ pub fn send_later(state: &AppState, user_id: i64, job_id: Option<i64>, body: Val
 /// "send a test"). `None` when they have no webhook.
 pub async fn send_now(state: &AppState, user_id: i64, body: &Value) -> ApiResult<Option<Delivery>> {
     let Some(hook) = get(state, user_id).await? else { return Ok(None) };
-    let delivery = deliver(&hook.url, body, 1).await;
+    let allowed = state.config().webhook_private_hosts.clone();
+    let delivery = deliver(&hook.url, body, 1, allowed).await;
     record(state, user_id, &hook.url, None, &delivery).await;
     Ok(Some(delivery))
 }
 
-/// Up to `attempts` posts of `body` to `url`, until one is answered 2xx or a 4xx other than
-/// 408 and 429 says that trying again would not help.
-async fn deliver(url: &str, body: &Value, attempts: usize) -> Delivery {
+/// Up to `attempts` posts of `body` to `url`, until one is answered 2xx, or a 4xx other than
+/// 408 and 429 (or a 3xx) says that trying again would not help, or the target is refused.
+/// What went wrong is logged; the delivery says only delivered or failed.
+async fn deliver(url: &str, body: &Value, attempts: usize, allowed: Vec<String>) -> Delivery {
     let bytes = body.to_string().into_bytes();
-    let mut delivery = Delivery { ok: false, result: "not sent".into() };
+    let mut delivery = Delivery { ok: false, result: FAILED.into() };
     for attempt in 0..attempts {
         if attempt > 0 {
             tokio::time::sleep(RETRY_AFTER[(attempt - 1).min(RETRY_AFTER.len() - 1)]).await;
         }
-        let (url, bytes) = (url.to_string(), bytes.clone());
-        let outcome = tokio::task::spawn_blocking(move || post(&url, &bytes)).await;
-        let (ok, again, result) = match outcome {
+        let (target, bytes, allowed) = (url.to_string(), bytes.clone(), allowed.clone());
+        let outcome = tokio::task::spawn_blocking(move || post(&target, &bytes, &allowed)).await;
+        let (ok, again, result, detail) = match outcome {
             Ok(Ok(status)) => {
                 let again = status >= 500 || status == 408 || status == 429;
-                ((200..300).contains(&status), again, format!("HTTP {status}"))
+                let ok = (200..300).contains(&status);
+                (ok, again, if ok { DELIVERED } else { FAILED }, format!("HTTP {status}"))
             }
-            Ok(Err(why)) => (false, true, why),
-            Err(err) => (false, false, format!("the sending thread failed: {err}")),
+            Ok(Err(Failure::Refused(why))) => (false, false, REFUSED, why),
+            Ok(Err(Failure::Failed(why))) => (false, true, FAILED, why),
+            Err(err) => (false, false, FAILED, format!("the sending thread failed: {err}")),
         };
-        delivery = Delivery { ok, result };
+        if !ok {
+            warn!("webhook to {url}: attempt {} of {attempts} failed: {detail}", attempt + 1);
+        }
+        delivery = Delivery { ok, result: result.to_string() };
         if ok || !again {
             break;
         }
@@ -138,33 +255,74 @@ async fn deliver(url: &str, body: &Value, attempts: usize) -> Delivery {
     delivery
 }
 
-/// One post; `Ok` with the status code of whatever answered.
-fn post(url: &str, body: &[u8]) -> Result<u16, String> {
-    let agent = ureq::Agent::new_with_config(
-        ureq::Agent::config_builder()
-            .timeout_global(Some(TIMEOUT))
-            .http_status_as_error(false)
-            .max_redirects(0)
-            .user_agent(concat!("sluice-webhook/", env!("CARGO_PKG_VERSION")))
-            .build(),
+/// Why an attempt did not get an answer, for the log.
+#[derive(Debug)]
+enum Failure {
+    /// The target may not be reached; trying again would not change that.
+    Refused(String),
+    Failed(String),
+}
+
+/// One post to the addresses `url`'s host resolves to, once every one is checked (or the host
+/// is one of `allowed`); `Ok` with the status code of whatever answered.
+fn post(url: &str, body: &[u8], allowed: &[String]) -> Result<u16, Failure> {
+    let target = Target::of(url).ok_or_else(|| Failure::Refused(format!("not a URL: {url}")))?;
+    let addrs: Vec<SocketAddr> = (target.host.as_str(), target.port)
+        .to_socket_addrs()
+        .map_err(|e| Failure::Failed(format!("cannot resolve {}: {e}", target.host)))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Failure::Failed(format!("{} resolves to no address", target.host)));
+    }
+    let named = target.is_named_in(allowed);
+    if let Some(bad) = addrs.iter().find(|a| !reachable(a.ip()) && !named) {
+        return Err(Failure::Refused(format!("{} resolves to {}", target.host, bad.ip())));
+    }
+    // Multicast and unspecified addresses are no one's service, named or not.
+    if let Some(bad) = addrs.iter().find(|a| a.ip().is_multicast() || a.ip().is_unspecified()) {
+        return Err(Failure::Refused(format!("{} resolves to {}", target.host, bad.ip())));
+    }
+    let config = ureq::Agent::config_builder()
+        .timeout_global(Some(TIMEOUT))
+        .http_status_as_error(false)
+        .max_redirects(0)
+        // A proxy would be connected to at the checked addresses, and would pick its own.
+        .proxy(None)
+        .user_agent(concat!("sluice-webhook/", env!("CARGO_PKG_VERSION")))
+        .build();
+    let agent = ureq::Agent::with_parts(
+        config,
+        ureq::unversioned::transport::DefaultConnector::new(),
+        Checked(addrs),
     );
     agent
         .post(url)
         .header("content-type", "application/json")
         .send(body)
         .map(|reply| reply.status().as_u16())
-        .map_err(|err| match err {
-            ureq::Error::Timeout(_) => format!("no answer within {} s", TIMEOUT.as_secs()),
-            ureq::Error::ConnectionFailed => "cannot connect".to_string(),
-            ureq::Error::Io(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                "cannot connect: connection refused".to_string()
+        .map_err(|err| Failure::Failed(err.to_string()))
+}
+
+/// A resolver that answers the addresses already checked, whatever DNS says by now.
+#[derive(Debug)]
+struct Checked(Vec<SocketAddr>);
+
+impl ureq::unversioned::resolver::Resolver for Checked {
+    fn resolve(
+        &self,
+        _uri: &axum::http::Uri,
+        _config: &ureq::config::Config,
+        _timeout: ureq::unversioned::transport::NextTimeout,
+    ) -> Result<ureq::unversioned::resolver::ResolvedSocketAddrs, ureq::Error> {
+        let mut addrs = self.empty();
+        for addr in &self.0 {
+            // ureq keeps a handful of addresses; the rest are not tried.
+            if addrs.try_push(*addr).is_err() {
+                break;
             }
-            ureq::Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-                format!("no answer within {} s", TIMEOUT.as_secs())
-            }
-            ureq::Error::HostNotFound => "unknown host".to_string(),
-            other => other.to_string(),
-        })
+        }
+        Ok(addrs)
+    }
 }
 
 /// Stores the outcome, unless the webhook was changed meanwhile; a failure is logged.
@@ -192,6 +350,7 @@ async fn record(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -213,5 +372,93 @@ mod tests {
             assert!(check_url(bad).is_err(), "{bad:?} was accepted");
         }
         assert!(check_url(&format!("https://h/{}", "a".repeat(MAX_URL_LEN))).is_err());
+    }
+
+    #[test]
+    fn only_public_unicast_addresses_are_reachable() {
+        let refused = [
+            "0.0.0.0",
+            "0.1.2.3",
+            "127.0.0.1",
+            "127.255.0.9",
+            "10.1.2.3",
+            "172.16.0.1",
+            "172.31.255.255",
+            "192.168.0.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "100.127.0.1",
+            "224.0.0.1",
+            "239.255.255.250",
+            "240.0.0.1",
+            "255.255.255.255",
+            "::",
+            "::1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+            "::ffff:169.254.169.254",
+            "::127.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "2002:7f00:1::",
+            "fe80::1",
+            "febf::1",
+            "fec0::1",
+            "fc00::1",
+            "fd12:3456::1",
+            "ff02::1",
+            "ff0e::1",
+        ];
+        for ip in refused {
+            assert!(!reachable(ip.parse().unwrap()), "{ip} is reachable");
+        }
+        let public = [
+            "8.8.8.8",
+            "93.184.215.14",
+            "172.32.0.1",
+            "100.128.0.1",
+            "169.255.0.1",
+            "2606:4700:4700::1111",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "2002:808:808::",
+        ];
+        for ip in public {
+            assert!(reachable(ip.parse().unwrap()), "{ip} is refused");
+        }
+    }
+
+    #[test]
+    fn a_delivery_resolves_and_checks_the_host_itself() {
+        // Whatever was checked when the URL was set, a delivery checks again: nothing connects.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for url in [
+            format!("http://localhost:{port}/"),
+            format!("http://2130706433:{port}/"),
+            format!("http://[::ffff:127.0.0.1]:{port}/"),
+        ] {
+            match post(&url, b"{}", &[]) {
+                Err(Failure::Refused(why)) => assert!(why.contains("resolves to"), "{url}: {why}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        assert!(listener.accept().is_err(), "a refused target was connected to");
+        // Named by the admin: posted to, and the closed connection is a plain failure.
+        drop(listener);
+        match post(&format!("http://localhost:{port}/"), b"{}", &["LocalHost".into()]) {
+            Err(Failure::Failed(_)) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn targets_are_read_from_urls() {
+        let target = Target::of("http://[::1]:9/x").unwrap();
+        assert_eq!((target.host.as_str(), target.port), ("::1", 9));
+        let target = Target::of("https://2130706433/").unwrap();
+        assert_eq!((target.host.as_str(), target.port), ("2130706433", 443));
+        assert!(target.is_named_in(&["2130706433".into()]));
+        assert!(!target.is_named_in(&["127.0.0.1".into()]));
     }
 }

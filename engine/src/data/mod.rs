@@ -36,6 +36,7 @@ pub use formats::{
     read_registry_dataset, registry_names, single_dataset_registry,
 };
 pub use pack::{MicroBatch, PackOptions, Packed, Row, Stats, pack};
+pub use parquet::{MAX_PAGE_BYTES, MAX_PARQUET_BYTES, MAX_PARQUET_ROWS};
 pub use prepare::{PrepareOptions, Prepared, Preparer, Sample};
 pub use stream::{Checked, DatasetReader, Lint, MAX_RECORD_BYTES, layout_of};
 pub use template::{ChatTemplate, Rendered, SpecialTokens};

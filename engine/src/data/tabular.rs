@@ -3,8 +3,14 @@
 //! span lines). Rows are read one at a time through the `csv` crate, and no row may be longer
 //! than [`MAX_RECORD_BYTES`]: an unclosed quote would otherwise read the rest of the file into
 //! one field.
+//!
+//! The `csv` crate reads a quote inside an unquoted field (`say "hi"`) or after a closing quote
+//! (`"hi" there`) as text, so a stray quote would pass unnoticed and a file whose quoting went
+//! wrong would be learned as written. Each row's own bytes are kept until it is parsed and
+//! checked against RFC 4180's rule (a field with a quote is quoted whole, its quotes doubled);
+//! a row that breaks it is a problem of that row.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io::Read;
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -20,7 +26,11 @@ pub(super) type RawRow = (usize, std::result::Result<Value, String>);
 
 fn reader<R: Read>(input: R, delimiter: u8) -> (csv::Reader<Counted<R>>, Rc<Cell<usize>>) {
     let since_row = Rc::new(Cell::new(0));
-    let counted = Counted { inner: input, since_row: Rc::clone(&since_row) };
+    let counted = Counted {
+        inner: input,
+        since_row: Rc::clone(&since_row),
+        raw: Rc::new(RefCell::new(Raw::default())),
+    };
     let reader = csv::ReaderBuilder::new()
         .delimiter(delimiter)
         .has_headers(true)
@@ -76,6 +86,8 @@ pub(super) fn rows<R: Read>(
     // Every row then ends with a newline, which is what tells the line a row starts on.
     let (mut reader, since_row) = reader(input.chain(&b"\n"[..]), delimiter);
     let names = header(path, &mut reader, &since_row)?;
+    let raw = Rc::clone(&reader.get_ref().raw);
+    raw.borrow_mut().forget_before(reader.position().byte());
     let mut row = csv::ByteRecord::new();
     loop {
         let line = reader.position().line() as usize;
@@ -85,9 +97,16 @@ pub(super) fn rows<R: Read>(
         let inside = row.as_slice().iter().filter(|&&b| b == b'\n').count();
         let start = (reader.position().line() as usize).saturating_sub(inside + 1).max(line);
         let row_bytes = since_row.replace(0);
+        let end = reader.position().byte();
+        let begin = row.position().map_or(end, csv::Position::byte);
+        let stray = raw.borrow().bytes(begin, end).and_then(|bytes| stray_quote(bytes, delimiter));
+        raw.borrow_mut().forget_before(end);
         let value = match read {
             Ok(false) => return Ok(()),
-            Ok(true) => object(&names, &row),
+            Ok(true) => match stray {
+                Some(field) => Err(stray_message(&names, field)),
+                None => object(&names, &row),
+            },
             Err(err) if matches!(err.kind(), csv::ErrorKind::Io(_)) => {
                 return Err(csv_error(path, err, row_bytes, line));
             }
@@ -101,6 +120,60 @@ pub(super) fn rows<R: Read>(
             return Ok(());
         }
     }
+}
+
+fn stray_message(names: &[String], field: usize) -> String {
+    let column = match names.get(field) {
+        Some(name) => format!("column {name:?}"),
+        None => format!("field {}", field + 1),
+    };
+    format!(
+        "{column} has a stray quote: a field with a quote in it must be quoted whole, with its \
+         quotes doubled (\"say \"\"hi\"\"\")"
+    )
+}
+
+/// The index of the first field of `row` (its raw bytes, terminator included) that breaks
+/// RFC 4180's quoting: a quote inside an unquoted field, text after a closing quote, or a quote
+/// never closed.
+fn stray_quote(row: &[u8], delimiter: u8) -> Option<usize> {
+    let mut field = 0;
+    let mut bytes = row.iter().copied().peekable();
+    let mut at_start = true;
+    while let Some(byte) = bytes.next() {
+        match byte {
+            b'"' if at_start => {
+                loop {
+                    match bytes.next() {
+                        None => return Some(field),
+                        Some(b'"') if bytes.peek() == Some(&b'"') => {
+                            bytes.next();
+                        }
+                        Some(b'"') => break,
+                        Some(_) => {}
+                    }
+                }
+                match bytes.peek() {
+                    None | Some(b'\n' | b'\r') => {}
+                    Some(&next) if next == delimiter => {}
+                    Some(_) => return Some(field),
+                }
+                at_start = false;
+            }
+            b'"' => return Some(field),
+            b'\n' | b'\r' => {
+                // Blank lines before the row are read with it.
+                field = 0;
+                at_start = true;
+            }
+            _ if byte == delimiter => {
+                field += 1;
+                at_start = true;
+            }
+            _ => at_start = false,
+        }
+    }
+    None
 }
 
 fn object(names: &[String], row: &csv::ByteRecord) -> std::result::Result<Value, String> {
@@ -134,14 +207,44 @@ fn csv_error(path: &Path, err: csv::Error, row_bytes: usize, line: usize) -> Err
 
 /// Counts the bytes handed to the parser since the last row ended and fails past
 /// [`MAX_RECORD_BYTES`] (plus the parser's own buffer), so one row cannot fill memory.
+///
+/// It also keeps the bytes handed over since the last row ended, for [`stray_quote`]: no more
+/// than that row and the parser's read-ahead.
 struct Counted<R> {
     inner: R,
     since_row: Rc<Cell<usize>>,
+    raw: Rc<RefCell<Raw>>,
+}
+
+/// Bytes of the input from the offset `start` on.
+#[derive(Default)]
+struct Raw {
+    start: u64,
+    kept: Vec<u8>,
+}
+
+impl Raw {
+    /// The bytes from offset `begin` to `end`, when they are all kept.
+    fn bytes(&self, begin: u64, end: u64) -> Option<&[u8]> {
+        let from = usize::try_from(begin.checked_sub(self.start)?).ok()?;
+        let to = usize::try_from(end.checked_sub(self.start)?).ok()?;
+        self.kept.get(from..to)
+    }
+
+    fn forget_before(&mut self, offset: u64) {
+        let drop = usize::try_from(offset.saturating_sub(self.start)).unwrap_or(usize::MAX);
+        let drop = drop.min(self.kept.len());
+        self.kept.drain(..drop);
+        self.start += drop as u64;
+    }
 }
 
 impl<R: Read> Read for Counted<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
+        if let Some(read) = buf.get(..n) {
+            self.raw.borrow_mut().kept.extend_from_slice(read);
+        }
         let total = self.since_row.get() + n;
         self.since_row.set(total);
         if total > MAX_RECORD_BYTES + (64 << 10) {

@@ -2,7 +2,9 @@
 //! jobs' ends are posted to. Everyone manages only their own; an admin's tokens act as admin.
 //!
 //! - `GET /api/account/tokens`: the caller's tokens, newest first (never the tokens themselves).
-//! - `POST /api/account/tokens` `{"name"}`: 201 with the new token, shown this once.
+//! - `POST /api/account/tokens` `{"name"}`: 201 with the new token, shown this once; only
+//!   through a password session (403 for an API token), so a stolen token cannot mint
+//!   successors that outlive its revocation.
 //! - `DELETE /api/account/tokens/{id}`: 204; the token stops working at once.
 //! - `GET /api/account/webhook`: `{"webhook": null}` or the URL and the latest delivery.
 //! - `PUT /api/account/webhook` `{"url"}`: sets it (`""` or `null` removes it).
@@ -16,8 +18,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::AppState;
-use crate::auth::CurrentUser;
 use crate::auth::tokens;
+use crate::auth::{CurrentUser, SessionUser};
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::webhooks;
 
@@ -44,7 +46,7 @@ struct NewToken {
 
 async fn create_token(
     State(state): State<AppState>,
-    CurrentUser(user): CurrentUser,
+    SessionUser(user): SessionUser,
     ApiJson(body): ApiJson<NewToken>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (view, token) = tokens::create(&state, user.id, &body.name).await?;

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-pub use session::{AdminUser, CurrentUser, User};
+pub use session::{AdminUser, CurrentUser, SessionUser, User};
 
 use crate::AppState;
 use crate::db::now;

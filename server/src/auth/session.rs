@@ -262,6 +262,25 @@ impl FromRequestParts<AppState> for CurrentUser {
     }
 }
 
+/// The user logged in with their password, for what a stolen API token must not do (make more
+/// tokens, which would outlive its revocation); 401 without a user, 403 for an API token.
+#[derive(Debug, Clone)]
+pub struct SessionUser(pub User);
+
+impl FromRequestParts<AppState> for SessionUser {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> ApiResult<Self> {
+        if tokens::bearer(&parts.headers).is_some() {
+            return Err(ApiError::Forbidden(
+                "an API token cannot do this: log in with your password (the account page)".into(),
+            ));
+        }
+        let CurrentUser(user) = CurrentUser::from_request_parts(parts, state).await?;
+        Ok(SessionUser(user))
+    }
+}
+
 /// The logged-in user, who must be an admin; 401 without a user, 403 for a non-admin.
 #[derive(Debug, Clone)]
 pub struct AdminUser(pub User);

@@ -123,6 +123,8 @@ impl ServeArgs {
             hf_token: self.hf_token.as_deref().and_then(crate::hub::HubToken::new),
             hf_cache: self.hf_cache.clone(),
             disk_dir: self.disk_dir.clone(),
+            // Only in the config file: a list is no flag.
+            webhook_private_hosts: None,
         };
         config.apply_file(&overrides.or(file.unwrap_or_default()))?;
         if config.hub.user_cache.is_none() {

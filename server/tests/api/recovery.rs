@@ -1,7 +1,8 @@
 //! The queue's rules under races, and what is cleaned up: submits, resumes and a dataset's
 //! delete hammered at once never give a 500 nor a queued job without its dataset, and never
 //! exceed the per-user limit; a deleted user's files go with them; job ids (and so run folders)
-//! are never given twice; a restart removes half-written uploads and orphaned run folders.
+//! are never given twice; a restart removes half-written uploads, imports, exports, saves and
+//! Hub snapshots, and orphaned run folders, and nothing kept.
 
 use axum::http::StatusCode;
 use serde_json::{Value, json};
@@ -196,10 +197,34 @@ async fn a_restart_removes_half_written_uploads_and_orphaned_run_folders() -> an
     std::fs::write(&strays[0], b"half a dataset")?;
     std::fs::write(&strays[1], b"half a gguf")?;
     std::fs::create_dir_all(strays[2].join("checkpoint-3"))?;
+    // Hidden folders of saves, imports, exports and Hub pulls cut short, each with a file in it,
+    // named as the code that makes them names them.
+    let run = data.join("runs").join(id.to_string());
+    let snapshots = data.join("hub/models--Org--Model/snapshots");
+    let hidden = [
+        run.join(".pruned-checkpoint-5"),
+        run.join(".checkpoint-7.partial"),
+        run.join(".state.partial"),
+        models.join("..import-0a1b2c.partial"),
+        data.join("runs/.gguf-export-3-q8_0-1712345678"),
+        snapshots.join(".partial-0123abcd-4242"),
+    ];
+    for folder in &hidden {
+        std::fs::create_dir_all(folder)?;
+        std::fs::write(folder.join("model.safetensors"), vec![0u8; 4096])?;
+    }
+    // A save killed between its two renames leaves the previous checkpoint only as `.old`.
+    let kept = [run.join(".checkpoint-1.old"), snapshots.join("0123abcd")];
+    for folder in &kept {
+        std::fs::create_dir_all(folder)?;
+    }
 
     app.restart().await?;
-    for stray in &strays {
+    for stray in strays.iter().chain(&hidden) {
         assert!(!stray.exists(), "{} survived the restart", stray.display());
+    }
+    for folder in &kept {
+        assert!(folder.is_dir(), "{} was removed", folder.display());
     }
     assert!(!models.join(".import-abc").exists());
     assert!(models.join("kept-model").is_dir(), "a real model folder was removed");

@@ -40,6 +40,42 @@ async fn make_token(client: &Client, name: &str) -> anyhow::Result<(i64, String)
     Ok((id, token.to_string()))
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_cannot_make_tokens() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let alice = app.user(&admin, "alice").await?;
+    let (_, token) = make_token(&alice, "stolen").await?;
+
+    let minted = bearer(
+        &app,
+        &token,
+        Method::POST,
+        "/api/account/tokens",
+        Some(json!({"name": "successor"})),
+    )
+    .await?;
+    assert_eq!(minted.status, StatusCode::FORBIDDEN, "{}", minted.text());
+    assert_eq!(
+        minted.error(),
+        "an API token cannot do this: log in with your password (the account page)"
+    );
+    // A token with a session cookie beside it is still judged by the token.
+    let request = alice
+        .builder(Method::POST, "/api/account/tokens")
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json");
+    let both = alice.send(request.body(Body::from(json!({"name": "x"}).to_string()))?).await?;
+    assert_eq!(both.status, StatusCode::FORBIDDEN, "{}", both.text());
+
+    // The token still reads, and its owner's password session still makes tokens.
+    let listed = bearer(&app, &token, Method::GET, "/api/account/tokens", None).await?;
+    assert_eq!(listed.status, StatusCode::OK, "{}", listed.text());
+    assert_eq!(listed.json()?.as_array().map(Vec::len), Some(1), "only the first token exists");
+    make_token(&alice, "from the browser").await?;
+    Ok(())
+}
+
 fn tiny_plan() -> Value {
     json!({"model": "preset:tiny", "gpu": "cpu", "seq_len": 64, "micro_batch": 1})
 }

@@ -18,12 +18,15 @@ use tokio::sync::Semaphore;
 
 use crate::AppState;
 use crate::auth::CurrentUser;
-use crate::datasets::visible;
+use crate::datasets::{strip_path, visible};
 use crate::error::{ApiError, ApiPath, ApiQuery, ApiResult};
 use crate::models;
 
 /// Records tokenized for the statistics; past this the numbers describe a prefix of the file.
 const STATS_RECORDS: usize = 10_000;
+/// Records read at most, bad ones (which a lenient upload skips) included, so a file of
+/// millions of bad records costs no more than one of good ones.
+const READ_RECORDS: usize = 2 * STATS_RECORDS;
 const MAX_LIMIT: usize = 50;
 /// Histogram buckets below `seq_len` (one more counts the samples that get truncated).
 const BUCKETS: usize = 8;
@@ -192,7 +195,7 @@ fn build(
     records: usize,
     query: &PreviewQuery,
 ) -> ApiResult<(Vec<PreviewSample>, PreviewStats)> {
-    let refuse = |e: sluice_engine::Error| ApiError::unprocessable(e.to_string());
+    let refuse = |e: sluice_engine::Error| ApiError::unprocessable(strip_path(&e.to_string()));
     let reader = source.open().map_err(refuse)?;
     let preparer =
         Preparer::new(tokenizer, PrepareOptions { train_on_prompt: query.train_on_prompt })
@@ -204,10 +207,18 @@ fn build(
     let mut lengths = Histogram::new(seq_len);
     let (mut tokens, mut trained_tokens, mut truncated) = (0, 0, 0);
     let mut failed = None;
+    let mut read = 0;
     reader
         .for_each(|checked| {
+            read += 1;
             // A bad record was refused at upload, or skipped by a lenient one as training skips it.
-            let Ok(entry) = checked else { return ControlFlow::Continue(()) };
+            let Ok(entry) = checked else {
+                return if read >= READ_RECORDS {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                };
+            };
             let shown = preparer
                 .sample(&entry.record)
                 .map_err(|e| ApiError::unprocessable(format!("line {}: {e}", entry.line)))
@@ -227,7 +238,7 @@ fn build(
                 failed = Some(err);
                 return ControlFlow::Break(());
             }
-            if lengths.count() == STATS_RECORDS {
+            if lengths.count() == STATS_RECORDS || read >= READ_RECORDS {
                 ControlFlow::Break(())
             } else {
                 ControlFlow::Continue(())
