@@ -26,7 +26,6 @@ use tracing::{info, warn};
 
 use crate::AppState;
 use crate::db::now;
-use crate::error::{ApiError, ApiResult};
 use crate::store::webhooks as store;
 pub use crate::store::webhooks::WebhookView;
 
@@ -39,11 +38,23 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 /// The pauses before the second and the third attempt.
 const RETRY_AFTER: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
 
+/// Why a webhook could not be read or set; `api/errors.rs` gives each its status.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// The URL is not one webhooks may go to: why, for the user.
+    #[error("url: {0}")]
+    Url(String),
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+pub type WebhookResult<T> = Result<T, WebhookError>;
+
 /// A webhook URL: `http://` or `https://` with a host, at most [`MAX_URL_LEN`] bytes, and no
 /// user name or password in it (they would be shown on the account page).
-pub fn check_url(url: &str) -> ApiResult<String> {
+pub fn check_url(url: &str) -> WebhookResult<String> {
     let url = url.trim();
-    let refuse = |why: &str| ApiError::bad_request(format!("url: {why}"));
+    let refuse = |why: &str| WebhookError::Url(why.to_string());
     if url.len() > MAX_URL_LEN {
         return Err(refuse(&format!("at most {MAX_URL_LEN} characters")));
     }
@@ -66,7 +77,7 @@ pub fn check_url(url: &str) -> ApiResult<String> {
 /// Refuses a URL whose host resolves (now) to an address webhooks may not reach, unless an
 /// admin named the host, so a user learns at once rather than at the first delivery; a host
 /// that does not resolve yet is left to the delivery, which checks again every time.
-async fn check_target(state: &AppState, url: &str) -> ApiResult<()> {
+async fn check_target(state: &AppState, url: &str) -> WebhookResult<()> {
     let Some(target) = Target::of(url) else { return Ok(()) };
     if target.is_named_in(&state.config().webhook_private_hosts) {
         return Ok(());
@@ -75,7 +86,7 @@ async fn check_target(state: &AppState, url: &str) -> ApiResult<()> {
         return Ok(());
     };
     if addrs.into_iter().any(|a| !reachable(a.ip())) {
-        return Err(ApiError::bad_request(format!("url: {NOT_ALLOWED}")));
+        return Err(WebhookError::Url(NOT_ALLOWED.into()));
     }
     Ok(())
 }
@@ -160,13 +171,13 @@ fn reachable_v6(ip: Ipv6Addr) -> bool {
 }
 
 /// `user_id`'s webhook, if they set one.
-pub async fn get(state: &AppState, user_id: i64) -> ApiResult<Option<WebhookView>> {
+pub async fn get(state: &AppState, user_id: i64) -> WebhookResult<Option<WebhookView>> {
     Ok(store::get(state.pool(), user_id).await?)
 }
 
 /// Sets `user_id`'s webhook to `url` (checked), or removes it. A new URL starts with no
 /// delivery result.
-pub async fn set(state: &AppState, user_id: i64, url: Option<&str>) -> ApiResult<()> {
+pub async fn set(state: &AppState, user_id: i64, url: Option<&str>) -> WebhookResult<()> {
     match url.map(str::trim).filter(|u| !u.is_empty()) {
         None => {
             store::delete(state.pool(), user_id).await?;
@@ -214,7 +225,11 @@ pub fn send_later(state: &AppState, user_id: i64, job_id: Option<i64>, body: Val
 
 /// Posts `body` to `user_id`'s webhook once and waits for the outcome (the account page's
 /// "send a test"). `None` when they have no webhook.
-pub async fn send_now(state: &AppState, user_id: i64, body: &Value) -> ApiResult<Option<Delivery>> {
+pub async fn send_now(
+    state: &AppState,
+    user_id: i64,
+    body: &Value,
+) -> WebhookResult<Option<Delivery>> {
     let Some(hook) = get(state, user_id).await? else { return Ok(None) };
     let allowed = state.config().webhook_private_hosts.clone();
     let delivery = deliver(&hook.url, body, 1, allowed).await;

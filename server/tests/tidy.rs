@@ -1,7 +1,8 @@
 //! The rules of ARCHITECTURE.md that a program can check, checked by reading the source tree
 //! (rust-analyzer's `tidy.rs`): the layer tables of its `## Layers` section against the
 //! `use crate::` paths, no import circle among the server's files, SQL only in the store and
-//! only through the compile-checked macros, job statuses only through `JobStatus`, no
+//! only through the compile-checked macros, services free of HTTP types, job statuses only
+//! through `JobStatus`, no
 //! `#[ignore]` or `#[should_panic]`, streams and events created only by the schedule and the
 //! backend, and a module doc atop every Rust file.
 //!
@@ -83,6 +84,41 @@ fn sql_only_in_store() {
         }
     }
     report("SQL only in the store, compile-checked", &problems);
+}
+
+/// What only the HTTP layer may speak of: the API's error type and HTTP statuses and replies.
+const HTTP_WORDS: &[&str] =
+    &["ApiError", "ApiResult", "StatusCode", "IntoResponse", "axum::response", "axum::extract"];
+
+#[test]
+fn services_know_no_http() {
+    let tree = Tree::read();
+    let doc =
+        fs::read_to_string(tree.root.join("ARCHITECTURE.md")).expect("reading ARCHITECTURE.md");
+    let layers = Layers::parse(&doc, "Server").unwrap_or_else(|e| panic!("tidy: {e}"));
+    let services: BTreeSet<&String> = layers
+        .rows
+        .iter()
+        .filter(|(layer, _)| layer == "services")
+        .flat_map(|(_, names)| names)
+        .collect();
+    assert!(!services.is_empty(), "tidy: the server's layer table has no `services` row");
+    let mut problems = Vec::new();
+    for file in Crate::new(&tree, "server").files(&tree) {
+        let top = file.module_path("server").map(|p| p.first().cloned().unwrap_or_default());
+        if !top.is_some_and(|t| services.contains(&t)) {
+            continue;
+        }
+        for (line, code) in file.shipped_lines(&file.code) {
+            if let Some(word) = HTTP_WORDS.iter().find(|w| code.contains(**w)) {
+                problems.push(format!(
+                    "{}:{line}: `{word}` in a service: services return their own error types, mapped to HTTP in api/errors.rs",
+                    file.rel
+                ));
+            }
+        }
+    }
+    report("services know no HTTP", &problems);
 }
 
 #[test]

@@ -6,6 +6,16 @@ use crate::error::ApiError;
 use crate::jobs::JobsError;
 use crate::models::UnknownModel;
 use crate::tryit::TryError;
+use crate::webhooks::WebhookError;
+
+impl From<WebhookError> for ApiError {
+    fn from(err: WebhookError) -> Self {
+        match err {
+            WebhookError::Url(_) => ApiError::bad_request(err.to_string()),
+            WebhookError::Database(err) => err.into(),
+        }
+    }
+}
 
 impl From<DatasetsError> for ApiError {
     fn from(err: DatasetsError) -> Self {
