@@ -2,9 +2,8 @@
 //! (rust-analyzer's `tidy.rs`): the layer tables of its `## Layers` section against the
 //! `use crate::` paths, no import circle among the server's files, SQL only in the store and
 //! only through the compile-checked macros, services free of HTTP types, job statuses only
-//! through `JobStatus`, no
-//! `#[ignore]` or `#[should_panic]`, streams and events created only by the schedule and the
-//! backend, and a module doc atop every Rust file.
+//! through `JobStatus`, no `#[ignore]` or `#[should_panic]`, streams and events created only by
+//! the schedule and the backend, and a module doc atop every Rust file.
 //!
 //! It lives with the server's tests only because `cargo test` runs the default member; it reads
 //! the whole workspace, with the standard library alone.
