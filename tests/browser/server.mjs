@@ -1,6 +1,6 @@
 // Starts the release binary on a free port with a fresh data directory, and stops it.
 import { spawn } from 'node:child_process';
-import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
@@ -19,12 +19,17 @@ function freePort() {
   });
 }
 
-export async function startServer() {
+/**
+ * `configToml`, when given, is written to the data directory's sluice.toml, which the server
+ * reads at start as an operator's config file.
+ */
+export async function startServer({ configToml } = {}) {
   const binary = process.env.SLUICE_BIN || path.join(repoRoot, 'target', 'release', 'sluice');
   if (!existsSync(binary)) {
     throw new Error(`${binary} does not exist: build it first with \`cargo build --release\``);
   }
   const dataDir = mkdtempSync(path.join(tmpdir(), 'sluice-e2e-'));
+  if (configToml) writeFileSync(path.join(dataDir, 'sluice.toml'), configToml);
   const port = await freePort();
   const url = `http://127.0.0.1:${port}`;
   const log = [];
