@@ -35,6 +35,9 @@ pub struct Config {
     /// department's own relay), by name as the URL writes it; every other private, loopback or
     /// link-local target is refused (`webhooks.rs`).
     pub webhook_private_hosts: Vec<String>,
+    /// Live views (a job's event stream) one user may hold open at once, and the server in all.
+    pub max_streams_per_user: usize,
+    pub max_streams: usize,
 }
 
 /// Where models by Hugging Face name come from.
@@ -102,6 +105,8 @@ impl Config {
             },
             disk_dir: None,
             webhook_private_hosts: Vec::new(),
+            max_streams_per_user: 32,
+            max_streams: 1024,
         }
     }
 
@@ -142,6 +147,14 @@ impl Config {
         }
         if let Some(n) = file.max_seq_len {
             self.limits.max_seq_len = n;
+        }
+        if let Some(n) = file.max_streams_per_user {
+            anyhow::ensure!(n > 0, "max_streams_per_user must be at least 1");
+            self.max_streams_per_user = n;
+        }
+        if let Some(n) = file.max_streams {
+            anyhow::ensure!(n > 0, "max_streams must be at least 1");
+            self.max_streams = n;
         }
         if let Some(n) = file.max_active_jobs_per_user {
             self.limits.max_active_jobs_per_user = n;
@@ -224,6 +237,8 @@ pub struct FileConfig {
     pub max_steps: Option<u64>,
     pub max_seq_len: Option<usize>,
     pub max_active_jobs_per_user: Option<u32>,
+    pub max_streams_per_user: Option<usize>,
+    pub max_streams: Option<usize>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub public_url: Option<String>,
@@ -248,6 +263,8 @@ impl FileConfig {
             max_active_jobs_per_user: self
                 .max_active_jobs_per_user
                 .or(lower.max_active_jobs_per_user),
+            max_streams_per_user: self.max_streams_per_user.or(lower.max_streams_per_user),
+            max_streams: self.max_streams.or(lower.max_streams),
             tls_cert: self.tls_cert.or(lower.tls_cert),
             tls_key: self.tls_key.or(lower.tls_key),
             public_url: self.public_url.or(lower.public_url),

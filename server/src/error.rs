@@ -29,6 +29,8 @@ pub enum ApiError {
     Conflict(String),
     /// 413: an upload over the size limit.
     TooLarge(String),
+    /// 429: over a cap on what one user or the server may hold open at once.
+    TooMany(String),
     /// 422: well-formed but refused: a malformed dataset (with one line per problem), a job
     /// that will not fit.
     Unprocessable { message: String, problems: Vec<String> },
@@ -71,6 +73,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -86,6 +89,7 @@ impl IntoResponse for ApiError {
             | ApiError::NotFound(m)
             | ApiError::Conflict(m)
             | ApiError::TooLarge(m)
+            | ApiError::TooMany(m)
             | ApiError::Unauthorized(m) => json!({ "error": m }),
             ApiError::Unprocessable { message, problems } if problems.is_empty() => {
                 json!({ "error": message })
@@ -101,6 +105,12 @@ impl IntoResponse for ApiError {
         let mut response = (status, Json(body)).into_response();
         response.extensions_mut().insert(ApiErrorBody);
         response
+    }
+}
+
+impl From<crate::watchers::Full> for ApiError {
+    fn from(full: crate::watchers::Full) -> Self {
+        ApiError::TooMany(full.to_string())
     }
 }
 

@@ -27,6 +27,7 @@ mod recovery;
 mod state;
 mod store;
 mod tryit;
+mod watchers;
 mod webhooks;
 
 pub use config::Config;

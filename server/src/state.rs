@@ -13,6 +13,7 @@ use crate::db;
 use crate::gpus::Gpus;
 use crate::jobs::queue::Queue;
 use crate::tryit::slot::TryIt;
+use crate::watchers::Watchers;
 
 /// Live job news for SSE viewers: one broadcast channel for all jobs, filtered per viewer.
 #[derive(Debug, Clone)]
@@ -42,6 +43,7 @@ struct Inner {
     events: broadcast::Sender<JobMessage>,
     tryit: TryIt,
     pulls: crate::hub::progress::Pulls,
+    watchers: Watchers,
 }
 
 impl AppState {
@@ -66,7 +68,9 @@ impl AppState {
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let tryit = TryIt::default();
         let pulls = crate::hub::progress::Pulls::default();
-        Ok(AppState { inner: Arc::new(Inner { config, pool, gpus, queue, events, tryit, pulls }) })
+        let watchers = Watchers::new(config.max_streams_per_user, config.max_streams);
+        let inner = Inner { config, pool, gpus, queue, events, tryit, pulls, watchers };
+        Ok(AppState { inner: Arc::new(inner) })
     }
 
     pub fn config(&self) -> &Config {
@@ -120,5 +124,10 @@ impl AppState {
 
     pub fn subscribe(&self) -> broadcast::Receiver<JobMessage> {
         self.inner.events.subscribe()
+    }
+
+    /// The live streams open now, and their caps.
+    pub fn watchers(&self) -> &Watchers {
+        &self.inner.watchers
     }
 }

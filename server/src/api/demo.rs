@@ -101,8 +101,11 @@ async fn events(
     State(state): State<AppState>,
     ApiPath(token): ApiPath<String>,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    // Visitors have no account: they count against the server's cap only.
+    let watch = state.watchers().admit(None)?;
     // Subscribe before reading the status, so no change falls between the two.
     let receiver = state.subscribe();
     let job = shared(&state, &token).await?;
-    Ok(super::jobs::event_stream(receiver, &job, |kind| kind == "metric" || kind == "status"))
+    let shown = |kind: &str| kind == "metric" || kind == "status";
+    Ok(super::jobs::event_stream(receiver, &job, shown, watch))
 }

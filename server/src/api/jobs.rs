@@ -14,6 +14,7 @@ use futures_util::{Stream, StreamExt, stream};
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
 use sluice_engine::train::{STATE_DIR, TrainingState};
 
@@ -28,6 +29,7 @@ use crate::jobs::runner;
 use crate::paths::dir_bytes;
 use crate::state::JobMessage;
 use crate::store::jobs::{self as store, JobRow, JobStatus, Listed, Which};
+use crate::watchers::Watch;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -416,33 +418,60 @@ async fn events(
     CurrentUser(user): CurrentUser,
     ApiPath(id): ApiPath<i64>,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    let watch = state.watchers().admit(Some(user.id))?;
     // Subscribe before reading the status, so no change falls between the two.
     let receiver = state.subscribe();
     let job = super::access::visible_job(&state, &user, id).await?;
-    Ok(event_stream(receiver, &job, |_| true))
+    Ok(event_stream(receiver, &job, |_| true, watch))
 }
 
 /// A job's events as SSE: its status now, then each event whose kind `shown` lets through, as
-/// it happens. `receiver` must have subscribed before `job` was read, so no change falls
-/// between the two.
+/// it happens, until the job ends: the stream closes after the status that says so (at once
+/// for a job that has ended already). A viewer that falls so far behind that news was lost is
+/// closed too; its browser reconnects and starts again from the status. `receiver` must have
+/// subscribed before `job` was read, so no change falls between the two; `watch` is the
+/// stream's place among the open ones, given back when it closes.
 pub(super) fn event_stream(
     receiver: broadcast::Receiver<JobMessage>,
     job: &JobRow,
     shown: fn(&str) -> bool,
+    watch: Watch,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>> + use<>> {
     let id = job.id;
     let first = Event::default().event("status").data(job.status_json().to_string());
+    // (the event to send, if any; whether the stream ends with it)
     let live = BroadcastStream::new(receiver).filter_map(move |message| {
-        let event = match message {
+        let step = match message {
             Ok(m) if m.job_id == id && shown(m.kind) => {
-                Some(Ok(Event::default().event(m.kind).data(m.data)))
+                let ends = m.kind == "status" && ends_the_job(&m.data);
+                Some((Some(Event::default().event(m.kind).data(m.data)), ends))
             }
-            _ => None,
+            Ok(_) => None,
+            Err(BroadcastStreamRecvError::Lagged(_)) => Some((None, true)),
         };
-        std::future::ready(event)
+        std::future::ready(step)
     });
-    Sse::new(stream::once(std::future::ready(Ok(first))).chain(live))
-        .keep_alive(KeepAlive::default())
+    let ended = job.status.is_ended();
+    let all = Box::pin(stream::once(std::future::ready((Some(first), ended))).chain(live));
+    // Ends right after the ending item, without waiting for another: none may ever come.
+    let until_the_end = stream::unfold((all, false, watch), |(mut all, done, watch)| async move {
+        if done {
+            return None;
+        }
+        let (event, ends) = all.next().await?;
+        Some((event, (all, ends, watch)))
+    })
+    .filter_map(|event| std::future::ready(event.map(Ok)));
+    Sse::new(until_the_end).keep_alive(KeepAlive::default())
+}
+
+/// Whether a status event's JSON says the job has ended.
+fn ends_the_job(data: &str) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Status {
+        status: JobStatus,
+    }
+    serde_json::from_str::<Status>(data).is_ok_and(|s| s.status.is_ended())
 }
 
 /// `GET /api/jobs/{id}/log`: the whole log as text, one line per entry.

@@ -115,6 +115,8 @@ impl ServeArgs {
             max_steps: self.max_steps,
             max_seq_len: self.max_seq_len,
             max_active_jobs_per_user: self.max_active_jobs,
+            max_streams_per_user: None,
+            max_streams: None,
             tls_cert: self.tls_cert.clone(),
             tls_key: self.tls_key.clone(),
             public_url: self.public_url.clone(),

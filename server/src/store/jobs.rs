@@ -2,7 +2,7 @@
 //! every query on them is here, for the API, the queue and the announcements alike, with
 //! [`JobStatus`], the one spelling of a job's states in SQL.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sluice_engine::train::JobSettings;
 use sqlx::{SqliteExecutor, SqlitePool};
@@ -10,7 +10,7 @@ use sqlx::{SqliteExecutor, SqlitePool};
 use crate::db::{now, now_f64};
 
 /// Where a job is in its life. Stored as its lower-case name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, sqlx::Type)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, sqlx::Type)]
 #[serde(rename_all = "lowercase")]
 #[sqlx(rename_all = "lowercase")]
 pub enum JobStatus {
@@ -30,6 +30,12 @@ impl JobStatus {
     /// deletes that must not pull a dataset or user from under a job, test (bound into
     /// `status IN (?, ?)`).
     pub const ACTIVE: [JobStatus; 2] = [JobStatus::Queued, JobStatus::Running];
+
+    /// Whether the job has ended, for now at least (cancelled and interrupted jobs may be
+    /// resumed, which starts them again).
+    pub fn is_ended(self) -> bool {
+        !Self::ACTIVE.contains(&self)
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {

@@ -20,6 +20,7 @@ mod plan_words;
 mod recovery;
 mod runs;
 mod storage;
+mod streams;
 mod tokens;
 mod try_checkpoint;
 mod webhooks;
