@@ -1,20 +1,23 @@
-//! User management, for admins only.
+//! User management, for admins only: the list (with each account's failed-login alert from the
+//! throttle), new accounts and deletes.
+
+use std::time::Instant;
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::AppState;
-use crate::auth::AdminUser;
-use crate::auth::password;
+use crate::auth::{self, AdminUser, password};
 use crate::datasets;
 use crate::db::now;
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult};
 use crate::jobs::runner;
 use crate::store::jobs as store;
+use crate::store::users::UserView;
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -22,12 +25,44 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/users/{id}", delete(remove))
 }
 
-async fn list(
-    State(state): State<AppState>,
-    _admin: AdminUser,
-) -> ApiResult<Json<Vec<crate::store::users::UserView>>> {
+/// A user as the admins' list shows them.
+#[derive(Debug, Serialize)]
+struct Listed {
+    #[serde(flatten)]
+    user: UserView,
+    /// The throttle's alert: many failed logins for this account lately, from any addresses.
+    failed_logins: Option<FailedLogins>,
+}
+
+#[derive(Debug, Serialize)]
+struct FailedLogins {
+    count: u32,
+    /// Distinct client addresses they came from (counted up to a bound).
+    addresses: usize,
+    /// Unix seconds of the latest.
+    last_at: i64,
+}
+
+async fn list(State(state): State<AppState>, _admin: AdminUser) -> ApiResult<Json<Vec<Listed>>> {
     let users = crate::store::users::list(state.pool()).await?;
-    Ok(Json(users))
+    let (instant, unix) = (Instant::now(), now());
+    let alerts = auth::guards(&state).throttle.alerts(instant);
+    let listed = users
+        .into_iter()
+        .map(|user| {
+            let name = user.username.to_ascii_lowercase();
+            let failed_logins = alerts.iter().find(|a| a.account == name).map(|alert| {
+                let ago = instant.saturating_duration_since(alert.last_failure).as_secs();
+                FailedLogins {
+                    count: alert.failures,
+                    addresses: alert.addresses,
+                    last_at: unix.saturating_sub(i64::try_from(ago).unwrap_or(i64::MAX)),
+                }
+            });
+            Listed { user, failed_logins }
+        })
+        .collect();
+    Ok(Json(listed))
 }
 
 #[derive(Debug, Deserialize)]

@@ -3,8 +3,9 @@
 //! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`].
 //!
 //! A login passes three gates before its password is checked, cheapest first: the throttle (per
-//! account and per client address, 429), a turn with the password hasher (503 when its short
-//! queue is full), then the database. Both refusals carry `Retry-After`.
+//! client address and per address and account, 429; never per account alone, so a stranger
+//! cannot lock its owner out), a turn with the password hasher (503 when its short queue is
+//! full), then the database. Both refusals carry `Retry-After`.
 
 pub mod password;
 pub mod session;
@@ -235,8 +236,8 @@ async fn setup(
 }
 
 /// `POST /api/login`: 401 for an unknown user or a wrong password (the same message, and the
-/// same argon2 work, for both); 429 while the account or the address is throttled; 503 while
-/// the password hasher's queue is full.
+/// same argon2 work, for both); 429 while the address, or this account from this address, is
+/// throttled; 503 while the password hasher's queue is full.
 async fn login(
     State(state): State<AppState>,
     ClientAddr(address): ClientAddr,
@@ -262,7 +263,7 @@ async fn login(
             Ok(rotate(&state, &headers, id).await?)
         }
         _ => {
-            attempt.failed(Instant::now());
+            attempt.failed(Instant::now(), id.is_some());
             Err(wrong().into())
         }
     }
