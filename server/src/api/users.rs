@@ -1,11 +1,11 @@
 //! User management, for admins only: the list (with each account's failed-login alert from the
-//! throttle), new accounts and deletes.
+//! throttle), new accounts, password resets and deletes.
 
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::{delete, get};
+use axum::routing::{delete, get, put};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -23,6 +23,7 @@ pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/api/users", get(list).post(create))
         .route("/api/users/{id}", delete(remove))
+        .route("/api/users/{id}/password", put(reset_password))
 }
 
 /// A user as the admins' list shows them.
@@ -100,6 +101,38 @@ async fn create(
     let user =
         crate::store::users::insert(state.pool(), &body.username, &hash, &body.role, now()).await?;
     Ok((StatusCode::CREATED, Json(user)))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewPassword {
+    password: String,
+}
+
+/// `PUT /api/users/{id}/password` `{"password"}`: 204 once user `id` has this password; every
+/// session of theirs ends (their API tokens keep working). 400 for a password the rules refuse,
+/// 404 for no such user, 409 for the admin's own account, which is changed on the account page
+/// with the current password (so a session left open cannot take the account for good).
+async fn reset_password(
+    State(state): State<AppState>,
+    AdminUser(admin): AdminUser,
+    ApiPath(id): ApiPath<i64>,
+    ApiJson(body): ApiJson<NewPassword>,
+) -> ApiResult<StatusCode> {
+    if id == admin.id {
+        return Err(ApiError::conflict(
+            "change your own password on your account page, with your current one",
+        ));
+    }
+    password::check_password(&body.password)?;
+    if !crate::store::users::exists(state.pool(), id).await? {
+        return Err(ApiError::not_found(format!("no user {id}")));
+    }
+    let hash = password::hash(body.password).await?;
+    if !crate::store::users::set_password(state.pool(), id, &hash, None).await? {
+        return Err(ApiError::not_found(format!("no user {id}")));
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `DELETE /api/users/{id}`: 204. An admin cannot delete themself, nor a user whose jobs are

@@ -1,12 +1,14 @@
 //! Accounts: first-run admin creation, login, logout and the session endpoint the pages start
 //! from. Sessions, CSRF and the user extractors are in [`session`]; hashing in [`password`]; the
-//! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`].
+//! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`];
+//! a user changing their own password in `change_password`.
 //!
 //! A login passes three gates before its password is checked, cheapest first: the throttle (per
 //! client address and per address and account, 429; never per account alone, so a stranger
 //! cannot lock its owner out), a turn with the password hasher (503 when its short queue is
 //! full), then the database. Both refusals carry `Retry-After`.
 
+mod change_password;
 pub mod password;
 pub mod session;
 pub mod throttle;
@@ -49,6 +51,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/setup", post(setup))
         .route("/api/login", post(login))
         .route("/api/logout", post(logout))
+        .route("/api/account/password", post(change_password::change_password))
         .layer(DefaultBodyLimit::max(MAX_BODY))
 }
 
