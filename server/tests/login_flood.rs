@@ -4,10 +4,11 @@
 //!
 //! The guessers come from many addresses (as a botnet would), so only the password hasher's
 //! bound stands between them and the memory: half the rounds spray names that do not exist (each
-//! still costs a hash), half hammer one real account, `alice`, which her account throttle must
-//! stop. The real user is `admin`, from an address of their own, with no failures on either
-//! count, so neither throttle may hold them back; they may only have to wait for a turn with the
-//! hasher, as a browser would, after `Retry-After`.
+//! still costs a hash), half hammer one real account, `alice`, whose failed-login alert the
+//! admins must see, while alice herself, from an address of her own, still gets in. The real
+//! user is `admin`, from an address of their own, with no failures on either count, so neither
+//! throttle may hold them back; they may only have to wait for a turn with the hasher, as a
+//! browser would, after `Retry-After`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -20,6 +21,7 @@ use axum::body::{Body, Bytes, to_bytes};
 use axum::extract::connect_info::MockConnectInfo;
 use axum::http::{HeaderMap, Method, Request, StatusCode, header};
 use serde_json::{Value, json};
+use sluice::auth::throttle::ALERT_FAILURES;
 use sluice::gpus::Gpus;
 use sluice::{AppState, Config, app};
 use tower::ServiceExt;
@@ -267,7 +269,9 @@ async fn a_login_flood_keeps_memory_bounded_and_lets_the_real_user_in() -> anyho
     assert!(p99 < HEALTH_P99_LIMIT, "healthz p99 {p99:?}: {latencies:?}");
     assert!(bad.is_empty(), "unexpected answers: {bad:?}");
     assert!(answers.get(&503).is_some_and(|&n| n > 0), "the hasher never said busy: {answers:?}");
-    assert!(answers.get(&429).is_some_and(|&n| n > 0), "alice was never throttled: {answers:?}");
+    // Each guess came from an address of its own: nothing had failed there, so nothing was
+    // refused for having failed.
+    assert!(!answers.contains_key(&429), "an address that never failed was throttled: {answers:?}");
     let admin =
         logged_in.ok_or_else(|| anyhow::anyhow!("the real user did not get in: {waits:?}"))?;
     assert!(during_flood, "the real user got in only after the flood");
@@ -277,5 +281,18 @@ async fn a_login_flood_keeps_memory_bounded_and_lets_the_real_user_in() -> anyho
     );
     let session = admin.send(&router, None, Method::GET, "/api/session", None).await?;
     assert_eq!(session.json()["user"]["username"], "admin");
+
+    let users = admin.send(&router, None, Method::GET, "/api/users", None).await?.json();
+    let alice = users.as_array().and_then(|all| all.iter().find(|u| u["username"] == "alice"));
+    let alert = alice.map_or(Value::Null, |alice| alice["failed_logins"].clone());
+    let count = alert["count"].as_u64().unwrap_or(0);
+    assert!(count >= u64::from(ALERT_FAILURES), "no alert for alice: {users}");
+    assert!(alert["addresses"].as_u64().is_some_and(|n| n > 1), "{alert}");
+    let browser = Browser::visit(&router).await?;
+    let home = Some(IpAddr::V4(Ipv4Addr::new(192, 168, 1, 8)));
+    let reply = browser
+        .send(&router, home, Method::POST, "/api/login", credentials("alice", PASSWORD))
+        .await?;
+    assert_eq!(reply.status, StatusCode::OK, "alice was kept out: {:?}", reply.body);
     Ok(())
 }

@@ -431,8 +431,18 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     // The models table is a long list of dense rows (every preset): its top is what the
     // screenshot needs, and the full 1800 px of rows outgrows the screenshots' size limit.
     await checkPage('models', { ready: () => page.waitForSelector('#models-table'), desktopShotHeight: 1200 });
+    // A second account, so the page offers "Set password", whose form is checked open.
+    await page.evaluate(async () => {
+      const { post } = await import('/static/js/api.js');
+      await post('/api/users', { username: 'lin', password: 'a long enough password' });
+    });
     await page.goto(url('/admin/users'));
-    await checkPage('users', { ready: () => page.waitForSelector('#users-table') });
+    await checkPage('users', {
+      ready: async () => {
+        await page.click('#users-table tr[data-user="lin"] button:has-text("Set password")');
+        await page.waitForSelector('#reset-form:not([hidden])');
+      },
+    });
   });
 
   await t.test('account, storage, and two jobs compared', async () => {

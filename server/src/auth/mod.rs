@@ -1,11 +1,14 @@
 //! Accounts: first-run admin creation, login, logout and the session endpoint the pages start
 //! from. Sessions, CSRF and the user extractors are in [`session`]; hashing in [`password`]; the
-//! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`].
+//! login throttle in [`throttle`]; personal API tokens (`Authorization: Bearer`) in [`tokens`];
+//! a user changing their own password in `change_password`.
 //!
 //! A login passes three gates before its password is checked, cheapest first: the throttle (per
-//! account and per client address, 429), a turn with the password hasher (503 when its short
-//! queue is full), then the database. Both refusals carry `Retry-After`.
+//! client address and per address and account, 429; never per account alone, so a stranger
+//! cannot lock its owner out), a turn with the password hasher (503 when its short queue is
+//! full), then the database. Both refusals carry `Retry-After`.
 
+mod change_password;
 pub mod password;
 pub mod session;
 pub mod throttle;
@@ -48,6 +51,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/setup", post(setup))
         .route("/api/login", post(login))
         .route("/api/logout", post(logout))
+        .route("/api/account/password", post(change_password::change_password))
         .layer(DefaultBodyLimit::max(MAX_BODY))
 }
 
@@ -235,8 +239,8 @@ async fn setup(
 }
 
 /// `POST /api/login`: 401 for an unknown user or a wrong password (the same message, and the
-/// same argon2 work, for both); 429 while the account or the address is throttled; 503 while
-/// the password hasher's queue is full.
+/// same argon2 work, for both); 429 while the address, or this account from this address, is
+/// throttled; 503 while the password hasher's queue is full.
 async fn login(
     State(state): State<AppState>,
     ClientAddr(address): ClientAddr,
@@ -262,7 +266,7 @@ async fn login(
             Ok(rotate(&state, &headers, id).await?)
         }
         _ => {
-            attempt.failed(Instant::now());
+            attempt.failed(Instant::now(), id.is_some());
             Err(wrong().into())
         }
     }

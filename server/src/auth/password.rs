@@ -57,7 +57,8 @@ pub fn check_username(username: &str) -> ApiResult<()> {
 }
 
 /// The PHC string of `password` under a fresh random salt. Waits for a turn however long the
-/// queue is: only an admin creating an account gets here, never an anonymous flood.
+/// queue is: only someone logged in gets here (an admin setting a password, a user changing
+/// theirs after proving the current one), never an anonymous flood.
 pub async fn hash(password: String) -> ApiResult<String> {
     Turn::wait().await?.hash(password).await
 }

@@ -1,16 +1,32 @@
-//! The login throttle: failed logins are counted per account name and per client address, and
-//! past a few free failures each further failure makes that key wait twice as long as the last,
-//! up to a cap. A successful login clears its account's count.
+//! The login throttle: failed logins slow down the client address they came from and the
+//! (address, account) pair, never the account as such, so a stranger's wrong passwords cannot
+//! keep its owner out. Past a few free failures each further failure makes that key wait twice
+//! as long as the last, up to a cap. A successful login clears its pair's count.
 //!
-//! Unknown account names are counted exactly like real ones, so the throttle's answers do not
-//! tell which names exist. Counts live in memory only: a restart forgets them. Memory stays
-//! bounded: counts idle for [`FORGET_AFTER`] are dropped, and at most [`MAX_KEYS`] keys are kept
-//! (the least recently failed go first when a new key needs room).
+//! Guessing at one account from many addresses (each too few times for its own counts) is
+//! watched per account, and answered with an alert rather than a delay: once an account has
+//! failed [`ALERT_FAILURES`] times within [`FORGET_AFTER`] of each other, the log warns and the
+//! admins' list of users shows the count and how many addresses sent them
+//! ([`Throttle::alerts`]). Nothing is refused because of it: any delay on the account would
+//! reach its owner's good login too, which is the lockout this throttle exists to prevent.
+//!
+//! Where the appliance cannot tell clients apart (no known address, or a loopback peer, most
+//! often a reverse proxy speaking for everyone) they all share one address, so there the pair is
+//! the account alone and a stranger's failures do slow its owner, as they must: otherwise
+//! nothing would bound guesses through the proxy.
+//!
+//! Unknown account names are throttled exactly like real ones, so the throttle's answers do not
+//! tell which names exist (only real accounts are watched for alerts, which no visitor sees).
+//! Counts live in memory only: a restart forgets them. Memory stays bounded: counts idle for
+//! [`FORGET_AFTER`] are dropped, and at most [`MAX_KEYS`] keys are kept (the least recently failed
+//! go first when a new key needs room).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use tracing::warn;
 
 /// How one kind of key is throttled.
 #[derive(Debug, Clone, Copy)]
@@ -22,17 +38,25 @@ pub struct Policy {
     pub max_delay: Duration,
 }
 
-/// An account is one person's: a handful of typos is plenty.
-pub const ACCOUNT: Policy =
+/// One account from one address is one person: a handful of typos is plenty.
+pub const PAIR: Policy =
     Policy { free: 5, first_delay: Duration::from_secs(1), max_delay: Duration::from_secs(300) };
 
 /// An address may be a lab or an office behind one NAT, with many people mistyping at once, so
-/// it gets more room than an account.
+/// it gets more room than a pair.
 pub const ADDRESS: Policy =
     Policy { free: 20, first_delay: Duration::from_secs(1), max_delay: Duration::from_secs(300) };
 
-/// A key whose last failure is this old (and that is not waiting) is forgotten. Longer than the
-/// longest wait, so a slow guesser stays at the cap instead of starting over.
+/// Failures of one account, from any addresses, that raise its alert: twice what one address
+/// may try freely, so the owner's own typos rarely do.
+pub const ALERT_FAILURES: u32 = 2 * PAIR.free;
+
+/// Distinct addresses remembered per watched account; an alert says "at least" beyond it.
+pub const MAX_WATCHED_ADDRESSES: usize = 64;
+
+/// A key whose last failure is this old (and that is not waiting) is forgotten, and so is an
+/// account's alert. Longer than the longest wait, so a slow guesser stays at the cap instead of
+/// starting over.
 pub const FORGET_AFTER: Duration = Duration::from_secs(15 * 60);
 
 /// Keys kept at most (plus those of attempts in flight). An entry is well under 200 bytes.
@@ -41,18 +65,29 @@ pub const MAX_KEYS: usize = 10_000;
 /// How often expired keys are swept out when the table is not full.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
+/// An account name as typed, lowercased (usernames are ASCII and compared without case).
+type Account = String;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Key {
-    /// An account name as typed, lowercased (usernames are ASCII and compared without case).
-    Account(String),
+    /// Everything tried from one client address.
     Address(IpAddr),
+    /// One account tried from one address (`None`: the clients the appliance cannot tell apart).
+    Pair(Option<IpAddr>, Account),
 }
 
 impl Key {
     fn policy(&self) -> Policy {
         match self {
-            Key::Account(_) => ACCOUNT,
             Key::Address(_) => ADDRESS,
+            Key::Pair(..) => PAIR,
+        }
+    }
+
+    fn whose(&self) -> &'static str {
+        match self {
+            Key::Address(_) => "from this address",
+            Key::Pair(..) => "for this account from this address",
         }
     }
 }
@@ -74,6 +109,29 @@ impl Entry {
     }
 }
 
+/// One real account's failures from every address, for the alert. Kept apart from the keys:
+/// it never refuses anything, and only real accounts have one, so there are at most as many as
+/// there are users.
+#[derive(Debug)]
+struct Watch {
+    failures: u32,
+    /// The distinct addresses the failures came from, at most [`MAX_WATCHED_ADDRESSES`].
+    addresses: Vec<Option<IpAddr>>,
+    last_failure: Instant,
+}
+
+/// An account that many failed logins were aimed at, as the admins' list shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alert {
+    /// The account name, lowercased.
+    pub account: String,
+    /// Failed logins, none of them more than [`FORGET_AFTER`] after the one before.
+    pub failures: u32,
+    /// Distinct client addresses they came from (at most [`MAX_WATCHED_ADDRESSES`]).
+    pub addresses: usize,
+    pub last_failure: Instant,
+}
+
 /// Why an attempt was not admitted: the client should come back after `retry_after`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Throttled {
@@ -84,6 +142,7 @@ pub struct Throttled {
 #[derive(Debug)]
 struct Table {
     entries: HashMap<Key, Entry>,
+    watched: HashMap<Account, Watch>,
     last_sweep: Instant,
 }
 
@@ -95,7 +154,11 @@ pub struct Throttle {
 impl Default for Throttle {
     fn default() -> Self {
         Throttle {
-            table: Mutex::new(Table { entries: HashMap::new(), last_sweep: Instant::now() }),
+            table: Mutex::new(Table {
+                entries: HashMap::new(),
+                watched: HashMap::new(),
+                last_sweep: Instant::now(),
+            }),
         }
     }
 }
@@ -106,25 +169,32 @@ impl Default for Throttle {
 #[derive(Debug)]
 pub struct Attempt<'a> {
     throttle: &'a Throttle,
+    account: Account,
+    address: Option<IpAddr>,
     keys: Vec<Key>,
 }
 
 impl Throttle {
     /// Admits an attempt on `account` from `address` (`None`: not known, or a loopback peer,
-    /// which is most often a reverse proxy speaking for everyone; one shared count for all of
-    /// those would let any guesser lock every user out, so they are counted per account only).
+    /// which is most often a reverse proxy speaking for everyone; one shared address count for
+    /// all of those would let any guesser lock every user out, so they are counted per account
+    /// only).
     ///
-    /// Refused while a key waits out its delay, and also while enough attempts on a key are in
-    /// flight that they could use up its free failures: otherwise a burst of concurrent guesses
-    /// would all pass before the first of them failed.
+    /// Refused while the address or the pair waits out its delay, and also while enough
+    /// attempts on one of them are in flight that they could use up its free failures:
+    /// otherwise a burst of concurrent guesses would all pass before the first of them failed.
+    /// Only failures from this same address count, so an address that has not failed is
+    /// admitted whatever others did.
     pub fn admit(
         &self,
         account: &str,
         address: Option<IpAddr>,
         now: Instant,
     ) -> Result<Attempt<'_>, Throttled> {
-        let mut keys = vec![Key::Account(account.to_ascii_lowercase())];
-        if let Some(address) = address.filter(|a| !a.is_loopback()) {
+        let account = account.to_ascii_lowercase();
+        let address = address.filter(|a| !a.is_loopback());
+        let mut keys = vec![Key::Pair(address, account.clone())];
+        if let Some(address) = address {
             keys.push(Key::Address(address));
         }
         let mut table = self.lock();
@@ -133,15 +203,12 @@ impl Throttle {
         }
         for key in &keys {
             let Some(entry) = table.entries.get(key) else { continue };
-            let whose = match key {
-                Key::Account(_) => "for this account",
-                Key::Address(_) => "from this address",
-            };
             if let Some(until) = entry.blocked_until.filter(|until| *until > now) {
                 let retry_after = until - now;
                 return Err(Throttled {
                     message: format!(
-                        "too many failed logins {whose}: try again in {} s",
+                        "too many failed logins {}: try again in {} s",
+                        key.whose(),
                         whole_seconds(retry_after)
                     ),
                     retry_after,
@@ -149,7 +216,10 @@ impl Throttle {
             }
             if entry.in_flight > 0 && entry.failures + entry.in_flight >= key.policy().free {
                 return Err(Throttled {
-                    message: format!("too many logins {whose} at once: try again in a second"),
+                    message: format!(
+                        "too many logins {} at once: try again in a second",
+                        key.whose()
+                    ),
                     retry_after: Duration::from_secs(1),
                 });
             }
@@ -169,7 +239,28 @@ impl Throttle {
                 })
                 .in_flight += 1;
         }
-        Ok(Attempt { throttle: self, keys })
+        Ok(Attempt { throttle: self, account, address, keys })
+    }
+
+    /// The accounts whose alert is raised now, most failures first.
+    pub fn alerts(&self, now: Instant) -> Vec<Alert> {
+        let table = self.lock();
+        let mut alerts: Vec<Alert> = table
+            .watched
+            .iter()
+            .filter(|(_, watch)| {
+                watch.failures >= ALERT_FAILURES
+                    && now.saturating_duration_since(watch.last_failure) < FORGET_AFTER
+            })
+            .map(|(account, watch)| Alert {
+                account: account.clone(),
+                failures: watch.failures,
+                addresses: watch.addresses.len(),
+                last_failure: watch.last_failure,
+            })
+            .collect();
+        alerts.sort_by(|a, b| b.failures.cmp(&a.failures).then_with(|| a.account.cmp(&b.account)));
+        alerts
     }
 
     /// Keys tracked now (for tests and diagnostics).
@@ -191,6 +282,8 @@ impl Throttle {
 impl Table {
     fn sweep(&mut self, now: Instant) {
         self.entries.retain(|_, entry| !entry.forgettable(now));
+        self.watched
+            .retain(|_, watch| now.saturating_duration_since(watch.last_failure) < FORGET_AFTER);
         self.last_sweep = now;
     }
 
@@ -227,11 +320,39 @@ impl Table {
         }
         self.entries.get_mut(key)
     }
+
+    /// Counts a failure on the real account `account` from `address` towards its alert, and
+    /// warns in the log the moment the alert is raised.
+    fn watch(&mut self, account: &str, address: Option<IpAddr>, now: Instant) {
+        let watch = self.watched.entry(account.to_string()).or_insert(Watch {
+            failures: 0,
+            addresses: Vec::new(),
+            last_failure: now,
+        });
+        if now.saturating_duration_since(watch.last_failure) >= FORGET_AFTER {
+            watch.failures = 0;
+            watch.addresses.clear();
+        }
+        watch.failures = watch.failures.saturating_add(1);
+        watch.last_failure = now;
+        if !watch.addresses.contains(&address) && watch.addresses.len() < MAX_WATCHED_ADDRESSES {
+            watch.addresses.push(address);
+        }
+        if watch.failures == ALERT_FAILURES {
+            warn!(
+                account,
+                addresses = watch.addresses.len(),
+                "{ALERT_FAILURES} failed logins for one account: someone may be guessing its \
+                 password (the admins' Users page shows it)"
+            );
+        }
+    }
 }
 
 impl Attempt<'_> {
-    /// The password was wrong (or the account does not exist).
-    pub fn failed(mut self, now: Instant) {
+    /// The password was wrong, or the account does not exist (`account_exists` false: then only
+    /// the throttle counts it, since no one can guess their way into a name nobody has).
+    pub fn failed(mut self, now: Instant, account_exists: bool) {
         let keys = std::mem::take(&mut self.keys);
         let mut table = self.throttle.lock();
         for key in keys {
@@ -249,15 +370,19 @@ impl Attempt<'_> {
                 entry.blocked_until = Some(now + delay(policy, entry.failures - policy.free));
             }
         }
+        if account_exists {
+            table.watch(&self.account, self.address, now);
+        }
     }
 
-    /// The login succeeded: the account starts over. The address keeps its count, or one
-    /// guesser holding one real account could wipe it between guesses at others.
+    /// The login succeeded: the pair starts over. The address keeps its count, or one guesser
+    /// holding one real account could wipe it between guesses at others; the account's alert
+    /// stays too, so a guesser's run stays visible to the admins after its owner logs in.
     pub fn succeeded(mut self) {
         let keys = std::mem::take(&mut self.keys);
         let mut table = self.throttle.lock();
         for key in keys {
-            if matches!(key, Key::Account(_)) {
+            if matches!(key, Key::Pair(..)) {
                 table.entries.remove(&key);
             } else {
                 table.settle(&key);
@@ -297,10 +422,11 @@ mod tests {
     use super::*;
 
     const LAB: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
+    const HOME: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 168, 1, 20));
 
     fn fail(throttle: &Throttle, account: &str, address: Option<IpAddr>, now: Instant) {
         match throttle.admit(account, address, now) {
-            Ok(attempt) => attempt.failed(now),
+            Ok(attempt) => attempt.failed(now, true),
             Err(refused) => panic!("attempt on {account} refused: {refused:?}"),
         }
     }
@@ -309,42 +435,66 @@ mod tests {
     fn free_failures_then_doubling_waits_up_to_the_cap() {
         let throttle = Throttle::default();
         let t0 = Instant::now();
-        for _ in 0..ACCOUNT.free {
-            fail(&throttle, "alice", None, t0);
+        for _ in 0..PAIR.free {
+            fail(&throttle, "alice", Some(LAB), t0);
         }
         // The fifth failure already costs the first delay.
-        let refused = throttle.admit("Alice", None, t0).err();
-        assert_eq!(refused.map(|r| r.retry_after), Some(ACCOUNT.first_delay));
+        let refused = throttle.admit("Alice", Some(LAB), t0).err();
+        assert_eq!(refused.map(|r| r.retry_after), Some(PAIR.first_delay));
         let mut now = t0;
         let mut waits = Vec::new();
         for _ in 0..12 {
-            now += ACCOUNT.max_delay;
-            fail(&throttle, "alice", None, now);
-            let refused = throttle.admit("alice", None, now).err();
+            now += PAIR.max_delay;
+            fail(&throttle, "alice", Some(LAB), now);
+            let refused = throttle.admit("alice", Some(LAB), now).err();
             waits.push(refused.map_or(0, |r| r.retry_after.as_secs()));
         }
         assert_eq!(waits, [2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300, 300]);
-        assert!(throttle.admit("bob", None, now).is_ok(), "other accounts are untouched");
+        assert!(throttle.admit("bob", Some(LAB), now).is_ok(), "other accounts are untouched");
     }
 
     #[test]
-    fn success_resets_the_account_but_not_the_address() {
+    fn a_stranger_cannot_keep_the_owner_out() {
+        let throttle = Throttle::default();
+        let mut now = Instant::now();
+        // The stranger comes back each time the wait ends, for as long as the cap allows.
+        for _ in 0..3 * PAIR.free {
+            match throttle.admit("alice", Some(LAB), now) {
+                Ok(attempt) => attempt.failed(now, true),
+                Err(refused) => {
+                    assert!(refused.message.contains("for this account from this address"));
+                    now += refused.retry_after;
+                    continue;
+                }
+            }
+            let owner = throttle.admit("alice", Some(HOME), now);
+            assert!(owner.is_ok(), "the owner was refused: {owner:?}");
+            owner.map(Attempt::succeeded).ok();
+        }
+        let refused = throttle.admit("alice", Some(LAB), now).err();
+        assert!(refused.is_some(), "the stranger is slowed down");
+        assert!(throttle.admit("bob", Some(LAB), now).is_ok(), "the address is under its limit");
+        assert!(throttle.admit("alice", Some(HOME), now).is_ok());
+    }
+
+    #[test]
+    fn success_resets_the_pair_but_not_the_address() {
         let throttle = Throttle::default();
         let now = Instant::now();
-        for _ in 0..ACCOUNT.free - 1 {
+        for _ in 0..PAIR.free - 1 {
             fail(&throttle, "alice", Some(LAB), now);
         }
         throttle.admit("alice", Some(LAB), now).map(Attempt::succeeded).ok();
-        for _ in 0..ACCOUNT.free - 1 {
+        for _ in 0..PAIR.free - 1 {
             fail(&throttle, "alice", Some(LAB), now);
         }
         assert!(throttle.admit("alice", Some(LAB), now).is_ok(), "the count started over");
-        for i in 0..ADDRESS.free - 2 * (ACCOUNT.free - 1) {
+        for i in 0..ADDRESS.free - 2 * (PAIR.free - 1) {
             fail(&throttle, &format!("user{i}"), Some(LAB), now);
         }
         let refused = throttle.admit("carol", Some(LAB), now).err();
         assert!(
-            refused.as_ref().is_some_and(|r| r.message.contains("from this address")),
+            refused.as_ref().is_some_and(|r| r.message.contains("failed logins from this address")),
             "{refused:?}"
         );
         let elsewhere = Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 8)));
@@ -355,6 +505,51 @@ mod tests {
             fail(&throttle, &format!("proxied{i}"), loopback, now);
         }
         assert!(throttle.admit("dave", loopback, now).is_ok(), "a local proxy is not one client");
+        for _ in 0..PAIR.free {
+            fail(&throttle, "erin", loopback, now);
+        }
+        let refused = throttle.admit("erin", None, now).err();
+        assert!(refused.is_some(), "clients the appliance cannot tell apart share one pair");
+    }
+
+    #[test]
+    fn guessing_from_many_addresses_raises_an_alert_and_refuses_no_one() {
+        let throttle = Throttle::default();
+        let now = Instant::now();
+        let bot = |i: u32| Some(IpAddr::V4(Ipv4Addr::from(0x0a63_0000 + i)));
+        for i in 0..ALERT_FAILURES - 1 {
+            fail(&throttle, "alice", bot(i), now);
+            fail(&throttle, "Alice", bot(i), now);
+        }
+        let raised = throttle.alerts(now);
+        assert_eq!(raised.len(), 1, "{raised:?}");
+        assert_eq!(raised[0].account, "alice");
+        assert_eq!(raised[0].failures, 2 * (ALERT_FAILURES - 1));
+        assert_eq!(raised[0].addresses, ALERT_FAILURES as usize - 1);
+        assert!(throttle.admit("alice", Some(HOME), now).is_ok(), "the owner is not refused");
+        throttle.admit("alice", Some(HOME), now).map(Attempt::succeeded).ok();
+        assert_eq!(throttle.alerts(now).len(), 1, "the owner's login does not hide the alert");
+
+        // Names nobody has raise nothing; below the threshold, nothing either.
+        for i in 0..2 * ALERT_FAILURES {
+            let attempt = throttle.admit("nobody", bot(i), now);
+            attempt.map(|a| a.failed(now, false)).ok();
+        }
+        for i in 0..ALERT_FAILURES - 1 {
+            fail(&throttle, "bob", bot(i), now);
+        }
+        assert_eq!(throttle.alerts(now).len(), 1);
+
+        for i in 0..2 * MAX_WATCHED_ADDRESSES as u32 {
+            fail(&throttle, "carol", bot(1000 + i), now);
+        }
+        let carol = throttle.alerts(now).into_iter().find(|a| a.account == "carol");
+        assert_eq!(carol.map(|a| a.addresses), Some(MAX_WATCHED_ADDRESSES), "bounded");
+
+        let later = now + FORGET_AFTER;
+        assert!(throttle.alerts(later).is_empty(), "a quiet account's alert ends");
+        fail(&throttle, "alice", bot(0), later);
+        assert!(throttle.alerts(later).is_empty(), "and its count starts over");
     }
 
     #[test]
@@ -362,17 +557,18 @@ mod tests {
         let throttle = Throttle::default();
         let now = Instant::now();
         let admitted: Vec<Attempt<'_>> =
-            (0..50).filter_map(|_| throttle.admit("alice", None, now).ok()).collect();
-        assert_eq!(admitted.len(), ACCOUNT.free as usize);
+            (0..50).filter_map(|_| throttle.admit("alice", Some(LAB), now).ok()).collect();
+        assert_eq!(admitted.len(), PAIR.free as usize);
         for attempt in admitted {
-            attempt.failed(now);
+            attempt.failed(now, true);
         }
-        let later = now + ACCOUNT.first_delay;
-        let one = throttle.admit("alice", None, later);
+        let later = now + PAIR.first_delay;
+        let one = throttle.admit("alice", Some(LAB), later);
         assert!(one.is_ok());
-        assert!(throttle.admit("alice", None, later).is_err(), "past the free ones: one at a time");
+        let second = throttle.admit("alice", Some(LAB), later);
+        assert!(second.is_err(), "past the free ones: one at a time");
         drop(one);
-        assert!(throttle.admit("alice", None, later).is_ok(), "an undecided attempt costs nothing");
+        assert!(throttle.admit("alice", Some(LAB), later).is_ok(), "an undecided attempt is free");
     }
 
     #[test]
@@ -391,5 +587,6 @@ mod tests {
         let later = t0 + FORGET_AFTER + SWEEP_EVERY;
         fail(&throttle, "late", None, later);
         assert_eq!(throttle.len(), 1, "idle keys are forgotten");
+        assert_eq!(throttle.lock().watched.len(), 1, "and so are idle accounts");
     }
 }

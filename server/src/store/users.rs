@@ -160,3 +160,38 @@ pub async fn get(pool: &SqlitePool, id: i64) -> sqlx::Result<User> {
         .fetch_one(pool)
         .await
 }
+
+/// User `id`'s password hash, if they exist.
+pub async fn password_hash(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar!("SELECT password_hash FROM users WHERE id = ?", id)
+        .fetch_optional(pool)
+        .await
+}
+
+/// Gives user `id` the password hash `hash` and ends every session of theirs but `keep` (the
+/// one making the change, when it is theirs), in one transaction: a session opened with the
+/// old password never outlives the change. Says whether the user exists. API tokens are left
+/// alone: they are credentials of their own, revoked one by one.
+pub async fn set_password(
+    pool: &SqlitePool,
+    id: i64,
+    hash: &str,
+    keep: Option<&str>,
+) -> sqlx::Result<bool> {
+    let mut tx = pool.begin().await?;
+    let updated = sqlx::query!("UPDATE users SET password_hash = ? WHERE id = ?", hash, id)
+        .execute(&mut *tx)
+        .await?;
+    if updated.rows_affected() != 1 {
+        return Ok(false);
+    }
+    sqlx::query!(
+        "DELETE FROM sessions WHERE user_id = ?1 AND (?2 IS NULL OR token <> ?2)",
+        id,
+        keep,
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(true)
+}

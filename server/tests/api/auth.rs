@@ -8,7 +8,7 @@ use axum::extract::connect_info::MockConnectInfo;
 use axum::http::{Method, StatusCode, header};
 use serde_json::json;
 use sluice::app;
-use sluice::auth::throttle::{ACCOUNT, ADDRESS};
+use sluice::auth::throttle::{ADDRESS, ALERT_FAILURES, PAIR};
 use tower::ServiceExt;
 
 use crate::common::{Client, PASSWORD, Reply, TestApp};
@@ -247,35 +247,53 @@ fn assert_throttled(reply: &Reply, message: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_logins_are_throttled_per_account_and_per_address() -> anyhow::Result<()> {
+async fn failed_logins_slow_the_address_and_the_pair_never_the_owner() -> anyhow::Result<()> {
     let app = TestApp::new().await?;
     let admin = app.admin().await?;
     app.user(&admin, "alice").await?;
     let guesser = visitor(&app).await?;
-    let lab = Some([10, 0, 0, 1]);
+    let stranger = Some([10, 0, 0, 1]);
+    let home = Some([10, 0, 0, 2]);
 
     // The same for a real account and for a name nobody has: the throttle tells nothing.
     for name in ["alice", "nobody"] {
-        for _ in 0..ACCOUNT.free {
-            let reply = login_from(&guesser, lab, name, "wrong password").await?;
+        for _ in 0..PAIR.free {
+            let reply = login_from(&guesser, stranger, name, "wrong password").await?;
             assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
         }
-        let blocked = login_from(&guesser, lab, name, PASSWORD).await?;
-        assert_throttled(&blocked, "too many failed logins for this account");
+        let blocked = login_from(&guesser, stranger, name, PASSWORD).await?;
+        assert_throttled(&blocked, "too many failed logins for this account from this address");
         assert_eq!(blocked.header(header::RETRY_AFTER), "1");
-        let shouted = name.to_uppercase();
-        let elsewhere = login_from(&guesser, Some([10, 0, 0, 2]), &shouted, PASSWORD).await?;
-        assert_throttled(&elsewhere, "for this account");
+        let shouted = login_from(&guesser, stranger, &name.to_uppercase(), PASSWORD).await?;
+        assert_throttled(&shouted, "for this account from this address");
     }
-    let other_account = login_from(&visitor(&app).await?, lab, "admin", PASSWORD).await?;
+    // The owner, from an address that has not failed, is not refused because a stranger did,
+    // and neither is the stranger's address for another account, under the address's limit.
+    let owner = login_from(&visitor(&app).await?, home, "alice", PASSWORD).await?;
+    assert_eq!(owner.status, StatusCode::OK, "{}", owner.text());
+    let other_account = login_from(&visitor(&app).await?, stranger, "admin", PASSWORD).await?;
     assert_eq!(other_account.status, StatusCode::OK, "{}", other_account.text());
 
-    // After the wait, the right password gets in and the count starts over.
+    // The stranger comes back when the wait ends and waits twice as long after the next
+    // failure; the owner still gets in at every turn.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let back = login_from(&visitor(&app).await?, lab, "alice", PASSWORD).await?;
-    assert_eq!(back.status, StatusCode::OK, "{}", back.text());
-    for _ in 0..ACCOUNT.free {
-        let reply = login_from(&guesser, lab, "alice", "wrong password").await?;
+    let again = login_from(&guesser, stranger, "alice", "wrong password").await?;
+    assert_eq!(again.status, StatusCode::UNAUTHORIZED, "{}", again.text());
+    let blocked = login_from(&guesser, stranger, "alice", PASSWORD).await?;
+    assert_throttled(&blocked, "for this account from this address");
+    assert_eq!(blocked.header(header::RETRY_AFTER), "2");
+    let owner = login_from(&visitor(&app).await?, home, "alice", PASSWORD).await?;
+    assert_eq!(owner.status, StatusCode::OK, "{}", owner.text());
+
+    // The owner's own typos are the pair's: after the right password it starts over.
+    for _ in 0..PAIR.free - 1 {
+        let reply = login_from(&guesser, home, "alice", "wrong password").await?;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+    }
+    let owner = login_from(&visitor(&app).await?, home, "alice", PASSWORD).await?;
+    assert_eq!(owner.status, StatusCode::OK, "{}", owner.text());
+    for _ in 0..PAIR.free - 1 {
+        let reply = login_from(&guesser, home, "alice", "wrong password").await?;
         assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
     }
 
@@ -290,12 +308,60 @@ async fn failed_logins_are_throttled_per_account_and_per_address() -> anyhow::Re
     let neighbour = visitor(&app).await?;
     let neighbour = login_from(&neighbour, Some([10, 0, 0, 10]), "admin", PASSWORD).await?;
     assert_eq!(neighbour.status, StatusCode::OK, "{}", neighbour.text());
-    // Without a known address only the account counts (one shared count would let any guesser
-    // lock everyone out).
+    // Without a known address the clients cannot be told apart: they share one pair per
+    // account, and no address count (one shared count would let any guesser lock everyone out).
     assert_eq!(
         login_from(&visitor(&app).await?, None, "admin", PASSWORD).await?.status,
         StatusCode::OK
     );
+    Ok(())
+}
+
+/// The failed-login alert the admins' list shows for `username`.
+async fn alert_of(admin: &Client, username: &str) -> anyhow::Result<serde_json::Value> {
+    let users = admin.get("/api/users").await?.json()?;
+    let user = users.as_array().and_then(|users| users.iter().find(|u| u["username"] == username));
+    Ok(user.map_or(serde_json::Value::Null, |u| u["failed_logins"].clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guessing_from_many_addresses_alerts_the_admins_and_never_reaches_the_owner()
+-> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    app.user(&admin, "alice").await?;
+    let guesser = visitor(&app).await?;
+
+    // Each address guesses too few times for its own counts, always for alice: the guard is an
+    // alert, and no guess is refused because of it.
+    let bots = u8::try_from(2 * ALERT_FAILURES)?;
+    for bot in 0..bots {
+        for _ in 0..PAIR.free - 1 {
+            let reply = login_from(&guesser, Some([10, 66, 0, bot]), "alice", "guess").await?;
+            assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+        }
+        if u32::from(bot) + 1 == ALERT_FAILURES / (PAIR.free - 1) {
+            assert!(alert_of(&admin, "alice").await?.is_null(), "not yet");
+        }
+    }
+    let alert = alert_of(&admin, "alice").await?;
+    assert_eq!(alert["count"], (PAIR.free - 1) * u32::from(bots), "{alert}");
+    assert_eq!(alert["addresses"], bots, "{alert}");
+    assert!(alert["last_at"].as_i64().is_some_and(|t| t > 0), "{alert}");
+    assert!(alert_of(&admin, "admin").await?.is_null(), "only the account guessed at");
+
+    // The owner, from an address of their own, logs in at once; the alert stays for the admins.
+    let owner =
+        login_from(&visitor(&app).await?, Some([192, 168, 1, 20]), "alice", PASSWORD).await?;
+    assert_eq!(owner.status, StatusCode::OK, "{}", owner.text());
+    assert!(!alert_of(&admin, "alice").await?.is_null());
+    // Guesses at names nobody has raise nothing.
+    for bot in 0..bots {
+        let reply = login_from(&guesser, Some([10, 67, 0, bot]), "nobody", "guess").await?;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text());
+    }
+    let users = admin.get("/api/users").await?.json()?;
+    assert_eq!(users.as_array().map(Vec::len), Some(2), "{users}");
     Ok(())
 }
 
@@ -306,7 +372,7 @@ async fn unknown_users_take_as_long_as_known_ones() -> anyhow::Result<()> {
     let guesser = visitor(&app).await?;
     let (mut known, mut unknown) = (Vec::new(), Vec::new());
     // Interleaved, so both see the same load from other tests; fewer than the free failures.
-    for i in 0..ACCOUNT.free - 1 {
+    for i in 0..PAIR.free - 1 {
         let start = Instant::now();
         let reply = login_from(&guesser, None, "admin", "wrong password").await?;
         known.push(start.elapsed());

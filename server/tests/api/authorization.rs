@@ -46,6 +46,8 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("GET", "/api/datasets/{id}/preview") => Owner,
         ("GET" | "POST", "/api/users") => Admin,
         ("DELETE", "/api/users/{id}") => Admin,
+        ("PUT", "/api/users/{id}/password") => Admin,
+        ("POST", "/api/account/password") => User,
         ("GET" | "POST", "/api/account/tokens") => User,
         ("DELETE", "/api/account/tokens/{id}") => User,
         ("GET" | "PUT", "/api/account/webhook") => User,

@@ -16,6 +16,7 @@ mod jobs;
 mod misc;
 mod models;
 mod pages;
+mod passwords;
 mod plan_words;
 mod recovery;
 mod runs;

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::common::{Client, Reply, TestApp};
 
 /// A request with a bearer token and nothing else: no cookie, no CSRF header.
-async fn bearer(
+pub(crate) async fn bearer(
     app: &TestApp,
     token: &str,
     method: Method,
@@ -31,7 +31,7 @@ async fn bearer(
 }
 
 /// Makes a token named `name` for `client`; returns (id, token).
-async fn make_token(client: &Client, name: &str) -> anyhow::Result<(i64, String)> {
+pub(crate) async fn make_token(client: &Client, name: &str) -> anyhow::Result<(i64, String)> {
     let reply = client.post("/api/account/tokens", json!({ "name": name })).await?;
     anyhow::ensure!(reply.status == StatusCode::CREATED, "create token: {}", reply.text());
     let body = reply.json()?;

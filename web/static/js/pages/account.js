@@ -1,9 +1,10 @@
-// The signed-in user's account: personal API tokens (created, shown once, revoked) and the
-// webhook their jobs' ends are posted to, with how its latest delivery went.
+// The signed-in user's account: personal API tokens (created, shown once, revoked), the
+// webhook their jobs' ends are posted to, with how its latest delivery went, and their password.
 import { del, get, post, request, requireUser } from '../api.js';
 import { $, copyText, el, fill, fmtDate, showError } from '../ui.js';
 
-await requireUser();
+const me = await requireUser();
+$('#password-username').value = me.username;
 
 function renderTokens(tokens) {
   if (!tokens.length) {
@@ -114,6 +115,29 @@ $('#webhook-test').addEventListener('click', async () => {
     showError($('#webhook-error'), err);
   } finally {
     button.disabled = false;
+  }
+});
+
+$('#password-form').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  showError($('#password-error'), null);
+  $('#password-ok').hidden = true;
+  const password = $('#new-password').value;
+  if (password !== $('#new-password2').value) {
+    showError($('#password-error'), new Error('The two new passwords differ.'));
+    return;
+  }
+  const button = event.submitter;
+  if (button) button.disabled = true;
+  try {
+    await post('/api/account/password', { current_password: $('#current-password').value, new_password: password });
+    event.target.reset();
+    $('#password-ok').textContent = 'Changed. Your other sessions are logged out; this one stays.';
+    $('#password-ok').hidden = false;
+  } catch (err) {
+    showError($('#password-error'), err);
+  } finally {
+    if (button) button.disabled = false;
   }
 });
 
