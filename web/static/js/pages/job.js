@@ -564,15 +564,22 @@ function logLineOf(data) {
 // --- live updates ----------------------------------------------------------------------------
 
 /**
- * Opens the event stream first and holds its events until the stored history and log are in,
- * so that nothing produced between the two requests is lost; duplicates merge by step.
+ * The live view: the event stream, then the stored history and log, merged (duplicates merge
+ * by step). The history is read only once the stream is open: the server subscribes before it
+ * answers, so every point is either stored before the history is read or sent on the stream.
+ * Read at the same time as the stream was asked for, the history could come first, and a point
+ * stored between the two would be missing for good. Events that arrive while the history is
+ * on its way are held and applied after it. A stream that drops and reopens by itself reads
+ * the history again, for the points sent while it was away.
  */
-async function connect() {
+function connect() {
   if (source) source.close();
-  const held = { metric: [], log: [] };
+  const stream = new EventSource(`/api/jobs/${id}/events`);
+  source = stream;
+  let held = { metric: [], log: [] };
   let live = false;
-  source = new EventSource(`/api/jobs/${id}/events`);
-  source.addEventListener('metric', (event) => {
+  let firstOpen = true;
+  stream.addEventListener('metric', (event) => {
     let point;
     try {
       point = JSON.parse(event.data);
@@ -586,35 +593,62 @@ async function connect() {
       held.metric.push(point);
     }
   });
-  source.addEventListener('log', (event) => {
+  stream.addEventListener('log', (event) => {
     const line = logLineOf(event.data);
     if (live) appendLog([line]);
     else held.log.push(line);
   });
-  source.addEventListener('status', async () => {
+  stream.addEventListener('status', async () => {
     try {
       await refreshJob();
       await refreshCheckpoints();
-      if (TERMINAL.has(job.status)) source.close();
+      if (TERMINAL.has(job.status)) stream.close();
     } catch (err) {
       showError(error, err);
     }
   });
-  source.onerror = () => {
+  stream.onerror = () => {
     // EventSource reconnects by itself; a finished job's stream is not worth reopening.
-    if (job && TERMINAL.has(job.status)) source.close();
+    if (job && TERMINAL.has(job.status)) stream.close();
   };
 
-  const [history, log] = await Promise.all([get(`/api/jobs/${id}/metrics`), get(`/api/jobs/${id}/log`).catch(() => '')]);
-  for (const point of history || []) addPoint(point);
-  for (const point of held.metric) addPoint(point);
-  const text = typeof log === 'string' ? log : '';
-  fill($('#log'), text.endsWith('\n') || !text ? text : `${text}\n`);
-  const tail = text.slice(-4000);
-  appendLog(held.log.filter((line) => !tail.includes(line)));
-  $('#log').scrollTop = $('#log').scrollHeight;
-  live = true;
-  scheduleDraw();
+  /** Reads the stored history and log, then applies what the stream sent meanwhile. */
+  async function catchUp() {
+    live = false;
+    const [history, log] = await Promise.all([get(`/api/jobs/${id}/metrics`), get(`/api/jobs/${id}/log`).catch(() => '')]);
+    if (stream !== source) return;
+    for (const point of history || []) addPoint(point);
+    for (const point of held.metric) addPoint(point);
+    const text = typeof log === 'string' ? log : '';
+    fill($('#log'), text.endsWith('\n') || !text ? text : `${text}\n`);
+    const tail = text.slice(-4000);
+    appendLog(held.log.filter((line) => !tail.includes(line)));
+    $('#log').scrollTop = $('#log').scrollHeight;
+    held = { metric: [], log: [] };
+    live = true;
+    scheduleDraw();
+  }
+
+  return new Promise((resolve, reject) => {
+    stream.addEventListener('open', () => {
+      const first = firstOpen;
+      firstOpen = false;
+      catchUp().then(resolve, (err) => {
+        if (first) reject(err);
+        else showError(error, err);
+      });
+    });
+    // A stream that fails or is slow to open (the browser holds it back behind other tabs'
+    // streams, or the server is down) must not keep the page empty: show the history now; the
+    // stream's open, when it comes, reads it again.
+    const withoutStream = () => {
+      if (!firstOpen) return;
+      firstOpen = false;
+      catchUp().then(resolve, reject);
+    };
+    stream.addEventListener('error', withoutStream, { once: true });
+    setTimeout(withoutStream, 5000);
+  });
 }
 
 $('#cancel').addEventListener('click', async () => {
