@@ -17,9 +17,10 @@ pub use crate::schedule::Interrupt;
 pub use card::{CARD_FILE, Curves, model_card, write_model_card};
 pub use job::{
     DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, GradientPolicy, Job, JobSettings,
-    Limits, Max, SettingDoc, SettingView, SettingsGuide,
+    LR_BANDS, Limits, LrBand, LrMethod, Max, SettingDoc, SettingView, SettingsGuide,
 };
 pub use launch::run_on;
+pub use retention::save_interval;
 pub use run::{
     LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_job, run,
     run_parallel, save_checkpoint,

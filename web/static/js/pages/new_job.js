@@ -6,13 +6,15 @@ import { get, post, requireUser } from '../api.js';
 import { $, bar, copyText, debounce, el, fill, fmtBytes, fmtCount, fmtDuration, fmtInt, showError } from '../ui.js';
 import { gpuIndices } from './job_fields.js';
 
-await requireUser();
+const me = await requireUser();
 
-// Every setting with its default, bounds and choices, and the learning rates a job takes
-// without one, as the engine states them under this appliance's limits: the form copies none.
+// Every setting with its default, bounds and choices, the learning rates a job takes without
+// one and those worth a warning, as the engine states them under this appliance's limits: the
+// form copies none.
 const guide = await get('/api/job-defaults');
 const SETTINGS = Object.fromEntries(guide.settings.map((s) => [s.name, s]));
 const LR = { preset: guide.lr_random_init, local: guide.lr_pretrained };
+const LR_BANDS = Array.isArray(guide.lr_bands) ? guide.lr_bands : [];
 
 // Settings a newcomer can start from. `lr` depends on the model: random-init presets learn
 // fast with a large rate; pretrained weights need a small one not to forget what they know.
@@ -95,6 +97,7 @@ function applyPreset(name) {
   for (const [key, value] of Object.entries(p.values)) $(`#${key}`).value = String(value);
   const model = selectedModel();
   $('#lr').value = LR[model && model.kind === 'local' ? 'local' : 'preset'];
+  warnLr();
 }
 
 function describeModel() {
@@ -104,6 +107,31 @@ function describeModel() {
   const lr = random ? LR.preset : LR.local;
   $('#lr-hint').textContent = `how far each step moves the model; empty: ${lr} ${random ? '(random weights learn fast)' : '(keeps what the model knows)'}`;
   $('#lr').placeholder = String(lr);
+  warnLr();
+}
+
+/**
+ * The engine's band for this model: random weights take far larger rates than trained ones,
+ * and larger models smaller ones (`lr_bands` of the settings guide; the first that matches).
+ */
+function lrBand() {
+  const m = selectedModel();
+  const method = !m || m.kind === 'preset' ? 'random_init' : 'pretrained';
+  const params = m && typeof m.params === 'number' ? m.params : 0;
+  return LR_BANDS.find((b) => b.method === method && (b.max_params === null || params <= b.max_params)) || null;
+}
+
+/** A learning rate above the band runs, but likely throws the loss up: say so under the field. */
+function warnLr() {
+  const box = $('#lr-warning');
+  const raw = $('#lr').value.trim();
+  const lr = Number(raw);
+  const band = lrBand();
+  const high = raw !== '' && Number.isFinite(lr) && band && lr > band.warn_above && $('#lr').validity.valid;
+  box.hidden = !high;
+  box.textContent = high
+    ? `Learning rate ${raw} is high for ${band.method === 'random_init' ? 'random weights' : 'a trained model'} of this size: above ${band.warn_above} the loss often climbs instead of falling${band.method === 'pretrained' ? ' and the model forgets what it knew' : ''}.`
+    : '';
 }
 
 /** The held-out share applies only when no evaluation dataset is chosen. */
@@ -169,6 +197,7 @@ async function prefillFrom(from) {
     if (input.tagName === 'SELECT' && input.selectedIndex < 0) input.selectedIndex = 0;
   }
   syncGradientField();
+  warnLr();
   $('#train_on_prompt').checked = Boolean(config.train_on_prompt);
   const name = job.name || `Job #${job.id}`;
   $('#name').value = `${name} (again)`.slice(0, 100);
@@ -202,6 +231,26 @@ function markInvalid(ids) {
 function fieldOf(message) {
   const match = /^([a-z_]+)\b/.exec(message || '');
   return match && ALL_FIELDS.includes(match[1]) ? [match[1]] : [];
+}
+
+/** The server names a field as the engine does (`lr must be…`); the form says its label. */
+function labelled(err) {
+  const [id] = fieldOf(err && err.message);
+  if (!id) return err;
+  const out = new Error(`${fieldLabel(id)}${err.message.slice(id.length)}`);
+  out.status = err.status;
+  return out;
+}
+
+/** The message for a number field the browser finds out of bounds, in the engine's words. */
+function boundsMessage(input) {
+  const s = SETTINGS[input.id] || {};
+  const label = fieldLabel(input.id);
+  if (input.validity.badInput || input.validity.stepMismatch) return `${label} must be a number.`;
+  const low = s.min === null || s.min === undefined ? null : `${s.above ? 'above' : 'at least'} ${s.min}`;
+  const high = s.max === null || s.max === undefined ? null : `at most ${s.max}`;
+  const bounds = [low, high].filter(Boolean).join(' and ');
+  return bounds ? `${label} must be ${bounds}, got ${input.value}.` : `${label}: ${input.validationMessage}`;
 }
 
 /** A predicted duration: "≈ 1.2 s", "< 1 ms", or "—" when there is none. */
@@ -357,7 +406,7 @@ async function refreshPlan() {
   const invalid = invalidFields();
   if (invalid.length) {
     plan = null;
-    planError = new Error(invalid.map((input) => `${fieldLabel(input.id)}: ${input.validationMessage}`).join(' '));
+    planError = new Error(invalid.map(boundsMessage).join(' '));
     markInvalid(invalid.map((input) => input.id));
     card.classList.remove('loading');
     renderPlan();
@@ -375,7 +424,7 @@ async function refreshPlan() {
   } catch (err) {
     if (seq !== planSeq) return;
     plan = null;
-    planError = err;
+    planError = labelled(err);
     markInvalid(err.status === 400 ? fieldOf(err.message) : []);
   }
   card.classList.remove('loading');
@@ -510,6 +559,7 @@ async function main() {
     const input = $(`#${id}`);
     const changed = () => {
       if (PRESET_FIELDS.has(id) && preset !== 'custom') setPreset('custom');
+      if (id === 'lr') warnLr();
       if (id === 'eval_dataset') syncEvalFields();
       if (id === 'max_grad_norm') syncGradientField();
       planChanged();
@@ -542,6 +592,13 @@ async function main() {
       showError(submitError, new Error(`This job does not fit: ${plan.reason || 'not enough memory.'}`));
       return;
     }
+    // A field the plan card already calls wrong: take the person to it instead of saying it
+    // a second time.
+    const marked = document.querySelector('#job-form [aria-invalid="true"]');
+    if (planError && marked) {
+      marked.focus();
+      return;
+    }
     const button = $('#submit');
     button.disabled = true;
     try {
@@ -549,7 +606,8 @@ async function main() {
       location.href = `/jobs/${created.id}`;
     } catch (err) {
       if (err.status === 400) markInvalid(fieldOf(err.message));
-      showError(submitError, err);
+      const said = labelled(err);
+      if (!planError || planError.message !== said.message) showError(submitError, said);
       button.disabled = false;
     }
   });
