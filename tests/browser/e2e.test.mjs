@@ -166,6 +166,9 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     if (await refused.count()) assert.fail(`the plan answered an error: ${await refused.innerText()}`);
     await page.waitForSelector('#plan-fits[data-fits="true"]');
     await page.waitForSelector('.tier .bar');
+    // The placement and the gradient policies are folded behind "Details" until asked for.
+    assert.ok(await page.locator('#plan-gradients').isHidden(), 'the gradient table shows unasked');
+    await page.click('#plan-details > summary');
     assert.equal(await page.locator('#plan-placement').count(), 1, 'the plan card shows no placement line (the plan answered no `placement`)');
     assert.match(await page.locator('#plan-placement').innerText(), /^Placement\s*\S/);
     // Every gradient policy is listed with its memory; choosing one from the card re-plans the
@@ -173,6 +176,12 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const policies = await page.locator('#plan-gradients tbody tr').evaluateAll((rows) => rows.map((r) => r.dataset.policy));
     assert.deepEqual(policies, ['device', 'host', 'host_bf16', 'no_clip'], 'the plan card lists every gradient policy');
     assert.equal(await page.locator('#plan-gradients tr[data-chosen="true"]').getAttribute('data-policy'), 'device');
+    // A CPU job's gradients are not said to wait "on the GPU".
+    const gpus = (await (await page.request.get(url('/api/gpus'))).json()).filter((d) => d.id !== 'cpu');
+    if (!gpus.length) {
+      const row = await page.locator('#plan-gradients tr[data-policy="device"]').innerText();
+      assert.doesNotMatch(row, /GPU/, `the device policy of a CPU job: ${row}`);
+    }
     await page.click('#plan-gradients tr[data-policy="host_bf16"] button');
     await page.waitForSelector('#plan-gradients tr[data-policy="host_bf16"][data-chosen="true"]');
     assert.equal(await page.inputValue('#gradients'), 'host_bf16');
@@ -370,6 +379,12 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"] .badge[data-status="completed"]`);
     await page.waitForSelector('#gpus .gpu[data-gpu="cpu"]');
     await screenshot('dashboard');
+  });
+
+  await t.test('the next new job starts from the dataset last used', async () => {
+    await page.goto(url('/jobs/new'));
+    await page.waitForSelector(`#dataset option[value="${datasetId}"]`, { state: 'attached' });
+    await page.waitForFunction((id) => document.querySelector('#dataset').value === String(id), datasetId);
   });
 
   const privateUrls = () => [

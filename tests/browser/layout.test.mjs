@@ -288,6 +288,16 @@ async function checkPage(name, { ready, nav = true, focusTarget = null, desktopS
 
 let datasetId;
 let jobId;
+// GPUs the server has (the CPU aside): what its pages should say it trains on.
+let gpuCount = 0;
+const JOB_NAME = 'layout run';
+
+/** Histogram ranges that do not fit their column, by their text: none may be cut off. */
+function cutRanges() {
+  return page.evaluate(() => [...document.querySelectorAll('.histogram .range')]
+    .filter((r) => r.scrollWidth > r.clientWidth + 1 || r.scrollHeight > r.clientHeight + 1)
+    .map((r) => `${r.textContent} (${r.scrollWidth}×${r.scrollHeight} in ${r.clientWidth}×${r.clientHeight})`));
+}
 
 test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000 }, async (context) => {
   // The steps depend on each other: after the first failure the rest are skipped.
@@ -325,8 +335,11 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       ready: async () => {
         await page.waitForSelector('.sample .trained');
         await page.waitForSelector('.histogram > div');
+        // Every length range reads whole (a narrow column breaks it after its dash).
+        assert.deepEqual(await cutRanges(), [], 'histogram labels cut off');
       },
     });
+    gpuCount = (await (await page.request.get(url('/api/gpus'))).json()).filter((d) => d.id !== 'cpu').length;
   });
 
   await t.test('new job, with the plan between the form and Start', async () => {
@@ -335,10 +348,41 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       await page.waitForSelector('#model option[value="preset:tiny"]', { state: 'attached' });
       await page.selectOption('#model', 'preset:tiny');
       await page.check('input[name="gpu"][value="cpu"]');
-      await page.fill('#steps', '6');
+      // A rate far above the band for random weights of this size is warned about, in the
+      // field's words; a rate out of bounds is refused once, by its label, not the engine's name.
+      await page.fill('#lr', '0.5');
+      await page.locator('#lr-warning').waitFor({ state: 'visible' });
+      assert.match(await page.locator('#lr-warning').innerText(), /^Learning rate 0\.5 is high/);
+      await page.fill('#lr', '1000000');
+      await page.waitForSelector('#plan-card[data-state="ready"] #plan-error');
+      assert.match(await page.locator('#plan-error').innerText(), /^Learning rate must be above 0 and at most 1\b/);
+      await page.click('#submit');
+      assert.equal(await page.evaluate(() => document.activeElement?.id), 'lr', 'Start does not lead to the field');
+      assert.ok(await page.locator('#submit-error').isHidden(), 'the refusal is said twice');
+      const said = await page.evaluate(() => document.body.innerText.split(/\bLearning rate must be\b/).length - 1);
+      assert.equal(said, 1, 'the refusal is said once');
+      assert.ok(await page.locator('#lr-warning').isHidden(), 'a refused rate is also warned about');
+      await page.fill('#lr', '');
+      await page.locator('#lr-warning').waitFor({ state: 'hidden' });
+      await page.fill('#name', JOB_NAME);
+      await page.fill('#steps', '10');
       await page.fill('#seq_len', '64');
+      // Held-out loss every 5 steps, and before the first.
+      await page.click('#advanced > summary');
+      await page.fill('#eval_every', '5');
       await page.waitForSelector('#plan-card[data-state="ready"]');
       await page.waitForSelector('#plan-fits[data-fits="true"]');
+      // The verdict, the time and the memory show; the engineering folds behind "Details".
+      assert.ok(await page.locator('[data-plan="step_time"]').isVisible());
+      assert.ok(await page.locator('#plan .tier .bar').first().isVisible());
+      assert.equal(await page.locator('#plan-details').getAttribute('open'), null, 'the details start unfolded');
+      assert.ok(await page.locator('#plan-gradients').isHidden(), 'the gradient table shows unasked');
+      // On the processor, nothing in the card speaks of a GPU.
+      if (gpuCount === 0) {
+        // (Advice to try a GPU for a slow run is fine.)
+        const text = await page.locator('#plan-card').evaluate((n) => n.textContent.replace(/try a GPU/g, ''));
+        assert.doesNotMatch(text, /GPU/, `the plan card of a CPU job: ${text}`);
+      }
     };
     await checkPage('new-job', { ready: fill });
     // On a phone the form, then the verdict, then Start, one under the other.
@@ -470,6 +514,16 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     await page.click('#menu-button');
     await page.click('#logout');
     await page.waitForURL(/\/login/);
-    await checkPage('login', { ready: () => page.waitForSelector('#login-form'), nav: false, focusTarget: '#login-form button[type=submit]' });
+    await checkPage('login', {
+      ready: async () => {
+        await page.waitForSelector('#login-form');
+        // What the server trains on, as it is: no GPU words on a machine without one.
+        const says = await page.locator('#trains-on').innerText();
+        assert.match(says, gpuCount === 0 ? /processor/ : /GPU/, says);
+        if (gpuCount === 0) assert.doesNotMatch(says, /GPU/, says);
+      },
+      nav: false,
+      focusTarget: '#login-form button[type=submit]',
+    });
   });
 });

@@ -63,7 +63,7 @@ function scheduleDraw() {
     const withTimeline = [...sorted].reverse().find((p) => p.timeline) || fetchedTimeline;
     if (withTimeline && withTimeline !== shownTimeline) {
       shownTimeline = withTimeline;
-      renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step);
+      renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step, Boolean(job) && gpuIndices(job.gpu).length > 0);
       $('#timeline-title').textContent = `Stream timeline of step ${fmtInt(withTimeline.step)}`;
     }
     renderSummary();
