@@ -4,8 +4,10 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 
+import path from 'node:path';
+
 import { openBrowser, setupAdmin } from './harness.mjs';
-import { startServer } from './server.mjs';
+import { repoRoot, startServer } from './server.mjs';
 
 const ADMIN = { username: 'ada', password: 'correct horse battery' };
 const STEPS = 6;
@@ -182,10 +184,54 @@ test('runs', async (t) => {
     await button.click();
     await page.waitForSelector('#notice:has-text("deleted")');
     assert.match(await page.locator('#notice').innerText(), new RegExp(`Job #${first} deleted: ${frees[1].replace('.', '\\.')} freed`));
+    // Nothing of the deleted job is offered any more: no status badge, no "Run again".
+    assert.equal(await page.locator('#status .badge').count(), 0, 'the deleted job keeps its badge');
+    assert.ok(await page.locator('#run-again').isHidden(), 'the deleted job offers "Run again"');
+    assert.match(await page.locator('#title').innerText(), /deleted/);
     assert.equal((await api(`/api/jobs/${first}`)).status, 404);
     await page.goto(url('/'));
     await page.waitForSelector(`#jobs-table tr[data-job="${ids[1]}"]`);
     assert.equal(await page.locator(`#jobs-table tr[data-job="${first}"]`).count(), 0);
+    browser.noErrorsSoFar();
+  });
+
+  await t.test('deleting a dataset names the stopped jobs that lose their resume', async () => {
+    await page.goto(url('/datasets'));
+    await page.waitForSelector('#datasets table, #datasets .empty');
+    await page.setInputFiles('#file', path.join(repoRoot, 'datasets', 'demo-alpaca.jsonl'));
+    await page.fill('#name', 'short-lived');
+    await page.click('#upload-button');
+    const link = page.locator('#upload-ok a[href^="/datasets/"]');
+    await link.waitFor();
+    const dataset = Number((await link.getAttribute('href')).split('/').pop());
+    // A long job on it, stopped part-way: resumable while the dataset exists.
+    const id = await submit({ model: 'preset:tiny', dataset, gpu: 'cpu', steps: 100_000, seq_len: 32, name: 'to resume' });
+    await waitJob(id, (j) => j.status === 'running' && j.step >= 1);
+    await page.evaluate(async (job) => {
+      const { post } = await import('/static/js/api.js');
+      await post(`/api/jobs/${job}/cancel`);
+    }, id);
+    await waitJob(id, (j) => j.status === 'cancelled');
+    await page.goto(url(`/jobs/${id}`));
+    await page.locator('#resume').waitFor({ state: 'visible' });
+
+    await page.goto(url('/datasets'));
+    const row = page.locator(`#datasets-table tr[data-dataset="${dataset}"]`);
+    await row.waitFor();
+    let asked = '';
+    page.once('dialog', (dialog) => {
+      asked = dialog.message();
+      dialog.accept();
+    });
+    await row.locator('button.danger').click();
+    await page.waitForSelector('#notice:has-text("short-lived")');
+    assert.match(asked, new RegExp(`to resume \\(#${id}\\) can no longer be resumed`), asked);
+
+    // The job's page no longer offers Resume, and says why.
+    await page.goto(url(`/jobs/${id}`));
+    await page.locator('#resume-note').waitFor({ state: 'visible' });
+    assert.match(await page.locator('#resume-note').innerText(), /dataset was deleted/);
+    assert.ok(await page.locator('#resume').isHidden(), 'Resume is still offered');
     browser.noErrorsSoFar();
   });
 

@@ -3,6 +3,7 @@
 // statistics and a length histogram.
 import { del, firstData, get, requireUser } from '../api.js';
 import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
+import { datasetDeleteQuestion } from './job_fields.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -137,8 +138,9 @@ async function main() {
   });
 
   $('#delete').addEventListener('click', async () => {
-    if (!confirm(`Delete the dataset “${dataset.name}”?`)) return;
     try {
+      const resumable = await get(`/api/datasets/${id}/resumable-jobs`);
+      if (!confirm(datasetDeleteQuestion(dataset, resumable))) return;
       const done = await del(`/api/datasets/${id}`);
       sessionStorage.setItem('sluice.notice', `Deleted “${dataset.name}”: ${fmtBytes(done.freed_bytes)} freed.`);
       location.href = '/datasets';

@@ -104,6 +104,10 @@ function renderJob() {
     .filter(Boolean).join(' · ');
   $('#cancel').hidden = !(job.status === 'queued' || job.status === 'running');
   $('#resume').hidden = !canResume(job);
+  // A job stopped early whose resume is gone says why, where the Resume button would be.
+  const blocked = typeof job.resume_blocked === 'string' ? job.resume_blocked : '';
+  $('#resume-note').textContent = blocked ? `Resume unavailable: ${blocked}.` : '';
+  $('#resume-note').hidden = !blocked;
   const failure = $('#job-failure');
   if (job.error && (job.status === 'failed' || job.status === 'interrupted')) {
     failure.textContent = job.error;
@@ -667,7 +671,12 @@ $('#delete-job').addEventListener('click', async () => {
     const done = await del(`/api/jobs/${id}`);
     if (source) source.close();
     $('#job-body').hidden = true;
-    for (const button of ['#delete-job', '#cancel', '#resume']) $(button).hidden = true;
+    // Nothing of the job is left to show or act on: no status, no "Run again", no buttons.
+    for (const button of ['#delete-job', '#cancel', '#resume', '#run-again', '#resume-note']) $(button).hidden = true;
+    fill($('#status'));
+    $('#subtitle').textContent = '';
+    $('#title').textContent = `Job #${id} (deleted)`;
+    document.title = `Job #${id} (deleted) · Sluice`;
     fill($('#notice'), `Job #${id} deleted: ${fmtBytes(done.freed_bytes)} freed. `, el('a', { href: '/' }, 'Back to the dashboard'));
     $('#notice').hidden = false;
     job = null;
