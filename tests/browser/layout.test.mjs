@@ -403,6 +403,16 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     const ready = async () => {
       await page.waitForSelector('#status .badge[data-status="completed"]');
       await page.waitForSelector('[data-chart="loss"] canvas');
+      // The held-out loss before training is the eval chart's first point (step 0), and the
+      // eval figure says where it came from.
+      await page.waitForSelector('[data-chart="loss"][data-first-step="0"]');
+      assert.match(await page.locator('[data-fact="eval_loss"] .v').innerText(), /^\d[\d.]* \(from \d[\d.]*\)$/);
+      // Ten steps and no save_every: the run saved every 2 steps, and says so.
+      assert.match(await page.locator('#settings [data-setting="save_every"] dd').innerText(), /^2 steps\b/);
+      assert.equal(await page.locator('[data-fact="final_loss"] .k').innerText().then((t) => t.toLowerCase()), 'final loss');
+      // A timeline, where the device reports one, names the lanes after this job's device.
+      const lanes = await page.locator('#timeline [data-lane]').allInnerTexts();
+      if (gpuCount === 0) assert.ok(!lanes.some((l) => /GPU/.test(l)), `a CPU job's timeline: ${lanes}`);
     };
     await checkPage('job', { ready });
     const charts = await page.locator('#charts [data-chart]').evaluateAll((nodes) => nodes.map((n) => n.dataset.chart));

@@ -55,6 +55,12 @@ pub enum Event {
         path: std::path::PathBuf,
         step: u64,
     },
+    /// The held-out loss at a point where no step was taken: before the first step (step 0),
+    /// so a chart of the eval loss starts where training did.
+    Evaluated {
+        step: u64,
+        loss: f64,
+    },
     /// Something the user should know that does not stop the run.
     Notice(String),
 }

@@ -141,7 +141,7 @@ function renderSettings() {
 
   // The held-out share matters only to a job that evaluates without a dataset of its own.
   const heldOut = typeof config.eval_every === 'number' && (job.eval_dataset === null || job.eval_dataset === undefined);
-  const rows = settingsList(config).filter((row) => row.key !== 'held_out' || heldOut);
+  const rows = settingsList(config, job.save_interval).filter((row) => row.key !== 'held_out' || heldOut);
   const key = JSON.stringify(rows);
   if (key !== shownSettings) {
     shownSettings = key;
@@ -152,6 +152,19 @@ function renderSettings() {
   const command = typeof job.command === 'string' ? job.command : '';
   if ($('#job-command').textContent !== command) $('#job-command').textContent = command;
   $('#job-command-box').hidden = !command;
+}
+
+/**
+ * The latest held-out loss, and where it started: the run evaluates before its first step
+ * (a point of step 0), so the untrained model's loss is the figure to compare with.
+ */
+function evalText(latest) {
+  if (!latest) return '—';
+  const before = points.get(0);
+  if (latest.step === 0) return `${fmtNum(latest.eval_loss)} (before training)`;
+  return before && typeof before.eval_loss === 'number'
+    ? `${fmtNum(latest.eval_loss)} (from ${fmtNum(before.eval_loss)})`
+    : fmtNum(latest.eval_loss);
 }
 
 function renderSummary() {
@@ -173,7 +186,7 @@ function renderSummary() {
   fill($('#summary'),
     fact(job.status === 'queued' ? 'In line' : 'Time left', eta, 'eta'),
     fact('Loss', lossPoint ? fmtNum(lossPoint.loss) : '—', 'loss'),
-    fact('Eval loss', evalPoint ? fmtNum(evalPoint.eval_loss) : '—', 'eval_loss'),
+    fact('Eval loss', evalText(evalPoint), 'eval_loss'),
     fact('Speed', speed, 'speed'),
     fact('Disk used', fmtBytes(job.disk_bytes), 'disk'),
     fact('Points', fmtInt(sorted.length), 'points'));
@@ -215,7 +228,8 @@ function renderRunSummary() {
     fact('Started', time(job.started_at), 'started'),
     fact('Finished', time(job.finished_at), 'finished'),
     fact('Duration', runDuration(job), 'duration'),
-    fact('Final loss', loss(s.final_loss), 'final_loss'),
+    // Only an ended run has a final loss; until then it is the latest.
+    fact(TERMINAL.has(job.status) ? 'Final loss' : 'Latest loss', loss(s.final_loss), 'final_loss'),
     fact('Best loss', `${loss(s.best_loss)}${at(s.best_loss_step)}`, 'best_loss'),
     fact('Eval loss', typeof s.final_eval_loss === 'number' ? `${loss(s.final_eval_loss)}, best ${loss(s.best_eval_loss)}${at(s.best_eval_step)}` : '—', 'summary_eval_loss'),
     fact('Tokens seen', typeof s.tokens_seen === 'number' ? fmtInt(s.tokens_seen) : '—', 'tokens_seen'),
