@@ -452,6 +452,11 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       ready: async () => {
         await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"]`);
         await page.waitForSelector('#gpus .gpu');
+        // The job's name is its link, and every column has a heading.
+        const link = page.locator(`#jobs-table tr[data-job="${jobId}"] a[href="/jobs/${jobId}"]`);
+        assert.match(await link.innerText(), new RegExp(`^${JOB_NAME}\\s+#${jobId}$`));
+        const heads = await page.locator('#jobs-table thead th').allTextContents();
+        assert.ok(heads.includes('Time left'), `headings: ${heads.join(' | ')}`);
       },
     });
     // On a phone the table is a list: each row a block inside the card, each cell named by its column.
@@ -471,6 +476,7 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     assert.equal(row.display, 'flex', 'the jobs table is not a list on a phone');
     assert.ok(row.inside, 'a job row reaches past its card');
     assert.deepEqual(row.labels.slice(0, 4), ['Compare', 'Job', 'Model', 'Dataset']);
+    assert.ok(row.labels.includes('Time left'), `cells named: ${row.labels.join(' | ')}`);
     assert.equal(row.shown, '"Model"', 'the model cell does not say it is the model');
 
     // The open menu, as the keyboard leaves it.
