@@ -143,10 +143,28 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const tokens = await page.locator('[data-stat="tokens"] .v').innerText();
     assert.ok(Number(tokens.replace(/,/g, '')) > 0, `tokens: ${tokens}`);
     await screenshot('dataset-preview');
+    // One example longer than the sequence length is one example, in the singular.
+    const oneLong = path.join(server.dataDir, 'one-long.jsonl');
+    const long = Array.from({ length: 600 }, (_, i) => `word${i % 97} and more`).join(' ');
+    writeFileSync(oneLong, `${JSON.stringify({ instruction: 'Say hi.', input: '', output: 'Hi.' })}\n${JSON.stringify({ instruction: 'Tell a long story.', input: '', output: long })}\n`);
+    await page.goto(url('/datasets'));
+    await page.setInputFiles('#file', oneLong);
+    await page.click('#upload-button');
+    const longLink = page.locator('#upload-ok a[href^="/datasets/"]');
+    await longLink.waitFor();
+    await page.goto(url(await longLink.getAttribute('href')));
+    await page.waitForSelector('.histogram > div');
+    await page.waitForFunction(() => document.querySelector('#stats-notes')?.textContent.includes('longer than'));
+    assert.match(await page.locator('#stats-notes').innerText(), /\b1 example is longer than [\s\S]* and loses its end\b/);
     noErrorsSoFar();
   });
 
   await t.test('the new-job page shows the plan, and a job starts on the tiny preset', async () => {
+    // Before any job the form starts from the shared demo, not from the newest upload.
+    await page.goto(url('/jobs/new'));
+    await page.waitForSelector(`#dataset option[value="${datasetId}"]`, { state: 'attached' });
+    const shared = (await (await page.request.get(url('/api/datasets'))).json()).find((d) => d.owner === null);
+    assert.equal(await page.inputValue('#dataset'), String(shared.id), 'the form does not start from the demo');
     await page.goto(url(`/jobs/new?dataset=${datasetId}`));
     await page.waitForSelector('#model option[value="preset:tiny"]', { state: 'attached' });
     await page.selectOption('#model', 'preset:tiny');
@@ -166,6 +184,9 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     if (await refused.count()) assert.fail(`the plan answered an error: ${await refused.innerText()}`);
     await page.waitForSelector('#plan-fits[data-fits="true"]');
     await page.waitForSelector('.tier .bar');
+    // The placement and the gradient policies are folded behind "Details" until asked for.
+    assert.ok(await page.locator('#plan-gradients').isHidden(), 'the gradient table shows unasked');
+    await page.click('#plan-details > summary');
     assert.equal(await page.locator('#plan-placement').count(), 1, 'the plan card shows no placement line (the plan answered no `placement`)');
     assert.match(await page.locator('#plan-placement').innerText(), /^Placement\s*\S/);
     // Every gradient policy is listed with its memory; choosing one from the card re-plans the
@@ -173,6 +194,12 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     const policies = await page.locator('#plan-gradients tbody tr').evaluateAll((rows) => rows.map((r) => r.dataset.policy));
     assert.deepEqual(policies, ['device', 'host', 'host_bf16', 'no_clip'], 'the plan card lists every gradient policy');
     assert.equal(await page.locator('#plan-gradients tr[data-chosen="true"]').getAttribute('data-policy'), 'device');
+    // A CPU job's gradients are not said to wait "on the GPU".
+    const gpus = (await (await page.request.get(url('/api/gpus'))).json()).filter((d) => d.id !== 'cpu');
+    if (!gpus.length) {
+      const row = await page.locator('#plan-gradients tr[data-policy="device"]').innerText();
+      assert.doesNotMatch(row, /GPU/, `the device policy of a CPU job: ${row}`);
+    }
     await page.click('#plan-gradients tr[data-policy="host_bf16"] button');
     await page.waitForSelector('#plan-gradients tr[data-policy="host_bf16"][data-chosen="true"]');
     assert.equal(await page.inputValue('#gradients'), 'host_bf16');
@@ -209,6 +236,7 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
         status: document.querySelector('#status .badge')?.dataset.status ?? null,
         plots: document.querySelectorAll('#charts .u-over').length,
         visibility: document.visibilityState,
+        lossLabel: document.querySelector('#run-summary [data-fact="final_loss"] .k')?.textContent ?? null,
       }));
       const { n, status } = look;
       const at = `${n}@${((Date.now() - started) / 1000).toFixed(1)}s:${status}:${look.visibility}`;
@@ -216,6 +244,8 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
       if (n > 0 && status === 'running' && !look.plots) {
         assert.fail('the loss chart has points but no plot');
       }
+      // A running job's loss is the latest, not yet the final one.
+      if (status === 'running') assert.equal(look.lossLabel, 'Latest loss');
       if (status === 'running' && n >= 3 && !existsShot.running) {
         await screenshot('job', { fullPage: true });
         existsShot.running = true;
@@ -370,6 +400,12 @@ test('the appliance, end to end', { timeout: 8 * 60_000 }, async (t) => {
     await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"] .badge[data-status="completed"]`);
     await page.waitForSelector('#gpus .gpu[data-gpu="cpu"]');
     await screenshot('dashboard');
+  });
+
+  await t.test('the next new job starts from the dataset last used', async () => {
+    await page.goto(url('/jobs/new'));
+    await page.waitForSelector(`#dataset option[value="${datasetId}"]`, { state: 'attached' });
+    await page.waitForFunction((id) => document.querySelector('#dataset').value === String(id), datasetId);
   });
 
   const privateUrls = () => [

@@ -288,6 +288,16 @@ async function checkPage(name, { ready, nav = true, focusTarget = null, desktopS
 
 let datasetId;
 let jobId;
+// GPUs the server has (the CPU aside): what its pages should say it trains on.
+let gpuCount = 0;
+const JOB_NAME = 'layout run';
+
+/** Histogram ranges that do not fit their column, by their text: none may be cut off. */
+function cutRanges() {
+  return page.evaluate(() => [...document.querySelectorAll('.histogram .range')]
+    .filter((r) => r.scrollWidth > r.clientWidth + 1 || r.scrollHeight > r.clientHeight + 1)
+    .map((r) => `${r.textContent} (${r.scrollWidth}×${r.scrollHeight} in ${r.clientWidth}×${r.clientHeight})`));
+}
 
 test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000 }, async (context) => {
   // The steps depend on each other: after the first failure the rest are skipped.
@@ -325,8 +335,11 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       ready: async () => {
         await page.waitForSelector('.sample .trained');
         await page.waitForSelector('.histogram > div');
+        // Every length range reads whole (a narrow column breaks it after its dash).
+        assert.deepEqual(await cutRanges(), [], 'histogram labels cut off');
       },
     });
+    gpuCount = (await (await page.request.get(url('/api/gpus'))).json()).filter((d) => d.id !== 'cpu').length;
   });
 
   await t.test('new job, with the plan between the form and Start', async () => {
@@ -335,10 +348,41 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       await page.waitForSelector('#model option[value="preset:tiny"]', { state: 'attached' });
       await page.selectOption('#model', 'preset:tiny');
       await page.check('input[name="gpu"][value="cpu"]');
-      await page.fill('#steps', '6');
+      // A rate far above the band for random weights of this size is warned about, in the
+      // field's words; a rate out of bounds is refused once, by its label, not the engine's name.
+      await page.fill('#lr', '0.5');
+      await page.locator('#lr-warning').waitFor({ state: 'visible' });
+      assert.match(await page.locator('#lr-warning').innerText(), /^Learning rate 0\.5 is high/);
+      await page.fill('#lr', '1000000');
+      await page.waitForSelector('#plan-card[data-state="ready"] #plan-error');
+      assert.match(await page.locator('#plan-error').innerText(), /^Learning rate must be above 0 and at most 1\b/);
+      await page.click('#submit');
+      assert.equal(await page.evaluate(() => document.activeElement?.id), 'lr', 'Start does not lead to the field');
+      assert.ok(await page.locator('#submit-error').isHidden(), 'the refusal is said twice');
+      const said = await page.evaluate(() => document.body.innerText.split(/\bLearning rate must be\b/).length - 1);
+      assert.equal(said, 1, 'the refusal is said once');
+      assert.ok(await page.locator('#lr-warning').isHidden(), 'a refused rate is also warned about');
+      await page.fill('#lr', '');
+      await page.locator('#lr-warning').waitFor({ state: 'hidden' });
+      await page.fill('#name', JOB_NAME);
+      await page.fill('#steps', '10');
       await page.fill('#seq_len', '64');
+      // Held-out loss every 5 steps, and before the first.
+      await page.click('#advanced > summary');
+      await page.fill('#eval_every', '5');
       await page.waitForSelector('#plan-card[data-state="ready"]');
       await page.waitForSelector('#plan-fits[data-fits="true"]');
+      // The verdict, the time and the memory show; the engineering folds behind "Details".
+      assert.ok(await page.locator('[data-plan="step_time"]').isVisible());
+      assert.ok(await page.locator('#plan .tier .bar').first().isVisible());
+      assert.equal(await page.locator('#plan-details').getAttribute('open'), null, 'the details start unfolded');
+      assert.ok(await page.locator('#plan-gradients').isHidden(), 'the gradient table shows unasked');
+      // On the processor, nothing in the card speaks of a GPU.
+      if (gpuCount === 0) {
+        // (Advice to try a GPU for a slow run is fine.)
+        const text = await page.locator('#plan-card').evaluate((n) => n.textContent.replace(/try a GPU/g, ''));
+        assert.doesNotMatch(text, /GPU/, `the plan card of a CPU job: ${text}`);
+      }
     };
     await checkPage('new-job', { ready: fill });
     // On a phone the form, then the verdict, then Start, one under the other.
@@ -359,6 +403,16 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     const ready = async () => {
       await page.waitForSelector('#status .badge[data-status="completed"]');
       await page.waitForSelector('[data-chart="loss"] canvas');
+      // The held-out loss before training is the eval chart's first point (step 0), and the
+      // eval figure says where it came from.
+      await page.waitForSelector('[data-chart="loss"][data-first-step="0"]');
+      assert.match(await page.locator('[data-fact="eval_loss"] .v').innerText(), /^\d[\d.]* \(from \d[\d.]*\)$/);
+      // Ten steps and no save_every: the run saved every 2 steps, and says so.
+      assert.match(await page.locator('#settings [data-setting="save_every"] dd').innerText(), /^2 steps\b/);
+      assert.equal(await page.locator('[data-fact="final_loss"] .k').innerText().then((t) => t.toLowerCase()), 'final loss');
+      // A timeline, where the device reports one, names the lanes after this job's device.
+      const lanes = await page.locator('#timeline [data-lane]').allInnerTexts();
+      if (gpuCount === 0) assert.ok(!lanes.some((l) => /GPU/.test(l)), `a CPU job's timeline: ${lanes}`);
     };
     await checkPage('job', { ready });
     const charts = await page.locator('#charts [data-chart]').evaluateAll((nodes) => nodes.map((n) => n.dataset.chart));
@@ -398,6 +452,11 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
       ready: async () => {
         await page.waitForSelector(`#jobs-table tr[data-job="${jobId}"]`);
         await page.waitForSelector('#gpus .gpu');
+        // The job's name is its link, and every column has a heading.
+        const link = page.locator(`#jobs-table tr[data-job="${jobId}"] a[href="/jobs/${jobId}"]`);
+        assert.match(await link.innerText(), new RegExp(`^${JOB_NAME}\\s+#${jobId}$`));
+        const heads = await page.locator('#jobs-table thead th').allTextContents();
+        assert.ok(heads.includes('Time left'), `headings: ${heads.join(' | ')}`);
       },
     });
     // On a phone the table is a list: each row a block inside the card, each cell named by its column.
@@ -417,6 +476,7 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     assert.equal(row.display, 'flex', 'the jobs table is not a list on a phone');
     assert.ok(row.inside, 'a job row reaches past its card');
     assert.deepEqual(row.labels.slice(0, 4), ['Compare', 'Job', 'Model', 'Dataset']);
+    assert.ok(row.labels.includes('Time left'), `cells named: ${row.labels.join(' | ')}`);
     assert.equal(row.shown, '"Model"', 'the model cell does not say it is the model');
 
     // The open menu, as the keyboard leaves it.
@@ -480,6 +540,16 @@ test('every page on a phone in dark mode, and at 1280 px', { timeout: 8 * 60_000
     await page.click('#menu-button');
     await page.click('#logout');
     await page.waitForURL(/\/login/);
-    await checkPage('login', { ready: () => page.waitForSelector('#login-form'), nav: false, focusTarget: '#login-form button[type=submit]' });
+    await checkPage('login', {
+      ready: async () => {
+        await page.waitForSelector('#login-form');
+        // What the server trains on, as it is: no GPU words on a machine without one.
+        const says = await page.locator('#trains-on').innerText();
+        assert.match(says, gpuCount === 0 ? /processor/ : /GPU/, says);
+        if (gpuCount === 0) assert.doesNotMatch(says, /GPU/, says);
+      },
+      nav: false,
+      focusTarget: '#login-form button[type=submit]',
+    });
   });
 });

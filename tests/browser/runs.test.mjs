@@ -4,8 +4,10 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 
+import path from 'node:path';
+
 import { openBrowser, setupAdmin } from './harness.mjs';
-import { startServer } from './server.mjs';
+import { repoRoot, startServer } from './server.mjs';
 
 const ADMIN = { username: 'ada', password: 'correct horse battery' };
 const STEPS = 6;
@@ -32,6 +34,25 @@ async function waitCompleted() {
 }
 
 const jobIdOfPage = () => Number(new URL(page.url()).pathname.split('/').pop());
+
+/** Submits a job through the page's own API helper; its id. */
+function submit(body) {
+  return page.evaluate(async (b) => {
+    const { post } = await import('/static/js/api.js');
+    return (await post('/api/jobs', b)).id;
+  }, body);
+}
+
+/** Polls job `id` until `done(job)` holds; the job. */
+async function waitJob(id, done, seconds = 240) {
+  const deadline = Date.now() + seconds * 1000;
+  for (;;) {
+    const job = JSON.parse((await api(`/api/jobs/${id}`)).body);
+    if (done(job)) return job;
+    if (Date.now() > deadline) assert.fail(`job ${id} did not get there: ${JSON.stringify(job)}`);
+    await page.waitForTimeout(200);
+  }
+}
 
 /** `GET path` from the page, with its session: `{status, body}`. */
 async function api(path) {
@@ -122,6 +143,31 @@ test('runs', async (t) => {
     browser.noErrorsSoFar();
   });
 
+  await t.test('the live chart misses no point when its event stream opens late', async () => {
+    // The page used to read the history at the same time as it asked for the stream: when the
+    // history came first, a point stored between the two was never shown (the live chart
+    // stopped one short of the run). Here the stream is held back 3 s while the job runs.
+    const steps = 120;
+    const { dataset } = JSON.parse((await api(`/api/jobs/${ids[0]}`)).body);
+    const id = await submit({ model: 'preset:tiny', dataset, gpu: 'cpu', steps, seq_len: 32, micro_batch: 1, name: 'late stream' });
+    await waitJob(id, (j) => j.status === 'running' && j.step >= 2);
+    const late = async (route) => {
+      await new Promise((resolve) => { setTimeout(resolve, 3000); });
+      await route.continue().catch(() => {});
+    };
+    await page.route('**/api/jobs/*/events', late);
+    try {
+      await page.goto(url(`/jobs/${id}`));
+      await waitCompleted();
+      const drawn = () => page.getAttribute('[data-chart="loss"]', 'data-points').then(Number);
+      await page.waitForFunction((n) => Number(document.querySelector('[data-chart="loss"]')?.dataset.points) === n, steps, { timeout: 15_000 })
+        .catch(async () => assert.fail(`the live chart drew ${await drawn()} of ${steps} points`));
+    } finally {
+      await page.unroute('**/api/jobs/*/events', late);
+    }
+    browser.noErrorsSoFar();
+  });
+
   await t.test('a job is deleted, and the page says what it freed', async () => {
     const [first] = ids;
     await page.goto(url(`/jobs/${first}`));
@@ -138,10 +184,54 @@ test('runs', async (t) => {
     await button.click();
     await page.waitForSelector('#notice:has-text("deleted")');
     assert.match(await page.locator('#notice').innerText(), new RegExp(`Job #${first} deleted: ${frees[1].replace('.', '\\.')} freed`));
+    // Nothing of the deleted job is offered any more: no status badge, no "Run again".
+    assert.equal(await page.locator('#status .badge').count(), 0, 'the deleted job keeps its badge');
+    assert.ok(await page.locator('#run-again').isHidden(), 'the deleted job offers "Run again"');
+    assert.match(await page.locator('#title').innerText(), /deleted/);
     assert.equal((await api(`/api/jobs/${first}`)).status, 404);
     await page.goto(url('/'));
     await page.waitForSelector(`#jobs-table tr[data-job="${ids[1]}"]`);
     assert.equal(await page.locator(`#jobs-table tr[data-job="${first}"]`).count(), 0);
+    browser.noErrorsSoFar();
+  });
+
+  await t.test('deleting a dataset names the stopped jobs that lose their resume', async () => {
+    await page.goto(url('/datasets'));
+    await page.waitForSelector('#datasets table, #datasets .empty');
+    await page.setInputFiles('#file', path.join(repoRoot, 'datasets', 'demo-alpaca.jsonl'));
+    await page.fill('#name', 'short-lived');
+    await page.click('#upload-button');
+    const link = page.locator('#upload-ok a[href^="/datasets/"]');
+    await link.waitFor();
+    const dataset = Number((await link.getAttribute('href')).split('/').pop());
+    // A long job on it, stopped part-way: resumable while the dataset exists.
+    const id = await submit({ model: 'preset:tiny', dataset, gpu: 'cpu', steps: 100_000, seq_len: 32, name: 'to resume' });
+    await waitJob(id, (j) => j.status === 'running' && j.step >= 1);
+    await page.evaluate(async (job) => {
+      const { post } = await import('/static/js/api.js');
+      await post(`/api/jobs/${job}/cancel`);
+    }, id);
+    await waitJob(id, (j) => j.status === 'cancelled');
+    await page.goto(url(`/jobs/${id}`));
+    await page.locator('#resume').waitFor({ state: 'visible' });
+
+    await page.goto(url('/datasets'));
+    const row = page.locator(`#datasets-table tr[data-dataset="${dataset}"]`);
+    await row.waitFor();
+    let asked = '';
+    page.once('dialog', (dialog) => {
+      asked = dialog.message();
+      dialog.accept();
+    });
+    await row.locator('button.danger').click();
+    await page.waitForSelector('#notice:has-text("short-lived")');
+    assert.match(asked, new RegExp(`to resume \\(#${id}\\) can no longer be resumed`), asked);
+
+    // The job's page no longer offers Resume, and says why.
+    await page.goto(url(`/jobs/${id}`));
+    await page.locator('#resume-note').waitFor({ state: 'visible' });
+    assert.match(await page.locator('#resume-note').innerText(), /dataset was deleted/);
+    assert.ok(await page.locator('#resume').isHidden(), 'Resume is still offered');
     browser.noErrorsSoFar();
   });
 

@@ -468,15 +468,59 @@ pub struct SettingView {
 }
 
 /// What a client needs to offer a job's settings without copying a constant: every setting
-/// with its default, bounds and choices, the learning rates a job takes without one, and the
-/// limits they fall under.
+/// with its default, bounds and choices, the learning rates a job takes without one, the
+/// rates worth a warning, and the limits they fall under.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SettingsGuide {
     pub settings: Vec<SettingView>,
     /// The learning rate for a model folder and for a random-init preset.
     pub lr_pretrained: f32,
     pub lr_random_init: f32,
+    /// Above which learning rate a job likely diverges, by method and model size.
+    pub lr_bands: &'static [LrBand],
     pub limits: Limits,
+}
+
+/// How a job starts: from a preset's random weights or from a model folder's trained ones.
+/// The safe learning rates of the two differ by orders of magnitude.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrMethod {
+    RandomInit,
+    Pretrained,
+}
+
+/// The learning rates a method takes without a warning, for models up to a size. Above
+/// `warn_above` AdamW's full-precision updates typically throw the loss up instead of down
+/// (a random-init tiny preset at 0.5 climbs above 40), and a pretrained model forgets what it
+/// knew well before that; larger models need smaller rates. A warning, not a refusal: the
+/// bounds of [`JobSettings::validate`] still decide what runs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LrBand {
+    pub method: LrMethod,
+    /// Models of at most this many parameters; `None`: any size.
+    pub max_params: Option<u64>,
+    /// The largest rate taken without a warning.
+    pub warn_above: f32,
+}
+
+/// The bands, smallest models first within each method; the first that matches applies.
+pub const LR_BANDS: &[LrBand] = &[
+    LrBand { method: LrMethod::RandomInit, max_params: Some(100_000_000), warn_above: 1e-2 },
+    LrBand { method: LrMethod::RandomInit, max_params: None, warn_above: 3e-3 },
+    LrBand { method: LrMethod::Pretrained, max_params: Some(1_000_000_000), warn_above: 1e-4 },
+    LrBand { method: LrMethod::Pretrained, max_params: Some(13_000_000_000), warn_above: 5e-5 },
+    LrBand { method: LrMethod::Pretrained, max_params: None, warn_above: 3e-5 },
+];
+
+impl LrBand {
+    /// The band for a model of `params` parameters started by `method`.
+    pub fn of(method: LrMethod, params: u64) -> &'static LrBand {
+        LR_BANDS
+            .iter()
+            .find(|b| b.method == method && b.max_params.is_none_or(|max| params <= max))
+            .unwrap_or(&LR_BANDS[LR_BANDS.len() - 1])
+    }
 }
 
 const NO_CHOICE: &[&str] = &[];
@@ -604,6 +648,7 @@ impl JobSettings {
             settings,
             lr_pretrained: DEFAULT_LR_PRETRAINED,
             lr_random_init: DEFAULT_LR_RANDOM_INIT,
+            lr_bands: LR_BANDS,
             limits: *limits,
         }
     }
@@ -940,5 +985,26 @@ mod tests {
         let err = job.validate(&Limits::ENGINE).expect_err("one micro-batch, two GPUs");
         assert!(err.to_string().contains("grad_accum must be at least the number of GPUs (2)"));
         assert_eq!(job.train_config().lr, DEFAULT_LR_RANDOM_INIT);
+    }
+
+    #[test]
+    fn every_default_rate_is_inside_its_band_and_every_size_has_one() {
+        for (method, default) in [
+            (LrMethod::RandomInit, DEFAULT_LR_RANDOM_INIT),
+            (LrMethod::Pretrained, DEFAULT_LR_PRETRAINED),
+        ] {
+            let mut last = f32::INFINITY;
+            for params in [1_000_000, 500_000_000, 7_000_000_000, 70_000_000_000, u64::MAX] {
+                let band = LrBand::of(method, params);
+                assert_eq!(band.method, method, "{params} parameters");
+                assert!(default <= band.warn_above, "{method:?} at {params}: {band:?}");
+                assert!(band.warn_above <= last, "larger models take smaller rates");
+                last = band.warn_above;
+            }
+        }
+        // A tiny preset at 0.5 diverges (its loss climbs above 40): it is warned about.
+        assert!(0.5 > LrBand::of(LrMethod::RandomInit, 1_000_000).warn_above);
+        let guide = JobSettings::guide(&Limits::ENGINE);
+        assert_eq!(guide.lr_bands, LR_BANDS);
     }
 }

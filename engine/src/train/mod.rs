@@ -17,9 +17,10 @@ pub use crate::schedule::Interrupt;
 pub use card::{CARD_FILE, Curves, model_card, write_model_card};
 pub use job::{
     DEFAULT_LR_PRETRAINED, DEFAULT_LR_RANDOM_INIT, Devices, GradientPolicy, Job, JobSettings,
-    Limits, Max, SettingDoc, SettingView, SettingsGuide,
+    LR_BANDS, Limits, LrBand, LrMethod, Max, SettingDoc, SettingView, SettingsGuide,
 };
 pub use launch::run_on;
+pub use retention::save_interval;
 pub use run::{
     LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_job, run,
     run_parallel, save_checkpoint,
@@ -53,6 +54,12 @@ pub enum Event {
     Saved {
         path: std::path::PathBuf,
         step: u64,
+    },
+    /// The held-out loss at a point where no step was taken: before the first step (step 0),
+    /// so a chart of the eval loss starts where training did.
+    Evaluated {
+        step: u64,
+        loss: f64,
     },
     /// Something the user should know that does not stop the run.
     Notice(String),

@@ -437,7 +437,7 @@ fn run_with<S: Stepper>(
 
     if !eval.is_empty() && streamer.taken() == 0 {
         let loss = streamer.eval_loss(&eval)?;
-        observer.event(&Event::Notice(format!("held-out loss before training: {loss:.4}")));
+        observer.event(&Event::Evaluated { step: 0, loss });
     }
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);

@@ -86,6 +86,13 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
         .and_then(|s| serde_json::to_string(&s).ok())
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or(Value::Null);
+    // Checkpoints come every `save_every` steps, or about five times over a run that sets
+    // none: the steps between them as the run decides (null: only at the end, or not known
+    // before a one-pass job has counted its steps).
+    let save_interval = job.settings().ok().and_then(|s| {
+        let steps = s.steps.unwrap_or(job.total_steps.max(0) as u64);
+        sluice_engine::train::save_interval(s.save_every, steps).filter(|_| steps > 0)
+    });
     let disk_bytes = dir_bytes(&runner::run_dir(state, job.id));
     let progress = (job.total_steps > 0).then(|| job.step as f64 / job.total_steps as f64);
     let command =
@@ -108,10 +115,12 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
         "total_steps": job.total_steps,
         "progress": progress,
         "eta_s": job.eta_s(),
-        "resumable": job.is_resumable(),
+        "resumable": job.is_resumable() && job.resume_blocked().is_none(),
+        "resume_blocked": job.resume_blocked(),
         "eval_dataset": job.eval_dataset_id,
         "eval_dataset_name": listed.eval_dataset_name,
         "config": config,
+        "save_interval": save_interval,
         "placement": job.placement,
         "command": command,
         "disk_bytes": disk_bytes,
@@ -256,8 +265,8 @@ async fn resume(
             job.status
         )));
     }
-    if job.dataset_id.is_none() {
-        return Err(ApiError::conflict("the job's dataset was deleted; it cannot be resumed"));
+    if let Some(why) = job.resume_blocked() {
+        return Err(ApiError::conflict(format!("cannot resume: {why}")));
     }
     let state_dir = runner::run_dir(&state, id).join(STATE_DIR);
     let saved = tokio::task::spawn_blocking(move || TrainingState::saved_step(&state_dir))

@@ -306,6 +306,12 @@ impl Observer for Printer {
             Event::Saved { path, step } => {
                 self.line(format!("saved step {step} to {}", path.display()));
             }
+            Event::Evaluated { step: 0, loss } => {
+                self.line(format!("note: held-out loss before training: {loss:.4}"));
+            }
+            Event::Evaluated { step, loss } => {
+                self.line(format!("step {step:>5}  eval loss {loss:.4}"));
+            }
             Event::Notice(text) => self.line(format!("note: {text}")),
         }
     }

@@ -10,6 +10,7 @@
 //! depends on it ([`super::disk`]).
 
 use serde::Serialize;
+use sluice_engine::placement::GradientTier;
 use sluice_engine::plan::{self, MachineMemory, MemorySource};
 use sluice_engine::schedule::from_plan::schedule_options;
 use sluice_engine::spec::ModelSpec;
@@ -157,11 +158,18 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
         gradient_options: plan::gradient_options(&input)
             .unwrap_or_default()
             .into_iter()
-            .map(|option| GradientChoice {
-                policy: GradientPolicy::asking_for(option.gradients)
-                    .map_or("no_clip".into(), |p| p.to_string()),
-                chosen: chosen == Some(option.gradients),
-                option,
+            .map(|mut option| {
+                // On the processor the "device" store is plain memory beside the weights.
+                if shared && option.gradients == GradientTier::DeviceStore {
+                    option.effect = "exact clipping; fp32 gradients wait beside the weights \
+                                     in memory (4 bytes per parameter)";
+                }
+                GradientChoice {
+                    policy: GradientPolicy::asking_for(option.gradients)
+                        .map_or("no_clip".into(), |p| p.to_string()),
+                    chosen: chosen == Some(option.gradients),
+                    option,
+                }
             })
             .collect(),
     };

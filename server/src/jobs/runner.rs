@@ -399,6 +399,13 @@ impl Observer for Forwarder {
                 });
                 self.send(RunEvent::Step { step: m.step, point });
             }
+            Event::Evaluated { step, loss } => {
+                // A point of its own, so the eval chart starts at the untrained model; the
+                // log says it in words as before.
+                let point = json!({ "step": step, "eval_loss": loss, "t": now_f64() });
+                self.send(RunEvent::Log(format!("held-out loss before training: {loss:.4}")));
+                self.send(RunEvent::Step { step: *step, point });
+            }
             Event::Notice(text) => self.send(RunEvent::Log(text.clone())),
             Event::Saved { path, step } => {
                 let name = path.file_name().map_or_else(

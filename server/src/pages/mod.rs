@@ -42,7 +42,6 @@ macro_rules! templates {
 
 templates! {
     SetupPage => "pages/setup.html",
-    LoginPage => "pages/login.html",
     DashboardPage => "pages/dashboard.html",
     DatasetsPage => "pages/datasets.html",
     DatasetPage => "pages/dataset.html",
@@ -56,6 +55,23 @@ templates! {
     DemoPage => "pages/demo.html",
 }
 
+/// The login page, which says what the server trains on: its GPU, its GPUs or its processor.
+#[derive(Template)]
+#[template(path = "pages/login.html")]
+struct LoginPage<'a> {
+    shell: Shell<'a>,
+    device: &'static str,
+}
+
+/// How a visitor reads what a server with `gpus` GPUs trains on.
+fn trains_on(gpus: usize) -> &'static str {
+    match gpus {
+        0 => "this server's processor",
+        1 => "this server's GPU",
+        _ => "this server's GPUs",
+    }
+}
+
 /// The page for an address nobody serves, and for an object the user may not see.
 #[derive(Template)]
 #[template(path = "not_found.html")]
@@ -65,7 +81,14 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/", get(dashboard))
         .route("/setup", get(|| async { open_page(SetupPage { shell: open("Welcome", "setup") }) }))
-        .route("/login", get(|| async { open_page(LoginPage { shell: open("Log in", "login") }) }))
+        .route(
+            "/login",
+            get(|state: State<AppState>| async move {
+                // The list starts with "cpu"; the rest are GPUs.
+                let device = trains_on(state.gpus().device_ids().len().saturating_sub(1));
+                open_page(LoginPage { shell: open("Log in", "login"), device })
+            }),
+        )
         .route("/datasets", get(datasets))
         .route("/datasets/{id}", get(dataset))
         .route("/models", get(models))

@@ -89,8 +89,17 @@ impl JobRow {
             .map_err(|e| anyhow::anyhow!("job {} config: {e}", self.id))
     }
 
+    /// Stopped before its end, so a resume could continue it (if its dataset still exists:
+    /// see [`Self::resume_blocked`]).
     pub fn is_resumable(&self) -> bool {
         matches!(self.status, JobStatus::Cancelled | JobStatus::Interrupted)
+    }
+
+    /// Why a job stopped before its end cannot be resumed: its training dataset was deleted
+    /// (the column is cleared with it), and a resume must read the same data again.
+    pub fn resume_blocked(&self) -> Option<&'static str> {
+        (self.is_resumable() && self.dataset_id.is_none())
+            .then_some("the job's dataset was deleted, and a resume must read the same data again")
     }
 
     /// Seconds left, from the pace of the steps since the latest start.
@@ -408,6 +417,20 @@ pub async fn claim(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<JobRow>> {
     let job = row(&mut *tx, id).await?;
     tx.commit().await?;
     Ok(job)
+}
+
+/// The cancelled or interrupted jobs (id, name) that train on dataset `dataset_id`, oldest
+/// first: deleting it ends their resume, which reads the same data again.
+pub async fn resumable_on(pool: &SqlitePool, dataset_id: i64) -> sqlx::Result<Vec<(i64, String)>> {
+    let rows = sqlx::query!(
+        r#"SELECT id AS "id!", name FROM jobs WHERE dataset_id = ? AND status IN (?, ?) ORDER BY id"#,
+        dataset_id,
+        JobStatus::Cancelled,
+        JobStatus::Interrupted,
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.name)).collect())
 }
 
 /// Cancels job `id` if it is still queued; says whether it was.

@@ -44,6 +44,7 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("POST", "/api/jobs/{id}/cancel" | "/api/jobs/{id}/resume") => Owner,
         ("GET" | "DELETE", "/api/datasets/{id}") => Owner,
         ("GET", "/api/datasets/{id}/preview") => Owner,
+        ("GET", "/api/datasets/{id}/resumable-jobs") => Owner,
         ("GET" | "POST", "/api/users") => Admin,
         ("DELETE", "/api/users/{id}") => Admin,
         ("PUT", "/api/users/{id}/password") => Admin,

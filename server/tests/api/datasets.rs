@@ -239,3 +239,74 @@ async fn fields_other_than_the_file_are_refused_past_their_limit() -> anyhow::Re
     assert_eq!(reply.json()?["name"].as_str().map(str::len), Some(200));
     Ok(())
 }
+
+/// A stopped job (cancelled or interrupted) resumes by reading its dataset again: deleting the
+/// dataset names those jobs first, and afterwards they say why they cannot resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_dataset_names_and_ends_the_resume_of_its_stopped_jobs() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    let alice = app.user(&admin, "alice").await?;
+    let data = alice.upload("mine.jsonl", GOOD.as_bytes(), None).await?.json()?;
+    let other = alice.upload("other.jsonl", GOOD.as_bytes(), None).await?.json()?;
+    let (data, other) = (data["id"].as_i64().unwrap_or(0), other["id"].as_i64().unwrap_or(0));
+    let owner: i64 = sqlx::query_scalar("SELECT id FROM users WHERE username = 'alice'")
+        .fetch_one(app.state.pool())
+        .await?;
+    let config = serde_json::json!({"steps": 4, "seq_len": 64}).to_string();
+    let mut ids = Vec::new();
+    for (name, dataset, status) in [
+        ("stopped", data, "cancelled"),
+        ("cut off", data, "interrupted"),
+        ("done", data, "completed"),
+        ("elsewhere", other, "cancelled"),
+    ] {
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO jobs (owner_id, name, model, dataset_id, device, config, status, queue_seq,
+                               total_steps, step, created_at)
+             VALUES (?, ?, 'preset:tiny', ?, 'cpu', ?, ?, 0, 4, 2, 0) RETURNING id",
+        )
+        .bind(owner)
+        .bind(name)
+        .bind(dataset)
+        .bind(&config)
+        .bind(status)
+        .fetch_one(app.state.pool())
+        .await?;
+        ids.push(id);
+    }
+    let (stopped, cut_off, done, elsewhere) = (ids[0], ids[1], ids[2], ids[3]);
+    let before = alice.get(&format!("/api/jobs/{stopped}")).await?.json()?;
+    assert_eq!(before["resumable"], true, "{before}");
+    assert!(before["resume_blocked"].is_null(), "{before}");
+
+    // What the delete's confirmation names: the stopped jobs on this dataset only.
+    let named = alice.get(&format!("/api/datasets/{data}/resumable-jobs")).await?;
+    assert_eq!(named.status, StatusCode::OK, "{}", named.text());
+    assert_eq!(
+        named.json()?,
+        serde_json::json!([{"id": stopped, "name": "stopped"}, {"id": cut_off, "name": "cut off"}])
+    );
+    // Another user's dataset stays private here too.
+    let bob = app.user(&admin, "bob").await?;
+    let hidden = bob.get(&format!("/api/datasets/{data}/resumable-jobs")).await?;
+    assert_eq!(hidden.status, StatusCode::NOT_FOUND);
+
+    let deleted = alice.delete(&format!("/api/datasets/{data}")).await?.json()?;
+    assert_eq!(deleted["resume_ended"], serde_json::json!([stopped, cut_off]), "{deleted}");
+    for id in [stopped, cut_off] {
+        let job = alice.get(&format!("/api/jobs/{id}")).await?.json()?;
+        assert_eq!(job["resumable"], false, "{job}");
+        let why = job["resume_blocked"].as_str().unwrap_or_default();
+        assert!(why.contains("dataset was deleted"), "{job}");
+        let refused = alice.post(&format!("/api/jobs/{id}/resume"), serde_json::json!({})).await?;
+        assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+        assert!(refused.error().contains("dataset was deleted"), "{}", refused.text());
+    }
+    // A finished job was never resumable, and one on another dataset still is.
+    let finished = alice.get(&format!("/api/jobs/{done}")).await?.json()?;
+    assert!(finished["resume_blocked"].is_null(), "{finished}");
+    let untouched = alice.get(&format!("/api/jobs/{elsewhere}")).await?.json()?;
+    assert_eq!(untouched["resumable"], true, "{untouched}");
+    Ok(())
+}

@@ -37,7 +37,10 @@ async fn a_job_has_a_name_a_note_and_a_summary() -> anyhow::Result<()> {
 
     let metrics = admin.get(&format!("/api/jobs/{id}/metrics")).await?.json()?;
     let points = metrics.as_array().cloned().unwrap_or_default();
-    assert_eq!(points.len(), 4, "{metrics}");
+    // Four steps, and the held-out loss before the first: a point of step 0 with only that.
+    assert_eq!(points.len(), 5, "{metrics}");
+    assert_eq!(points[0]["step"], 0, "{metrics}");
+    assert!(points[0]["loss"].is_null() && points[0]["eval_loss"].as_f64().is_some(), "{metrics}");
     let summary = &done["summary"];
     let losses: Vec<f64> = points.iter().filter_map(|p| p["loss"].as_f64()).collect();
     let last = *losses.last().unwrap_or(&f64::NAN);
@@ -48,8 +51,10 @@ async fn a_job_has_a_name_a_note_and_a_summary() -> anyhow::Result<()> {
         .iter()
         .filter_map(|p| Some((p["step"].as_i64()?, p["eval_loss"].as_f64()?)))
         .collect();
-    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4], "{metrics}");
-    assert!(close(summary["final_eval_loss"].as_f64().unwrap_or(0.0), evals[1].1), "{summary}");
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 2, 4], "{metrics}");
+    assert!(close(summary["final_eval_loss"].as_f64().unwrap_or(0.0), evals[2].1), "{summary}");
+    let log = admin.get(&format!("/api/jobs/{id}/log")).await?.text();
+    assert!(log.contains("held-out loss before training: "), "{log}");
     let tokens: i64 = points.iter().filter_map(|p| p["tokens"].as_i64()).sum();
     assert!(tokens > 0);
     assert_eq!(summary["tokens_seen"], tokens, "{summary}");

@@ -153,7 +153,8 @@ export class MetricChart {
       return;
     }
     if (!reported.length) {
-      this.showEmpty('Not reported on this device');
+      // The held-out loss before training is a point of step 0 with nothing else in it.
+      this.showEmpty(points.some((p) => p.step > 0) ? 'Not reported on this device' : 'Waiting for the first step…');
       return;
     }
     this.empty.hidden = true;
@@ -168,6 +169,8 @@ export class MetricChart {
     this.unit = unit;
     if (!this.plot) this.makePlot();
     const xs = reported.map((p) => p.step);
+    // The first step drawn (0 for the held-out loss before training), for the browser test.
+    this.root.dataset.firstStep = String(xs[0]);
     const ys = fields.map((f) => reported.map((p) => (isNum(p[f]) ? p[f] / unit.divisor : null)));
     this.plot.setData([xs, ...ys]);
     const last = reported[reported.length - 1];

@@ -7,7 +7,11 @@
 import { el, fill, fmtDuration } from './ui.js';
 
 const STREAMS = ['h2d', 'compute', 'd2h', 'optimizer'];
-const LABELS = { h2d: 'host → GPU', compute: 'compute', d2h: 'GPU → host', optimizer: 'optimizer' };
+// A job on the processor has no device to copy to: its "copies" are memcpy within host memory.
+const LABELS = {
+  gpu: { h2d: 'host → GPU', compute: 'compute', d2h: 'GPU → host', optimizer: 'optimizer' },
+  cpu: { h2d: 'copy in', compute: 'compute', d2h: 'copy out', optimizer: 'optimizer' },
+};
 
 /** Flattens either accepted form into `[{unit, stream, start, end}]`; malformed entries are skipped. */
 export function spansOf(timeline) {
@@ -28,8 +32,12 @@ export function spansOf(timeline) {
   return spans;
 }
 
-/** Draws the timeline into `box`; returns false when the point carries none. */
-export function renderTimeline(box, timeline, step) {
+/**
+ * Draws the timeline into `box`; returns false when the point carries none. `onGpu` says
+ * whether the job ran on a GPU, which names the copy lanes.
+ */
+export function renderTimeline(box, timeline, step, onGpu = true) {
+  const labels = LABELS[onGpu ? 'gpu' : 'cpu'];
   const spans = spansOf(timeline);
   if (!spans.length) return false;
   const t0 = Math.min(...spans.map((s) => s.start));
@@ -40,7 +48,7 @@ export function renderTimeline(box, timeline, step) {
   fill(box,
     el('p', { class: 'small muted' }, `Step ${step}: ${fmtDuration(length)} from the first transfer to the last update.`),
     el('div', { class: 'timeline' }, streams.map((stream) => el('div', { class: 'row' },
-      el('span', { class: 'muted' }, LABELS[stream] || stream),
+      el('span', { class: 'muted', dataset: { lane: stream } }, labels[stream] || stream),
       el('div', { class: 'lane' }, spans.filter((s) => s.stream === stream).map((s) => el('span', {
         class: STREAMS.includes(stream) ? `s-${stream}` : 's-other',
         title: `unit ${s.unit}: ${fmtDuration(s.start - t0)} – ${fmtDuration(s.end - t0)}`,

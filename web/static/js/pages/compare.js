@@ -43,7 +43,7 @@ function describing(jobs) {
 }
 
 function settingRows(jobs) {
-  const lists = jobs.map((j) => settingsList(j.config));
+  const lists = jobs.map((j) => settingsList(j.config, j.save_interval));
   const keys = [];
   const labels = new Map();
   for (const list of lists) {

@@ -24,7 +24,6 @@ function jobRow(job) {
   let detail = '';
   if (job.status === 'queued') detail = placeInLine(position);
   else if (job.status === 'running' && typeof job.eta_s === 'number') detail = `about ${fmtDuration(job.eta_s)} left`;
-  else if (job.status === 'failed' && job.error) detail = job.error;
   const finalLoss = job.summary && typeof job.summary.final_loss === 'number' ? fmtNum(job.summary.final_loss) : '—';
   return el('tr', { dataset: { job: job.id } },
     el('td', { class: 'tick' }, el('input', {
@@ -34,11 +33,15 @@ function jobRow(job) {
         syncCompare();
       },
     })),
-    el('td', {}, el('a', { href: `/jobs/${job.id}` }, `#${job.id}`), job.name ? el('div', { class: 'small', dataset: { name: job.id } }, job.name) : null),
+    // The name is the link (with the number beside it); an unnamed job is its number.
+    el('td', {}, el('a', { href: `/jobs/${job.id}`, dataset: { name: job.id } },
+      job.name ? [job.name, ' ', el('span', { class: 'muted small' }, `#${job.id}`)] : `#${job.id}`)),
     el('td', {}, modelLabel(job.model)),
     el('td', {}, job.dataset_name || `#${job.dataset}`),
     admin ? el('td', {}, ownerName(job.owner)) : null,
-    el('td', {}, statusBadge(job.status)),
+    // Why a job failed goes with its status; the time-left column is about time.
+    el('td', {}, statusBadge(job.status),
+      job.status === 'failed' && job.error ? el('div', { class: 'small muted', dataset: { error: job.id } }, job.error) : null),
     el('td', {}, el('div', { class: 'progress-line' }, bar(fraction),
       el('span', { class: 'num small' }, steps ? `${fmtInt(step)} / ${fmtInt(steps)}` : '—'))),
     el('td', { class: 'num' }, finalLoss),
@@ -55,7 +58,7 @@ function renderJobs(jobs) {
   }
   const sorted = [...jobs].sort((a, b) => b.id - a.id);
   fill(box, el('table', { class: 'list', id: 'jobs-table' },
-    el('thead', {}, el('tr', {}, ['Compare', 'Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', 'Loss', '', 'Created']
+    el('thead', {}, el('tr', {}, ['Compare', 'Job', 'Model', 'Dataset', admin ? 'Owner' : null, 'Status', 'Progress', 'Loss', 'Time left', 'Created']
       .filter((h) => h !== null).map((h) => el('th', {}, h)))),
     el('tbody', {}, sorted.map(jobRow))));
 }

@@ -3,6 +3,7 @@
 // statistics and a length histogram.
 import { del, firstData, get, requireUser } from '../api.js';
 import { $, el, fill, fmtBytes, fmtInt, idFromPath, showError } from '../ui.js';
+import { datasetDeleteQuestion } from './job_fields.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -38,7 +39,8 @@ function renderStats(stats) {
     notes.push(`Counted over the first ${fmtInt(stats.measured)} examples.`);
   }
   if (stats.truncated > 0) {
-    notes.push(`${fmtInt(stats.truncated)} examples are longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens (the sequence length)` : 'the sequence length'} and lose their ends in training.`);
+    const [one, verb] = stats.truncated === 1 ? ['example is', 'loses its end'] : ['examples are', 'lose their ends'];
+    notes.push(`${fmtInt(stats.truncated)} ${one} longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens (the sequence length)` : 'the sequence length'} and ${verb} in training.`);
   }
   fill($('#stats-notes'), notes.join(' '));
 }
@@ -46,12 +48,14 @@ function renderStats(stats) {
 /** Buckets may come as plain counts or as objects with a count and bounds. */
 function normalizeBuckets(lengths) {
   return (lengths || []).map((b, i) => {
-    if (typeof b === 'number') return { count: b, label: `bucket ${i + 1}` };
+    if (typeof b === 'number') return { count: b, label: `bucket ${i + 1}`, parts: [`bucket ${i + 1}`] };
     const count = b.count ?? b.n ?? 0;
     const lo = b.min ?? b.start ?? b.from ?? b.lo;
     const hi = b.max ?? b.end ?? b.to ?? b.hi ?? b.le;
     const label = lo !== undefined && hi !== undefined ? `${lo}–${hi}` : hi !== undefined ? `≤ ${hi}` : lo !== undefined ? `≥ ${lo}` : `bucket ${i + 1}`;
-    return { count, label, lo, hi };
+    // The range may break after its dash onto a second line, so a narrow column shows it whole.
+    const parts = lo !== undefined && hi !== undefined ? [`${lo}–`, el('wbr'), String(hi)] : [label];
+    return { count, label, parts, lo, hi };
   });
 }
 
@@ -68,7 +72,7 @@ function renderHistogram(lengths) {
       el('span', { class: 'count' }, b.count > 0 ? fmtInt(b.count) : ''),
       // 75%: the count above and the range below take the rest of the column.
       el('div', { class: 'col', style: { height: `${(75 * b.count) / max}%` } }),
-      el('span', { class: 'range' }, b.label)))));
+      el('span', { class: 'range' }, b.parts)))));
 }
 
 /** The records a lenient upload left out, as training leaves them out. */
@@ -137,8 +141,9 @@ async function main() {
   });
 
   $('#delete').addEventListener('click', async () => {
-    if (!confirm(`Delete the dataset “${dataset.name}”?`)) return;
     try {
+      const resumable = await get(`/api/datasets/${id}/resumable-jobs`);
+      if (!confirm(datasetDeleteQuestion(dataset, resumable))) return;
       const done = await del(`/api/datasets/${id}`);
       sessionStorage.setItem('sluice.notice', `Deleted “${dataset.name}”: ${fmtBytes(done.freed_bytes)} freed.`);
       location.href = '/datasets';

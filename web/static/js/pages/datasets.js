@@ -3,6 +3,7 @@
 // dataset_info.json sent beside the file, the list, delete with the disk it frees.
 import { del, get, requireUser, upload } from '../api.js';
 import { $, el, fill, fmtBytes, fmtDate, fmtInt, ownerName, showError } from '../ui.js';
+import { datasetDeleteQuestion } from './job_fields.js';
 
 const user = await requireUser();
 const admin = user.role === 'admin';
@@ -105,8 +106,9 @@ function notice(text) {
 }
 
 async function remove(dataset) {
-  if (!confirm(`Delete the dataset “${dataset.name}”? Jobs that already used it keep their results.`)) return;
   try {
+    const resumable = await get(`/api/datasets/${dataset.id}/resumable-jobs`);
+    if (!confirm(datasetDeleteQuestion(dataset, resumable))) return;
     const done = await del(`/api/datasets/${dataset.id}`);
     notice(`Deleted “${dataset.name}”: ${fmtBytes(done.freed_bytes)} freed.`);
     await refresh();

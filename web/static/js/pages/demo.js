@@ -43,6 +43,9 @@ function draw() {
   const v = view;
   $('#demo-title').textContent = v.title;
   const gpu = v.gpu === 'cpu' ? 'the CPU' : v.gpu;
+  // Where the job runs, in the words of its device.
+  $('#demo-kicker').textContent = `Sluice · training live on ${v.gpu === 'cpu' ? 'the processor' : 'the GPU'}`;
+  $('#demo-timeline-title').textContent = `Each layer's weights streaming through the ${v.gpu === 'cpu' ? 'processor' : 'GPU'}, step by step`;
   $('#demo-sub').textContent = `${v.model} on ${gpu} · ${v.status}${v.placement ? ` · ${v.placement}` : ''}`;
   const fraction = v.total_steps > 0 ? Math.min(1, v.step / v.total_steps) : 0;
   $('#demo-bar span').style.width = `${(100 * fraction).toFixed(1)}%`;
@@ -57,10 +60,10 @@ function draw() {
 
 // Replays the step's spans in the order they ran, over the step's own length (kept between 2
 // and 12 seconds, so a fast step is still visible and a slow one does not lag behind).
-function drawTimeline(point) {
+function drawTimeline(point, onGpu) {
   if (!point || !spansOf(point.timeline).length) return;
   const box = $('#demo-timeline');
-  renderTimeline(box, point.timeline, point.step);
+  renderTimeline(box, point.timeline, point.step, onGpu);
   const replay = Math.min(12, Math.max(2, Number(point.step_s) || 4));
   for (const span of box.querySelectorAll('.lane span')) {
     const left = parseFloat(span.style.left) || 0;
@@ -75,7 +78,7 @@ async function load() {
   if (!reply.ok) return off(`The appliance answered ${reply.status}; reload to try again.`);
   view = await reply.json();
   draw();
-  drawTimeline(view.point);
+  drawTimeline(view.point, view.gpu !== 'cpu');
   listen();
 }
 
@@ -87,7 +90,7 @@ function listen() {
     view.point = point;
     if (Number.isFinite(point.step)) view.step = point.step;
     draw();
-    drawTimeline(point);
+    drawTimeline(point, view.gpu !== 'cpu');
   });
   source.addEventListener('status', (event) => {
     let status;

@@ -63,7 +63,7 @@ function scheduleDraw() {
     const withTimeline = [...sorted].reverse().find((p) => p.timeline) || fetchedTimeline;
     if (withTimeline && withTimeline !== shownTimeline) {
       shownTimeline = withTimeline;
-      renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step);
+      renderTimeline($('#timeline'), withTimeline.timeline, withTimeline.step, Boolean(job) && gpuIndices(job.gpu).length > 0);
       $('#timeline-title').textContent = `Stream timeline of step ${fmtInt(withTimeline.step)}`;
     }
     renderSummary();
@@ -104,6 +104,10 @@ function renderJob() {
     .filter(Boolean).join(' · ');
   $('#cancel').hidden = !(job.status === 'queued' || job.status === 'running');
   $('#resume').hidden = !canResume(job);
+  // A job stopped early whose resume is gone says why, where the Resume button would be.
+  const blocked = typeof job.resume_blocked === 'string' ? job.resume_blocked : '';
+  $('#resume-note').textContent = blocked ? `Resume unavailable: ${blocked}.` : '';
+  $('#resume-note').hidden = !blocked;
   const failure = $('#job-failure');
   if (job.error && (job.status === 'failed' || job.status === 'interrupted')) {
     failure.textContent = job.error;
@@ -137,7 +141,7 @@ function renderSettings() {
 
   // The held-out share matters only to a job that evaluates without a dataset of its own.
   const heldOut = typeof config.eval_every === 'number' && (job.eval_dataset === null || job.eval_dataset === undefined);
-  const rows = settingsList(config).filter((row) => row.key !== 'held_out' || heldOut);
+  const rows = settingsList(config, job.save_interval).filter((row) => row.key !== 'held_out' || heldOut);
   const key = JSON.stringify(rows);
   if (key !== shownSettings) {
     shownSettings = key;
@@ -148,6 +152,19 @@ function renderSettings() {
   const command = typeof job.command === 'string' ? job.command : '';
   if ($('#job-command').textContent !== command) $('#job-command').textContent = command;
   $('#job-command-box').hidden = !command;
+}
+
+/**
+ * The latest held-out loss, and where it started: the run evaluates before its first step
+ * (a point of step 0), so the untrained model's loss is the figure to compare with.
+ */
+function evalText(latest) {
+  if (!latest) return '—';
+  const before = points.get(0);
+  if (latest.step === 0) return `${fmtNum(latest.eval_loss)} (before training)`;
+  return before && typeof before.eval_loss === 'number'
+    ? `${fmtNum(latest.eval_loss)} (from ${fmtNum(before.eval_loss)})`
+    : fmtNum(latest.eval_loss);
 }
 
 function renderSummary() {
@@ -169,7 +186,7 @@ function renderSummary() {
   fill($('#summary'),
     fact(job.status === 'queued' ? 'In line' : 'Time left', eta, 'eta'),
     fact('Loss', lossPoint ? fmtNum(lossPoint.loss) : '—', 'loss'),
-    fact('Eval loss', evalPoint ? fmtNum(evalPoint.eval_loss) : '—', 'eval_loss'),
+    fact('Eval loss', evalText(evalPoint), 'eval_loss'),
     fact('Speed', speed, 'speed'),
     fact('Disk used', fmtBytes(job.disk_bytes), 'disk'),
     fact('Points', fmtInt(sorted.length), 'points'));
@@ -211,7 +228,8 @@ function renderRunSummary() {
     fact('Started', time(job.started_at), 'started'),
     fact('Finished', time(job.finished_at), 'finished'),
     fact('Duration', runDuration(job), 'duration'),
-    fact('Final loss', loss(s.final_loss), 'final_loss'),
+    // Only an ended run has a final loss; until then it is the latest.
+    fact(TERMINAL.has(job.status) ? 'Final loss' : 'Latest loss', loss(s.final_loss), 'final_loss'),
     fact('Best loss', `${loss(s.best_loss)}${at(s.best_loss_step)}`, 'best_loss'),
     fact('Eval loss', typeof s.final_eval_loss === 'number' ? `${loss(s.final_eval_loss)}, best ${loss(s.best_eval_loss)}${at(s.best_eval_step)}` : '—', 'summary_eval_loss'),
     fact('Tokens seen', typeof s.tokens_seen === 'number' ? fmtInt(s.tokens_seen) : '—', 'tokens_seen'),
@@ -564,15 +582,22 @@ function logLineOf(data) {
 // --- live updates ----------------------------------------------------------------------------
 
 /**
- * Opens the event stream first and holds its events until the stored history and log are in,
- * so that nothing produced between the two requests is lost; duplicates merge by step.
+ * The live view: the event stream, then the stored history and log, merged (duplicates merge
+ * by step). The history is read only once the stream is open: the server subscribes before it
+ * answers, so every point is either stored before the history is read or sent on the stream.
+ * Read at the same time as the stream was asked for, the history could come first, and a point
+ * stored between the two would be missing for good. Events that arrive while the history is
+ * on its way are held and applied after it. A stream that drops and reopens by itself reads
+ * the history again, for the points sent while it was away.
  */
-async function connect() {
+function connect() {
   if (source) source.close();
-  const held = { metric: [], log: [] };
+  const stream = new EventSource(`/api/jobs/${id}/events`);
+  source = stream;
+  let held = { metric: [], log: [] };
   let live = false;
-  source = new EventSource(`/api/jobs/${id}/events`);
-  source.addEventListener('metric', (event) => {
+  let firstOpen = true;
+  stream.addEventListener('metric', (event) => {
     let point;
     try {
       point = JSON.parse(event.data);
@@ -586,35 +611,62 @@ async function connect() {
       held.metric.push(point);
     }
   });
-  source.addEventListener('log', (event) => {
+  stream.addEventListener('log', (event) => {
     const line = logLineOf(event.data);
     if (live) appendLog([line]);
     else held.log.push(line);
   });
-  source.addEventListener('status', async () => {
+  stream.addEventListener('status', async () => {
     try {
       await refreshJob();
       await refreshCheckpoints();
-      if (TERMINAL.has(job.status)) source.close();
+      if (TERMINAL.has(job.status)) stream.close();
     } catch (err) {
       showError(error, err);
     }
   });
-  source.onerror = () => {
+  stream.onerror = () => {
     // EventSource reconnects by itself; a finished job's stream is not worth reopening.
-    if (job && TERMINAL.has(job.status)) source.close();
+    if (job && TERMINAL.has(job.status)) stream.close();
   };
 
-  const [history, log] = await Promise.all([get(`/api/jobs/${id}/metrics`), get(`/api/jobs/${id}/log`).catch(() => '')]);
-  for (const point of history || []) addPoint(point);
-  for (const point of held.metric) addPoint(point);
-  const text = typeof log === 'string' ? log : '';
-  fill($('#log'), text.endsWith('\n') || !text ? text : `${text}\n`);
-  const tail = text.slice(-4000);
-  appendLog(held.log.filter((line) => !tail.includes(line)));
-  $('#log').scrollTop = $('#log').scrollHeight;
-  live = true;
-  scheduleDraw();
+  /** Reads the stored history and log, then applies what the stream sent meanwhile. */
+  async function catchUp() {
+    live = false;
+    const [history, log] = await Promise.all([get(`/api/jobs/${id}/metrics`), get(`/api/jobs/${id}/log`).catch(() => '')]);
+    if (stream !== source) return;
+    for (const point of history || []) addPoint(point);
+    for (const point of held.metric) addPoint(point);
+    const text = typeof log === 'string' ? log : '';
+    fill($('#log'), text.endsWith('\n') || !text ? text : `${text}\n`);
+    const tail = text.slice(-4000);
+    appendLog(held.log.filter((line) => !tail.includes(line)));
+    $('#log').scrollTop = $('#log').scrollHeight;
+    held = { metric: [], log: [] };
+    live = true;
+    scheduleDraw();
+  }
+
+  return new Promise((resolve, reject) => {
+    stream.addEventListener('open', () => {
+      const first = firstOpen;
+      firstOpen = false;
+      catchUp().then(resolve, (err) => {
+        if (first) reject(err);
+        else showError(error, err);
+      });
+    });
+    // A stream that fails or is slow to open (the browser holds it back behind other tabs'
+    // streams, or the server is down) must not keep the page empty: show the history now; the
+    // stream's open, when it comes, reads it again.
+    const withoutStream = () => {
+      if (!firstOpen) return;
+      firstOpen = false;
+      catchUp().then(resolve, reject);
+    };
+    stream.addEventListener('error', withoutStream, { once: true });
+    setTimeout(withoutStream, 5000);
+  });
 }
 
 $('#cancel').addEventListener('click', async () => {
@@ -633,7 +685,12 @@ $('#delete-job').addEventListener('click', async () => {
     const done = await del(`/api/jobs/${id}`);
     if (source) source.close();
     $('#job-body').hidden = true;
-    for (const button of ['#delete-job', '#cancel', '#resume']) $(button).hidden = true;
+    // Nothing of the job is left to show or act on: no status, no "Run again", no buttons.
+    for (const button of ['#delete-job', '#cancel', '#resume', '#run-again', '#resume-note']) $(button).hidden = true;
+    fill($('#status'));
+    $('#subtitle').textContent = '';
+    $('#title').textContent = `Job #${id} (deleted)`;
+    document.title = `Job #${id} (deleted) · Sluice`;
     fill($('#notice'), `Job #${id} deleted: ${fmtBytes(done.freed_bytes)} freed. `, el('a', { href: '/' }, 'Back to the dashboard'));
     $('#notice').hidden = false;
     job = null;

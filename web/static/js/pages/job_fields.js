@@ -29,6 +29,18 @@ export function modelLabel(id) {
   return id.replace(/^(preset|local):/, '');
 }
 
+/**
+ * The question before deleting a dataset: it names the cancelled or interrupted jobs
+ * (`GET /api/datasets/{id}/resumable-jobs`) that lose their resume with it.
+ */
+export function datasetDeleteQuestion(dataset, resumable) {
+  const base = `Delete the dataset “${dataset.name}”? Jobs that already used it keep their results and checkpoints.`;
+  if (!Array.isArray(resumable) || !resumable.length) return base;
+  const names = resumable.map((j) => (j.name ? `${j.name} (#${j.id})` : `job #${j.id}`));
+  const which = names.length === 1 ? names[0] : `${names.slice(0, -1).join(', ')} and ${names[names.length - 1]}`;
+  return `${base}\n\n${which} can no longer be resumed: a resume reads the same data again.`;
+}
+
 /** Whether the job can be resumed (the server says so when it knows). */
 export function canResume(job) {
   if (typeof job.resumable === 'boolean') return job.resumable;
@@ -76,14 +88,19 @@ const SETTINGS = [
 
 /**
  * `[{key, label, value}]` for a job's `config`: the known settings first, in the form's order,
- * then any others the server sends, by name. Values are text.
+ * then any others the server sends, by name. Values are text. `saveInterval` is the job's
+ * `save_interval`: the steps between checkpoints the run keeps when `save_every` is empty.
  */
-export function settingsList(config) {
+export function settingsList(config, saveInterval = null) {
   if (!config || typeof config !== 'object') return [];
   const known = new Set(SETTINGS.map((s) => s.key));
   const extra = Object.keys(config).filter((k) => !known.has(k)).sort().map((key) => ({ key, label: key }));
   return [...SETTINGS.filter((s) => s.key in config), ...extra]
-    .map((s) => ({ key: s.key, label: s.label, value: settingText(s, config[s.key]) }));
+    .map((s) => {
+      const chosen = s.key === 'save_every' && (config.save_every === null || config.save_every === undefined) && num(saveInterval);
+      const value = chosen ? `${settingText(s, saveInterval)} (about five saves over the run)` : settingText(s, config[s.key]);
+      return { key: s.key, label: s.label, value };
+    });
 }
 
 function settingText(setting, value) {

@@ -6,13 +6,15 @@ import { get, post, requireUser } from '../api.js';
 import { $, bar, copyText, debounce, el, fill, fmtBytes, fmtCount, fmtDuration, fmtInt, showError } from '../ui.js';
 import { gpuIndices } from './job_fields.js';
 
-await requireUser();
+const me = await requireUser();
 
-// Every setting with its default, bounds and choices, and the learning rates a job takes
-// without one, as the engine states them under this appliance's limits: the form copies none.
+// Every setting with its default, bounds and choices, the learning rates a job takes without
+// one and those worth a warning, as the engine states them under this appliance's limits: the
+// form copies none.
 const guide = await get('/api/job-defaults');
 const SETTINGS = Object.fromEntries(guide.settings.map((s) => [s.name, s]));
 const LR = { preset: guide.lr_random_init, local: guide.lr_pretrained };
+const LR_BANDS = Array.isArray(guide.lr_bands) ? guide.lr_bands : [];
 
 // Settings a newcomer can start from. `lr` depends on the model: random-init presets learn
 // fast with a large rate; pretrained weights need a small one not to forget what they know.
@@ -66,6 +68,9 @@ let preset = 'demo';
 let plan = null;
 let planError = null;
 let commandOpen = false;
+// Whether the plan card's engineering details (placement, bottleneck, the gradient policies
+// in bytes per parameter) are unfolded; kept across the card's redraws.
+let detailsOpen = false;
 
 const params = new URLSearchParams(location.search);
 const card = $('#plan-card');
@@ -77,6 +82,17 @@ function selectedModel() {
 function selectedGpu() {
   const checked = document.querySelector('input[name="gpu"]:checked');
   return checked ? checked.value : null;
+}
+
+/** Whether the job would run on a GPU (else on the processor, in host memory). */
+function onGpu() {
+  return gpuIndices(selectedGpu()).length > 0;
+}
+
+/** How the card names a memory tier: on the processor the "device" is host memory. */
+function tierLabel(name) {
+  if (!onGpu() && (name === 'device' || name === 'gpu')) return 'Memory (RAM)';
+  return TIER_LABELS[name] || name;
 }
 
 function setPreset(name) {
@@ -95,6 +111,7 @@ function applyPreset(name) {
   for (const [key, value] of Object.entries(p.values)) $(`#${key}`).value = String(value);
   const model = selectedModel();
   $('#lr').value = LR[model && model.kind === 'local' ? 'local' : 'preset'];
+  warnLr();
 }
 
 function describeModel() {
@@ -104,6 +121,31 @@ function describeModel() {
   const lr = random ? LR.preset : LR.local;
   $('#lr-hint').textContent = `how far each step moves the model; empty: ${lr} ${random ? '(random weights learn fast)' : '(keeps what the model knows)'}`;
   $('#lr').placeholder = String(lr);
+  warnLr();
+}
+
+/**
+ * The engine's band for this model: random weights take far larger rates than trained ones,
+ * and larger models smaller ones (`lr_bands` of the settings guide; the first that matches).
+ */
+function lrBand() {
+  const m = selectedModel();
+  const method = !m || m.kind === 'preset' ? 'random_init' : 'pretrained';
+  const params = m && typeof m.params === 'number' ? m.params : 0;
+  return LR_BANDS.find((b) => b.method === method && (b.max_params === null || params <= b.max_params)) || null;
+}
+
+/** A learning rate above the band runs, but likely throws the loss up: say so under the field. */
+function warnLr() {
+  const box = $('#lr-warning');
+  const raw = $('#lr').value.trim();
+  const lr = Number(raw);
+  const band = lrBand();
+  const high = raw !== '' && Number.isFinite(lr) && band && lr > band.warn_above && $('#lr').validity.valid;
+  box.hidden = !high;
+  box.textContent = high
+    ? `Learning rate ${raw} is high for ${band.method === 'random_init' ? 'random weights' : 'a trained model'} of this size: above ${band.warn_above} the loss often climbs instead of falling${band.method === 'pretrained' ? ' and the model forgets what it knew' : ''}.`
+    : '';
 }
 
 /** The held-out share applies only when no evaluation dataset is chosen. */
@@ -169,6 +211,7 @@ async function prefillFrom(from) {
     if (input.tagName === 'SELECT' && input.selectedIndex < 0) input.selectedIndex = 0;
   }
   syncGradientField();
+  warnLr();
   $('#train_on_prompt').checked = Boolean(config.train_on_prompt);
   const name = job.name || `Job #${job.id}`;
   $('#name').value = `${name} (again)`.slice(0, 100);
@@ -204,6 +247,26 @@ function fieldOf(message) {
   return match && ALL_FIELDS.includes(match[1]) ? [match[1]] : [];
 }
 
+/** The server names a field as the engine does (`lr must be…`); the form says its label. */
+function labelled(err) {
+  const [id] = fieldOf(err && err.message);
+  if (!id) return err;
+  const out = new Error(`${fieldLabel(id)}${err.message.slice(id.length)}`);
+  out.status = err.status;
+  return out;
+}
+
+/** The message for a number field the browser finds out of bounds, in the engine's words. */
+function boundsMessage(input) {
+  const s = SETTINGS[input.id] || {};
+  const label = fieldLabel(input.id);
+  if (input.validity.badInput || input.validity.stepMismatch) return `${label} must be a number.`;
+  const low = s.min === null || s.min === undefined ? null : `${s.above ? 'above' : 'at least'} ${s.min}`;
+  const high = s.max === null || s.max === undefined ? null : `at most ${s.max}`;
+  const bounds = [low, high].filter(Boolean).join(' and ');
+  return bounds ? `${label} must be ${bounds}, got ${input.value}.` : `${label}: ${input.validationMessage}`;
+}
+
 /** A predicted duration: "≈ 1.2 s", "< 1 ms", or "—" when there is none. */
 function about(seconds) {
   if (typeof seconds !== 'number' || !Number.isFinite(seconds)) return '—';
@@ -237,7 +300,7 @@ function renderTier(tier) {
   const barNode = parts.length ? el('div', { class: 'bar tall' }, segments) : bar(capacity > 0 ? used / capacity : 0, { tall: true });
   return el('div', { class: 'tier', dataset: { tier: tier.name } },
     el('div', { class: 'tier-head' },
-      el('strong', {}, TIER_LABELS[tier.name] || tier.name),
+      el('strong', {}, tierLabel(tier.name)),
       el('span', { class: over ? 'num' : 'num muted', style: over ? { color: 'var(--danger)', fontWeight: 600 } : {} },
         capacity > 0 ? `${planBytes(used)} of ${planBytes(capacity)}${over ? ' — too much' : ''}` : planBytes(used))),
     barNode,
@@ -245,13 +308,19 @@ function renderTier(tier) {
       el('i', { style: { background: PART_COLORS[i % PART_COLORS.length] } }), `${p.name} ${planBytes(p.bytes)}`))) : null);
 }
 
-// How the plan card names each gradient policy (the job's `gradients` value, or clipping off).
+// How the plan card names each gradient policy (the job's `gradients` value, or clipping off);
+// on the processor the device's memory is host memory too.
 const GRADIENT_LABELS = {
   device: 'On the GPU (fp32)',
   host: 'In host memory (fp32)',
   host_bf16: 'In host memory (bf16)',
   no_clip: 'No clipping',
 };
+const CPU_GRADIENT_LABELS = { device: 'Beside the weights (fp32)', host: 'In a separate store (fp32)' };
+
+function gradientLabel(policy) {
+  return (!onGpu() && CPU_GRADIENT_LABELS[policy]) || GRADIENT_LABELS[policy] || policy;
+}
 
 /**
  * Each gradient policy with what it needs and does; a button switches the form to another one
@@ -271,7 +340,7 @@ function renderGradientOptions(options) {
     planChanged();
   };
   const rows = options.map((o) => el('tr', { dataset: { policy: o.policy, fits: String(o.fits), chosen: String(o.chosen) } },
-    el('td', {}, el('strong', {}, GRADIENT_LABELS[o.policy] || o.policy), o.chosen ? el('span', { class: 'badge fits', style: { marginLeft: '.4rem' } }, 'this job') : null),
+    el('td', {}, el('strong', {}, gradientLabel(o.policy)), o.chosen ? el('span', { class: 'badge fits', style: { marginLeft: '.4rem' } }, 'this job') : null),
     el('td', { class: 'num' }, o.fits ? `${planBytes(o.host_bytes)} (${o.host_bytes_per_param.toFixed(1)} B/param)${o.disk_bytes > 0 ? ` + ${planBytes(o.disk_bytes)} on disk` : ''}` : '—'),
     el('td', { class: 'num' }, o.fits ? about(o.step_s) : 'does not fit'),
     el('td', { class: 'muted' }, o.fits ? o.effect : `${o.effect}. ${o.refused || ''}`),
@@ -317,6 +386,22 @@ function renderPlan() {
   // The server words the whole run's time as the sentence does ("about 7 days").
   const total = typeof plan.run_time === 'string' ? plan.run_time : body.steps ? '—' : 'one pass over the data';
   const change = plan.suggestion && SUGGESTED[plan.suggestion.field] ? plan.suggestion : null;
+  // What a newcomer needs stays in sight: the verdict, the time and the memory bars. How the
+  // planner places the state and the gradient policies in bytes per parameter fold away.
+  const details = el('details', { id: 'plan-details', open: detailsOpen },
+    el('summary', {}, 'Details'),
+    typeof plan.placement === 'string' && plan.placement
+      ? el('p', { class: 'placement', id: 'plan-placement' }, el('span', { class: 'k' }, 'Placement'), plan.placement)
+      : null,
+    // Where the Adam moments live when some are on the disk tier, and what that costs a step.
+    typeof plan.disk === 'string' && plan.disk
+      ? el('p', { class: 'placement', id: 'plan-disk' }, el('span', { class: 'k' }, 'Disk tier'), plan.disk)
+      : null,
+    el('div', { class: 'facts' },
+      fact('Bottleneck', BOTTLENECKS[plan.bottleneck] || plan.bottleneck || '—', 'bottleneck'),
+      fact('Tokens / step', fmtInt(tokensPerStep), 'tokens')),
+    renderGradientOptions(plan.gradient_options));
+  details.addEventListener('toggle', () => { detailsOpen = details.open; });
   fill(box,
     plan.reason ? el('p', { id: 'plan-reason' }, plan.reason) : null,
     change ? el('p', {}, el('button', {
@@ -329,21 +414,12 @@ function renderPlan() {
         planChanged();
       },
     }, `Use ${SUGGESTED[change.field](change.value)}`)) : null,
-    typeof plan.placement === 'string' && plan.placement
-      ? el('p', { class: 'placement', id: 'plan-placement' }, el('span', { class: 'k' }, 'Placement'), plan.placement)
-      : null,
-    // Where the Adam moments live when some are on the disk tier, and what that costs a step.
-    typeof plan.disk === 'string' && plan.disk
-      ? el('p', { class: 'placement', id: 'plan-disk' }, el('span', { class: 'k' }, 'Disk tier'), plan.disk)
-      : null,
     el('div', { class: 'facts' },
       fact('Step time', about(plan.step_time_s), 'step_time'),
-      fact('Whole run', total, 'total_time'),
-      fact('Bottleneck', BOTTLENECKS[plan.bottleneck] || plan.bottleneck || '—', 'bottleneck'),
-      fact('Tokens / step', fmtInt(tokensPerStep), 'tokens')),
+      fact('Whole run', total, 'total_time')),
     el('h3', { style: { marginTop: '1rem' } }, 'Memory'),
     (plan.tiers || []).map(renderTier),
-    renderGradientOptions(plan.gradient_options));
+    details);
   submit.disabled = !plan.fits;
   note.textContent = plan.fits ? '' : `Cannot start. ${plan.reason || 'The job does not fit this device.'}`;
 }
@@ -357,7 +433,7 @@ async function refreshPlan() {
   const invalid = invalidFields();
   if (invalid.length) {
     plan = null;
-    planError = new Error(invalid.map((input) => `${fieldLabel(input.id)}: ${input.validationMessage}`).join(' '));
+    planError = new Error(invalid.map(boundsMessage).join(' '));
     markInvalid(invalid.map((input) => input.id));
     card.classList.remove('loading');
     renderPlan();
@@ -375,7 +451,7 @@ async function refreshPlan() {
   } catch (err) {
     if (seq !== planSeq) return;
     plan = null;
-    planError = err;
+    planError = labelled(err);
     markInvalid(err.status === 400 ? fieldOf(err.message) : []);
   }
   card.classList.remove('loading');
@@ -394,6 +470,7 @@ function planChanged() {
 /** With several GPUs, a step's micro-batches are shared out among them. */
 function describeDevice() {
   const gpus = gpuIndices(selectedGpu()).length;
+  $('#gradients option[value="device"]').textContent = gpus ? 'on the GPU (fp32)' : 'beside the weights (fp32)';
   $('#grad_accum-hint').textContent = gpus > 1
     ? `micro-batches added up per step, shared among the ${gpus} GPUs (at least one each)`
     : 'micro-batches added up per step';
@@ -453,10 +530,28 @@ function renderGpus(gpus) {
   describeDevice();
 }
 
-function renderDatasets() {
+/**
+ * The dataset the form starts with: the one asked for in the address, else the one this user's
+ * latest job trained on, else the shared demo; never one with no example to train on (the
+ * newest upload may be anything, so it is not the default).
+ */
+function defaultDataset(sorted, jobs) {
+  const usable = sorted.filter((d) => d.records > 0);
+  const asked = sorted.find((d) => String(d.id) === params.get('dataset'));
+  if (asked) return asked;
+  const mine = jobs.filter((j) => !j.owner || j.owner === me.username).sort((a, b) => b.id - a.id);
+  for (const job of mine) {
+    const used = usable.find((d) => d.id === job.dataset);
+    if (used) return used;
+  }
+  return usable.find((d) => d.owner === null) || usable[0] || sorted[0] || null;
+}
+
+function renderDatasets(jobs) {
   const sorted = [...datasets].sort((a, b) => b.id - a.id);
   fill($('#dataset'), sorted.map((d) => el('option', { value: d.id }, `${d.name} · ${fmtInt(d.records)} examples`)));
-  if (sorted.some((d) => String(d.id) === params.get('dataset'))) $('#dataset').value = params.get('dataset');
+  const first = defaultDataset(sorted, jobs);
+  if (first) $('#dataset').value = String(first.id);
   if (!datasets.length) {
     fill($('#dataset-hint'), 'No datasets yet: ', el('a', { href: '/datasets' }, 'upload one'), ' first.');
     $('#dataset').disabled = true;
@@ -469,8 +564,11 @@ function renderDatasets() {
 
 async function main() {
   let gpus;
+  let jobs;
   try {
-    [models, datasets, gpus] = await Promise.all([get('/api/models'), get('/api/datasets'), get('/api/gpus')]);
+    [models, datasets, gpus, jobs] = await Promise.all([get('/api/models'), get('/api/datasets'), get('/api/gpus'),
+      // Only to start from the dataset last used: without the list the demo is the default.
+      get('/api/jobs').catch(() => [])]);
   } catch (err) {
     showError($('#error'), err);
     return;
@@ -479,7 +577,7 @@ async function main() {
   fill($('#model'), models.map((m) => el('option', { value: m.id }, `${m.name || m.id} · ${fmtCount(m.params)} params${m.kind === 'preset' ? ' · random weights' : ''}`)));
   if (models.some((m) => m.id === params.get('model'))) $('#model').value = params.get('model');
   describeModel();
-  renderDatasets();
+  renderDatasets(Array.isArray(jobs) ? jobs : []);
   renderGpus(gpus);
   applyPreset('demo');
   if (params.get('from')) {
@@ -510,6 +608,7 @@ async function main() {
     const input = $(`#${id}`);
     const changed = () => {
       if (PRESET_FIELDS.has(id) && preset !== 'custom') setPreset('custom');
+      if (id === 'lr') warnLr();
       if (id === 'eval_dataset') syncEvalFields();
       if (id === 'max_grad_norm') syncGradientField();
       planChanged();
@@ -542,6 +641,13 @@ async function main() {
       showError(submitError, new Error(`This job does not fit: ${plan.reason || 'not enough memory.'}`));
       return;
     }
+    // A field the plan card already calls wrong: take the person to it instead of saying it
+    // a second time.
+    const marked = document.querySelector('#job-form [aria-invalid="true"]');
+    if (planError && marked) {
+      marked.focus();
+      return;
+    }
     const button = $('#submit');
     button.disabled = true;
     try {
@@ -549,7 +655,8 @@ async function main() {
       location.href = `/jobs/${created.id}`;
     } catch (err) {
       if (err.status === 400) markInvalid(fieldOf(err.message));
-      showError(submitError, err);
+      const said = labelled(err);
+      if (!planError || planError.message !== said.message) showError(submitError, said);
       button.disabled = false;
     }
   });
