@@ -80,16 +80,16 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
     let job = &listed.row;
     // Every setting, defaults filled in; through text so f32 values read as written (0.001,
     // not 0.0010000000474974513).
-    let config: Value = job
-        .settings()
-        .ok()
-        .and_then(|s| serde_json::to_string(&s).ok())
+    let settings = job.settings().ok();
+    let config: Value = settings
+        .as_ref()
+        .and_then(|s| serde_json::to_string(s).ok())
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or(Value::Null);
     // Checkpoints come every `save_every` steps, or about five times over a run that sets
     // none: the steps between them as the run decides (null: only at the end, or not known
     // before a one-pass job has counted its steps).
-    let save_interval = job.settings().ok().and_then(|s| {
+    let save_interval = settings.and_then(|s| {
         let steps = s.steps.unwrap_or(job.total_steps.max(0) as u64);
         sluice_engine::train::save_interval(s.save_every, steps).filter(|_| steps > 0)
     });
