@@ -24,8 +24,8 @@ use FloatKind::{Accum, Activation};
 /// weight precision) and the decoder that reads them.
 pub(super) struct Model<B: Backend> {
     pub spec: ModelSpec,
-    decoder: Decoder<B>,
-    units: Vec<B::Floats>,
+    pub decoder: Decoder<B>,
+    pub units: Vec<B::Floats>,
 }
 
 impl<B: Backend> Model<B> {

@@ -10,6 +10,7 @@
 //! ```
 //! [`Generator::logits`] exposes the raw forward (perplexity, checks against transformers).
 
+pub mod batch;
 mod forward;
 mod sample;
 
@@ -18,6 +19,7 @@ mod tests;
 
 use std::path::Path;
 
+pub use batch::{BatchLimits, HostUnits, Scored, Streamed};
 pub use forward::KvCache;
 pub use sample::{GenerateOptions, Sampler};
 
@@ -171,6 +173,34 @@ impl<B: Backend> Generator<B> {
         })?;
         let text = template.render(messages, true)?;
         Ok(tokenizer.encode(&text)?.ids)
+    }
+
+    /// The batched forward over this generator's resident weights.
+    fn batched(&self) -> (batch::Model<'_, B>, batch::Resident<'_, B>) {
+        let m = &self.model;
+        let model = batch::Model { b: &self.backend, spec: &m.spec, decoder: &m.decoder };
+        (model, batch::Resident(&m.units))
+    }
+
+    /// Generates after each of `prompts`, many at a time (see [`batch::generate_batch`]).
+    pub fn generate_batch(
+        &self,
+        prompts: &[Vec<u32>],
+        options: &GenerateOptions,
+        limits: BatchLimits,
+    ) -> Result<Vec<Generated>> {
+        let (model, mut units) = self.batched();
+        batch::generate_batch(&model, &mut units, prompts, options, &self.stop_ids(), limits)
+    }
+
+    /// The log-likelihood of each `(context, continuation)` (see [`batch::score_batch`]).
+    pub fn score(
+        &self,
+        pairs: &[(Vec<u32>, Vec<u32>)],
+        limits: BatchLimits,
+    ) -> Result<Vec<Scored>> {
+        let (model, mut units) = self.batched();
+        batch::score_batch(&model, &mut units, pairs, limits)
     }
 
     /// Decodes ids to text with the generator's tokenizer.

@@ -229,3 +229,105 @@ fn a_cache_sized_for_the_run_never_grows_and_clearing_restarts_the_sequence() {
     // Past the model's context a cache is capped there, and the forward refuses to overflow it.
     assert_eq!(g.cache_for(1000).unwrap().capacity(), spec.max_positions);
 }
+
+/// Prompts of different lengths, so a batch's rows and cache bases differ per sequence.
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![3, 17, 42], vec![5], vec![9, 8, 7, 6, 5, 4, 3], vec![59, 1], vec![30, 31, 32, 33]]
+}
+
+#[test]
+fn batched_generation_equals_one_sequence_at_a_time_for_every_family() {
+    // Small limits force several prefill forwards and several groups.
+    let limits = BatchLimits { sequences: 3, tokens: 8 };
+    for spec in specs() {
+        let p = params(&spec, 11);
+        let g = Generator::new(spec.clone(), p.clone(), None).unwrap();
+        for options in [
+            GenerateOptions::greedy(7),
+            GenerateOptions { max_new_tokens: 5, temperature: 0.8, top_p: 0.9, seed: 4 },
+        ] {
+            let batched = g.generate_batch(&prompts(), &options, limits).unwrap();
+            for (i, prompt) in prompts().iter().enumerate() {
+                let own = GenerateOptions { seed: options.seed + i as u64, ..options.clone() };
+                let alone = g.generate(prompt, &own, &mut |_| true).unwrap();
+                assert_eq!(batched[i], alone, "{:?} prompt {i} {options:?}", spec.family);
+            }
+        }
+    }
+}
+
+#[test]
+fn streamed_weights_give_the_resident_answers() {
+    let spec = spec("qwen2", json!({}));
+    let p = params(&spec, 5);
+    let g = Generator::new(spec.clone(), p.clone(), None).unwrap();
+    let limits = BatchLimits { sequences: 4, tokens: 64 };
+    let options = GenerateOptions::greedy(6);
+    let resident = g.generate_batch(&prompts(), &options, limits).unwrap();
+    let cpu = Cpu::new();
+    let decoder =
+        crate::model::Decoder::new(&cpu, &spec, p.layout.layers.clone(), p.layout.head.clone())
+            .unwrap();
+    let model = batch::Model { b: &cpu, spec: &spec, decoder: &decoder };
+    let mut units = Streamed::new(&cpu, &p.layout, &p).unwrap();
+    let streamed =
+        batch::generate_batch(&model, &mut units, &prompts(), &options, &g.stop_ids(), limits)
+            .unwrap();
+    assert_eq!(streamed, resident);
+    let pairs = vec![(vec![1u32, 2], vec![3u32, 4]), (vec![7], vec![8, 9, 10])];
+    let a = batch::score_batch(&model, &mut units, &pairs, limits).unwrap();
+    assert_eq!(a, g.score(&pairs, limits).unwrap());
+}
+
+#[test]
+fn scores_are_the_log_softmax_of_the_full_forward() {
+    for spec in specs() {
+        let p = params(&spec, 2);
+        let g = Generator::new(spec.clone(), p.clone(), None).unwrap();
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> = vec![
+            (vec![3, 17, 42], vec![5, 6]),
+            (vec![1], vec![2]),
+            (vec![9, 8, 7, 6], vec![5, 4, 3, 2, 1]),
+        ];
+        let scored = g.score(&pairs, BatchLimits { sequences: 2, tokens: 9 }).unwrap();
+        for (i, (context, continuation)) in pairs.iter().enumerate() {
+            let whole: Vec<u32> = context.iter().chain(continuation).copied().collect();
+            let logits = trainer_logits(&spec, &p, &whole);
+            let v = spec.vocab;
+            let (mut want, mut greedy) = (0.0f64, true);
+            for r in context.len() - 1..whole.len() - 1 {
+                let row = &logits[r * v..(r + 1) * v];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = row.iter().map(|&z| f64::from(z - max).exp()).sum::<f64>().ln();
+                want += f64::from(row[whole[r + 1] as usize] - max) - lse;
+                greedy &= sample::argmax(row) == whole[r + 1];
+            }
+            let got = scored[i];
+            assert_eq!(got.tokens, continuation.len());
+            assert!(
+                (got.logprob - want).abs() < 1e-4,
+                "{:?} {i}: {} vs {want}",
+                spec.family,
+                got.logprob
+            );
+            assert_eq!(got.greedy, greedy);
+        }
+    }
+}
+
+#[test]
+fn batched_bad_input_is_an_error() {
+    let spec = spec("llama", json!({}));
+    let g = Generator::new(spec.clone(), params(&spec, 1), None).unwrap();
+    let limits = BatchLimits { sequences: 2, tokens: 8 };
+    let greedy = GenerateOptions::greedy(2);
+    assert!(g.generate_batch(&[vec![]], &greedy, limits).is_err());
+    assert!(g.generate_batch(&[vec![1; 64]], &greedy, limits).is_err());
+    assert!(
+        g.generate_batch(&[vec![1]], &greedy, BatchLimits { sequences: 0, tokens: 8 }).is_err()
+    );
+    assert!(g.score(&[(vec![], vec![1])], limits).is_err());
+    assert!(g.score(&[(vec![1], vec![])], limits).is_err());
+    assert!(g.score(&[(vec![1; 40], vec![1; 30])], limits).is_err());
+    assert!(g.score(&[(vec![1], vec![99])], limits).is_err());
+}

@@ -320,6 +320,21 @@ pub enum Keys<'a, B: Backend> {
     /// the new tokens sit at positions `past..past + T`, append their keys (after RoPE) and
     /// values at row `past`, and attend to every cached row up to their own.
     Cached { k: &'a mut B::Floats, v: &'a mut B::Floats, past: usize },
+    /// Several sequences at once (batched generation and scoring), their caches side by side in
+    /// one key and one value buffer for this layer: the batch's rows are the sequences' new
+    /// tokens one sequence after another; each sequence appends its keys and values after its
+    /// own cached rows and attends only to them, so the projections and the MLP run once over
+    /// every row.
+    Batch { k: &'a mut B::Floats, v: &'a mut B::Floats, seqs: &'a [SeqRows] },
+}
+
+/// One sequence of a [`Keys::Batch`]: where its cache starts in the shared buffers (a row),
+/// the positions already cached, and how many of the batch's rows are its new tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqRows {
+    pub base: usize,
+    pub past: usize,
+    pub rows: usize,
 }
 
 /// Which layer a call runs, on which tokens, how its attention sees keys and values, what
@@ -629,7 +644,23 @@ impl<B: Backend> Decoder<B> {
             }
             Keys::Kept => {}
             Keys::Cached { k, v, past } => {
-                self.attend_cached(b, s, k, v, sinks, &shape.decode(past))?
+                let at = SeqRows { base: 0, past, rows: 0 };
+                self.attend_cached(b, s, (k, v), sinks, &shape.decode(past), at)?
+            }
+            Keys::Batch { k, v, seqs } => {
+                if seqs.iter().map(|q| q.rows).sum::<usize>() != t {
+                    return Err(crate::error::Error::invalid(
+                        "the sequences' rows do not add up to the batch's tokens",
+                    ));
+                }
+                let mut first = 0;
+                for q in seqs {
+                    let decode = DecodeShape { tokens: q.rows, ..shape.decode(q.past) };
+                    let sinks = r.sinks.as_ref().map(|range| b.view(w, range.clone()));
+                    let at = SeqRows { rows: first, ..*q };
+                    self.attend_cached(b, s, (&mut *k, &mut *v), sinks, &decode, at)?;
+                    first += q.rows;
+                }
             }
         }
         // x1 = x + o(att): the o projection adds the residual itself, unless a post-attention
@@ -834,44 +865,45 @@ impl<B: Backend> Decoder<B> {
         &self,
         b: &B,
         s: &mut LayerScratch<B>,
-        k_cache: &mut B::Floats, // [capacity, nkv hd]
-        v_cache: &mut B::Floats, // [capacity, nkv hd]
+        (k_cache, v_cache): (&mut B::Floats, &mut B::Floats), // [capacity, nkv hd] each
         sinks: Option<B::View<'_>>,
         shape: &DecodeShape,
+        // `rows` is the batch row of the sequence's first new token; `base` its cache's first row
+        at: SeqRows,
     ) -> Result<()> {
-        let (n, past) = (shape.tokens, shape.past);
+        let (n, past, first, base) = (shape.tokens, shape.past, at.rows, at.base);
         let (dqkv, datt) = (self.spec.qkv_width(), self.spec.attn_width());
         let kv_width = shape.kv_heads * shape.head_dim;
-        let end = (past + n) * kv_width;
+        let (start, end) = (base * kv_width, (base + past + n) * kv_width);
         if end > b.len(k_cache).min(b.len(v_cache)) {
             return Err(crate::error::Error::invalid(format!(
                 "the key/value cache holds {} positions, {} are needed",
                 b.len(k_cache) / kv_width.max(1),
-                past + n
+                base + past + n
             )));
         }
         // Each new row is `[q | k | v]`: its keys and values go to the next free cache rows.
         for t in 0..n {
-            let (row, at) = (t * dqkv + datt, (past + t) * kv_width);
+            let (row, at) = ((first + t) * dqkv + datt, (base + past + t) * kv_width);
             let (k, v) = (row..row + kv_width, row + kv_width..row + 2 * kv_width);
             b.copy(b.view_mut(k_cache, at..at + kv_width), b.view(&s.qkv, k))?;
             b.copy(b.view_mut(v_cache, at..at + kv_width), b.view(&s.qkv, v))?;
         }
         // One token's queries are already contiguous; several tokens' are gathered.
         let q = if n == 1 {
-            b.view(&s.qkv, 0..datt)
+            b.view(&s.qkv, first * dqkv..first * dqkv + datt)
         } else {
             for t in 0..n {
-                let src = b.view(&s.qkv, t * dqkv..t * dqkv + datt);
+                let src = b.view(&s.qkv, (first + t) * dqkv..(first + t) * dqkv + datt);
                 b.copy(b.view_mut(&mut s.q, t * datt..(t + 1) * datt), src)?;
             }
             b.view(&s.q, 0..n * datt)
         };
         b.attention_decode(
-            b.view_mut(&mut s.att, 0..n * datt),
+            b.view_mut(&mut s.att, first * datt..(first + n) * datt),
             q,
-            b.view(k_cache, 0..end),
-            b.view(v_cache, 0..end),
+            b.view(k_cache, start..end),
+            b.view(v_cache, start..end),
             sinks,
             shape,
         )

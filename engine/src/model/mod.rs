@@ -9,7 +9,7 @@ pub mod params;
 
 pub use decoder::{
     Decoder, DeviceBatch, HeadGrads, HeadScratch, HeadWeights, KeptAttention, Keys, LayerAt,
-    LayerGrads, LayerScratch,
+    LayerGrads, LayerScratch, SeqRows,
 };
 pub use layout::{
     LayerRanges, MlpRanges, ModelLayout, MoeRanges, TensorSlot, UnitKind, UnitLayout,
