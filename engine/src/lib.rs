@@ -18,11 +18,14 @@
 //! - [`train`]: the trainer loop, its configuration and its observer events.
 //! - [`convert`]: GGUF import and export.
 //! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
+//! - [`eval`]: task evaluation's scoring: exact match, extracted answers, ROUGE-L, BLEU, multiple
+//!   choice and perplexity, each as the reference implementation computes it.
 
 pub mod backend;
 pub mod convert;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod generate;
 pub mod model;
 pub mod optim;
