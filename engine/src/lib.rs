@@ -17,9 +17,11 @@
 //! - [`plan`]: the memory-hierarchy planner: placement, per-tier budgets, predicted step time.
 //! - [`train`]: the trainer loop, its configuration and its observer events.
 //! - [`convert`]: GGUF import and export.
-//! - [`generate`]: KV-cached text generation on the CPU (greedy and sampled).
-//! - [`eval`]: task evaluation's scoring: exact match, extracted answers, ROUGE-L, BLEU, multiple
-//!   choice and perplexity, each as the reference implementation computes it.
+//! - [`generate`]: KV-cached text generation on any backend (greedy and sampled), one sequence
+//!   or batched, from resident or streamed weights.
+//! - [`eval`]: task evaluation: the metrics (exact match, extracted answers, ROUGE-L, BLEU,
+//!   multiple choice, perplexity, each as its reference implementation computes it), eval sets,
+//!   and a model scored on them.
 
 pub mod backend;
 pub mod convert;

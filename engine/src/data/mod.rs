@@ -166,6 +166,13 @@ pub fn load(
     if options.seq_len == 0 {
         return Err(Error::invalid("sequence length must be at least 1"));
     }
+    let (path, entries) = read_entries(source)?;
+    pack_entries(&path, &entries, tokenizer, options)
+}
+
+/// Reads and checks a dataset's records (leaving out invalid ones if the source says so), with
+/// the path its problems cite.
+pub fn read_entries(source: &DatasetSource) -> Result<(PathBuf, Vec<Entry>)> {
     let parsed = source.read()?;
     let path = parsed.path.clone();
     let entries = if source.skips_invalid() {
@@ -173,9 +180,22 @@ pub fn load(
     } else {
         parsed.into_entries()?
     };
+    Ok((path, entries))
+}
+
+/// Tokenizes and packs records read by [`read_entries`].
+pub fn pack_entries(
+    path: &Path,
+    entries: &[Entry],
+    tokenizer: &Tokenizer,
+    options: &DataOptions,
+) -> Result<Packed> {
+    if options.seq_len == 0 {
+        return Err(Error::invalid("sequence length must be at least 1"));
+    }
     let preparer =
         Preparer::new(tokenizer, PrepareOptions { train_on_prompt: options.train_on_prompt })?;
-    let prepared = preparer.prepare(&path, &entries)?;
+    let prepared = preparer.prepare(path, entries)?;
     let pack_options = PackOptions {
         seq_len: options.seq_len,
         shuffle_seed: options.shuffle_seed,

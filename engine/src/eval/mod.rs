@@ -1,6 +1,13 @@
-//! Task evaluation: scoring a model's outputs against references. [`metrics`] holds the scoring
-//! functions themselves, pure functions over text and numbers that follow the implementations
-//! published scores come from (SQuAD's script, rouge-score, sacrebleu, lm-evaluation-harness), so
-//! a number Sluice reports can be set beside one computed elsewhere.
+//! Task evaluation: whether a fine-tune made the model better at its task. `metrics` scores one
+//! output against its reference (normalised matches, answer extraction, ROUGE-L, BLEU, multiple
+//! choice by likelihood, perplexity); `task` turns an eval set's records into prompts, runs the
+//! model through batched generation or scoring, and reports the figure with every record's
+//! answer.
 
 pub mod metrics;
+pub mod task;
+
+pub use task::{
+    Answer, AnswerFormat, Batched, EvalItem, EvalMetric, Inference, Loaded, Prompt, TaskReport,
+    TaskSettings, choice_items, encode_pair, evaluate, items_from_entries, prompt_ids,
+};

@@ -58,6 +58,8 @@ pub use parallel::{CpuGroup, CpuPeer, DataParallel, split_micro};
 use crate::backend::{AllReduce, Backend};
 use crate::data::MicroBatch;
 use crate::error::{Error, Result};
+use crate::generate::Streamed;
+use crate::generate::batch::Model as BatchModel;
 use crate::model::{Decoder, HeadGrads, HostParams, LayerAt, LayerGrads, ModelLayout};
 use crate::optim::{AdamW, clip_coef};
 pub use crate::placement::{CAST_CHUNK, CheckpointTier, GradientTier, RING_SLOTS, WeightSource};
@@ -834,6 +836,20 @@ impl<'b, B: Backend> Streamer<'b, B> {
     pub fn settled_store(&mut self) -> Result<Arc<HostStore>> {
         self.settle()?;
         Ok(self.shared.store.clone())
+    }
+
+    /// Runs `f` on the weights as they stand after the steps taken, without changing any
+    /// training state: the host store's master weights, streamed a layer at a time through
+    /// this device ([`Streamed`]: the embedding and head stay on the device meanwhile), for a
+    /// task evaluation between steps.
+    pub fn with_host_model<R>(
+        &mut self,
+        f: impl FnOnce(&BatchModel<'_, B>, &mut Streamed<'_, B>) -> Result<R>,
+    ) -> Result<R> {
+        let store = self.settled_store()?;
+        let mut units = Streamed::new(self.b, &self.shared.layout, &*store)?;
+        let model = BatchModel { b: self.b, spec: &self.decoder.spec, decoder: &self.decoder };
+        f(&model, &mut units)
     }
 
     /// Waits for every submitted update and returns the master weights.

@@ -114,6 +114,11 @@ where
         &self.ranks[0]
     }
 
+    /// Rank 0's streamer, to evaluate with between steps.
+    pub fn lead_mut(&mut self) -> &mut Streamer<'b, B> {
+        &mut self.ranks[0]
+    }
+
     /// One optimizer step over the micro-batches of `micro`, shared among the ranks. The
     /// metrics are the step's (loss: the mean over every trained token; grad norm: of the
     /// summed gradients); the traffic is per rank.

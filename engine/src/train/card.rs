@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::StepMetrics;
 use super::run::{ModelSource, RunOptions};
 use crate::error::Result;
+use crate::eval::EvalMetric;
 use crate::weights::write_file_atomically;
 
 /// The file name the Hub shows as the model card.
@@ -27,6 +28,8 @@ pub struct Curves {
     pub eval_loss: Option<f64>,
     pub tokens: u64,
     pub trained_tokens: u64,
+    /// The task evaluation's metric, the base model's figure and the latest.
+    pub task: Option<(EvalMetric, Option<f64>, f64)>,
 }
 
 impl Curves {
@@ -44,6 +47,11 @@ impl Curves {
             trained_tokens: self.trained_tokens + m.trained_tokens as u64,
             ..self
         }
+    }
+
+    /// The curves with a task evaluation's figure: `before` the base model's, `now` the latest.
+    pub fn with_task(self, metric: EvalMetric, before: Option<f64>, now: f64) -> Curves {
+        Curves { task: Some((metric, before, now)), ..self }
     }
 }
 
@@ -120,6 +128,13 @@ pub fn model_card(dir: &Path, options: &RunOptions, curves: &Curves) -> String {
     let number = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.4}"));
     let _ = writeln!(s, "| training loss (last step) | {} |", number(curves.loss));
     let _ = writeln!(s, "| eval loss (last evaluation) | {} |", number(curves.eval_loss));
+    if let Some((metric, before, now)) = curves.task {
+        let _ = writeln!(
+            s,
+            "| {metric} on the eval set, base model → this checkpoint | {} → {now:.4} |",
+            number(before)
+        );
+    }
 
     s.push_str("\n## Training settings\n\n| setting | value |\n| --- | --- |\n");
     if let Value::Object(settings) = serde_json::to_value(&job.settings).unwrap_or(Value::Null) {

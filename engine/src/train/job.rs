@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::DatasetSource;
 use crate::error::{Error, Result};
+use crate::eval::{AnswerFormat, EvalMetric, TaskSettings};
 use crate::optim::Schedule;
 use crate::plan::{
     BatchShape, Capabilities, GpuQuery, GradientTier, MachineMemory, MachineRates, MomentsPolicy,
@@ -270,6 +271,18 @@ pub struct JobSettings {
     /// Without a separate evaluation dataset, the fraction of the data's micro-batches held
     /// out for evaluation (at least one) when `eval_every` is set.
     pub held_out: f64,
+    /// How the eval set is scored beside its loss: `loss` (the loss only) or a task metric,
+    /// run on the base model before the first step, every `eval_every` steps and after the
+    /// last.
+    pub eval_metric: EvalMetric,
+    /// How `extract` finds an output's final answer.
+    pub eval_answer: AnswerFormat,
+    /// The regular expression of `eval_answer` regex.
+    pub eval_pattern: Option<String>,
+    /// Tokens an answer may take in a task evaluation.
+    pub eval_max_new_tokens: usize,
+    /// Records of the eval set a task evaluation scores (the first ones).
+    pub eval_records: usize,
 }
 
 impl Default for JobSettings {
@@ -293,6 +306,11 @@ impl Default for JobSettings {
             save_dtype: SaveDtype::Bf16,
             eval_every: None,
             held_out: 0.05,
+            eval_metric: EvalMetric::Loss,
+            eval_answer: AnswerFormat::LastNumber,
+            eval_pattern: None,
+            eval_max_new_tokens: 128,
+            eval_records: 200,
         }
     }
 }
@@ -377,7 +395,39 @@ impl JobSettings {
                 self.held_out
             )));
         }
+        let bounded = [
+            ("eval_max_new_tokens", self.eval_max_new_tokens, MAX_EVAL_NEW_TOKENS),
+            ("eval_records", self.eval_records, MAX_EVAL_RECORDS),
+        ];
+        for (name, value, max) in bounded {
+            if !(1..=max).contains(&value) {
+                return Err(Error::invalid(format!(
+                    "{name} must be between 1 and {max}, got {value}"
+                )));
+            }
+        }
+        if self.eval_pattern.is_some() && self.eval_answer != AnswerFormat::Regex {
+            return Err(Error::invalid(
+                "eval_pattern is read only with eval_answer regex; set both or neither",
+            ));
+        }
+        if let Some(task) = self.task()
+            && (task.metric == EvalMetric::Extract || task.answer == AnswerFormat::Regex)
+        {
+            task.extractor()?;
+        }
         Ok(())
+    }
+
+    /// The task evaluation asked for, if any (`eval_metric` other than loss).
+    pub fn task(&self) -> Option<TaskSettings> {
+        (self.eval_metric != EvalMetric::Loss).then(|| TaskSettings {
+            metric: self.eval_metric,
+            answer: self.eval_answer,
+            pattern: self.eval_pattern.clone(),
+            max_new_tokens: self.eval_max_new_tokens,
+            records: self.eval_records,
+        })
     }
 
     /// The learning rate, with the default for `model` when none was given.
@@ -421,6 +471,9 @@ pub struct SettingDoc {
     pub min: Option<f64>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub above: bool,
+    /// Free text (a pattern), not a number or a choice.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub text: bool,
     /// The largest value allowed, before a deployment's [`Limits`] lower it (a client sees it
     /// under the limits, [`SettingView::max_value`]).
     #[serde(skip)]
@@ -481,6 +534,11 @@ pub struct SettingsGuide {
     pub limits: Limits,
 }
 
+/// The most tokens a task evaluation's answer may take.
+pub const MAX_EVAL_NEW_TOKENS: usize = 2048;
+/// The most records a task evaluation scores.
+pub const MAX_EVAL_RECORDS: usize = 5000;
+
 /// How a job starts: from a preset's random weights or from a model folder's trained ones.
 /// The safe learning rates of the two differ by orders of magnitude.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -526,7 +584,16 @@ impl LrBand {
 const NO_CHOICE: &[&str] = &[];
 
 const fn doc(name: &'static str, value: &'static str, help: &'static str) -> SettingDoc {
-    SettingDoc { name, help, value, choices: NO_CHOICE, min: None, above: false, max: None }
+    SettingDoc {
+        name,
+        help,
+        value,
+        choices: NO_CHOICE,
+        min: None,
+        above: false,
+        text: false,
+        max: None,
+    }
 }
 
 const fn count(name: &'static str, min: f64, max: Max, help: &'static str) -> SettingDoc {
@@ -544,7 +611,7 @@ const fn choice(
 impl JobSettings {
     /// Every setting, in the order a form or a usage line shows them; one entry per field
     /// (a unit test holds the two together).
-    pub const FIELDS: [SettingDoc; 17] = [
+    pub const FIELDS: [SettingDoc; 22] = [
         count("seq_len", 1.0, Max::SeqLen, "Tokens per packed row."),
         count("micro_batch", 1.0, Max::MicroBatch, "Rows per micro-batch."),
         count("grad_accum", 1.0, Max::GradAccum, "Micro-batches per optimizer step."),
@@ -631,6 +698,42 @@ impl JobSettings {
                  evaluation when eval_every is set.",
             )
         },
+        choice(
+            "eval_metric",
+            &EvalMetric::NAMES,
+            "Score the eval set beside its loss, on the base model before step 1, every \
+             eval_every steps and after the last: loss (the loss only), exact_match, contains \
+             (the reference in the answer), extract (a final answer, see eval_answer), rouge_l, \
+             bleu, choice (multiple choice by likelihood: records with choices) or perplexity \
+             (of the references).",
+        ),
+        choice(
+            "eval_answer",
+            &AnswerFormat::NAMES,
+            "How extract finds the final answer: gsm8k (after ####), last_number, boxed \
+             (\\boxed{...}) or regex (eval_pattern).",
+        ),
+        SettingDoc {
+            text: true,
+            ..doc(
+                "eval_pattern",
+                "REGEX",
+                "With eval_answer regex: the answer is the pattern's first group (or whole \
+                 match), its last match in the output.",
+            )
+        },
+        count(
+            "eval_max_new_tokens",
+            1.0,
+            Max::Value(MAX_EVAL_NEW_TOKENS as f64),
+            "Tokens an answer may take in a task evaluation.",
+        ),
+        count(
+            "eval_records",
+            1.0,
+            Max::Value(MAX_EVAL_RECORDS as f64),
+            "Records of the eval set a task evaluation scores (the first N).",
+        ),
     ];
 
     /// The settings as a client offers them under `limits`.

@@ -11,6 +11,7 @@ mod launch;
 mod retention;
 mod run;
 mod state;
+pub mod task_reports;
 mod trainer;
 
 pub use crate::schedule::Interrupt;
@@ -60,6 +61,13 @@ pub enum Event {
     Evaluated {
         step: u64,
         loss: f64,
+    },
+    /// A task evaluation after `step` steps (0: the base model, before the first step): the
+    /// metric's figure and every record's answer, also saved in the run folder
+    /// ([`task_reports`]).
+    TaskEvaluated {
+        step: u64,
+        report: crate::eval::TaskReport,
     },
     /// Something the user should know that does not stop the run.
     Notice(String),

@@ -15,6 +15,11 @@ use super::{Event, Observer, TrainConfig};
 use crate::backend::{AllReduce, Backend};
 use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
+use crate::eval::{
+    Batched, EvalItem, EvalMetric, TaskReport, TaskSettings, choice_items, evaluate,
+    items_from_entries,
+};
+use crate::generate::BatchLimits;
 use crate::model::HostParams;
 use crate::plan::Plan;
 use crate::schedule::from_plan::schedule_options;
@@ -261,6 +266,28 @@ trait Stepper {
     fn device_bytes(&self) -> usize;
     /// See [`Streamer::set_interrupt`]; several devices are never interrupted mid-step.
     fn set_interrupt(&mut self, _check: Interrupt) {}
+    /// A task evaluation of the weights as they stand (see [`Streamer::with_host_model`]).
+    fn task_eval(
+        &mut self,
+        tokenizer: &Tokenizer,
+        task: &TaskSettings,
+        items: &[EvalItem],
+    ) -> Result<TaskReport>;
+}
+
+/// How many sequences and new tokens a task evaluation between steps runs at once.
+const EVAL_LIMITS: BatchLimits = BatchLimits { sequences: 32, tokens: 4096 };
+
+fn task_eval_on<B: Backend>(
+    streamer: &mut Streamer<'_, B>,
+    tokenizer: &Tokenizer,
+    task: &TaskSettings,
+    items: &[EvalItem],
+) -> Result<TaskReport> {
+    streamer.with_host_model(|model, units| {
+        let mut inference = Batched { model, units, tokenizer, limits: EVAL_LIMITS };
+        evaluate(&mut inference, task, items)
+    })
 }
 
 impl<B: Backend> Stepper for Streamer<'_, B> {
@@ -290,6 +317,14 @@ impl<B: Backend> Stepper for Streamer<'_, B> {
     }
     fn set_interrupt(&mut self, check: Interrupt) {
         Streamer::set_interrupt(self, check);
+    }
+    fn task_eval(
+        &mut self,
+        tokenizer: &Tokenizer,
+        task: &TaskSettings,
+        items: &[EvalItem],
+    ) -> Result<TaskReport> {
+        task_eval_on(self, tokenizer, task, items)
     }
 }
 
@@ -321,6 +356,80 @@ where
     fn device_bytes(&self) -> usize {
         self.lead().device_bytes
     }
+    fn task_eval(
+        &mut self,
+        tokenizer: &Tokenizer,
+        task: &TaskSettings,
+        items: &[EvalItem],
+    ) -> Result<TaskReport> {
+        task_eval_on(self.lead_mut(), tokenizer, task, items)
+    }
+}
+
+/// A run's task evaluation, if it has one.
+struct TaskRun<'a> {
+    task: Option<&'a TaskSettings>,
+    items: &'a [EvalItem],
+    tokenizer: &'a Tokenizer,
+}
+
+impl TaskRun<'_> {
+    /// Evaluates the weights after `step` steps, records the report in the run folder and
+    /// tells the observer; the figure, or `None` without a task.
+    fn run<S: Stepper>(
+        &self,
+        streamer: &mut S,
+        step: u64,
+        out: &Path,
+        observer: &mut dyn Observer,
+    ) -> Result<Option<f64>> {
+        let Some(task) = self.task else { return Ok(None) };
+        let report = streamer.task_eval(self.tokenizer, task, self.items)?;
+        super::task_reports::save(out, step, &report)?;
+        let score = report.score;
+        observer.event(&Event::TaskEvaluated { step, report });
+        Ok(Some(score))
+    }
+}
+
+/// The task's eval items: a separate evaluation dataset's, or records held out of the training
+/// data (the last `held_out` fraction, at least one, never all), which are then also returned
+/// so their loss is the eval loss.
+fn task_items(
+    job: &Job,
+    task: &TaskSettings,
+    entries: &mut Vec<data::Entry>,
+) -> Result<(Vec<EvalItem>, Option<Vec<data::Entry>>)> {
+    match &job.eval_data {
+        Some(data::DatasetSource::Registry { .. }) if task.metric == EvalMetric::Choice => {
+            Err(Error::invalid(
+                "eval_metric choice reads a JSON Lines file of questions with choices, not a \
+                 dataset registry",
+            ))
+        }
+        Some(source) if task.metric == EvalMetric::Choice => {
+            Ok((choice_items(source.path())?, None))
+        }
+        Some(source) => {
+            let (_, records) = data::read_entries(source)?;
+            Ok((items_from_entries(&records, task.metric)?, None))
+        }
+        None => {
+            // Refuses `choice` (the training records have no choices) before anything is split.
+            items_from_entries(&[], task.metric)?;
+            let n = entries.len();
+            if n < 2 {
+                return Err(Error::invalid(format!(
+                    "eval_metric {}: the dataset has {n} record; hold some out needs at least 2, \
+                     or give an evaluation dataset",
+                    task.metric
+                )));
+            }
+            let held = ((n as f64 * job.settings.held_out).floor() as usize).clamp(1, n - 1);
+            let held = entries.split_off(n - held);
+            Ok((items_from_entries(&held, task.metric)?, Some(held)))
+        }
+    }
 }
 
 fn run_with<S: Stepper>(
@@ -346,7 +455,13 @@ fn run_with<S: Stepper>(
         train_on_prompt: settings.train_on_prompt,
         shuffle_seed: Some(settings.seed),
     };
-    let packed = data::load(&job.data, &model.tokenizer, &data_options)?;
+    let (data_path, mut entries) = data::read_entries(&job.data)?;
+    let task = settings.task();
+    let (eval_items, held_records) = match &task {
+        Some(task) => task_items(job, task, &mut entries)?,
+        None => (Vec::new(), None),
+    };
+    let packed = data::pack_entries(&data_path, &entries, &model.tokenizer, &data_options)?;
     let batches: Vec<MicroBatch> = packed.micro_batches(settings.micro_batch)?;
     if batches.is_empty() {
         return Err(Error::invalid("the dataset produced no training rows"));
@@ -354,7 +469,18 @@ fn run_with<S: Stepper>(
     let fingerprint = data_fingerprint(&batches);
     let mut batches = batches;
     let mut notices = Vec::new();
-    let eval: Vec<MicroBatch> = match (&job.eval_data, settings.eval_every) {
+    // A multiple-choice eval file is not in a training format: its loss cannot be taken.
+    let eval_file = job.eval_data.as_ref().filter(|_| settings.eval_metric != EvalMetric::Choice);
+    let eval: Vec<MicroBatch> = match (eval_file, settings.eval_every) {
+        _ if held_records.is_some() => {
+            // The records held out for the task: their loss too, so both figures describe
+            // the same unseen records.
+            let held = held_records.as_deref().unwrap_or_default();
+            let eval_options = DataOptions { shuffle_seed: None, ..data_options };
+            let held = data::pack_entries(&data_path, held, &model.tokenizer, &eval_options)?;
+            let eval = held.micro_batches(settings.micro_batch)?;
+            if eval.iter().all(|mb| mb.trained_tokens() == 0) { Vec::new() } else { eval }
+        }
         (Some(source), _) => {
             let eval_options = DataOptions { shuffle_seed: None, ..data_options };
             let held_out = data::load(source, &model.tokenizer, &eval_options)?;
@@ -439,6 +565,13 @@ fn run_with<S: Stepper>(
         let loss = streamer.eval_loss(&eval)?;
         observer.event(&Event::Evaluated { step: 0, loss });
     }
+    let tasks = TaskRun { task: task.as_ref(), items: &eval_items, tokenizer: &model.tokenizer };
+    let task_before = match task {
+        Some(_) if streamer.taken() == 0 => tasks.run(&mut streamer, 0, &options.out, observer)?,
+        // Resumed: the base model's figure is the one the run recorded before its first step.
+        Some(_) => super::task_reports::load(&options.out, 0).ok().map(|r| r.score),
+        None => None,
+    };
 
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let curves = std::cell::Cell::new(super::card::Curves::from_step(streamer.taken()));
@@ -476,11 +609,19 @@ fn run_with<S: Stepper>(
         if !eval.is_empty() && due {
             metrics.eval_loss = Some(streamer.eval_loss(&eval)?);
         }
+        let task_score = if due {
+            tasks.run(&mut streamer, metrics.step, &options.out, observer)?
+        } else {
+            None
+        };
         if first_loss.is_nan() {
             first_loss = metrics.loss;
         }
         last_loss = metrics.loss;
         curves.set(curves.get().after(&metrics));
+        if let (Some(task), Some(score)) = (&task, task_score) {
+            curves.set(curves.get().with_task(task.metric, task_before, score));
+        }
         let (step, eval_loss) = (metrics.step, metrics.eval_loss);
         observer.event(&Event::Step(metrics));
         if save_every.is_some_and(|n| step % n == 0 && step < steps) {

@@ -8,6 +8,7 @@ mod bench;
 mod bench_attention;
 mod bench_train;
 mod device;
+mod eval;
 mod export_gguf;
 mod generate;
 mod import_gguf;
@@ -51,6 +52,8 @@ enum Command {
     ImportGguf(import_gguf::ImportGgufArgs),
     /// Generate text from a model folder on the CPU or a GPU (greedy or sampled, KV-cached).
     Generate(generate::GenerateArgs),
+    /// Score a model folder on an eval set by a metric (batched; resident or streamed).
+    Eval(eval::EvalArgs),
     /// Plan a training job: memory per tier, placement and predicted step time, or why it does
     /// not fit.
     Plan(plan::PlanArgs),
@@ -88,6 +91,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => train::run(*args),
         Command::ImportGguf(args) => import_gguf::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Eval(args) => eval::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Pull(args) => pull::run(args),

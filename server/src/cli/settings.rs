@@ -62,8 +62,11 @@ fn flag(view: SettingView) -> Arg {
         return arg.action(ArgAction::SetTrue);
     }
     let value_name = if doc.value.is_empty() { "VALUE" } else { doc.value };
-    let choices = doc.choices;
+    let (choices, free) = (doc.choices, doc.text);
     let parser = ValueParser::new(move |text: &str| -> Result<String, String> {
+        if free {
+            return Ok(text.to_string());
+        }
         if choices.is_empty() {
             // A number: the engine checks its kind and range and names the field.
             return text
@@ -94,7 +97,7 @@ impl clap::FromArgMatches for SettingsFlags {
                 continue;
             }
             let Some(text) = matches.get_one::<String>(name) else { continue };
-            let value = match view.doc.choices.is_empty() {
+            let value = match view.doc.choices.is_empty() && !view.doc.text {
                 // Parsed as JSON so a number stays a number (`2e-5`); the value parser let
                 // only numbers through.
                 true => serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone())),

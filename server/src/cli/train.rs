@@ -312,6 +312,13 @@ impl Observer for Printer {
             Event::Evaluated { step, loss } => {
                 self.line(format!("step {step:>5}  eval loss {loss:.4}"));
             }
+            Event::TaskEvaluated { step: 0, report } => {
+                let metric = report.metric;
+                self.line(format!("note: {metric} of the base model: {:.4}", report.score));
+            }
+            Event::TaskEvaluated { step, report } => {
+                self.line(format!("step {step:>5}  eval {} {:.4}", report.metric, report.score));
+            }
             Event::Notice(text) => self.line(format!("note: {text}")),
         }
     }
@@ -371,6 +378,11 @@ mod tests {
                 save_dtype: SaveDtype::F32,
                 eval_every: Some(5),
                 held_out: 0.1,
+                eval_metric: sluice_engine::eval::EvalMetric::Extract,
+                eval_answer: sluice_engine::eval::AnswerFormat::Regex,
+                eval_pattern: Some("answer: (\\d+) it's".into()),
+                eval_max_new_tokens: 64,
+                eval_records: 50,
             },
         };
         let line = command_line(&job);

@@ -177,6 +177,8 @@ async fn run_job(state: &AppState, job: JobRow) {
         cancels: state.queue().cancels.clone(),
         reserved: state.queue().reserved.clone(),
         keep_checkpoints: state.config().limits.keep_checkpoints,
+        task_before: None,
+        task_score: None,
     };
     let out = run_dir(state, id);
     let disk_dir = state.config().disk_tier_dir();
@@ -320,6 +322,10 @@ struct Forwarder {
     reserved: Arc<Mutex<HashMap<i64, u64>>>,
     /// Periodic checkpoints the run keeps (the latest, plus the best by eval loss).
     keep_checkpoints: usize,
+    /// The task evaluation's figure for the base model, and the one waiting for its step's
+    /// point.
+    task_before: Option<f64>,
+    task_score: Option<f64>,
 }
 
 impl Forwarder {
@@ -392,6 +398,8 @@ impl Observer for Forwarder {
                     "tokens": m.tokens,
                     "trained_tokens": m.trained_tokens,
                     "eval_loss": m.eval_loss,
+                    // The task evaluation's figure, where one ran after this step.
+                    "task_score": self.task_score.take(),
                     // A mixture of experts' load-balancing loss (null for dense models).
                     "aux_loss": m.aux_loss,
                     "timeline": (!m.timeline.is_empty()).then_some(&m.timeline),
@@ -405,6 +413,24 @@ impl Observer for Forwarder {
                 let point = json!({ "step": step, "eval_loss": loss, "t": now_f64() });
                 self.send(RunEvent::Log(format!("held-out loss before training: {loss:.4}")));
                 self.send(RunEvent::Step { step: *step, point });
+            }
+            Event::TaskEvaluated { step, report } => {
+                let (metric, score) = (report.metric, report.score);
+                if *step == 0 {
+                    self.task_before = Some(score);
+                    let point = json!({ "step": 0, "task_score": score, "t": now_f64() });
+                    self.send(RunEvent::Log(format!("{metric} of the base model: {score:.4}")));
+                    self.send(RunEvent::Step { step: 0, point });
+                } else {
+                    // Goes into the step's own point, which follows.
+                    self.task_score = Some(score);
+                    let before = self
+                        .task_before
+                        .map_or_else(String::new, |b| format!(" (base model {b:.4})"));
+                    self.send(RunEvent::Log(format!(
+                        "{metric} after step {step}: {score:.4}{before}"
+                    )));
+                }
             }
             Event::Notice(text) => self.send(RunEvent::Log(text.clone())),
             Event::Saved { path, step } => {
