@@ -192,3 +192,71 @@ pub(crate) fn decode_speed_cpu_and_gpu() {
         );
     }
 }
+
+/// Batched inference on the GPU (`Keys::Batch`: several sequences' caches side by side in one
+/// buffer per layer): batched scores against the GPU's own one-sequence forward, batched greedy
+/// answers against one-sequence generation, and streamed weights against resident ones, on
+/// every golden model.
+#[test]
+pub(crate) fn batched_inference_matches_one_sequence_on_the_gpu() {
+    use sluice_engine::generate::batch::{Model as BatchModel, generate_batch, score_batch};
+    use sluice_engine::generate::{BatchLimits, Streamed};
+    use sluice_engine::model::Decoder;
+    let limits = BatchLimits { sequences: 3, tokens: 24 };
+    for case in ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"] {
+        let (spec, mut p) = HostParams::load_dir(&golden_dir(case)).expect("golden model");
+        for u in &mut p.units {
+            u.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        }
+        let vocab = spec.vocab as u32;
+        let g = Generator::on(Cuda::new(0).expect("gpu"), spec.clone(), p.clone(), None)
+            .expect("gpu generator");
+        let seqs: Vec<Vec<u32>> = (0..5)
+            .map(|s| (0..(4 + 3 * s)).map(|i| (i * 37 + s * 11 + 5) % vocab).collect())
+            .collect();
+        // Scores: each sequence's last half as the continuation of its first half.
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> =
+            seqs.iter().map(|s| (s[..s.len() / 2].to_vec(), s[s.len() / 2..].to_vec())).collect();
+        let scored = g.score(&pairs, limits).expect("batched scores");
+        for (i, (context, continuation)) in pairs.iter().enumerate() {
+            let whole: Vec<u32> = context.iter().chain(continuation).copied().collect();
+            let logits = g.logits(&mut g.cache(), &whole).expect("one sequence");
+            let v = spec.vocab;
+            let mut want = 0.0f64;
+            for r in context.len() - 1..whole.len() - 1 {
+                let row = &logits[r * v..(r + 1) * v];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = row.iter().map(|&z| f64::from(z - max).exp()).sum::<f64>().ln();
+                want += f64::from(row[whole[r + 1] as usize] - max) - lse;
+            }
+            // The same kernels; only the GEMMs' row counts differ (bf16 outputs either way).
+            let err = (scored[i].logprob - want).abs() / want.abs().max(1.0);
+            check(
+                &format!("batched score {case} #{i}"),
+                &[scored[i].logprob as f32],
+                &[want as f32],
+                2e-2,
+            );
+            assert!(err < 2e-2, "{case} #{i}: {} vs {want}", scored[i].logprob);
+        }
+        let greedy = GenerateOptions::greedy(5);
+        let batched = g.generate_batch(&seqs, &greedy, limits).expect("batched generation");
+        let mut agree = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            let alone = g.generate(s, &greedy, &mut |_| true).expect("one sequence");
+            agree += usize::from(alone == batched[i]);
+        }
+        // bf16 GEMMs over other row counts can tip a near tie; most answers agree exactly.
+        assert!(agree >= 4, "{case}: {agree} of 5 batched answers equal one-sequence ones");
+        let cuda = Cuda::new(0).expect("gpu");
+        let decoder = Decoder::new(&cuda, &spec, p.layout.layers.clone(), p.layout.head.clone())
+            .expect("decoder");
+        let model = BatchModel { b: &cuda, spec: &spec, decoder: &decoder };
+        let mut units = Streamed::new(&cuda, &p.layout, &p).expect("streamed weights");
+        let streamed = generate_batch(&model, &mut units, &seqs, &greedy, &g.stop_ids(), limits)
+            .expect("streamed generation");
+        assert_eq!(streamed, batched, "{case}: streamed and resident weights differ");
+        let streamed_scores = score_batch(&model, &mut units, &pairs, limits).expect("scores");
+        assert_eq!(streamed_scores, scored, "{case}: streamed scores differ");
+    }
+}
