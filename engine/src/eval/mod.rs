@@ -9,5 +9,6 @@ pub mod task;
 
 pub use task::{
     Answer, AnswerFormat, Batched, EvalItem, EvalMetric, Inference, Loaded, Prompt, TaskReport,
-    TaskSettings, choice_items, encode_pair, evaluate, items_from_entries, prompt_ids,
+    TaskSettings, choice_items, device_reserve, encode_pair, evaluate, items_from_entries,
+    limits_between_steps, prompt_ids,
 };

@@ -21,6 +21,7 @@ use crate::data::{ChatTemplate, Entry, Message, Record, Role, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::batch::{Model as BatchModel, Units, generate_batch, score_batch};
 use crate::generate::{BatchLimits, GenerateOptions, Generator, Scored};
+use crate::spec::ModelSpec;
 
 /// The figure a task evaluation reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -381,6 +382,38 @@ impl<B: Backend, U: Units<B>> Inference for Batched<'_, '_, B, U> {
     }
 }
 
+/// How many sequences and new tokens a task evaluation between training steps runs at once,
+/// at most: the planner reserves device memory for this much ([`device_reserve`]).
+pub const BETWEEN_STEPS: BatchLimits = BatchLimits { sequences: 32, tokens: 4096 };
+
+/// Device bytes a task evaluation between steps may take beside the training's own buffers,
+/// with `limits` and room for `positions` positions a sequence: the embedding and head
+/// (bf16), one layer's slot, every sequence's keys and values, one forward's working buffers
+/// and a chunk of f32 logits. The planner leaves this much of the device free.
+pub fn device_reserve(spec: &ModelSpec, limits: BatchLimits, positions: usize) -> u64 {
+    const BF16: usize = 2;
+    let embed = spec.vocab * spec.hidden;
+    let head = spec.hidden + if spec.tie_embeddings { 0 } else { embed };
+    let layer = (0..spec.layers).map(|l| spec.layer_params(l)).max().unwrap_or(0);
+    let kv = limits.sequences * positions * spec.layers * 2 * spec.kv_heads * spec.head_dim;
+    // A layer's forward buffers per token: the residual stream twice, the norms, q/k/v, the
+    // attention output, the MLP's gate/up and activation (a generous bound for every family).
+    let per_token = 8 * spec.hidden + 2 * spec.qkv_width() + 3 * spec.intermediate;
+    let work = limits.tokens * per_token;
+    let logits = 64 << 20;
+    ((embed + head + layer + kv + work) * BF16 + logits) as u64
+}
+
+/// The batch of a task evaluation between steps: [`BETWEEN_STEPS`], with fewer sequences when
+/// the prompts are longer than the `planned` positions a sequence, so the keys and values stay
+/// within what the planner reserved.
+pub fn limits_between_steps(planned: usize, longest: usize) -> BatchLimits {
+    let need = longest.max(1);
+    let sequences =
+        (BETWEEN_STEPS.sequences * planned.max(1) / need).clamp(1, BETWEEN_STEPS.sequences);
+    BatchLimits { sequences, ..BETWEEN_STEPS }
+}
+
 /// The token ids of a prompt: a conversation in the chat template with the generation prompt,
 /// plain text as is. The prompt must leave room for `room` new tokens in the context.
 pub fn prompt_ids(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>> {
@@ -590,6 +623,21 @@ mod tests {
     }
 
     const LIMITS: BatchLimits = BatchLimits { sequences: 3, tokens: 64 };
+
+    #[test]
+    fn the_reserve_between_steps_counts_the_weights_caches_and_buffers() {
+        let spec = preset("qwen2.5-7b").unwrap();
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        let reserve = gib(device_reserve(&spec, BETWEEN_STEPS, 256 + 128));
+        // Untied embedding and head 2 x 1.02 GiB, a 0.43 GiB layer, 32 x 384 positions of
+        // 28 layers' keys and values (0.66 GiB), 4096 tokens of buffers, 64 MiB of logits.
+        assert!((3.5..5.0).contains(&reserve), "{reserve:.2} GiB");
+        // Longer prompts: fewer sequences, never none.
+        assert_eq!(limits_between_steps(384, 384).sequences, 32);
+        assert_eq!(limits_between_steps(384, 768).sequences, 16);
+        assert_eq!(limits_between_steps(384, 100_000).sequences, 1);
+        assert_eq!(limits_between_steps(384, 10).sequences, 32);
+    }
 
     #[test]
     fn records_become_prompts_and_references() {

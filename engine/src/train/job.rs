@@ -419,6 +419,21 @@ impl JobSettings {
         Ok(())
     }
 
+    /// Positions a sequence of a task evaluation between steps is planned for: a row's tokens
+    /// and the answer's.
+    pub fn eval_positions(&self) -> usize {
+        self.seq_len + self.eval_max_new_tokens
+    }
+
+    /// Device bytes the planner leaves free for a task evaluation between steps.
+    pub fn eval_device_reserve(&self, spec: &ModelSpec) -> u64 {
+        crate::eval::task::device_reserve(
+            spec,
+            crate::eval::task::BETWEEN_STEPS,
+            self.eval_positions(),
+        )
+    }
+
     /// The task evaluation asked for, if any (`eval_metric` other than loss).
     pub fn task(&self) -> Option<TaskSettings> {
         (self.eval_metric != EvalMetric::Loss).then(|| TaskSettings {
@@ -824,6 +839,13 @@ impl Job {
     /// What the planner is asked for this job on a machine with `memory` (each GPU's), for
     /// the placements the streamer runs, at the rates of its kind of device.
     pub fn plan_input<'a>(&self, spec: &'a ModelSpec, memory: MachineMemory) -> PlanInput<'a> {
+        // A task evaluation between steps runs beside the training's buffers: the placement
+        // leaves it room.
+        let mut memory = memory;
+        if self.devices != Devices::Cpu && self.settings.task().is_some() {
+            let reserve = self.settings.eval_device_reserve(spec);
+            memory.gpu_bytes = memory.gpu_bytes.saturating_sub(reserve);
+        }
         PlanInput {
             spec,
             batch: self.settings.batch(),

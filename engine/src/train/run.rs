@@ -17,7 +17,7 @@ use crate::data::{self, DataOptions, MicroBatch, Stats, Tokenizer};
 use crate::error::{Error, Result};
 use crate::eval::{
     Batched, EvalItem, EvalMetric, TaskReport, TaskSettings, choice_items, evaluate,
-    items_from_entries,
+    items_from_entries, limits_between_steps, prompt_ids,
 };
 use crate::generate::BatchLimits;
 use crate::model::HostParams;
@@ -272,20 +272,19 @@ trait Stepper {
         tokenizer: &Tokenizer,
         task: &TaskSettings,
         items: &[EvalItem],
+        limits: BatchLimits,
     ) -> Result<TaskReport>;
 }
-
-/// How many sequences and new tokens a task evaluation between steps runs at once.
-const EVAL_LIMITS: BatchLimits = BatchLimits { sequences: 32, tokens: 4096 };
 
 fn task_eval_on<B: Backend>(
     streamer: &mut Streamer<'_, B>,
     tokenizer: &Tokenizer,
     task: &TaskSettings,
     items: &[EvalItem],
+    limits: BatchLimits,
 ) -> Result<TaskReport> {
     streamer.with_host_model(|model, units| {
-        let mut inference = Batched { model, units, tokenizer, limits: EVAL_LIMITS };
+        let mut inference = Batched { model, units, tokenizer, limits };
         evaluate(&mut inference, task, items)
     })
 }
@@ -323,8 +322,9 @@ impl<B: Backend> Stepper for Streamer<'_, B> {
         tokenizer: &Tokenizer,
         task: &TaskSettings,
         items: &[EvalItem],
+        limits: BatchLimits,
     ) -> Result<TaskReport> {
-        task_eval_on(self, tokenizer, task, items)
+        task_eval_on(self, tokenizer, task, items, limits)
     }
 }
 
@@ -361,8 +361,9 @@ where
         tokenizer: &Tokenizer,
         task: &TaskSettings,
         items: &[EvalItem],
+        limits: BatchLimits,
     ) -> Result<TaskReport> {
-        task_eval_on(self.lead_mut(), tokenizer, task, items)
+        task_eval_on(self.lead_mut(), tokenizer, task, items, limits)
     }
 }
 
@@ -371,6 +372,7 @@ struct TaskRun<'a> {
     task: Option<&'a TaskSettings>,
     items: &'a [EvalItem],
     tokenizer: &'a Tokenizer,
+    limits: BatchLimits,
 }
 
 impl TaskRun<'_> {
@@ -384,7 +386,7 @@ impl TaskRun<'_> {
         observer: &mut dyn Observer,
     ) -> Result<Option<f64>> {
         let Some(task) = self.task else { return Ok(None) };
-        let report = streamer.task_eval(self.tokenizer, task, self.items)?;
+        let report = streamer.task_eval(self.tokenizer, task, self.items, self.limits)?;
         super::task_reports::save(out, step, &report)?;
         let score = report.score;
         observer.event(&Event::TaskEvaluated { step, report });
@@ -565,7 +567,21 @@ fn run_with<S: Stepper>(
         let loss = streamer.eval_loss(&eval)?;
         observer.event(&Event::Evaluated { step: 0, loss });
     }
-    let tasks = TaskRun { task: task.as_ref(), items: &eval_items, tokenizer: &model.tokenizer };
+    // The longest prompt decides how many sequences fit the memory the planner left for them.
+    let longest = eval_items
+        .iter()
+        .take(settings.eval_records)
+        .map(|item| {
+            // A prompt that cannot be rendered counts nothing here; the evaluation says why.
+            let prompt = prompt_ids(&model.tokenizer, &item.prompt).map_or(0, |ids| ids.len());
+            let choice = item.choices.iter().map(|c| c.len() + 1).max().unwrap_or(0);
+            prompt + choice.max(settings.eval_max_new_tokens)
+        })
+        .max()
+        .unwrap_or(0);
+    let limits = limits_between_steps(settings.eval_positions(), longest);
+    let tasks =
+        TaskRun { task: task.as_ref(), items: &eval_items, tokenizer: &model.tokenizer, limits };
     let task_before = match task {
         Some(_) if streamer.taken() == 0 => tasks.run(&mut streamer, 0, &options.out, observer)?,
         // Resumed: the base model's figure is the one the run recorded before its first step.
