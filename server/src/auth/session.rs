@@ -202,9 +202,14 @@ fn anonymous_csrf(key: &str, nonce: &str) -> ApiResult<String> {
 /// session cookie, the session's token; for an anonymous cookie, the token made from its nonce;
 /// without a cookie, nothing is right. Safe methods pass untouched, and so does a request with
 /// a valid API token (`Authorization: Bearer`, which no browser sends by itself; one with a
-/// wrong token is refused here, 401).
+/// wrong token is refused here, 401), and anything under `/v1/`, which takes only tokens.
 pub async fn csrf_guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return next.run(request).await;
+    }
+    // The OpenAI-compatible routes read no cookie, only an API token (`api::openai::Caller`),
+    // and answer its absence in OpenAI's shape themselves.
+    if request.uri().path().starts_with("/v1/") {
         return next.run(request).await;
     }
     if let Some(bearer) = tokens::bearer(request.headers()) {

@@ -1,6 +1,6 @@
 //! The queue's shared state, held in `AppState`: the dispatcher's wake-ups, the devices jobs
-//! and claims hold, cancel requests, and the host memory starting jobs have planned. Plain
-//! data; the runner acts on it.
+//! and claims hold, the devices queued jobs wait for, cancel requests, and the host memory
+//! starting jobs have planned. Plain data; the runner acts on it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -13,6 +13,9 @@ use tokio::sync::Notify;
 pub struct Queue {
     pub(super) wake: Arc<Notify>,
     pub(super) busy: Mutex<HashSet<String>>,
+    /// Devices a queued job waits for, as the dispatcher's latest look found them: a claim on
+    /// one of them (served requests) lets go as soon as it can.
+    pub(super) wanted: Mutex<HashSet<String>>,
     pub(super) cancels: Arc<Mutex<HashSet<i64>>>,
     /// Host bytes each starting job planned, until the engine reports it has allocated them
     /// (they are in MemAvailable from then on).

@@ -36,12 +36,20 @@ use crate::AppState;
 use crate::db::now_f64;
 use crate::store::jobs::{self as store, JobRow, JobStatus};
 
-/// A device held outside any job (a try-it generation): a queued job for it waits until the
-/// claim is dropped, which frees the device and wakes the dispatcher.
+/// A device held outside any job (a try-it generation, a served request): a queued job for it
+/// waits until the claim is dropped, which frees the device and wakes the dispatcher.
 #[derive(Debug)]
 pub struct DeviceClaim {
     state: AppState,
     device: String,
+}
+
+impl DeviceClaim {
+    /// Whether a queued job waits for this device (the dispatcher found it held by the claim):
+    /// work that can stop early should stop and drop the claim.
+    pub fn job_waiting(&self) -> bool {
+        lock(&self.state.queue().wanted).contains(&self.device)
+    }
 }
 
 impl Drop for DeviceClaim {
@@ -106,11 +114,25 @@ async fn dispatch(state: AppState) {
 }
 
 /// Claims the first queued job, in queue order, whose devices are all free and not wanted by
-/// an earlier queued job; marks them busy. Jobs naming a device this machine lacks fail.
+/// an earlier queued job; marks them busy. Jobs naming a device this machine lacks fail. The
+/// devices the jobs it passes over wait for become the queue's `wanted` set.
 async fn claim_ready(state: &AppState) -> Result<Option<(JobRow, Vec<String>)>, JobsError> {
     let queued = store::queued_devices(state.pool()).await?;
     let known = state.gpus().device_ids();
     let mut blocked = lock(&state.queue().busy).clone();
+    let mut waiting = HashSet::new();
+    let claimed = claim_first(state, queued, &known, &mut blocked, &mut waiting).await;
+    *lock(&state.queue().wanted) = waiting;
+    claimed
+}
+
+async fn claim_first(
+    state: &AppState,
+    queued: Vec<(i64, String)>,
+    known: &[String],
+    blocked: &mut HashSet<String>,
+    waiting: &mut HashSet<String>,
+) -> Result<Option<(JobRow, Vec<String>)>, JobsError> {
     for (id, device) in queued {
         let members = match device.parse::<train::Devices>() {
             Ok(d) => d.members(),
@@ -126,6 +148,7 @@ async fn claim_ready(state: &AppState) -> Result<Option<(JobRow, Vec<String>)>, 
             continue;
         }
         if members.iter().any(|d| blocked.contains(d)) {
+            waiting.extend(members.iter().cloned());
             blocked.extend(members);
             continue;
         }

@@ -648,6 +648,42 @@ pub async fn checkpoints(pool: &SqlitePool, id: i64) -> sqlx::Result<Vec<(String
     Ok(rows.into_iter().map(|r| (r.name, r.step)).collect())
 }
 
+/// A checkpoint with its job's owner, for lists across jobs.
+#[derive(Debug, Clone)]
+pub struct OwnedCheckpoint {
+    pub job_id: i64,
+    pub name: String,
+    /// When its job was submitted (Unix seconds).
+    pub job_created_at: i64,
+    pub owner: String,
+}
+
+/// Every recorded checkpoint of the jobs of `owner_id` (of every job for `None`), by job and
+/// step.
+pub async fn checkpoints_of_owner(
+    pool: &SqlitePool,
+    owner_id: Option<i64>,
+) -> sqlx::Result<Vec<OwnedCheckpoint>> {
+    let rows = sqlx::query!(
+        r#"SELECT c.job_id, c.name, j.created_at, u.username
+         FROM checkpoints c JOIN jobs j ON j.id = c.job_id JOIN users u ON u.id = j.owner_id
+         WHERE ?1 IS NULL OR j.owner_id = ?1
+         ORDER BY c.job_id, c.step, c.name"#,
+        owner_id,
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| OwnedCheckpoint {
+            job_id: r.job_id,
+            name: r.name,
+            job_created_at: r.created_at,
+            owner: r.username,
+        })
+        .collect())
+}
+
 /// Whether job `id` recorded a checkpoint called `name`.
 pub async fn has_checkpoint(pool: &SqlitePool, id: i64, name: &str) -> sqlx::Result<bool> {
     let known =

@@ -1,6 +1,7 @@
 //! Every route the server declares, found by reading its source, asked by someone without a
 //! session, by another user and by a non-admin: each must answer as its access class says. A
-//! route added without a line in `access` below fails this test, so none ships unchecked.
+//! route added without a line in `access` below fails this test, so none ships unchecked. The
+//! OpenAI-compatible routes under `/v1/` take an API token only: a session is refused there too.
 
 use std::path::Path;
 
@@ -21,6 +22,9 @@ enum Access {
     Owner,
     /// Administrators only: others get 403.
     Admin,
+    /// An API token only (the OpenAI-compatible routes): no credential and a session cookie both
+    /// get 401. Which models a token reaches is `openai.rs`'s to check.
+    Token,
 }
 
 fn access(method: &str, path: &str) -> Option<Access> {
@@ -60,6 +64,8 @@ fn access(method: &str, path: &str) -> Option<Access> {
         ("GET", "/api/storage") => Admin,
         ("PUT", "/api/storage/users/{id}/quota") => Admin,
         ("DELETE", "/api/storage/models/{name}") => Admin,
+        ("GET", "/v1/models" | "/v1/models/{*id}") => Token,
+        ("POST", "/v1/completions" | "/v1/chat/completions") => Token,
         _ => return None,
     })
 }
@@ -168,7 +174,8 @@ async fn every_declared_route_answers_as_its_access_class_says() -> anyhow::Resu
         let path = template
             .replace("{id}", &id.to_string())
             .replace("{name}", "final")
-            .replace("{file}", "config.json");
+            .replace("{file}", "config.json")
+            .replace("{*id}", &format!("job-{job}/final"));
         let path =
             if path.ends_with("/preview") { format!("{path}?model=preset:tiny") } else { path };
 
@@ -177,6 +184,7 @@ async fn every_declared_route_answers_as_its_access_class_says() -> anyhow::Resu
             Access::Public => {
                 assert!(!status.is_server_error(), "{method} {path} anonymous: {status}")
             }
+            Access::Token => assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {path}"),
             _ => assert!(
                 [StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&status),
                 "{method} {path} answered {status} without a session"
@@ -195,6 +203,11 @@ async fn every_declared_route_answers_as_its_access_class_says() -> anyhow::Resu
                 status,
                 StatusCode::NOT_FOUND,
                 "{method} {path}: another user got {status}"
+            ),
+            Access::Token => assert_eq!(
+                status,
+                StatusCode::UNAUTHORIZED,
+                "{method} {path}: a session cookie got {status}"
             ),
             Access::Admin => assert_eq!(
                 status,

@@ -15,6 +15,7 @@ mod isolation;
 mod jobs;
 mod misc;
 mod models;
+mod openai;
 mod pages;
 mod passwords;
 mod plan_words;
