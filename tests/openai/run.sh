@@ -118,4 +118,20 @@ results=$(find "$data/lm_eval" -name 'results_*.json' | sort | tail -n 1)
 mkdir -p .cache/openai-results
 cp "$results" .cache/openai-results/lm_eval.json
 "$python" tests/openai/check_lm_eval.py .cache/openai-results/lm_eval.json sluice_facts
+
+# The same task scored by Sluice's own task evaluation: the questions as the task's doc_to_text
+# writes them ("Question: ...\nAnswer:"), each choice after a space, as lm_eval scores them.
+step "sluice eval --metric choice on the same task"
+"$python" - tests/openai/tasks/capitals_and_facts.jsonl "$data/sluice_facts.jsonl" <<'EOF'
+import json, sys
+with open(sys.argv[1]) as src, open(sys.argv[2], "w") as out:
+    for line in src:
+        record = json.loads(line)
+        record["question"] = f"Question: {record['question']}\nAnswer:"
+        out.write(json.dumps(record) + "\n")
+EOF
+"$binary" eval --model "$model_dir" --data "$data/sluice_facts.jsonl" --metric choice \
+  --report .cache/openai-results/sluice_eval.json
+"$python" tests/openai/same_as_sluice_eval.py .cache/openai-results/lm_eval.json sluice_facts \
+  .cache/openai-results/sluice_eval.json
 step "all passed (results in .cache/openai-results/lm_eval.json)"

@@ -160,21 +160,27 @@ fn eval_on<B: Backend>(
 ) -> anyhow::Result<()> {
     let name = backend.name();
     let LoadedModel { spec, params, tokenizer, .. } = model;
-    let start = Instant::now();
-    let (report, counted) = if args.streamed {
+    let loading = Instant::now();
+    let (report, counted, seconds, load_s) = if args.streamed {
         let layout = params.layout.clone();
         let decoder = Decoder::new(&backend, &spec, layout.layers.clone(), layout.head.clone())?;
         let mut units = Streamed::new(&backend, &layout, &params)?;
         let model = BatchModel { b: &backend, spec: &spec, decoder: &decoder };
         let mut batched =
             Batched { model: &model, units: &mut units, tokenizer: &tokenizer, limits };
-        run_counted(&mut batched, task, items)?
+        let load_s = loading.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let (report, counted) = run_counted(&mut batched, task, items)?;
+        (report, counted, start.elapsed().as_secs_f64(), load_s)
     } else {
         let generator = Generator::on(backend, spec, params, Some(tokenizer))?;
         let mut loaded = Loaded::new(&generator, limits)?;
-        run_counted(&mut loaded, task, items)?
+        let load_s = loading.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let (report, counted) = run_counted(&mut loaded, task, items)?;
+        (report, counted, start.elapsed().as_secs_f64(), load_s)
     };
-    let seconds = start.elapsed().as_secs_f64().max(1e-9);
+    let seconds = seconds.max(1e-9);
     let extra: String = report.extra.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
     println!("{} {:.4}{extra} over {} records", report.metric, report.score, report.answers.len());
     let (what, count) = match counted {
@@ -183,7 +189,8 @@ fn eval_on<B: Backend>(
     };
     let placement = if args.streamed { "streamed from host memory" } else { "resident" };
     eprintln!(
-        "{count} {what} in {seconds:.2} s ({:.1} tokens/s), batch {} on {name}, weights {placement}",
+        "{count} {what} in {seconds:.2} s ({:.1} tokens/s), batch {} on {name}, weights \
+         {placement} (loaded in {load_s:.1} s)",
         count as f64 / seconds,
         limits.sequences,
     );
