@@ -71,6 +71,23 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
         if event.metadata().target() != "sqlx::query" {
             return;
         }
+        // A connection the pool opens under load sets itself up (PRAGMAs) inside the span of
+        // the request that asked for it: that is the pool's work, not the request's.
+        struct Pragma(bool);
+        impl tracing::field::Visit for Pragma {
+            fn record_str(&mut self, _: &tracing::field::Field, value: &str) {
+                self.0 |= value.trim_start().to_ascii_uppercase().starts_with("PRAGMA");
+            }
+            fn record_debug(&mut self, _: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                let text = format!("{value:?}");
+                self.0 |= text.trim_start_matches('"').to_ascii_uppercase().starts_with("PRAGMA");
+            }
+        }
+        let mut pragma = Pragma(false);
+        event.record(&mut pragma);
+        if pragma.0 {
+            return;
+        }
         let Some(scope) = ctx.event_scope(event) else { return };
         for span in scope {
             if let Some(RequestNo(n)) = span.extensions().get::<RequestNo>() {
