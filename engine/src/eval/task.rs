@@ -368,8 +368,7 @@ impl<B: Backend, U: Units<B>> Inference for Batched<'_, '_, B, U> {
         self.tokenizer
     }
     fn generate(&mut self, prompts: &[Vec<u32>], max_new_tokens: usize) -> Result<Vec<Vec<u32>>> {
-        let mut stop = self.model.spec.eos_token_ids.clone();
-        stop.extend(self.tokenizer.eos_token_id());
+        let stop = crate::generate::stop_ids(self.model.spec, Some(self.tokenizer));
         let options = GenerateOptions::greedy(max_new_tokens);
         let out = generate_batch(self.model, self.units, prompts, &options, &stop, self.limits)?;
         Ok(out.into_iter().map(|g| g.ids).collect())

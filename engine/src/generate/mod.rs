@@ -210,13 +210,7 @@ impl<B: Backend> Generator<B> {
 
     /// The ids that end generation: the config's eos ids and the tokenizer's eos.
     pub fn stop_ids(&self) -> Vec<u32> {
-        let mut ids = self.model.spec.eos_token_ids.clone();
-        if let Some(id) = self.tokenizer.as_ref().and_then(Tokenizer::eos_token_id)
-            && !ids.contains(&id)
-        {
-            ids.push(id);
-        }
-        ids
+        stop_ids(&self.model.spec, self.tokenizer.as_ref())
     }
 
     /// Generates up to `options.max_new_tokens` tokens after `prompt`. `on_token` sees each new
@@ -252,6 +246,18 @@ impl<B: Backend> Generator<B> {
         }
         Ok(Generated { ids, stopped_at_eos: false })
     }
+}
+
+/// The ids that end generation for `spec` with `tokenizer`: the config's eos ids and the
+/// tokenizer's eos.
+pub fn stop_ids(spec: &ModelSpec, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let mut ids = spec.eos_token_ids.clone();
+    if let Some(id) = tokenizer.and_then(Tokenizer::eos_token_id)
+        && !ids.contains(&id)
+    {
+        ids.push(id);
+    }
+    ids
 }
 
 /// Writes `input_ids` (I64 `[T]`) and `logits` (F32 `[T, V]`) as a safetensors file, for
