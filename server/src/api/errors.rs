@@ -3,6 +3,7 @@
 
 use crate::datasets::DatasetsError;
 use crate::error::ApiError;
+use crate::evaluation::EvalError;
 use crate::jobs::JobsError;
 use crate::models::UnknownModel;
 use crate::tryit::TryError;
@@ -40,6 +41,7 @@ impl From<TryError> for ApiError {
     fn from(err: TryError) -> Self {
         match err {
             TryError::Unusable { .. } => ApiError::unprocessable(err.to_string()),
+            TryError::NoBaseModel(message) => ApiError::unprocessable(message),
             TryError::Busy(message) => ApiError::conflict(message),
             TryError::Internal(err) => ApiError::Internal(err),
         }
@@ -52,6 +54,16 @@ impl From<JobsError> for ApiError {
             JobsError::Invalid(message) => ApiError::bad_request(message),
             JobsError::Database(err) => err.into(),
             JobsError::Internal(err) => ApiError::Internal(err),
+        }
+    }
+}
+
+impl From<EvalError> for ApiError {
+    fn from(err: EvalError) -> Self {
+        match err {
+            EvalError::Unfit(message) => ApiError::unprocessable(message),
+            EvalError::NoReport(message) => ApiError::not_found(message),
+            EvalError::Internal(err) => ApiError::Internal(err),
         }
     }
 }
