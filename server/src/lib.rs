@@ -16,6 +16,7 @@ pub mod config;
 mod datasets;
 pub mod db;
 pub mod error;
+mod evaluation;
 pub mod gpus;
 pub mod hub;
 mod job_line;

@@ -162,7 +162,9 @@ pub enum ServeError {
 impl From<TryError> for ServeError {
     fn from(err: TryError) -> Self {
         match err {
-            TryError::Unusable { .. } => ServeError::Unusable(err.to_string()),
+            TryError::Unusable { .. } | TryError::NoBaseModel(_) => {
+                ServeError::Unusable(err.to_string())
+            }
             TryError::Busy { message, retry_after_s } => {
                 ServeError::Busy { message, retry_after_s }
             }

@@ -23,8 +23,8 @@ pub use job::{
 pub use launch::run_on;
 pub use retention::save_interval;
 pub use run::{
-    LoadedModel, ModelSource, RunOptions, RunSummary, load_model, model_spec, read_run_job, run,
-    run_parallel, save_checkpoint,
+    LoadedModel, ModelSource, RunOptions, RunSummary, held_out_records, load_model, model_spec,
+    read_run_job, run, run_parallel, save_checkpoint,
 };
 pub use state::{RUN_FILE, STATE_DIR, TrainingState, data_fingerprint};
 pub use trainer::Trainer;

@@ -394,6 +394,13 @@ impl TaskRun<'_> {
     }
 }
 
+/// How many of a dataset's `records` a task evaluation without an evaluation dataset holds out
+/// of training: the last `fraction` of them, at least one and never all; `None` below two
+/// records.
+pub fn held_out_records(records: usize, fraction: f64) -> Option<usize> {
+    (records >= 2).then(|| ((records as f64 * fraction).floor() as usize).clamp(1, records - 1))
+}
+
 /// The task's eval items: a separate evaluation dataset's, or records held out of the training
 /// data (the last `held_out` fraction, at least one, never all), which are then also returned
 /// so their loss is the eval loss.
@@ -420,14 +427,13 @@ fn task_items(
             // Refuses `choice` (the training records have no choices) before anything is split.
             items_from_entries(&[], task.metric)?;
             let n = entries.len();
-            if n < 2 {
+            let Some(held) = held_out_records(n, job.settings.held_out) else {
                 return Err(Error::invalid(format!(
                     "eval_metric {}: the dataset has {n} record; hold some out needs at least 2, \
                      or give an evaluation dataset",
                     task.metric
                 )));
-            }
-            let held = ((n as f64 * job.settings.held_out).floor() as usize).clamp(1, n - 1);
+            };
             let held = entries.split_off(n - held);
             Ok((items_from_entries(&held, task.metric)?, Some(held)))
         }

@@ -30,6 +30,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/api/jobs/{id}/checkpoints/{name}/files/{file}", get(file))
         .route("/api/jobs/{id}/checkpoints/{name}/archive", get(archive))
         .route("/api/jobs/{id}/checkpoints/{name}/generate", post(super::tryit::generate))
+        .route("/api/jobs/{id}/base-model/generate", post(super::tryit::generate_base))
 }
 
 #[derive(Debug, Serialize)]

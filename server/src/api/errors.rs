@@ -5,6 +5,7 @@
 use super::openai::OpenAiError;
 use crate::datasets::DatasetsError;
 use crate::error::ApiError;
+use crate::evaluation::EvalError;
 use crate::jobs::JobsError;
 use crate::models::UnknownModel;
 use crate::serving::ServeError;
@@ -44,6 +45,7 @@ impl From<TryError> for ApiError {
     fn from(err: TryError) -> Self {
         match err {
             TryError::Unusable { .. } => ApiError::unprocessable(err.to_string()),
+            TryError::NoBaseModel(message) => ApiError::unprocessable(message),
             TryError::Busy { message, .. } => ApiError::conflict(message),
             TryError::Internal(err) => ApiError::Internal(err),
         }
@@ -74,6 +76,16 @@ impl From<ServeError> for OpenAiError {
                 ..OpenAiError::new(StatusCode::SERVICE_UNAVAILABLE, message, None)
             },
             ServeError::Internal(err) => OpenAiError::internal(err),
+        }
+    }
+}
+
+impl From<EvalError> for ApiError {
+    fn from(err: EvalError) -> Self {
+        match err {
+            EvalError::Unfit(message) => ApiError::unprocessable(message),
+            EvalError::NoReport(message) => ApiError::not_found(message),
+            EvalError::Internal(err) => ApiError::Internal(err),
         }
     }
 }

@@ -16,7 +16,7 @@ use tokio::sync::broadcast;
 use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
-use sluice_engine::train::{STATE_DIR, TrainingState};
+use sluice_engine::train::{JobSettings, STATE_DIR, TrainingState};
 
 use crate::AppState;
 use crate::auth::CurrentUser;
@@ -86,6 +86,11 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
         .and_then(|s| serde_json::to_string(s).ok())
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or(Value::Null);
+    // The task evaluation, if any: its metric and which way is better.
+    let task = settings
+        .as_ref()
+        .and_then(JobSettings::task)
+        .map(|t| json!({ "metric": t.metric, "higher_is_better": t.metric.higher_is_better() }));
     // Checkpoints come every `save_every` steps, or about five times over a run that sets
     // none: the steps between them as the run decides (null: only at the end, or not known
     // before a one-pass job has counted its steps).
@@ -98,6 +103,20 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
     let command =
         record::engine_job(state, job, datasets).ok().map(|j| crate::job_line::command_line(&j));
     let summary = &listed.summary;
+    let summary = json!({
+        "final_loss": summary.final_loss,
+        "best_loss": summary.best_loss,
+        "best_loss_step": summary.best_loss_step,
+        "final_eval_loss": summary.final_eval_loss,
+        "best_eval_loss": summary.best_eval_loss,
+        "best_eval_step": summary.best_eval_step,
+        "task_before": summary.task_before,
+        "task_score": summary.task_score,
+        "task_step": summary.task_step,
+        "tokens_seen": summary.tokens_seen,
+        "trained_tokens": summary.trained_tokens,
+        "tokens_per_s": summary.tokens_per_s,
+    });
     json!({
         "demo": listed.demo_token.as_ref().map(|token| format!("/demo/{token}")),
         "id": job.id,
@@ -120,6 +139,7 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
         "eval_dataset": job.eval_dataset_id,
         "eval_dataset_name": listed.eval_dataset_name,
         "config": config,
+        "task": task,
         "save_interval": save_interval,
         "placement": job.placement,
         "command": command,
@@ -128,17 +148,7 @@ fn job_view(state: &AppState, listed: &Listed, datasets: &HashMap<i64, Dataset>)
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "duration_s": job_duration_s(job),
-        "summary": {
-            "final_loss": summary.final_loss,
-            "best_loss": summary.best_loss,
-            "best_loss_step": summary.best_loss_step,
-            "final_eval_loss": summary.final_eval_loss,
-            "best_eval_loss": summary.best_eval_loss,
-            "best_eval_step": summary.best_eval_step,
-            "tokens_seen": summary.tokens_seen,
-            "trained_tokens": summary.trained_tokens,
-            "tokens_per_s": summary.tokens_per_s,
-        },
+        "summary": summary,
     })
 }
 

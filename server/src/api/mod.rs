@@ -8,6 +8,7 @@ mod checkpoints;
 mod datasets;
 mod demo;
 mod errors;
+mod evaluation;
 mod exports;
 mod gpus;
 mod health;
@@ -37,6 +38,7 @@ pub(crate) fn compressed() -> Router<AppState> {
         .merge(gpus::router())
         .merge(plan::router())
         .merge(jobs::router())
+        .merge(evaluation::router())
         .merge(demo::router())
         .merge(metrics::router())
         .merge(account::router())

@@ -1,5 +1,6 @@
-//! `POST /api/jobs/{id}/checkpoints/{name}/generate`: "try it" over HTTP. The request is
-//! checked here and answered by the service in `crate::tryit` (device choice, the loaded
+//! `POST /api/jobs/{id}/checkpoints/{name}/generate` and `POST /api/jobs/{id}/base-model/
+//! generate`: "try it" over HTTP, a checkpoint or the model the job started from. The request
+//! is checked here and answered by the service in `crate::tryit` (device choice, the loaded
 //! model, generation), as one JSON reply or as server-sent events.
 
 use std::convert::Infallible;
@@ -140,14 +141,44 @@ pub(crate) async fn generate(
 ) -> ApiResult<Response> {
     let dir = super::access::checkpoint_dir(&state, &user, id, &name).await?;
     let ask = request.check()?;
-    let options = GenerateOptions {
-        max_new_tokens: request.max_new_tokens,
-        temperature: request.temperature,
-        top_p: 1.0,
-        seed: 0,
-    };
-    let mut generation = tryit::begin(&state, dir, &name, ask, options).await?;
-    if request.stream {
+    let generation =
+        tryit::begin(&state, dir, &format!("checkpoint {name}"), ask, request.options()).await?;
+    reply(generation, request.stream).await
+}
+
+/// `POST /api/jobs/{id}/base-model/generate`: the same request answered by the model the job
+/// started from, to set beside a checkpoint's answer ("compare with the base model"), under
+/// the same rules (one generation at a time, never on a training device). 404 for a job the
+/// user may not see; 422 for a job with no base model folder (a preset's random weights, or a
+/// folder deleted since).
+pub(crate) async fn generate_base(
+    State(state): State<AppState>,
+    CurrentUser(user): CurrentUser,
+    ApiPath(id): ApiPath<i64>,
+    ApiJson(request): ApiJson<TryRequest>,
+) -> ApiResult<Response> {
+    let job = super::access::visible_job(&state, &user, id).await?;
+    let ask = request.check()?;
+    let dir = tryit::base_model_dir(&state, &job.model)?;
+    let what = format!("the base model {}", job.model);
+    let generation = tryit::begin(&state, dir, &what, ask, request.options()).await?;
+    reply(generation, request.stream).await
+}
+
+impl TryRequest {
+    fn options(&self) -> GenerateOptions {
+        GenerateOptions {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A generation as server-sent events (`stream`), or its `done` message as one JSON reply.
+async fn reply(mut generation: tryit::Generation, stream: bool) -> ApiResult<Response> {
+    if stream {
         let first = futures_util::stream::once(std::future::ready(Ok(generation.start)));
         let rest = UnboundedReceiverStream::new(generation.rest);
         let events = first.chain(rest).map(|item| {

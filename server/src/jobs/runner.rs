@@ -200,6 +200,7 @@ async fn run_job(state: &AppState, job: JobRow) {
         cancels: state.queue().cancels.clone(),
         reserved: state.queue().reserved.clone(),
         keep_checkpoints: state.config().limits.keep_checkpoints,
+        eval_before: None,
         task_before: None,
         task_score: None,
     };
@@ -345,6 +346,9 @@ struct Forwarder {
     reserved: Arc<Mutex<HashMap<i64, u64>>>,
     /// Periodic checkpoints the run keeps (the latest, plus the best by eval loss).
     keep_checkpoints: usize,
+    /// The held-out loss before training: step 0's point is stored whole each time, so the
+    /// task evaluation's point of step 0, which follows, carries it too.
+    eval_before: Option<f64>,
     /// The task evaluation's figure for the base model, and the one waiting for its step's
     /// point.
     task_before: Option<f64>,
@@ -434,6 +438,9 @@ impl Observer for Forwarder {
                 // A point of its own, so the eval chart starts at the untrained model; the
                 // log says it in words as before.
                 let point = json!({ "step": step, "eval_loss": loss, "t": now_f64() });
+                if *step == 0 {
+                    self.eval_before = Some(*loss);
+                }
                 self.send(RunEvent::Log(format!("held-out loss before training: {loss:.4}")));
                 self.send(RunEvent::Step { step: *step, point });
             }
@@ -441,7 +448,12 @@ impl Observer for Forwarder {
                 let (metric, score) = (report.metric, report.score);
                 if *step == 0 {
                     self.task_before = Some(score);
-                    let point = json!({ "step": 0, "task_score": score, "t": now_f64() });
+                    let point = json!({
+                        "step": 0,
+                        "eval_loss": self.eval_before,
+                        "task_score": score,
+                        "t": now_f64(),
+                    });
                     self.send(RunEvent::Log(format!("{metric} of the base model: {score:.4}")));
                     self.send(RunEvent::Step { step: 0, point });
                 } else {

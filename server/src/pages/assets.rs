@@ -63,6 +63,7 @@ const ASSETS: &[Asset] = &[
     asset!("js/pages/new_job.js", "js/pages/new_job.js", JS),
     asset!("js/pages/job.js", "js/pages/job.js", JS),
     asset!("js/pages/job_fields.js", "js/pages/job_fields.js", JS),
+    asset!("js/pages/answers.js", "js/pages/answers.js", JS),
     asset!("js/pages/users.js", "js/pages/users.js", JS),
     asset!("js/pages/account.js", "js/pages/account.js", JS),
     asset!("js/pages/compare.js", "js/pages/compare.js", JS),

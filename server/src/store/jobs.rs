@@ -573,7 +573,7 @@ pub async fn latest_timeline_step(pool: &SqlitePool, id: i64) -> sqlx::Result<Op
 }
 
 /// What a job's summary needs from its metrics (read by [`listed`]): the latest and best losses (with their steps),
-/// the tokens of every step, and the tokens per second over the time spent in steps.
+/// the task evaluation's figure before and after, the tokens of every step, and the tokens per second over the time spent in steps.
 #[derive(Debug, Default)]
 pub struct MetricSummary {
     pub best_loss: Option<f64>,
@@ -582,6 +582,11 @@ pub struct MetricSummary {
     pub final_eval_loss: Option<f64>,
     pub best_eval_loss: Option<f64>,
     pub best_eval_step: Option<i64>,
+    /// The task evaluation's figure for the base model (step 0's point), and the latest after
+    /// it with its step.
+    pub task_before: Option<f64>,
+    pub task_score: Option<f64>,
+    pub task_step: Option<i64>,
     pub tokens_seen: Option<i64>,
     pub trained_tokens: Option<i64>,
     pub tokens_per_s: Option<f64>,
@@ -770,6 +775,20 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
                 (SELECT m.step FROM metrics m WHERE m.job_id = j.id
                     AND m.point ->> '$.eval_loss' IS NOT NULL
                     ORDER BY m.point ->> '$.eval_loss', m.step LIMIT 1) AS "best_eval_step: i64",
+                (SELECT m.point ->> '$.task_score' FROM metrics m WHERE m.job_id = j.id
+                    AND m.step = 0) AS "task_before: f64",
+                -- Only a job with a task evaluation has one to look for: the others' points
+                -- are not read again.
+                CASE WHEN j.config ->> '$.eval_metric' != 'loss' THEN
+                    (SELECT m.point ->> '$.task_score' FROM metrics m WHERE m.job_id = j.id
+                     AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
+                     ORDER BY m.step DESC LIMIT 1)
+                END AS "task_score: f64",
+                CASE WHEN j.config ->> '$.eval_metric' != 'loss' THEN
+                    (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                     AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
+                     ORDER BY m.step DESC LIMIT 1)
+                END AS "task_step: i64",
                 (SELECT SUM(m.point ->> '$.tokens') FROM metrics m WHERE m.job_id = j.id)
                     AS "tokens_seen: i64",
                 (SELECT SUM(m.point ->> '$.trained_tokens') FROM metrics m WHERE m.job_id = j.id)
@@ -826,6 +845,9 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
                 final_eval_loss: r.final_eval_loss,
                 best_eval_loss: r.best_eval_loss,
                 best_eval_step: r.best_eval_step,
+                task_before: r.task_before,
+                task_score: r.task_score,
+                task_step: r.task_step,
                 tokens_seen: r.tokens_seen,
                 trained_tokens: r.trained_tokens,
                 tokens_per_s: r.tokens_per_s,

@@ -34,6 +34,7 @@ use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::data::Message;
 use sluice_engine::generate::{GenerateOptions, Generator, PromptStyle};
 use sluice_engine::spec::ModelSpec;
+use sluice_engine::train::ModelSource;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 
 use slot::{AnyGenerator, Key, Place, load};
@@ -67,10 +68,14 @@ pub enum Ask {
 /// Why a generation does not run, or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum TryError {
-    /// The checkpoint folder cannot generate (the engine refuses it, or the conversation does
-    /// not fit the model).
-    #[error("checkpoint {checkpoint} cannot generate: {why}")]
-    Unusable { checkpoint: String, why: String },
+    /// The model folder cannot generate (the engine refuses it, or the conversation does not
+    /// fit the model); `model` says which ("checkpoint final", "the base model").
+    #[error("{model} cannot generate: {why}")]
+    Unusable { model: String, why: String },
+    /// The job has no base model folder to compare with (a preset starts from random weights,
+    /// or the folder is gone).
+    #[error("{0}")]
+    NoBaseModel(String),
     /// Every device it could use is training, starting a job or wanted by a queued one, or too
     /// many requests wait already; worth trying again after about `retry_after_s` seconds.
     #[error("{message}")]
@@ -91,14 +96,30 @@ pub struct Generation {
     pub start: (&'static str, Value),
     /// Everything after it.
     pub rest: mpsc::UnboundedReceiver<Item>,
-    /// The checkpoint's name, for errors after the start.
-    checkpoint: String,
+    /// What generates ("checkpoint final"), for errors after the start.
+    model: String,
 }
 
 impl Generation {
     /// A failure after the start, as the error it is.
     pub fn failed(&self, why: String) -> TryError {
-        TryError::Unusable { checkpoint: self.checkpoint.clone(), why }
+        TryError::Unusable { model: self.model.clone(), why }
+    }
+}
+
+/// The folder a job with model `id` started from, to answer beside its checkpoints: a model
+/// folder, or a snapshot in a Hugging Face cache. A preset has none (its weights were random,
+/// drawn from the job's seed), and a folder deleted since is gone.
+pub fn base_model_dir(state: &AppState, id: &str) -> Result<PathBuf, TryError> {
+    match crate::models::source(state, id) {
+        Ok(ModelSource::Dir(dir)) => Ok(dir),
+        Ok(ModelSource::Preset(name)) => Err(TryError::NoBaseModel(format!(
+            "this job started from the preset {name}, random weights with no folder of their \
+             own: there is no base model to compare with"
+        ))),
+        Err(why) => Err(TryError::NoBaseModel(format!(
+            "the base model {id} is no longer on this machine ({why})"
+        ))),
     }
 }
 
@@ -114,19 +135,20 @@ pub fn start(state: &AppState) {
     });
 }
 
-/// Generates from the checkpoint `name` in `dir` on the device [`choose_device`] picks; returns
-/// once the model is loaded (errors until then are the whole answer) or it failed.
+/// Generates from the model folder `dir` (`model` names it for errors: "checkpoint final")
+/// on the device [`choose_device`] picks; returns once the model is loaded (errors until then
+/// are the whole answer) or it failed.
 pub async fn begin(
     state: &AppState,
     dir: PathBuf,
-    name: &str,
+    model: &str,
     ask: Ask,
     options: GenerateOptions,
 ) -> Result<Generation, TryError> {
-    let unusable = |why: String| TryError::Unusable { checkpoint: name.to_string(), why };
+    let unusable = |why: String| TryError::Unusable { model: model.to_string(), why };
     let (sender, mut receiver) = mpsc::unbounded_channel::<Item>();
-    let work = with_model(state, dir, name, move |model, device| {
-        let outcome = match model {
+    let work = with_model(state, dir, model, move |loaded, device| {
+        let outcome = match loaded {
             Loaded::Cpu(g) => run(g, device, &ask, &options, &sender),
             Loaded::Cuda(g) => run(g, device, &ask, &options, &sender),
         };
@@ -135,7 +157,7 @@ pub async fn begin(
         }
     });
     match first_item(work, &mut receiver).await? {
-        Some(Ok(start)) => Ok(Generation { start, rest: receiver, checkpoint: name.to_string() }),
+        Some(Ok(start)) => Ok(Generation { start, rest: receiver, model: model.to_string() }),
         Some(Err(message)) => Err(unusable(message)),
         None => Err(anyhow::anyhow!("generation ended unannounced").into()),
     }
@@ -199,7 +221,7 @@ where
     T: Send + 'static,
     W: FnOnce(Loaded<'_>, &Device) -> T + Send + 'static,
 {
-    let unusable = |why: String| TryError::Unusable { checkpoint: name.to_string(), why };
+    let unusable = |why: String| TryError::Unusable { model: name.to_string(), why };
     let spec = ModelSpec::from_path(&dir).map_err(|e| unusable(e.to_string()))?;
     let permit = take_turn().await?;
     let choice = choose_device(state, &dir, &spec).await?;

@@ -9,6 +9,7 @@ mod damaged_uploads;
 mod dataset_formats;
 mod datasets;
 mod demo;
+mod evaluation;
 mod exports;
 mod hub;
 mod isolation;

@@ -1,6 +1,8 @@
 // Live metric charts on uPlot (loaded as the global `uPlot` by the page). A chart draws one or
 // more fields of the job's metric points against the step; it says "not reported on this device"
-// while every point lacks its fields, and "waiting for the first step" while there are none.
+// while every point lacks its fields, and "waiting for the first step" while there are none. A
+// baseline (the base model's task score) is the value of a field at step 0, drawn dashed across
+// the whole chart.
 // Both axes are labelled: "step" on x, the unit on y. Sizes are drawn in one binary unit per
 // axis (KiB, MiB or GiB, chosen from the largest value, labelled as such) and durations in ms or
 // s, so the ticks are round numbers of that unit; the y axis is as wide as its longest label.
@@ -73,6 +75,8 @@ export class MetricChart {
    * `unit` is the y axis's: 'bytes', 'seconds' or a label such as 'tokens/s' (see `axisUnit`);
    * `format` writes the latest value in the chart's heading.
    * A sparse series (eval loss) has points only at some steps; it is drawn as dots joined up.
+   * `baseline: {field, label}`, when given, draws that field's value at step 0 as a dashed
+   * horizontal line (`data-baseline` holds the value, for the browser test).
    */
   constructor(parent, spec) {
     this.spec = spec;
@@ -112,7 +116,7 @@ export class MetricChart {
       // Room on the right for the last step's label, which is centred on its tick.
       padding: [10, 14, 0, 0],
       scales: { x: { time: false } },
-      legend: { show: this.spec.series.length > 1, live: false },
+      legend: { show: this.lines().length > 1, live: false },
       cursor: { drag: { x: true, y: false } },
       axes: [
         { ...axisStyle, label: 'step', size: 34, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t.toLocaleString('en-US') : '')) },
@@ -130,17 +134,24 @@ export class MetricChart {
       ],
       series: [
         { label: 'step', value: (u, v) => (v === null || v === undefined ? '—' : String(v)) },
-        ...this.spec.series.map((s, i) => ({
+        ...this.lines().map((s, i) => ({
           label: s.label,
-          stroke: COLORS[i % COLORS.length],
-          width: 1.6,
+          stroke: s.baseline ? axis : COLORS[i % COLORS.length],
+          width: s.baseline ? 1.2 : 1.6,
+          dash: s.baseline ? [6, 4] : undefined,
           spanGaps: true,
-          points: { show: s.sparse ? true : undefined, size: 5 },
+          points: { show: s.baseline ? false : s.sparse ? true : undefined, size: 5 },
           value: (u, v) => show(v),
         })),
       ],
-    }, [[], ...this.spec.series.map(() => [])], this.plotBox);
+    }, [[], ...this.lines().map(() => [])], this.plotBox);
     this.root.dataset.axes = `step|${unit.label || this.spec.title}`;
+  }
+
+  /** The series drawn: the spec's, then the baseline's. */
+  lines() {
+    const base = this.spec.baseline;
+    return base ? [...this.spec.series, { field: base.field, label: base.label, baseline: true }] : this.spec.series;
   }
 
   /** Redraws from the job's points (sorted by step). */
@@ -172,6 +183,13 @@ export class MetricChart {
     // The first step drawn (0 for the held-out loss before training), for the browser test.
     this.root.dataset.firstStep = String(xs[0]);
     const ys = fields.map((f) => reported.map((p) => (isNum(p[f]) ? p[f] / unit.divisor : null)));
+    if (this.spec.baseline) {
+      const start = points.find((p) => p.step === 0 && isNum(p[this.spec.baseline.field]));
+      const value = start ? start[this.spec.baseline.field] : null;
+      if (value === null) delete this.root.dataset.baseline;
+      else this.root.dataset.baseline = String(value);
+      ys.push(xs.map(() => (value === null ? null : value / unit.divisor)));
+    }
     this.plot.setData([xs, ...ys]);
     const last = reported[reported.length - 1];
     this.latest.textContent = isNum(last[fields[0]]) ? this.spec.format(last[fields[0]]) : '';

@@ -1,9 +1,10 @@
-// Jobs side by side (`/jobs/compare?ids=3,5`): their train and eval loss curves on shared
-// charts, their results, and their settings with the rows that differ marked.
+// Jobs side by side (`/jobs/compare?ids=3,5`): their train and eval loss curves (and their task
+// metric, when they share one) on shared charts, their results (the task evaluation's figure as
+// base → tuned among them), and their settings with the rows that differ marked.
 import { get, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { $, el, fill, fmtBytes, fmtInt, fmtNum, showError, statusBadge } from '../ui.js';
-import { deviceLabel, modelLabel, runDuration, settingsList } from './job_fields.js';
+import { deviceLabel, fmtScore, metricLabel, modelLabel, runDuration, settingsList } from './job_fields.js';
 
 await requireUser();
 const MAX_JOBS = 8;
@@ -26,6 +27,7 @@ function mergedPoints(jobs, histories) {
       const row = byStep.get(p.step) || { step: p.step };
       if (typeof p.loss === 'number') row[`loss_${job.id}`] = p.loss;
       if (typeof p.eval_loss === 'number') row[`eval_${job.id}`] = p.eval_loss;
+      if (typeof p.task_score === 'number') row[`task_${job.id}`] = p.task_score;
       byStep.set(p.step, row);
     }
   });
@@ -43,7 +45,7 @@ function describing(jobs) {
 }
 
 function settingRows(jobs) {
-  const lists = jobs.map((j) => settingsList(j.config, j.save_interval));
+  const lists = jobs.map((j) => settingsList(j.config, j.save_interval, j.eval_dataset !== null && j.eval_dataset !== undefined));
   const keys = [];
   const labels = new Map();
   for (const list of lists) {
@@ -88,6 +90,8 @@ function renderResults(jobs) {
     ['Best loss', (j) => loss(j.summary && j.summary.best_loss)],
     ['Final eval loss', (j) => loss(j.summary && j.summary.final_eval_loss)],
     ['Best eval loss', (j) => loss(j.summary && j.summary.best_eval_loss)],
+    ['Eval metric', (j) => metricLabel(j.task ? j.task.metric : 'loss'), 'eval_metric'],
+    ['Base → tuned', taskFigures, 'task'],
     ['Tokens seen', (j) => (j.summary && typeof j.summary.tokens_seen === 'number' ? fmtInt(j.summary.tokens_seen) : '—')],
     ['Throughput', (j) => (j.summary && typeof j.summary.tokens_per_s === 'number' ? `${fmtNum(j.summary.tokens_per_s)} tok/s` : '—')],
     ['Duration', runDuration],
@@ -95,7 +99,22 @@ function renderResults(jobs) {
   ];
   fill($('#compare-results'), el('table', { class: 'list wide', id: 'results-table' },
     el('thead', {}, el('tr', {}, el('th', {}, ''), jobs.map((j) => el('th', {}, el('a', { href: `/jobs/${j.id}` }, label(j)))))),
-    el('tbody', {}, rows.map(([name, value]) => el('tr', {}, el('th', { scope: 'row' }, name), jobs.map((j) => el('td', {}, value(j))))))));
+    el('tbody', {}, rows.map(([name, value, key]) => el('tr', { dataset: key ? { result: key } : {} },
+      el('th', { scope: 'row' }, name), jobs.map((j) => el('td', { dataset: { job: String(j.id) } }, value(j))))))));
+}
+
+/**
+ * A job's task evaluation as "base → tuned": the base model's figure (before step 1) and the
+ * latest evaluation's, with which way is better.
+ */
+function taskFigures(job) {
+  if (!job.task) return '—';
+  const s = job.summary || {};
+  const show = (v) => fmtScore(job.task.metric, v);
+  const has = (v) => typeof v === 'number';
+  if (!has(s.task_before) && !has(s.task_score)) return 'not scored yet';
+  const text = `${has(s.task_before) ? show(s.task_before) : '—'} → ${has(s.task_score) ? show(s.task_score) : '—'}`;
+  return job.task.higher_is_better ? text : `${text} (lower is better)`;
 }
 
 async function main() {
@@ -121,6 +140,15 @@ async function main() {
     { key: 'loss', title: 'Training loss', series: jobs.map((j) => ({ field: `loss_${j.id}`, label: label(j) })), format: fmtNum },
     { key: 'eval_loss', title: 'Eval loss', series: jobs.map((j) => ({ field: `eval_${j.id}`, label: label(j), sparse: true })), format: fmtNum },
   ];
+  // The task metric on one chart when the jobs that have one share it (figures of different
+  // metrics do not go on one axis).
+  const tasked = jobs.filter((j) => j.task);
+  const metrics = new Set(tasked.map((j) => j.task.metric));
+  if (metrics.size === 1) {
+    const [metric] = metrics;
+    const name = metricLabel(metric);
+    specs.push({ key: 'task_score', title: name, unit: metric === 'bleu' ? 'BLEU' : name.toLowerCase(), series: tasked.map((j) => ({ field: `task_${j.id}`, label: label(j), sparse: true })), format: (v) => fmtScore(metric, v) });
+  }
   // Eval loss only where some job evaluated: an empty chart would only say "not reported".
   const evaluated = points.some((p) => jobs.some((j) => typeof p[`eval_${j.id}`] === 'number'));
   for (const spec of specs.filter((s) => s.key !== 'eval_loss' || evaluated)) {

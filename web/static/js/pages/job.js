@@ -1,14 +1,18 @@
 // One job: status, progress and ETA; its settings, placement, disk use and equivalent command;
 // live charts fed by server-sent events on top of the stored history (so a reload loses
-// nothing); the log; checkpoints to download, or to chat with (the answer streams in as it is
-// written); cancel and resume (which continues from the saved training state exactly). A summary
-// (times, losses, tokens, throughput) with the job's name and note, "run again", and deletes of
-// the job or of single checkpoints that say what they free.
+// nothing), the task evaluation's metric among them with the base model's figure as a line;
+// the answers of the base model and of the tuned one, record by record; the log; checkpoints to
+// download, or to chat with (the answer streams in as it is written), alone or beside the model
+// the job started from; cancel and resume (which continues from the saved training state
+// exactly). A summary (times, losses, the metric before → after, tokens, throughput) with the
+// job's name and note, "run again", and deletes of the job or of single checkpoints that say
+// what they free.
 import { ApiError, del, firstData, get, post, postStream, request, requireUser } from '../api.js';
 import { MetricChart } from '../charts.js';
 import { renderTimeline } from '../timeline.js';
-import { $, copyText, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
-import { canResume, deviceLabel, gpuIndices, jobProgress, modelLabel, placeInLine, queuePosition, runDuration, settingsList } from './job_fields.js';
+import { $, copyText, debounce, el, fill, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtNum, idFromPath, showError, statusBadge } from '../ui.js';
+import { canResume, deviceLabel, fmtScore, gpuIndices, jobProgress, metricLabel, modelLabel, placeInLine, queuePosition, runDuration, settingsList } from './job_fields.js';
+import { renderAnswers } from './answers.js';
 
 const me = await requireUser();
 const id = idFromPath();
@@ -29,6 +33,22 @@ const CHARTS = [
   // Exposed: what the step waited for; the rest ran behind the GPU's work.
   { key: 'optimizer_s', title: 'Optimizer time per step', unit: 'seconds', series: [{ field: 'optimizer_s', label: 'total' }, { field: 'optimizer_exposed_s', label: 'exposed (the step waited)' }], format: fmtDuration },
 ];
+
+/**
+ * The task evaluation's chart: the figure at each evaluation, and the base model's (step 0) as
+ * a dashed line across it.
+ */
+function taskChart(task) {
+  const label = metricLabel(task.metric);
+  return {
+    key: 'task_score',
+    title: `${label}${task.higher_is_better ? '' : ' (lower is better)'}`,
+    unit: task.metric === 'bleu' ? 'BLEU' : label.toLowerCase(),
+    series: [{ field: 'task_score', label: 'this run', sparse: true }],
+    baseline: { field: 'task_score', label: 'base model' },
+    format: (v) => fmtScore(task.metric, v),
+  };
+}
 
 let job = null;
 let source = null;
@@ -133,15 +153,14 @@ function renderSettings() {
   let evaluation = '';
   if (job.eval_dataset !== null && job.eval_dataset !== undefined) {
     evaluation = job.eval_dataset_name || `dataset ${job.eval_dataset}`;
-  } else if (typeof config.eval_every === 'number' && typeof config.held_out === 'number') {
+  } else if ((typeof config.eval_every === 'number' || job.task) && typeof config.held_out === 'number') {
     evaluation = `${Number((config.held_out * 100).toPrecision(3))}% of ${job.dataset_name || 'the training data'}, held out`;
   }
   $('#job-eval-text').textContent = evaluation;
   $('#job-eval').hidden = !evaluation;
 
   // The held-out share matters only to a job that evaluates without a dataset of its own.
-  const heldOut = typeof config.eval_every === 'number' && (job.eval_dataset === null || job.eval_dataset === undefined);
-  const rows = settingsList(config, job.save_interval).filter((row) => row.key !== 'held_out' || heldOut);
+  const rows = settingsList(config, job.save_interval, job.eval_dataset !== null && job.eval_dataset !== undefined);
   const key = JSON.stringify(rows);
   if (key !== shownSettings) {
     shownSettings = key;
@@ -152,6 +171,20 @@ function renderSettings() {
   const command = typeof job.command === 'string' ? job.command : '';
   if ($('#job-command').textContent !== command) $('#job-command').textContent = command;
   $('#job-command-box').hidden = !command;
+}
+
+/**
+ * The task evaluation as "before → after": the base model's figure (step 0) and the latest
+ * evaluation's, live from the points.
+ */
+function taskText(task) {
+  const before = points.get(0);
+  const base = before && typeof before.task_score === 'number' ? before.task_score : null;
+  const latest = [...sorted].reverse().find((p) => p.step > 0 && typeof p.task_score === 'number');
+  if (base === null && !latest) return '—';
+  const show = (v) => fmtScore(task.metric, v);
+  if (!latest) return `${show(base)} (base model)`;
+  return base === null ? show(latest.task_score) : `${show(base)} → ${show(latest.task_score)}`;
 }
 
 /**
@@ -187,6 +220,7 @@ function renderSummary() {
     fact(job.status === 'queued' ? 'In line' : 'Time left', eta, 'eta'),
     fact('Loss', lossPoint ? fmtNum(lossPoint.loss) : '—', 'loss'),
     fact('Eval loss', evalText(evalPoint), 'eval_loss'),
+    job.task ? fact(metricLabel(job.task.metric), taskText(job.task), 'task_score') : null,
     fact('Speed', speed, 'speed'),
     fact('Disk used', fmtBytes(job.disk_bytes), 'disk'),
     fact('Points', fmtInt(sorted.length), 'points'));
@@ -232,8 +266,18 @@ function renderRunSummary() {
     fact(TERMINAL.has(job.status) ? 'Final loss' : 'Latest loss', loss(s.final_loss), 'final_loss'),
     fact('Best loss', `${loss(s.best_loss)}${at(s.best_loss_step)}`, 'best_loss'),
     fact('Eval loss', typeof s.final_eval_loss === 'number' ? `${loss(s.final_eval_loss)}, best ${loss(s.best_eval_loss)}${at(s.best_eval_step)}` : '—', 'summary_eval_loss'),
+    job.task ? fact(`${metricLabel(job.task.metric)}, base → tuned`, beforeAfter(job.task, s), 'summary_task') : null,
     fact('Tokens seen', typeof s.tokens_seen === 'number' ? fmtInt(s.tokens_seen) : '—', 'tokens_seen'),
     fact('Throughput', typeof s.tokens_per_s === 'number' ? `${fmtNum(s.tokens_per_s)} tok/s` : '—', 'throughput'));
+}
+
+/** The summary's task figure: the base model's, then the latest evaluation's (with its step). */
+function beforeAfter(task, s) {
+  const show = (v) => fmtScore(task.metric, v);
+  const has = (v) => typeof v === 'number';
+  if (!has(s.task_before) && !has(s.task_score)) return '—';
+  const after = has(s.task_score) ? `${show(s.task_score)} (step ${fmtInt(s.task_step)})` : 'not yet';
+  return `${has(s.task_before) ? show(s.task_before) : '—'} → ${after}`;
 }
 
 async function loadTimeline() {
@@ -328,8 +372,16 @@ const NO_CHAT_TEMPLATE = 'This checkpoint has no chat template: the prompt is co
 // order. A new conversation starts with a new array, so an answer still arriving for the old one
 // cannot land in it.
 let conversation = [];
+// Beside the base model, its own history: the same user turns, its own answers.
+let baseConversation = [];
 // The answer being written, while one is: { controller, turn }.
 let streaming = null;
+
+/** Whether each message is also answered by the model the job started from. */
+function comparing() {
+  const box = $('#try-base');
+  return box.checked && !box.disabled;
+}
 
 // The list is rebuilt only when the checkpoints change, so a choice (and the typed message and
 // the conversation, which live outside the list) survive the periodic refresh.
@@ -356,17 +408,21 @@ function userTurn(text) {
  * whether earlier turns came before it (which a checkpoint without a chat template ignores).
  */
 class ModelTurn {
-  constructor(followsTurns) {
+  /**
+   * `who` heads the turn ("Model", or beside the base model "Checkpoint final"); `model` is
+   * `checkpoint` or `base`, for the page's test.
+   */
+  constructor(followsTurns, who = 'Model', model = 'checkpoint') {
     this.text = '';
     this.device = null;
     this.textNode = el('span', { class: 'text' });
     this.caret = el('span', { class: 'caret', 'aria-hidden': 'true' });
     this.chatNote = el('p', { class: 'note small muted', hidden: true },
       followsTurns ? `${NO_CHAT_TEMPLATE} Only your last message is used.` : NO_CHAT_TEMPLATE);
-    this.stats = el('p', { class: 'stats small muted' }, 'Loading the checkpoint…');
+    this.stats = el('p', { class: 'stats small muted' }, model === 'base' ? 'Waiting for its turn…' : 'Loading the checkpoint…');
     this.deviceNote = el('p', { class: 'device-note small muted', hidden: true });
-    this.node = el('div', { class: 'turn model', dataset: { role: 'assistant', state: 'streaming' } },
-      el('h3', { class: 'role' }, 'Model'),
+    this.node = el('div', { class: 'turn model', dataset: { role: 'assistant', state: 'streaming', model } },
+      el('h3', { class: 'role' }, who),
       el('div', { class: 'body' }, this.textNode, this.caret),
       this.chatNote, this.stats, this.deviceNote);
   }
@@ -415,6 +471,12 @@ class ModelTurn {
       .filter(Boolean).join(' · ');
   }
 
+  /** Refused before any text (no base model, a busy device): the server's reason, in place. */
+  refuse(message) {
+    this.end('failed', '(no answer)');
+    this.stats.textContent = message;
+  }
+
   end(state, placeholder) {
     this.node.dataset.state = state;
     this.caret.remove();
@@ -438,6 +500,7 @@ function setStreaming(on) {
   $('#try-send').disabled = on;
   $('#try-stop').hidden = !on;
   $('#try-checkpoint').disabled = on;
+  $('#try-base').disabled = on || !baseAvailable;
   $('#try-new').disabled = !on && conversation.length === 0;
   // Screen readers announce the finished answer once instead of every token.
   $('#try-conversation').setAttribute('aria-busy', on ? 'true' : 'false');
@@ -446,36 +509,21 @@ function setStreaming(on) {
 function newConversation() {
   if (streaming) streaming.controller.abort();
   conversation = [];
+  baseConversation = [];
   fill($('#try-conversation'));
   showError($('#try-error'), null);
   $('#try-new').disabled = !streaming;
 }
 
-async function send() {
-  const input = $('#try-message');
-  const name = $('#try-checkpoint').value;
-  const text = input.value;
-  if (streaming || !name) return;
-  if (!text.trim()) {
-    input.focus();
-    return;
-  }
-  const errorBox = $('#try-error');
-  showError(errorBox, null);
-  const messages = conversation;
-  messages.push({ role: 'user', content: text });
-  const user = userTurn(text);
-  const turn = new ModelTurn(messages.length > 1);
-  followConversation(() => $('#try-conversation').append(user, turn.node), true);
-  input.value = '';
-  const controller = new AbortController();
-  streaming = { controller, turn };
-  setStreaming(true);
-
+/**
+ * Streams one answer to `messages` from `url` into `turn`: `{done, failure}`, `done` being the
+ * final message when the answer completed.
+ */
+async function answerInto(url, messages, turn, controller) {
   let done = null;
   let failure = null;
   try {
-    await postStream(`/api/jobs/${id}/checkpoints/${encodeURIComponent(name)}/generate`, {
+    await postStream(url, {
       messages: [...messages],
       max_new_tokens: Number($('#try-tokens').value) || 64,
       temperature: Number($('#try-temperature').value) || 0,
@@ -491,29 +539,91 @@ async function send() {
   } catch (err) {
     failure = err;
   }
+  return { done, failure };
+}
+
+const aborted = (failure) => Boolean(failure) && failure.name === 'AbortError';
+
+async function send() {
+  const input = $('#try-message');
+  const name = $('#try-checkpoint').value;
+  const text = input.value;
+  if (streaming || !name) return;
+  if (!text.trim()) {
+    input.focus();
+    return;
+  }
+  const errorBox = $('#try-error');
+  showError(errorBox, null);
+  const compare = comparing();
+  const messages = conversation;
+  const baseMessages = baseConversation;
+  messages.push({ role: 'user', content: text });
+  if (compare) baseMessages.push({ role: 'user', content: text });
+  const user = userTurn(text);
+  const turn = new ModelTurn(messages.length > 1, compare ? `Checkpoint ${name}` : 'Model', 'checkpoint');
+  // Beside the base model, the two answers side by side: the base model's first, as it came first.
+  const baseTurn = compare ? new ModelTurn(baseMessages.length > 1, 'Base model', 'base') : null;
+  const answers = compare ? el('div', { class: 'pair', dataset: { pair: String(messages.length) } }, baseTurn.node, turn.node) : turn.node;
+  followConversation(() => $('#try-conversation').append(user, answers), true);
+  input.value = '';
+  const controller = new AbortController();
+  streaming = { controller, turn };
+  setStreaming(true);
+
+  // One model at a time: the checkpoint, then the base model on the same conversation.
+  const { done, failure } = await answerInto(`/api/jobs/${id}/checkpoints/${encodeURIComponent(name)}/generate`, messages, turn, controller);
+  let base = null;
+  if (compare && !aborted(failure) && (done || turn.text)) {
+    streaming.turn = baseTurn;
+    base = await answerInto(`/api/jobs/${id}/base-model/generate`, baseMessages, baseTurn, controller);
+  }
 
   const current = messages === conversation;
+  let shownFailure = failure && !aborted(failure) ? failure : null;
   followConversation(() => {
     if (done) {
       turn.finish(done);
-    } else if (failure && failure.name === 'AbortError') {
+    } else if (aborted(failure)) {
       turn.interrupt('stopped');
     } else if (!turn.text) {
       // Refused or failed before any text (a wrong setting, a busy server, a checkpoint that
       // cannot generate): the turn is taken back and the message put back to edit or send again.
       user.remove();
-      turn.node.remove();
+      answers.remove();
       if (current) {
         messages.pop();
+        if (compare) baseMessages.pop();
         if (!input.value) input.value = text;
       }
     } else {
       turn.interrupt('failed');
     }
+    if (!baseTurn || !answers.isConnected) return;
+    if (base && base.done) {
+      baseTurn.finish(base.done);
+    } else if (base && aborted(base.failure)) {
+      baseTurn.interrupt('stopped');
+    } else if (base && baseTurn.text) {
+      baseTurn.interrupt('failed');
+      shownFailure = shownFailure || base.failure;
+    } else if (base) {
+      // No base model to ask (a preset's job, a folder deleted since) or a busy device: said in
+      // the turn itself; the checkpoint's answer stands.
+      baseTurn.refuse(base.failure ? base.failure.message : 'No answer.');
+    } else {
+      baseTurn.end('stopped', '(not asked: the checkpoint did not finish)');
+      baseTurn.stats.textContent = '';
+    }
   });
   // What was shown of an answer, even an incomplete one, stays in the history.
-  if (current && turn.node.isConnected) messages.push({ role: 'assistant', content: turn.text });
-  if (current && failure && failure.name !== 'AbortError') showError(errorBox, failure);
+  if (current && answers.isConnected) {
+    messages.push({ role: 'assistant', content: turn.text });
+    if (compare && baseTurn.text) baseMessages.push({ role: 'assistant', content: baseTurn.text });
+    // The base model never answered this message: it is not part of its conversation.
+    else if (compare) baseMessages.pop();
+  }
+  if (current && shownFailure) showError(errorBox, shownFailure);
 
   streaming = null;
   setStreaming(false);
@@ -545,6 +655,62 @@ $('#try-new').addEventListener('click', () => {
 });
 
 $('#try-checkpoint').addEventListener('change', () => newConversation());
+$('#try-base').addEventListener('change', () => newConversation());
+
+// A job that started from a preset has random weights, not a folder, as its base model.
+let baseAvailable = false;
+function describeBaseModel() {
+  baseAvailable = typeof job.model === 'string' && !job.model.startsWith('preset:');
+  const box = $('#try-base');
+  box.disabled = !baseAvailable || Boolean(streaming);
+  if (!baseAvailable) box.checked = false;
+  $('#try-base-hint').textContent = baseAvailable
+    ? `The same conversation answered by ${modelLabel(job.model)}, the model this job started from, beside the checkpoint; one model answers at a time.`
+    : 'Unavailable: this job started from a preset\'s random weights, so there is no base model to compare with.';
+}
+
+// --- answers: the base model's and the tuned one's, record by record ------------------------
+
+let answersData = null;
+let answersSeq = 0;
+
+/** Reads the job's answers again (after a task evaluation, or a change of status). */
+async function refreshAnswers() {
+  if (!job || !job.task) return;
+  answersSeq += 1;
+  const seq = answersSeq;
+  let data = null;
+  let failure = null;
+  try {
+    data = await get(`/api/jobs/${id}/answers`);
+  } catch (err) {
+    failure = err;
+  }
+  if (seq !== answersSeq) return;
+  const box = $('#answers');
+  if (failure) {
+    answersData = null;
+    box.dataset.state = failure.status === 404 ? 'empty' : 'error';
+    const text = failure.status !== 404 ? failure.message
+      : job.status === 'queued' || job.status === 'running'
+        ? 'The answers appear here once the base model is scored, before the first step.'
+        : 'No answers were recorded: the run ended before its first evaluation.';
+    fill(box, el('p', { class: 'empty' }, text));
+    return;
+  }
+  answersData = data;
+  drawAnswers();
+}
+const refreshAnswersSoon = debounce(refreshAnswers, 400);
+
+function drawAnswers() {
+  if (!answersData) return;
+  const box = $('#answers');
+  box.dataset.state = typeof answersData.tuned_step === 'number' ? 'tuned' : 'base';
+  fill(box, renderAnswers(answersData, $('#answers-order').value));
+}
+
+$('#answers-order').addEventListener('change', drawAnswers);
 
 // --- log -------------------------------------------------------------------------------------
 
@@ -610,6 +776,8 @@ function connect() {
     } else {
       held.metric.push(point);
     }
+    // A task evaluation has just written its answers.
+    if (point && typeof point.task_score === 'number') refreshAnswersSoon();
   });
   stream.addEventListener('log', (event) => {
     const line = logLineOf(event.data);
@@ -620,6 +788,7 @@ function connect() {
     try {
       await refreshJob();
       await refreshCheckpoints();
+      refreshAnswersSoon();
       if (TERMINAL.has(job.status)) stream.close();
     } catch (err) {
       showError(error, err);
@@ -756,7 +925,13 @@ async function main() {
   $('#job-body').hidden = false;
   // A job on the processor has no GPU memory and no PCIe link to chart.
   const onGpu = gpuIndices(job.gpu).length > 0;
-  charts = CHARTS.filter((spec) => onGpu || !spec.gpuOnly).map((spec) => new MetricChart($('#charts'), spec));
+  const specs = CHARTS.filter((spec) => onGpu || !spec.gpuOnly);
+  // The task evaluation's chart comes right after the loss.
+  if (job.task) specs.splice(1, 0, taskChart(job.task));
+  charts = specs.map((spec) => new MetricChart($('#charts'), spec));
+  $('#answers-card').hidden = !job.task;
+  if (job.task) refreshAnswers();
+  describeBaseModel();
   try {
     await connect();
   } catch (err) {

@@ -1,5 +1,5 @@
 // Reading a job as `GET /api/jobs` and `GET /api/jobs/{id}` send it, in one place.
-import { fmtDuration } from '../ui.js';
+import { fmtDuration, fmtNum } from '../ui.js';
 
 /** `{step, steps, fraction}`; fraction is 0..1. `total_steps` is 0 until a one-pass job starts. */
 export function jobProgress(job) {
@@ -84,21 +84,80 @@ const SETTINGS = [
   { key: 'save_dtype', label: 'Checkpoint precision' },
   { key: 'eval_every', label: 'Evaluate every', none: 'never', format: 'int', unit: STEPS },
   { key: 'held_out', label: 'Held-out share', format: 'share' },
+  { key: 'eval_metric', label: 'Eval metric' },
+  { key: 'eval_answer', label: 'Answer format' },
+  { key: 'eval_pattern', label: 'Answer pattern', none: '—' },
+  { key: 'eval_max_new_tokens', label: 'Answer length', format: 'int', unit: ['token', 'tokens'] },
+  { key: 'eval_records', label: 'Records scored', format: 'int', unit: ['record', 'records'] },
 ];
+
+// The task evaluation's metrics as the pages name and explain them (the engine's
+// `eval_metric` choices; `loss` is the held-out loss alone).
+export const METRICS = {
+  loss: { label: 'Loss only', help: 'the held-out loss alone: how well the model predicts the references; no answers are written' },
+  exact_match: { label: 'Exact match', help: 'the answer must equal the reference, ignoring case, punctuation, articles and spacing' },
+  contains: { label: 'Contains', help: 'the reference must appear somewhere in the answer' },
+  extract: { label: 'Final answer', help: 'a final answer is pulled out of the output (a number, after ####, in \\boxed{} or by your pattern) and must equal the reference\'s' },
+  rouge_l: { label: 'ROUGE-L', help: 'word overlap with the reference (longest common subsequence), 0 to 1: for summaries and free text' },
+  bleu: { label: 'BLEU', help: 'n-gram overlap with the references over the whole set, 0 to 100: for translation' },
+  choice: { label: 'Multiple choice', help: 'the choice the model finds most likely must be the right one; needs an evaluation dataset of questions with choices' },
+  perplexity: { label: 'Perplexity', help: 'how surprised the model is by the references after their prompts; lower is better' },
+};
+
+// How `extract` finds the final answer (the engine's `eval_answer` choices).
+export const ANSWER_FORMATS = {
+  gsm8k: { label: 'After ####', help: 'the number after ####, as GSM8K writes its answers' },
+  last_number: { label: 'Last number', help: 'the last number in the output' },
+  boxed: { label: 'Boxed', help: 'the content of the last \\boxed{...}' },
+  regex: { label: 'Your pattern', help: 'your regular expression: its first group (or the whole match), at its last match in the output' },
+};
+
+/** "Exact match" for `exact_match`; the name itself for one the page does not know. */
+export function metricLabel(metric) {
+  return (METRICS[metric] && METRICS[metric].label) || String(metric || '—');
+}
+
+/** A task evaluation's figure: BLEU on its 0-100 scale with one decimal, others to 4 digits. */
+export function fmtScore(metric, value) {
+  if (typeof value !== 'number' || !Number.isFinite(value)) return '—';
+  if (metric === 'bleu') return value.toFixed(1);
+  return fmtNum(value);
+}
+
+/**
+ * The settings that matter to this job's evaluation: the held-out share without an evaluation
+ * dataset of its own, the answer format with `extract`, its pattern with `regex`, and the
+ * answers' length and count with a task metric.
+ */
+function relevant(key, config, hasEvalDataset) {
+  const metric = config.eval_metric;
+  const task = typeof metric === 'string' && metric !== 'loss';
+  switch (key) {
+    case 'held_out': return !hasEvalDataset && (typeof config.eval_every === 'number' || task);
+    case 'eval_answer': return metric === 'extract';
+    case 'eval_pattern': return metric === 'extract' && config.eval_answer === 'regex';
+    case 'eval_max_new_tokens': return ['exact_match', 'contains', 'extract', 'rouge_l', 'bleu'].includes(metric);
+    case 'eval_records': return task;
+    default: return true;
+  }
+}
 
 /**
  * `[{key, label, value}]` for a job's `config`: the known settings first, in the form's order,
  * then any others the server sends, by name. Values are text. `saveInterval` is the job's
  * `save_interval`: the steps between checkpoints the run keeps when `save_every` is empty.
  */
-export function settingsList(config, saveInterval = null) {
+export function settingsList(config, saveInterval = null, hasEvalDataset = false) {
   if (!config || typeof config !== 'object') return [];
   const known = new Set(SETTINGS.map((s) => s.key));
   const extra = Object.keys(config).filter((k) => !known.has(k)).sort().map((key) => ({ key, label: key }));
-  return [...SETTINGS.filter((s) => s.key in config), ...extra]
+  return [...SETTINGS.filter((s) => s.key in config && relevant(s.key, config, hasEvalDataset)), ...extra]
     .map((s) => {
       const chosen = s.key === 'save_every' && (config.save_every === null || config.save_every === undefined) && num(saveInterval);
-      const value = chosen ? `${settingText(s, saveInterval)} (about five saves over the run)` : settingText(s, config[s.key]);
+      const value = chosen ? `${settingText(s, saveInterval)} (about five saves over the run)`
+        : s.key === 'eval_metric' ? metricLabel(config[s.key])
+          : s.key === 'eval_answer' ? ((ANSWER_FORMATS[config[s.key]] || {}).label || String(config[s.key]))
+            : settingText(s, config[s.key]);
       return { key: s.key, label: s.label, value };
     });
 }

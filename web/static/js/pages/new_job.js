@@ -1,10 +1,11 @@
-// New job: model, dataset, device, settings with presets, and the planner's verdict fetched live
-// as anything changes. The plan is asked with exactly the body the job would be submitted with,
+// New job: model, dataset, device, settings with presets, the evaluation (which records, which
+// metric, with a sample of what it will compare), and the planner's verdict fetched live as
+// anything changes. The plan is asked with exactly the body the job would be submitted with,
 // so its verdict, placement and equivalent command are those of this job. Submitting is refused
 // (with the reason) when the plan does not fit.
 import { get, post, requireUser } from '../api.js';
 import { $, bar, copyText, debounce, el, fill, fmtBytes, fmtCount, fmtDuration, fmtInt, showError } from '../ui.js';
-import { gpuIndices } from './job_fields.js';
+import { ANSWER_FORMATS, METRICS, gpuIndices } from './job_fields.js';
 
 const me = await requireUser();
 
@@ -38,8 +39,19 @@ const PRESET_FIELDS = new Set([...Object.keys(PRESETS.demo.values), 'lr']);
 const shown = guide.settings.filter((s) => document.getElementById(s.name));
 const CHOICE_FIELDS = shown.filter((s) => s.choices.length).map((s) => s.name);
 const SWITCH_FIELDS = shown.filter((s) => s.default === false).map((s) => s.name);
-const NUMBER_FIELDS = shown.map((s) => s.name).filter((n) => !CHOICE_FIELDS.includes(n) && !SWITCH_FIELDS.includes(n));
-const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, 'eval_dataset', ...SWITCH_FIELDS];
+// Free text (the answer pattern): sent as written, left out when empty.
+const TEXT_FIELDS = shown.filter((s) => s.text).map((s) => s.name);
+const NUMBER_FIELDS = shown.map((s) => s.name)
+  .filter((n) => !CHOICE_FIELDS.includes(n) && !SWITCH_FIELDS.includes(n) && !TEXT_FIELDS.includes(n));
+const ALL_FIELDS = [...NUMBER_FIELDS, ...CHOICE_FIELDS, ...TEXT_FIELDS, 'eval_dataset', ...SWITCH_FIELDS];
+// The choices the engine offers for the evaluation, named and explained by the page, each
+// select starting at the engine's default.
+for (const [id, words] of [['eval_metric', METRICS], ['eval_answer', ANSWER_FORMATS]]) {
+  const s = SETTINGS[id];
+  if (!s || !document.getElementById(id)) continue;
+  fill($(`#${id}`), s.choices.map((c) => el('option', { value: c }, words[c] ? words[c].label : c)));
+  if (s.default !== null) $(`#${id}`).value = String(s.default);
+}
 // The bounds the engine holds each number to, so the browser flags a value before the server
 // does; a default is the placeholder where the field has none of its own ("one pass", "never").
 for (const id of NUMBER_FIELDS) {
@@ -157,12 +169,103 @@ function syncGradientField() {
   if (off) $('#gradients').value = 'auto';
 }
 
+/**
+ * The evaluation's fields that apply: the held-out share without an evaluation dataset, the
+ * answer format with `extract`, its pattern with `regex`; each metric and format explained.
+ * Fields that do not apply are hidden and disabled, so they are not sent.
+ */
 function syncEvalFields() {
   const training = $('#dataset').value;
   const evalSelect = $('#eval_dataset');
   for (const option of evalSelect.options) option.disabled = option.value !== '' && option.value === training;
   if (evalSelect.value !== '' && evalSelect.value === training) evalSelect.value = '';
-  $('#held_out').disabled = evalSelect.value !== '';
+  const separate = evalSelect.value !== '';
+  $('#held_out').disabled = separate;
+  $('#held_out-field').hidden = separate;
+  const metric = $('#eval_metric').value;
+  const extract = metric === 'extract';
+  const regex = extract && $('#eval_answer').value === 'regex';
+  $('#eval_answer').disabled = !extract;
+  $('#eval_answer-field').hidden = !extract;
+  $('#eval_pattern').disabled = !regex;
+  $('#eval_pattern-field').hidden = !regex;
+  $('#eval_metric-hint').textContent = METRICS[metric] ? METRICS[metric].help : '';
+  const format = ANSWER_FORMATS[$('#eval_answer').value];
+  $('#eval_answer-hint').textContent = format ? format.help : '';
+}
+
+// --- a sample of what the evaluation will compare -------------------------------------------
+
+// The eval set does not suit the metric (the server's 422): the job would fail before its
+// first step, so the form does not start it.
+let sampleError = null;
+let lastSample = null;
+let sampleSeq = 0;
+
+/** The first records of the eval set as the job's evaluation will ask and compare them. */
+async function refreshSample() {
+  sampleSeq += 1;
+  const seq = sampleSeq;
+  const box = $('#eval-sample');
+  const metric = $('#eval_metric').value;
+  const evalId = $('#eval_dataset').value;
+  const trainId = $('#dataset').value;
+  if (!metric || metric === 'loss' || !(evalId || trainId)) {
+    sampleError = null;
+    lastSample = null;
+    showInvalid();
+    box.hidden = true;
+    box.dataset.state = 'off';
+    fill(box);
+    return;
+  }
+  const query = new URLSearchParams({ eval_metric: metric });
+  if (!evalId) query.set('held_out', $('#held_out').value.trim() || String(SETTINGS.held_out.default));
+  box.hidden = false;
+  box.dataset.state = 'pending';
+  try {
+    const sample = await get(`/api/datasets/${encodeURIComponent(evalId || trainId)}/eval-sample?${query}`);
+    if (seq !== sampleSeq) return;
+    sampleError = null;
+    lastSample = sample;
+    renderSample();
+    box.dataset.state = 'ready';
+  } catch (err) {
+    if (seq !== sampleSeq) return;
+    lastSample = null;
+    sampleError = err.status === 422 || err.status === 400 ? err : null;
+    fill(box, el('div', { class: 'alert error', id: 'eval-sample-error' }, labelled(err).message));
+    box.dataset.state = 'error';
+  }
+  showInvalid();
+}
+const refreshSampleSoon = debounce(refreshSample, 300);
+
+function sampleChanged() {
+  $('#eval-sample').dataset.state = 'pending';
+  refreshSampleSoon();
+}
+
+function renderSample() {
+  const sample = lastSample;
+  if (!sample) return;
+  const items = Array.isArray(sample.items) ? sample.items : [];
+  const limit = Number($('#eval_records').value.trim() || SETTINGS.eval_records.default);
+  const scored = Math.min(sample.records, Number.isFinite(limit) && limit > 0 ? limit : sample.records);
+  const perplexity = sample.metric === 'perplexity';
+  const choice = sample.metric === 'choice';
+  fill($('#eval-sample'),
+    el('p', { class: 'small', style: { margin: 0 } }, el('strong', {}, 'A sample of what will be compared'),
+      ` · the first ${fmtInt(items.length)} of ${fmtInt(sample.records)} ${sample.records === 1 ? 'record' : 'records'}`,
+      scored < sample.records ? `; each evaluation answers the first ${fmtInt(scored)}` : ''),
+    el('ol', {}, items.map((item) => el('li', { dataset: { line: String(item.line) } },
+      el('div', {}, el('span', { class: 'k' }, choice ? 'Question' : 'Prompt'), el('span', { class: 'text prompt' }, item.prompt)),
+      choice && Array.isArray(item.choices) && item.choices.length
+        ? el('div', {}, el('span', { class: 'k' }, 'Choices'),
+          el('ul', { class: 'choices' }, item.choices.map((c) => el('li', { class: c === item.reference ? 'right' : null },
+            c, c === item.reference ? el('span', { class: 'muted' }, ' (right)') : null))))
+        : el('div', {}, el('span', { class: 'k' }, perplexity ? 'Scored text' : 'Reference'), el('span', { class: 'text reference' }, item.reference)),
+      el('div', { class: 'small muted' }, `line ${fmtInt(item.line)}`)))));
 }
 
 /**
@@ -178,7 +281,11 @@ function jobBody() {
     const raw = input.value.trim();
     if (!input.disabled && raw !== '') body[id] = Number(raw);
   }
-  for (const id of CHOICE_FIELDS) body[id] = $(`#${id}`).value;
+  for (const id of CHOICE_FIELDS) if (!$(`#${id}`).disabled) body[id] = $(`#${id}`).value;
+  for (const id of TEXT_FIELDS) {
+    const input = $(`#${id}`);
+    if (!input.disabled && input.value !== '') body[id] = input.value;
+  }
   body.train_on_prompt = $('#train_on_prompt').checked;
   // The name and note are the job's, not the plan's; the server ignores them in a plan.
   for (const id of ['name', 'note']) {
@@ -202,7 +309,7 @@ async function prefillFrom(from) {
   const radio = document.querySelector(`input[name="gpu"][value="${CSS.escape(job.gpu || '')}"]`);
   if (radio) radio.checked = true;
   describeDevice();
-  for (const id of [...NUMBER_FIELDS, ...CHOICE_FIELDS]) {
+  for (const id of [...NUMBER_FIELDS, ...CHOICE_FIELDS, ...TEXT_FIELDS]) {
     const value = config[id];
     // f32 settings arrive widened (1e-3 as 0.0010000000474974513): six digits say it all.
     const input = $(`#${id}`);
@@ -231,15 +338,24 @@ function invalidFields() {
   return NUMBER_FIELDS.map((id) => $(`#${id}`)).filter((input) => !input.disabled && !input.validity.valid);
 }
 
+// The fields the plan's answer and the evaluation sample's call wrong.
+let planInvalid = [];
+
 /** Marks the field a message is about: the server's messages start with the field's name. */
 function markInvalid(ids) {
+  planInvalid = ids;
+  showInvalid();
+}
+
+function showInvalid() {
+  const ids = [...planInvalid, ...(sampleError ? fieldOf(sampleError.message) : [])];
   for (const id of ALL_FIELDS) {
     const input = $(`#${id}`);
     if (ids.includes(id)) input.setAttribute('aria-invalid', 'true');
     else input.removeAttribute('aria-invalid');
   }
   // A problem inside the folded section must not stay out of sight.
-  if (ids.some((id) => $('#advanced').contains($(`#${id}`)))) $('#advanced').open = true;
+  if (planInvalid.some((id) => $('#advanced').contains($(`#${id}`)))) $('#advanced').open = true;
 }
 
 function fieldOf(message) {
@@ -557,7 +673,7 @@ function renderDatasets(jobs) {
     $('#dataset').disabled = true;
   }
   fill($('#eval_dataset'),
-    el('option', { value: '' }, 'None: set aside part of the training data'),
+    el('option', { value: '' }, 'Hold out part of the training data'),
     sorted.map((d) => el('option', { value: d.id }, `${d.name} · ${fmtInt(d.records)} examples`)));
   syncEvalFields();
 }
@@ -596,6 +712,7 @@ async function main() {
   $('#dataset').addEventListener('change', () => {
     syncEvalFields();
     planChanged();
+    sampleChanged();
   });
   for (const button of document.querySelectorAll('#presets button[data-preset]')) {
     if (button.dataset.preset === 'custom') continue;
@@ -609,8 +726,10 @@ async function main() {
     const changed = () => {
       if (PRESET_FIELDS.has(id) && preset !== 'custom') setPreset('custom');
       if (id === 'lr') warnLr();
-      if (id === 'eval_dataset') syncEvalFields();
+      if (['eval_dataset', 'eval_metric', 'eval_answer'].includes(id)) syncEvalFields();
       if (id === 'max_grad_norm') syncGradientField();
+      if (['eval_dataset', 'eval_metric', 'held_out'].includes(id)) sampleChanged();
+      if (id === 'eval_records') renderSample();
       planChanged();
     };
     // Number fields report every keystroke; selects and the checkbox only `change`.
@@ -641,6 +760,11 @@ async function main() {
       showError(submitError, new Error(`This job does not fit: ${plan.reason || 'not enough memory.'}`));
       return;
     }
+    if (sampleError) {
+      showError(submitError, new Error(`The evaluation cannot run on this data: ${labelled(sampleError).message}`));
+      $('#eval_metric').focus();
+      return;
+    }
     // A field the plan card already calls wrong: take the person to it instead of saying it
     // a second time.
     const marked = document.querySelector('#job-form [aria-invalid="true"]');
@@ -661,7 +785,7 @@ async function main() {
     }
   });
 
-  await refreshPlan();
+  await Promise.all([refreshPlan(), refreshSample()]);
 }
 
 await main();
