@@ -249,6 +249,7 @@ mod tests {
                     score,
                 })
                 .collect(),
+            timing: None,
         }
     }
 

@@ -6,9 +6,11 @@
 
 pub mod metrics;
 pub mod task;
+pub mod timing;
 
 pub use task::{
     Answer, AnswerFormat, Batched, EvalItem, EvalMetric, Inference, Loaded, Prompt, TaskReport,
-    TaskSettings, choice_items, device_reserve, encode_pair, evaluate, items_from_entries,
-    limits_between_steps, prompt_ids,
+    TaskSettings, TaskTiming, choice_items, device_reserve, encode_pair, evaluate,
+    items_from_entries, limits_between_steps, prompt_ids,
 };
+pub use timing::{EvalTime, EvalWork};

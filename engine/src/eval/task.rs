@@ -11,16 +11,19 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::metrics::{self, Extractor};
+use super::timing::{EvalTime, EvalWork};
 use crate::backend::Backend;
 use crate::data::{ChatTemplate, Entry, Message, Record, Role, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::batch::{Model as BatchModel, Units, generate_batch, score_batch};
 use crate::generate::{BatchLimits, GenerateOptions, Generator, Scored};
+use crate::plan::MachineRates;
 use crate::spec::ModelSpec;
 
 /// The figure a task evaluation reports.
@@ -307,6 +310,17 @@ pub struct TaskReport {
     /// Other figures beside it (`acc_norm` for `choice`).
     pub extra: BTreeMap<String, f64>,
     pub answers: Vec<Answer>,
+    /// How long the generation or scoring took, beside its prediction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<TaskTiming>,
+}
+
+/// A task evaluation's measured time and the time predicted for it before it ran.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TaskTiming {
+    /// Wall seconds of the batched generation or scoring (not the metric's own arithmetic).
+    pub seconds: f64,
+    pub predicted: Option<EvalTime>,
 }
 
 /// What a task evaluation runs on: batched greedy generation and log-likelihood scoring.
@@ -318,6 +332,11 @@ pub trait Inference {
     fn score(&mut self, pairs: &[(Vec<u32>, Vec<u32>)]) -> Result<Vec<Scored>>;
     /// The model's context in tokens.
     fn max_positions(&self) -> usize;
+    /// The predicted time of `work` on this model, where the machine's rates are known.
+    fn predict(&self, work: &EvalWork) -> Option<EvalTime> {
+        let _ = work;
+        None
+    }
 }
 
 /// A loaded generator as [`Inference`], batched within `limits`.
@@ -325,15 +344,20 @@ pub struct Loaded<'g, B: Backend> {
     generator: &'g Generator<B>,
     tokenizer: &'g Tokenizer,
     limits: BatchLimits,
+    rates: MachineRates,
 }
 
 impl<'g, B: Backend> Loaded<'g, B> {
-    /// A generator with a tokenizer, as [`Inference`].
-    pub fn new(generator: &'g Generator<B>, limits: BatchLimits) -> Result<Self> {
+    /// A generator with a tokenizer, as [`Inference`], on a machine of `rates`.
+    pub fn new(
+        generator: &'g Generator<B>,
+        limits: BatchLimits,
+        rates: MachineRates,
+    ) -> Result<Self> {
         let tokenizer = generator
             .tokenizer()
             .ok_or_else(|| Error::invalid("the model has no tokenizer to evaluate with"))?;
-        Ok(Loaded { generator, tokenizer, limits })
+        Ok(Loaded { generator, tokenizer, limits, rates })
     }
 }
 
@@ -352,6 +376,10 @@ impl<B: Backend> Inference for Loaded<'_, B> {
     fn max_positions(&self) -> usize {
         self.generator.spec().max_positions
     }
+    fn predict(&self, work: &EvalWork) -> Option<EvalTime> {
+        let spec = self.generator.spec();
+        Some(super::timing::predict(spec, &self.rates, self.limits, false, work))
+    }
 }
 
 /// A batched forward over any weights ([`Units`]: resident or streamed from the host) as
@@ -361,6 +389,7 @@ pub struct Batched<'a, 'm, B: Backend, U: Units<B>> {
     pub units: &'a mut U,
     pub tokenizer: &'a Tokenizer,
     pub limits: BatchLimits,
+    pub rates: MachineRates,
 }
 
 impl<B: Backend, U: Units<B>> Inference for Batched<'_, '_, B, U> {
@@ -378,6 +407,10 @@ impl<B: Backend, U: Units<B>> Inference for Batched<'_, '_, B, U> {
     }
     fn max_positions(&self) -> usize {
         self.model.spec.max_positions
+    }
+    fn predict(&self, work: &EvalWork) -> Option<EvalTime> {
+        let (spec, streamed) = (self.model.spec, self.units.streamed());
+        Some(super::timing::predict(spec, &self.rates, self.limits, streamed, work))
     }
 }
 
@@ -447,6 +480,19 @@ pub fn encode_pair(
     Ok((context_ids.clone(), whole[context_ids.len()..].to_vec()))
 }
 
+/// `model`'s scores of `pairs`, timed beside their prediction.
+fn timed_score(
+    model: &mut dyn Inference,
+    pairs: &[(Vec<u32>, Vec<u32>)],
+) -> Result<(Vec<Scored>, TaskTiming)> {
+    let lengths = pairs.iter().map(|(c, x)| c.len() + x.len()).collect();
+    let wanted = pairs.iter().map(|(_, x)| x.len()).collect();
+    let predicted = model.predict(&EvalWork::Score { lengths, wanted });
+    let start = Instant::now();
+    let scored = model.score(pairs)?;
+    Ok((scored, TaskTiming { seconds: start.elapsed().as_secs_f64(), predicted }))
+}
+
 /// Scores `items` (the first `settings.records`) by `settings.metric` with `model`.
 pub fn evaluate(
     model: &mut dyn Inference,
@@ -492,7 +538,7 @@ pub fn evaluate(
                     pairs.push(pair);
                 }
             }
-            let scored = model.score(&pairs)?;
+            let (scored, timing) = timed_score(model, &pairs)?;
             let (mut acc, mut acc_norm, mut answers) = (0.0, 0.0, Vec::new());
             let mut at = 0;
             for item in items {
@@ -516,7 +562,7 @@ pub fn evaluate(
             }
             let n = items.len() as f64;
             let extra = BTreeMap::from([("acc_norm".to_string(), acc_norm / n)]);
-            Ok(TaskReport { metric, score: acc / n, extra, answers })
+            Ok(TaskReport { metric, score: acc / n, extra, answers, timing: Some(timing) })
         }
         EvalMetric::Perplexity => {
             let mut pairs = Vec::new();
@@ -534,7 +580,7 @@ pub fn evaluate(
                 }
                 pairs.push((context_ids, reference));
             }
-            let scored = model.score(&pairs)?;
+            let (scored, timing) = timed_score(model, &pairs)?;
             let (nll, tokens) =
                 scored.iter().fold((0.0, 0), |(n, t), s| (n - s.logprob, t + s.tokens));
             let answers = items
@@ -551,7 +597,7 @@ pub fn evaluate(
                 })
                 .collect::<Result<Vec<_>>>()?;
             let score = metrics::perplexity(nll, tokens)?;
-            Ok(TaskReport { metric, score, extra: BTreeMap::new(), answers })
+            Ok(TaskReport { metric, score, extra: BTreeMap::new(), answers, timing: Some(timing) })
         }
         _ => {
             let extractor = settings.extractor()?;
@@ -569,7 +615,12 @@ pub fn evaluate(
                 }
                 prompts.push(ids);
             }
+            let lengths = prompts.iter().map(Vec::len).collect();
+            let work = EvalWork::Generate { prompts: lengths, new_tokens: settings.max_new_tokens };
+            let predicted = model.predict(&work);
+            let start = Instant::now();
             let outputs = model.generate(&prompts, settings.max_new_tokens)?;
+            let timing = TaskTiming { seconds: start.elapsed().as_secs_f64(), predicted };
             let outputs: Vec<String> = outputs
                 .iter()
                 .map(|ids| model.tokenizer().decode(ids).map(|t| t.trim().to_string()))
@@ -602,7 +653,7 @@ pub fn evaluate(
             } else {
                 answers.iter().map(|a| a.score).sum::<f64>() / answers.len() as f64
             };
-            Ok(TaskReport { metric, score, extra: BTreeMap::new(), answers })
+            Ok(TaskReport { metric, score, extra: BTreeMap::new(), answers, timing: Some(timing) })
         }
     }
 }
@@ -724,7 +775,9 @@ mod tests {
             max_new_tokens: 4,
             records: 10,
         };
-        let report = evaluate(&mut Loaded::new(&g, LIMITS).unwrap(), &settings, &items).unwrap();
+        let report =
+            evaluate(&mut Loaded::new(&g, LIMITS, MachineRates::cpu()).unwrap(), &settings, &items)
+                .unwrap();
         // The same figures from the scores themselves.
         let tok = g.tokenizer().unwrap();
         let (mut acc, mut acc_norm) = (0.0, 0.0);
@@ -771,8 +824,12 @@ mod tests {
                 max_new_tokens: 5,
                 records: 2,
             };
-            let report =
-                evaluate(&mut Loaded::new(&g, LIMITS).unwrap(), &settings, &items).unwrap();
+            let report = evaluate(
+                &mut Loaded::new(&g, LIMITS, MachineRates::cpu()).unwrap(),
+                &settings,
+                &items,
+            )
+            .unwrap();
             assert_eq!(report.answers.len(), 2, "records caps the set");
             for a in &report.answers {
                 let want = match metric {

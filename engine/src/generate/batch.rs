@@ -69,6 +69,8 @@ pub trait Units<B: Backend> {
     fn head(&self) -> &B::Floats;
     /// Device bytes the weights hold.
     fn device_bytes(&self, b: &B) -> usize;
+    /// Whether each forward uploads the layers from host memory.
+    fn streamed(&self) -> bool;
 }
 
 /// Every unit on the backend already.
@@ -86,6 +88,9 @@ impl<B: Backend> Units<B> for Resident<'_, B> {
     }
     fn device_bytes(&self, b: &B) -> usize {
         self.0.iter().map(|u| b.len(u) * b.elem_bytes(Activation)).sum()
+    }
+    fn streamed(&self) -> bool {
+        false
     }
 }
 
@@ -154,6 +159,9 @@ impl<B: Backend> Units<B> for Streamed<'_, B> {
     fn device_bytes(&self, b: &B) -> usize {
         [&self.embed, &self.head, &self.slot].iter().map(|u| b.len(u)).sum::<usize>()
             * b.elem_bytes(Activation)
+    }
+    fn streamed(&self) -> bool {
+        true
     }
 }
 
@@ -342,7 +350,7 @@ fn forward<B: Backend, U: Units<B>>(
 
 /// Groups of consecutive items whose `cost` sums to at most `budget` (an item larger than the
 /// budget alone), at most `max` items each.
-fn groups(costs: &[usize], budget: usize, max: usize) -> Vec<Range<usize>> {
+pub(crate) fn groups(costs: &[usize], budget: usize, max: usize) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut sum = 0;

@@ -310,6 +310,29 @@ pub struct Plan {
     pub time: StepTime,
     /// Several GPUs: how the step is shared and what they gain over one.
     pub parallel: Option<Parallel>,
+    /// The job's task evaluation between steps, where it has one (the job adds it:
+    /// `train::Job::eval_plan`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalPlan>,
+}
+
+/// A task evaluation's cost beside the steps: the device memory the placement left it and its
+/// predicted time, at most, each time and over the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalPlan {
+    /// Device bytes kept free of the training's buffers for it.
+    pub device_reserve: u64,
+    /// Records, sequences at once, and the longest prompt and answer assumed.
+    pub records: usize,
+    pub sequences: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// One evaluation, every answer running to `new_tokens`, the layers streamed from the
+    /// host store.
+    pub each: crate::eval::EvalTime,
+    /// Evaluations over the run (the base model, every `eval_every` steps, the last step);
+    /// `None` when the steps are not known before the data is read.
+    pub evaluations: Option<u64>,
 }
 
 /// Which memory overflowed.
@@ -551,6 +574,7 @@ fn plan_one(input: &PlanInput<'_>) -> Result<Verdict> {
                 budget: best.budget,
                 time,
                 parallel: None,
+                eval: None,
             })))
         }
         None => Ok(Verdict::Refused(Box::new(refusal(&sizes, input, model)))),

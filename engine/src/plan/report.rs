@@ -133,6 +133,35 @@ fn write_budget(f: &mut fmt::Formatter<'_>, b: &Budget, shared: bool) -> fmt::Re
     writeln!(f, "  host total     {:>11} used of {:>11}", gib(host), gib(b.host_capacity))
 }
 
+impl super::EvalPlan {
+    /// Seconds of all the run's evaluations, when their number is known.
+    pub fn total_s(&self) -> Option<f64> {
+        self.evaluations.map(|n| n as f64 * self.each.seconds)
+    }
+
+    /// The evaluation's cost in a sentence.
+    pub fn text(&self) -> String {
+        let e = &self.each;
+        let answers = match self.new_tokens {
+            0 => String::from("scored by likelihood"),
+            n => format!("answers up to {n} tokens"),
+        };
+        let over = match (self.evaluations, self.total_s()) {
+            (Some(n), Some(total)) => format!("; {n} evaluations, {total:.0} s over the run"),
+            _ => String::new(),
+        };
+        let reserve = match self.device_reserve {
+            0 => String::new(),
+            bytes => format!("; {} of the device kept for it", gib(bytes)),
+        };
+        format!(
+            "task evaluation: at most {:.1} s each ({} records, {} at a time, prompts up to {} \
+             tokens, {answers}; {} forwards, the layers streamed from host memory){over}{reserve}",
+            e.seconds, self.records, self.sequences, self.prompt_tokens, e.forwards
+        )
+    }
+}
+
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = &self.model;
@@ -244,6 +273,9 @@ impl fmt::Display for Plan {
                 }
                 _ => writeln!(f, "  the same batch does not fit one GPU")?,
             }
+        }
+        if let Some(e) = &self.eval {
+            writeln!(f, "{}", e.text())?;
         }
         let shared = if self.parallel.is_some() { " (device: per GPU; host: shared)" } else { "" };
         writeln!(f, "memory{shared}:")?;

@@ -434,6 +434,15 @@ impl JobSettings {
         )
     }
 
+    /// Evaluations a run of `steps` steps makes: the base model's, every `eval_every` steps,
+    /// and after the last.
+    pub fn task_evaluations(&self, steps: u64) -> u64 {
+        let every = self.eval_every.filter(|&e| e > 0);
+        let periodic = every.map_or(0, |e| steps / e);
+        let last = u64::from(every.is_none_or(|e| steps % e != 0) && steps > 0);
+        1 + periodic + last
+    }
+
     /// The task evaluation asked for, if any (`eval_metric` other than loss).
     pub fn task(&self) -> Option<TaskSettings> {
         (self.eval_metric != EvalMetric::Loss).then(|| TaskSettings {
@@ -838,6 +847,56 @@ impl Job {
 
     /// What the planner is asked for this job on a machine with `memory` (each GPU's), for
     /// the placements the streamer runs, at the rates of its kind of device.
+    /// The task evaluation's cost for `plan`'s placement, at most: `eval_records` records with
+    /// prompts as long as `seq_len` (multiple choice: four choices each), every answer running
+    /// to `eval_max_new_tokens`, the layers streamed from the host store as between steps.
+    /// `None` without a task evaluation.
+    pub fn eval_plan(&self, spec: &ModelSpec) -> Option<crate::plan::EvalPlan> {
+        use crate::eval::EvalWork;
+        use crate::eval::task::BETWEEN_STEPS;
+        const CHOICES_ASSUMED: usize = 4;
+        let s = &self.settings;
+        let task = s.task()?;
+        let records = s.eval_records;
+        let prompt = s.seq_len.min(spec.max_positions.saturating_sub(1)).max(1);
+        let (work, new_tokens) = match task.metric {
+            EvalMetric::Choice => {
+                let n = records * CHOICES_ASSUMED;
+                (EvalWork::Score { lengths: vec![prompt; n], wanted: vec![prompt / 4 + 1; n] }, 0)
+            }
+            EvalMetric::Perplexity => (
+                EvalWork::Score { lengths: vec![prompt; records], wanted: vec![prompt; records] },
+                0,
+            ),
+            _ => {
+                let new = s.eval_max_new_tokens;
+                (EvalWork::Generate { prompts: vec![prompt; records], new_tokens: new }, new)
+            }
+        };
+        let each = crate::eval::timing::predict(spec, &self.rates(), BETWEEN_STEPS, true, &work);
+        Some(crate::plan::EvalPlan {
+            device_reserve: if self.devices == Devices::Cpu {
+                0
+            } else {
+                s.eval_device_reserve(spec)
+            },
+            records,
+            sequences: BETWEEN_STEPS.sequences,
+            prompt_tokens: prompt,
+            new_tokens,
+            each,
+            evaluations: s.steps.map(|steps| s.task_evaluations(steps)),
+        })
+    }
+
+    /// The rates the planner prices this job's devices at.
+    pub fn rates(&self) -> MachineRates {
+        match self.devices {
+            Devices::Cpu => MachineRates::cpu(),
+            Devices::Cuda(_) => MachineRates::default(),
+        }
+    }
+
     pub fn plan_input<'a>(&self, spec: &'a ModelSpec, memory: MachineMemory) -> PlanInput<'a> {
         // A task evaluation between steps runs beside the training's buffers: the placement
         // leaves it room.
@@ -851,10 +910,7 @@ impl Job {
             batch: self.settings.batch(),
             clipping: self.settings.clipping(),
             memory,
-            rates: match self.devices {
-                Devices::Cpu => MachineRates::cpu(),
-                Devices::Cuda(_) => MachineRates::default(),
-            },
+            rates: self.rates(),
             supports: Capabilities {
                 only_gradients: self.settings.gradients.tier(),
                 moments: self.settings.moments,
@@ -1096,6 +1152,48 @@ mod tests {
         assert_eq!(on_disk(planned(MomentsPolicy::Disk)).len(), spec.layers + 2);
         let refused = planned(MomentsPolicy::Host).into_plan().expect_err("no room");
         assert!(refused.to_string().contains("does not fit: host memory"), "{refused}");
+    }
+
+    #[test]
+    fn a_task_evaluation_is_planned_beside_the_steps() {
+        let with = |eval_every| JobSettings { eval_every, ..Default::default() };
+        assert_eq!(with(Some(25)).task_evaluations(100), 5); // 0, 25, 50, 75, 100
+        assert_eq!(with(Some(30)).task_evaluations(100), 5); // 0, 30, 60, 90, 100
+        assert_eq!(with(None).task_evaluations(100), 2); // 0 and the last
+        assert_eq!(with(Some(25)).task_evaluations(0), 1);
+
+        let spec = crate::spec::preset("qwen2.5-7b").expect("preset");
+        let job = |eval_metric, devices| Job {
+            model: ModelSource::Preset("qwen2.5-7b".into()),
+            data: DatasetSource::File("d.jsonl".into()),
+            eval_data: None,
+            devices,
+            settings: JobSettings {
+                eval_metric,
+                eval_every: Some(25),
+                steps: Some(100),
+                seq_len: 512,
+                ..Default::default()
+            },
+        };
+        assert!(job(EvalMetric::Loss, Devices::Cuda(vec![0])).eval_plan(&spec).is_none());
+        let gpu = job(EvalMetric::ExactMatch, Devices::Cuda(vec![0]));
+        let e = gpu.eval_plan(&spec).expect("a task");
+        assert_eq!(e.device_reserve, gpu.settings.eval_device_reserve(&spec));
+        // 200 records in 7 groups of at most 32: each prefills (32 x 512 tokens in 4 forwards
+        // of 4096; the last group's 8 prompts in 1) and decodes 127 forwards.
+        assert_eq!(e.each.forwards, 6 * (4 + 127) + (1 + 127));
+        assert_eq!(e.evaluations, Some(5));
+        assert!((e.total_s().expect("steps known") - 5.0 * e.each.seconds).abs() < 1e-9);
+        assert!(e.each.upload_s > 0.0, "between steps the layers stream");
+        // On the processor nothing is kept on a device, and its rates are its own.
+        let cpu = job(EvalMetric::ExactMatch, Devices::Cpu).eval_plan(&spec).expect("a task");
+        assert_eq!(cpu.device_reserve, 0);
+        assert!(cpu.each.seconds > e.each.seconds);
+        // The planner leaves the reserve free on the GPU.
+        let memory = MachineMemory::given(24 << 30, 125 << 30);
+        let input = gpu.plan_input(&spec, memory);
+        assert_eq!(input.memory.gpu_bytes, (24 << 30) - e.device_reserve);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::eval::{
 };
 use crate::generate::BatchLimits;
 use crate::model::HostParams;
-use crate::plan::Plan;
+use crate::plan::{MachineRates, Plan};
 use crate::schedule::from_plan::schedule_options;
 use crate::schedule::{DataParallel, FillMoments, Interrupt, ScheduleOptions, Streamer};
 use crate::spec::{self, ModelSpec};
@@ -273,6 +273,7 @@ trait Stepper {
         task: &TaskSettings,
         items: &[EvalItem],
         limits: BatchLimits,
+        rates: &MachineRates,
     ) -> Result<TaskReport>;
 }
 
@@ -282,9 +283,10 @@ fn task_eval_on<B: Backend>(
     task: &TaskSettings,
     items: &[EvalItem],
     limits: BatchLimits,
+    rates: &MachineRates,
 ) -> Result<TaskReport> {
     streamer.with_host_model(|model, units| {
-        let mut inference = Batched { model, units, tokenizer, limits };
+        let mut inference = Batched { model, units, tokenizer, limits, rates: *rates };
         evaluate(&mut inference, task, items)
     })
 }
@@ -323,8 +325,9 @@ impl<B: Backend> Stepper for Streamer<'_, B> {
         task: &TaskSettings,
         items: &[EvalItem],
         limits: BatchLimits,
+        rates: &MachineRates,
     ) -> Result<TaskReport> {
-        task_eval_on(self, tokenizer, task, items, limits)
+        task_eval_on(self, tokenizer, task, items, limits, rates)
     }
 }
 
@@ -362,8 +365,9 @@ where
         task: &TaskSettings,
         items: &[EvalItem],
         limits: BatchLimits,
+        rates: &MachineRates,
     ) -> Result<TaskReport> {
-        task_eval_on(self.lead_mut(), tokenizer, task, items, limits)
+        task_eval_on(self.lead_mut(), tokenizer, task, items, limits, rates)
     }
 }
 
@@ -373,6 +377,7 @@ struct TaskRun<'a> {
     items: &'a [EvalItem],
     tokenizer: &'a Tokenizer,
     limits: BatchLimits,
+    rates: MachineRates,
 }
 
 impl TaskRun<'_> {
@@ -386,7 +391,8 @@ impl TaskRun<'_> {
         observer: &mut dyn Observer,
     ) -> Result<Option<f64>> {
         let Some(task) = self.task else { return Ok(None) };
-        let report = streamer.task_eval(self.tokenizer, task, self.items, self.limits)?;
+        let report =
+            streamer.task_eval(self.tokenizer, task, self.items, self.limits, &self.rates)?;
         super::task_reports::save(out, step, &report)?;
         let score = report.score;
         observer.event(&Event::TaskEvaluated { step, report });
@@ -586,8 +592,13 @@ fn run_with<S: Stepper>(
         .max()
         .unwrap_or(0);
     let limits = limits_between_steps(settings.eval_positions(), longest);
-    let tasks =
-        TaskRun { task: task.as_ref(), items: &eval_items, tokenizer: &model.tokenizer, limits };
+    let tasks = TaskRun {
+        task: task.as_ref(),
+        items: &eval_items,
+        tokenizer: &model.tokenizer,
+        limits,
+        rates: job.rates(),
+    };
     let task_before = match task {
         Some(_) if streamer.taken() == 0 => tasks.run(&mut streamer, 0, &options.out, observer)?,
         // Resumed: the base model's figure is the one the run recorded before its first step.

@@ -12,12 +12,13 @@ use sluice_engine::backend::cpu::Cpu;
 use sluice_engine::backend::cuda::Cuda;
 use sluice_engine::data::{self, DatasetSource};
 use sluice_engine::eval::{
-    Batched, EvalItem, EvalMetric, Inference, Loaded, TaskReport, TaskSettings, choice_items,
-    evaluate, items_from_entries,
+    Batched, EvalItem, EvalMetric, EvalTime, EvalWork, Inference, Loaded, TaskReport, TaskSettings,
+    TaskTiming, choice_items, evaluate, items_from_entries,
 };
 use sluice_engine::generate::batch::Model as BatchModel;
 use sluice_engine::generate::{BatchLimits, Generator, Scored, Streamed};
 use sluice_engine::model::Decoder;
+use sluice_engine::plan::MachineRates;
 use sluice_engine::train::{JobSettings, LoadedModel, ModelSource, load_model};
 
 use super::device::Device;
@@ -102,11 +103,11 @@ pub(crate) fn run(args: EvalArgs) -> anyhow::Result<()> {
     let items = items(&args, &task)?;
     let model = load_model(&source, 0).context("loading the model")?;
     match args.device {
-        Device::Cpu => eval_on(Cpu, model, &args, &task, &items, limits),
+        Device::Cpu => eval_on(Cpu, model, &args, &task, &items, limits, MachineRates::cpu()),
         Device::Cuda(ordinal) => {
             let gpu = Cuda::new(ordinal)
                 .with_context(|| format!("--device cuda:{ordinal}: cannot use the GPU"))?;
-            eval_on(gpu, model, &args, &task, &items, limits)
+            eval_on(gpu, model, &args, &task, &items, limits, MachineRates::default())
         }
     }
 }
@@ -148,6 +149,9 @@ impl Inference for Counted<'_> {
     fn max_positions(&self) -> usize {
         self.inner.max_positions()
     }
+    fn predict(&self, work: &EvalWork) -> Option<EvalTime> {
+        self.inner.predict(work)
+    }
 }
 
 fn eval_on<B: Backend>(
@@ -157,6 +161,7 @@ fn eval_on<B: Backend>(
     task: &TaskSettings,
     items: &[EvalItem],
     limits: BatchLimits,
+    rates: MachineRates,
 ) -> anyhow::Result<()> {
     let name = backend.name();
     let LoadedModel { spec, params, tokenizer, .. } = model;
@@ -167,14 +172,14 @@ fn eval_on<B: Backend>(
         let mut units = Streamed::new(&backend, &layout, &params)?;
         let model = BatchModel { b: &backend, spec: &spec, decoder: &decoder };
         let mut batched =
-            Batched { model: &model, units: &mut units, tokenizer: &tokenizer, limits };
+            Batched { model: &model, units: &mut units, tokenizer: &tokenizer, limits, rates };
         let load_s = loading.elapsed().as_secs_f64();
         let start = Instant::now();
         let (report, counted) = run_counted(&mut batched, task, items)?;
         (report, counted, start.elapsed().as_secs_f64(), load_s)
     } else {
         let generator = Generator::on(backend, spec, params, Some(tokenizer))?;
-        let mut loaded = Loaded::new(&generator, limits)?;
+        let mut loaded = Loaded::new(&generator, limits, rates)?;
         let load_s = loading.elapsed().as_secs_f64();
         let start = Instant::now();
         let (report, counted) = run_counted(&mut loaded, task, items)?;
@@ -194,6 +199,18 @@ fn eval_on<B: Backend>(
         count as f64 / seconds,
         limits.sequences,
     );
+    if let Some(TaskTiming { seconds, predicted: Some(p) }) = report.timing {
+        eprintln!(
+            "predicted {:.2} s ({} forwards: uploads {:.2} s, compute {:.2} s, per-sequence \
+             work {:.2} s), measured {seconds:.2} s: {:.2}x",
+            p.seconds,
+            p.forwards,
+            p.upload_s,
+            p.compute_s,
+            p.overhead_s,
+            seconds / p.seconds.max(1e-12),
+        );
+    }
     if let Some(path) = &args.report {
         let json = serde_json::to_vec_pretty(&report)?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;

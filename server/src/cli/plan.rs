@@ -10,7 +10,8 @@ use sluice_engine::plan::{
     GpuQuery, GradientOption, GradientTier, Verdict, gradient_options, plan,
 };
 use sluice_engine::spec::{ModelSpec, preset};
-use sluice_engine::train::{Devices, GradientPolicy, Job, JobSettings, ModelSource};
+use sluice_engine::eval::EvalMetric;
+use sluice_engine::train::{Devices, GradientPolicy, Job, JobSettings, Limits, ModelSource};
 
 use super::shape::ShapeArgs;
 use crate::jobs::plan::{gib, sentence};
@@ -34,6 +35,23 @@ pub(crate) struct PlanArgs {
     /// --gradients` [default: auto]. Every policy is listed after the plan either way.
     #[arg(long, value_name = "POLICY")]
     gradients: Option<GradientPolicy>,
+
+    /// A task evaluation between steps, as `sluice train --eval-metric`: the plan leaves it
+    /// device memory and predicts its time [default: loss, none].
+    #[arg(long, value_name = "METRIC")]
+    eval_metric: Option<EvalMetric>,
+
+    /// Evaluate every this many steps (besides before the first and after the last).
+    #[arg(long, value_name = "STEPS")]
+    eval_every: Option<u64>,
+
+    /// Records each task evaluation scores [default: 200].
+    #[arg(long, value_name = "N")]
+    eval_records: Option<usize>,
+
+    /// Tokens an answer may take [default: 128].
+    #[arg(long, value_name = "N")]
+    eval_max_new_tokens: Option<usize>,
 
     /// Print the plan as JSON (the engine planner's format).
     #[arg(long)]
@@ -69,11 +87,19 @@ pub(crate) fn run(args: PlanArgs) -> anyhow::Result<()> {
             max_grad_norm: if args.no_clip { 0.0 } else { d.max_grad_norm },
             gradients: args.gradients.unwrap_or(d.gradients),
             moments,
+            eval_metric: args.eval_metric.unwrap_or(d.eval_metric),
+            eval_every: args.eval_every,
+            eval_records: args.eval_records.unwrap_or(d.eval_records),
+            eval_max_new_tokens: args.eval_max_new_tokens.unwrap_or(d.eval_max_new_tokens),
             ..d
         },
     };
+    job.settings.validate(&Limits::default())?;
     let input = job.plan_input(&spec, memory);
-    let verdict = plan(&input)?;
+    let mut verdict = plan(&input)?;
+    if let Verdict::Fits(p) = &mut verdict {
+        p.eval = job.eval_plan(&spec);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&verdict)?);
         return match verdict {

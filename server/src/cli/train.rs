@@ -177,7 +177,10 @@ fn plan_run(job: &Job, shape: &ShapeArgs) -> anyhow::Result<Plan> {
         .memory(job.devices.gpu_query(), job.settings.moments)
         .with_context(|| format!("the machine of {}", job.devices))?;
     match plan(&job.plan_input(&spec, memory))? {
-        Verdict::Fits(plan) => Ok(*plan),
+        Verdict::Fits(mut plan) => {
+            plan.eval = job.eval_plan(&spec);
+            Ok(*plan)
+        }
         Verdict::Refused(r) => {
             print!("{}", r.details());
             Err(anyhow::anyhow!("does not fit: {r}"))

@@ -30,8 +30,13 @@ pub struct Verdict {
     pub tiers: Vec<Tier>,
     /// Predicted seconds per optimizer step.
     pub step_time_s: Option<f64>,
-    /// Predicted seconds for the whole run (`steps` times the step), when the steps are set.
+    /// Predicted seconds for the whole run (`steps` times the step, and the task evaluations),
+    /// when the steps are set.
     pub run_time_s: Option<f64>,
+    /// The task evaluation's predicted cost, at most, in a sentence; `None` without one.
+    pub eval: Option<String>,
+    /// Its predicted seconds each time, at most.
+    pub eval_time_s: Option<f64>,
     /// The same, in words ("about 7 days").
     pub run_time: Option<String>,
     /// What limits the step time: "pcie", "gpu_compute", "cpu_adam" or "disk" on a GPU; "cpu"
@@ -136,7 +141,10 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
         command.push_str(&crate::job_line::shell_quote(&d.dir.display().to_string()));
     }
     let input = job.plan_input(spec, memory);
-    let planned = plan::plan(&input);
+    let mut planned = plan::plan(&input);
+    if let Ok(plan::Verdict::Fits(p)) = &mut planned {
+        p.eval = job.eval_plan(spec);
+    }
     let steps = job.settings.steps;
     let chosen = match &planned {
         Ok(plan::Verdict::Fits(p)) => Some(p.placement.gradients),
@@ -149,6 +157,8 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
         tiers: Vec::new(),
         step_time_s: None,
         run_time_s: None,
+        eval: None,
+        eval_time_s: None,
         run_time: None,
         bottleneck: String::new(),
         suggestion: None,
@@ -185,6 +195,8 @@ pub fn verdict(job: &Job, spec: &ModelSpec, memory: MachineMemory) -> Verdict {
             verdict.step_time_s = Some(p.time.total_s);
             verdict.run_time_s = run_time_s(p, steps);
             verdict.run_time = verdict.run_time_s.map(about);
+            verdict.eval = p.eval.as_ref().map(plan::EvalPlan::text);
+            verdict.eval_time_s = p.eval.as_ref().map(|e| e.each.seconds);
             verdict.bottleneck = if shared {
                 "cpu".into()
             } else {
@@ -238,7 +250,8 @@ pub fn shown_tiers(b: &plan::Budget, shared: bool) -> Vec<Tier> {
 }
 
 fn run_time_s(p: &plan::Plan, steps: Option<u64>) -> Option<f64> {
-    steps.map(|n| p.time.total_s * n as f64).filter(|t| t.is_finite())
+    let evaluations = p.eval.as_ref().and_then(plan::EvalPlan::total_s).unwrap_or(0.0);
+    steps.map(|n| p.time.total_s * n as f64 + evaluations).filter(|t| t.is_finite())
 }
 
 /// The job that comes closest to the one asked while fitting: the largest micro-batch that

@@ -532,7 +532,10 @@ function renderPlan() {
     }, `Use ${SUGGESTED[change.field](change.value)}`)) : null,
     el('div', { class: 'facts' },
       fact('Step time', about(plan.step_time_s), 'step_time'),
+      typeof plan.eval_time_s === 'number' ? fact('Each evaluation', `≤ ${fmtDuration(plan.eval_time_s)}`, 'eval_time') : null,
       fact('Whole run', total, 'total_time')),
+    // The task evaluation's cost in words: records, forwards, the device memory kept for it.
+    typeof plan.eval === 'string' && plan.eval ? el('p', { class: 'placement', id: 'plan-eval' }, plan.eval) : null,
     el('h3', { style: { marginTop: '1rem' } }, 'Memory'),
     (plan.tiers || []).map(renderTier),
     details);
