@@ -439,7 +439,7 @@ impl JobSettings {
     pub fn task_evaluations(&self, steps: u64) -> u64 {
         let every = self.eval_every.filter(|&e| e > 0);
         let periodic = every.map_or(0, |e| steps / e);
-        let last = u64::from(every.is_none_or(|e| steps % e != 0) && steps > 0);
+        let last = u64::from(every.is_none_or(|e| !steps.is_multiple_of(e)) && steps > 0);
         1 + periodic + last
     }
 
