@@ -25,12 +25,16 @@ pub struct EvalTime {
     pub forwards: usize,
     /// Tokens run through the layers (prompts, continuations and generated tokens).
     pub tokens: usize,
+    /// Logit rows read back: one per answer token picked, one per continuation token scored.
+    #[serde(default)]
+    pub rows: usize,
     pub seconds: f64,
     /// The layers' uploads when the weights stream from host memory (once per forward).
     pub upload_s: f64,
     /// The layers' and head's GEMMs and attention.
     pub compute_s: f64,
-    /// The per-sequence work of each layer (a decode's small kernels) and the logits' download.
+    /// The per-sequence work of each layer (a decode's small kernels), the logits' download,
+    /// and for scoring each scored row's log-softmax on the host.
     pub overhead_s: f64,
 }
 
@@ -89,9 +93,11 @@ pub fn predict(
     let layer_params: f64 = (0..spec.layers).map(|l| spec.layer_params(l) as f64).sum();
     let head = (spec.hidden * spec.vocab) as f64;
     let attention_width = (spec.q_heads * spec.head_dim * spec.layers) as f64;
+    let scoring = matches!(work, EvalWork::Score { .. });
     let mut time = EvalTime {
         forwards: 0,
         tokens: 0,
+        rows: 0,
         seconds: 0.0,
         upload_s: 0.0,
         compute_s: 0.0,
@@ -100,6 +106,7 @@ pub fn predict(
     for f in forwards(work, limits) {
         time.forwards += 1;
         time.tokens += f.tokens;
+        time.rows += f.rows;
         if streamed {
             time.upload_s += layer_params / rates.stream_params;
         }
@@ -113,6 +120,9 @@ pub fn predict(
             + 4.0 * attention_width * attended / rates.attention_forward_rate(mean_len);
         time.overhead_s += (f.sequences * spec.layers) as f64 * rates.sequence_layer_s
             + (f.rows * spec.vocab * 4) as f64 / rates.pcie_d2h;
+        if scoring {
+            time.overhead_s += (f.rows * spec.vocab) as f64 * rates.scored_logit_s;
+        }
     }
     time.seconds = time.upload_s + time.compute_s + time.overhead_s;
     time

@@ -59,16 +59,22 @@ pub struct MachineRates {
     /// prices host-side passes when one is added.
     pub host_memcpy: f64,
     /// Layer parameters/s a streamed evaluation uploads (`generate::Streamed`: the host's
-    /// fp32 master weights sent to the device's bf16 slot, synchronously, once per forward).
-    /// Derived (H100, 2026-12-07, Qwen2.5-7B random weights, 64 sequences): streamed
-    /// generation ran 54 tokens/s (1.19 s a forward), resident 496 (0.13 s), so the uploads
-    /// took about 1.06 s for 6.5e9 layer parameters.
+    /// fp32 weights converted to bf16 into pinned staging and copied to the device's slot,
+    /// synchronously, once per forward). Measured (`sluice eval --preset qwen2.5-7b --metric
+    /// exact_match --records 64 --batch 64 --max-new-tokens 64`, H100, 2026-12-07): 54.59 s
+    /// streamed against 7.31 s resident over the same 65 forwards, 0.727 s of uploads a
+    /// forward for 6.53e9 layer parameters.
     pub stream_params: f64,
     /// Seconds a batched forward spends per sequence and layer beside its GEMMs: each
-    /// sequence's attention and its small kernels are launched on their own. Derived (same
-    /// runs): resident decoding took 0.129 s a forward at 64 sequences and 28 layers, of
-    /// which the GEMMs and weight reads take under 0.01 s: about 66 us.
+    /// sequence's attention and its small kernels are launched on their own. Measured (the
+    /// same resident run): 7.31 s for 65 forwards of 64 sequences and 28 layers, of which the
+    /// GEMMs take 0.18 s: 61 us.
     pub sequence_layer_s: f64,
+    /// Host seconds per logit of a row scored by likelihood: its download and the f64
+    /// log-softmax over the vocabulary, on one thread. Measured (the same command with
+    /// `--metric perplexity`, resident): 5.80 s for 2 forwards whose GEMMs take 0.29 s, over
+    /// 2,401 rows of 152,064 logits: 15 ns.
+    pub scored_logit_s: f64,
 }
 
 impl Default for MachineRates {
@@ -86,8 +92,9 @@ impl Default for MachineRates {
             elementwise_bytes: 2.7e12,
             adam_params: 5e9,
             host_memcpy: 60e9,
-            stream_params: 6.1e9,
-            sequence_layer_s: 66e-6,
+            stream_params: 9.0e9,
+            sequence_layer_s: 61e-6,
+            scored_logit_s: 15e-9,
         }
     }
 }
@@ -112,6 +119,7 @@ impl MachineRates {
             host_memcpy: 10e9,
             stream_params: 2.5e9,
             sequence_layer_s: 20e-6,
+            scored_logit_s: 15e-9,
         }
     }
 
@@ -140,6 +148,7 @@ impl MachineRates {
             ("host_memcpy", self.host_memcpy),
             ("stream_params", self.stream_params),
             ("sequence_layer_s", self.sequence_layer_s),
+            ("scored_logit_s", self.scored_logit_s),
         ];
         for (name, seq) in [
             ("attention_forward_half_seq", self.attention_forward_half_seq),

@@ -201,10 +201,11 @@ fn eval_on<B: Backend>(
     );
     if let Some(TaskTiming { seconds, predicted: Some(p) }) = report.timing {
         eprintln!(
-            "predicted {:.2} s ({} forwards: uploads {:.2} s, compute {:.2} s, per-sequence \
-             work {:.2} s), measured {seconds:.2} s: {:.2}x",
+            "predicted {:.2} s ({} forwards, {} logit rows: uploads {:.2} s, compute {:.2} s, \
+             per-sequence work and logits {:.2} s), measured {seconds:.2} s: {:.2}x",
             p.seconds,
             p.forwards,
+            p.rows,
             p.upload_s,
             p.compute_s,
             p.overhead_s,

@@ -6,11 +6,11 @@
 use std::path::PathBuf;
 
 use sluice_engine::data::DatasetSource;
+use sluice_engine::eval::EvalMetric;
 use sluice_engine::plan::{
     GpuQuery, GradientOption, GradientTier, Verdict, gradient_options, plan,
 };
 use sluice_engine::spec::{ModelSpec, preset};
-use sluice_engine::eval::EvalMetric;
 use sluice_engine::train::{Devices, GradientPolicy, Job, JobSettings, Limits, ModelSource};
 
 use super::shape::ShapeArgs;
