@@ -62,9 +62,10 @@ pub enum DatasetsError {
     /// Queued or running jobs train on it or evaluate with it.
     #[error("{active} queued or running jobs use this dataset; cancel them first")]
     InUse { active: i64 },
-    /// The file is not a dataset the engine can train on: why, and one line per bad record.
+    /// The file is not a dataset the engine can train on: why, one line per bad record (the
+    /// first [`SHOWN_PROBLEMS`]), and how many bad records are not listed.
     #[error("{message}")]
-    Unusable { message: String, problems: Vec<String> },
+    Unusable { message: String, problems: Vec<String>, unlisted: usize },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
@@ -145,14 +146,15 @@ pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
         DatasetsError::Unusable {
             message: format!("not a usable dataset: {}", strip_path(&err.to_string())),
             problems: Vec::new(),
+            unlisted: 0,
         }
     })?;
+    // The rest are counted apart rather than as a last "... and N more" line, which a page that
+    // lists fewer would count as one more problem.
     let listed = |lint: &sluice_engine::data::Lint| {
-        let mut problems = lint.problem_lines();
-        if lint.bad > problems.len() {
-            problems.push(format!("... and {} more", lint.bad - problems.len()));
-        }
-        problems
+        let problems = lint.problem_lines();
+        let unlisted = lint.bad.saturating_sub(problems.len());
+        (problems, unlisted)
     };
     let Some(format) = lint.format else {
         let message = if lint.column_names.is_empty() {
@@ -164,22 +166,27 @@ pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
                 lint.column_names.join(", ")
             )
         };
-        return Err(DatasetsError::Unusable { message, problems: listed(&lint) });
+        let (problems, unlisted) = listed(&lint);
+        return Err(DatasetsError::Unusable { message, problems, unlisted });
     };
     if lint.bad > 0 && !source.skips_invalid() {
+        let (problems, unlisted) = listed(&lint);
         return Err(DatasetsError::Unusable {
             message: format!(
                 "the dataset has {} bad records; fix them and upload again, or skip invalid \
                  records",
                 lint.bad
             ),
-            problems: listed(&lint),
+            problems,
+            unlisted,
         });
     }
     if lint.records == 0 {
+        let (problems, unlisted) = listed(&lint);
         return Err(DatasetsError::Unusable {
             message: format!("all {} records are invalid; nothing is left to train on", lint.bad),
-            problems: listed(&lint),
+            problems,
+            unlisted,
         });
     }
     let skipped: Vec<serde_json::Value> = lint

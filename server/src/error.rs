@@ -33,7 +33,8 @@ pub enum ApiError {
     TooMany(String),
     /// 422: well-formed but refused: a malformed dataset (with one line per problem), a job
     /// that will not fit.
-    Unprocessable { message: String, problems: Vec<String> },
+    /// `unlisted` counts the problems beyond those listed.
+    Unprocessable { message: String, problems: Vec<String>, unlisted: usize },
     /// 500: a fault of the server (database, disk); logged, never shown.
     Internal(anyhow::Error),
 }
@@ -58,7 +59,7 @@ impl ApiError {
     }
 
     pub fn unprocessable(message: impl Into<String>) -> Self {
-        ApiError::Unprocessable { message: message.into(), problems: Vec::new() }
+        ApiError::Unprocessable { message: message.into(), problems: Vec::new(), unlisted: 0 }
     }
 
     pub fn internal(err: impl Into<anyhow::Error>) -> Self {
@@ -91,11 +92,11 @@ impl IntoResponse for ApiError {
             | ApiError::TooLarge(m)
             | ApiError::TooMany(m)
             | ApiError::Unauthorized(m) => json!({ "error": m }),
-            ApiError::Unprocessable { message, problems } if problems.is_empty() => {
+            ApiError::Unprocessable { message, problems, .. } if problems.is_empty() => {
                 json!({ "error": message })
             }
-            ApiError::Unprocessable { message, problems } => {
-                json!({ "error": message, "problems": problems })
+            ApiError::Unprocessable { message, problems, unlisted } => {
+                json!({ "error": message, "problems": problems, "unlisted": unlisted })
             }
             ApiError::Internal(err) => {
                 error!("internal error: {err:#}");

@@ -411,6 +411,11 @@ pub(super) fn check_record(
     let Value::Object(object) = value else {
         return Err(format!("record must be a JSON object, found {}", kind(&value)));
     };
+    // Checked before the format, whose own complaint (a missing "output", a conversation that
+    // ends with the user) would hide what the record really is.
+    if let Some(reason) = untrainable(&object) {
+        return Err(reason);
+    }
     match schema {
         Some(schema) => schema.parse(&object).map_err(|message| {
             match Schema::detect(&object).map(|s| s.format) {
@@ -425,6 +430,44 @@ pub(super) fn check_record(
         }),
         None => Err(unrecognised(&object)),
     }
+}
+
+/// Fields of LLaMA-Factory's other dataset kinds, which read as one of the supported formats
+/// but mean something supervised fine-tuning must not train on.
+const PREFERENCE_FIELDS: [&str; 2] = ["chosen", "rejected"];
+const KTO_FIELD: &str = "kto_tag";
+const MEDIA_FIELDS: [&str; 3] = ["images", "videos", "audios"];
+
+/// Why a record of another training method or of media cannot be trained on, if it is one:
+/// preference pairs would train a single answer or none, a `kto_tag: false` example would be
+/// learned as a good answer, and media placeholders (`<image>`) would be learned as text.
+fn untrainable(object: &Map<String, Value>) -> Option<String> {
+    if let Some(field) = PREFERENCE_FIELDS.iter().find(|f| object.contains_key(**f)) {
+        return Some(format!(
+            "\"{field}\": this is preference data (chosen/rejected pairs, as for DPO), which \
+             supervised fine-tuning cannot train on"
+        ));
+    }
+    if object.contains_key(KTO_FIELD) {
+        return Some(format!(
+            "\"{KTO_FIELD}\": this is KTO-labelled data, whose false examples must not be \
+             learned as targets; supervised fine-tuning cannot train on it"
+        ));
+    }
+    // An empty list (or null) carries no media: mixed datasets give text-only records one.
+    let has_media = |value: &Value| match value {
+        Value::Null => false,
+        Value::Array(items) => !items.is_empty(),
+        Value::String(s) => !s.trim().is_empty(),
+        _ => true,
+    };
+    if let Some(field) = MEDIA_FIELDS.iter().find(|f| object.get(**f).is_some_and(has_media)) {
+        return Some(format!(
+            "\"{field}\": multimodal records are not supported; the models trained here read \
+             text only"
+        ));
+    }
+    None
 }
 
 fn unrecognised(object: &Map<String, Value>) -> String {
@@ -555,7 +598,29 @@ impl Schema {
             Some(Value::Object(map)) => Ok(map.clone()),
             Some(_) => Err(format!("{key} must be an object")),
         };
+        if entry.get("ranking").is_some_and(|r| r.as_bool() == Some(true)) {
+            return Err("ranking: this is preference data (chosen/rejected pairs, as for DPO), \
+                        which supervised fine-tuning cannot train on"
+                .into());
+        }
         let (columns, tags) = (object("columns")?, object("tags")?);
+        // A mapped column of another dataset kind would be read under a name the record check
+        // does not know, so such an entry is refused as a whole.
+        if let Some(key) = columns.keys().find(|k| {
+            PREFERENCE_FIELDS.contains(&k.as_str())
+                || k.as_str() == KTO_FIELD
+                || MEDIA_FIELDS.contains(&k.as_str())
+        }) {
+            let what = if MEDIA_FIELDS.contains(&key.as_str()) {
+                "multimodal datasets are not supported; the models trained here read text only"
+            } else if key == KTO_FIELD {
+                "KTO-labelled data, whose false examples must not be learned as targets, is not \
+                 supported"
+            } else {
+                "preference data (chosen/rejected pairs, as for DPO) is not supported"
+            };
+            return Err(format!("columns map {key:?}: {what}"));
+        }
         for (key, value) in columns.iter().chain(tags.iter()) {
             if !value.is_string() && !value.is_null() {
                 return Err(format!("column or tag {key:?} must be a string"));

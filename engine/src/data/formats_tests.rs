@@ -388,3 +388,64 @@ fn registry_entries_that_cannot_be_used_are_errors() {
         tagged.problems
     );
 }
+
+/// LLaMA-Factory's preference, KTO and multimodal records look like alpaca or ShareGPT records
+/// but must not be trained as such: each is refused for what it is, not for a missing field.
+#[test]
+fn preference_kto_and_multimodal_records_are_refused_for_what_they_are() {
+    let text = [
+        r#"{"instruction": "ok", "input": "", "output": "fine"}"#, // 1
+        r#"{"instruction": "Pick", "input": "", "chosen": "good", "rejected": "bad"}"#, // 2
+        r#"{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"}, "rejected": {"from": "gpt", "value": "b"}}"#, // 3
+        r#"{"instruction": "q", "output": "a wrong answer", "kto_tag": false}"#, // 4
+        r#"{"instruction": "q", "output": "a right answer", "kto_tag": true}"#,  // 5
+        r#"{"instruction": "<image>What is this?", "output": "A cat.", "images": ["cat.jpg"]}"#, // 6
+        r#"{"instruction": "Listen", "output": "Rain.", "audios": ["rain.wav"]}"#, // 7
+        r#"{"instruction": "No media", "output": "Fine.", "images": []}"#,         // 8
+    ]
+    .join("\n");
+    let (_dir, parsed) = check("d.jsonl", &text);
+    let parsed = parsed.unwrap();
+    assert_eq!(parsed.format, Some(Format::Alpaca));
+    assert_eq!(parsed.entries.iter().map(|e| e.line).collect::<Vec<_>>(), vec![1, 8]);
+    let lines: Vec<usize> = parsed.problems.iter().map(|p| p.line).collect();
+    assert_eq!(lines, vec![2, 3, 4, 5, 6, 7]);
+    let message = |i: usize| parsed.problems[i].message.as_str();
+    for i in [0, 1] {
+        assert!(message(i).contains("preference data (chosen/rejected pairs"), "{}", message(i));
+    }
+    assert!(message(0).starts_with("\"chosen\": "), "{}", message(0));
+    for i in [2, 3] {
+        assert!(message(i).starts_with("\"kto_tag\": this is KTO-labelled data"), "{}", message(i));
+    }
+    assert!(message(4).starts_with("\"images\": multimodal records"), "{}", message(4));
+    assert!(message(5).starts_with("\"audios\": multimodal records"), "{}", message(5));
+
+    // A file of nothing but preference pairs: every record says so, none is trained.
+    let (_dir, parsed) = check("p.jsonl", text.lines().nth(2).unwrap());
+    let parsed = parsed.unwrap();
+    assert_eq!(parsed.format, None);
+    assert!(parsed.problems[0].message.contains("preference data"), "{:?}", parsed.problems);
+}
+
+#[test]
+fn registry_entries_of_preference_kto_or_media_data_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = dir.path().join("dataset_info.json");
+    std::fs::write(
+        &registry,
+        r#"{
+            "dpo": {"file_name": "d.jsonl", "ranking": true},
+            "kto": {"file_name": "d.jsonl", "columns": {"kto_tag": "label"}},
+            "mm": {"file_name": "d.jsonl", "formatting": "sharegpt", "columns": {"images": "pictures"}}
+        }"#,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("d.jsonl"), r#"{"instruction": "q", "output": "a"}"#).unwrap();
+    let err = read_registry_dataset(&registry, "dpo").unwrap_err().to_string();
+    assert!(err.contains("dpo: ranking: this is preference data"), "{err}");
+    let err = read_registry_dataset(&registry, "kto").unwrap_err().to_string();
+    assert!(err.contains("columns map \"kto_tag\": KTO-labelled data"), "{err}");
+    let err = read_registry_dataset(&registry, "mm").unwrap_err().to_string();
+    assert!(err.contains("columns map \"images\": multimodal datasets"), "{err}");
+}

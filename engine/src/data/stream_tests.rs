@@ -255,3 +255,28 @@ fn lint_counts_every_problem_and_keeps_the_first() {
         vec!["record 2: record must be a JSON object, found a number"]
     );
 }
+
+/// The streaming reader (what uploads lint and large datasets train from) refuses preference,
+/// KTO and multimodal records as the whole-file reader does, with the same reasons.
+#[test]
+fn preference_kto_and_multimodal_records_are_refused_record_by_record() {
+    let text = concat!(
+        r#"{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"}, "rejected": {"from": "gpt", "value": "b"}}"#,
+        "\n",
+        r#"{"instruction": "q", "output": "a", "kto_tag": false}"#,
+        "\n",
+        r#"{"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A goal."}], "videos": ["goal.mp4"]}"#,
+        "\n",
+        r#"{"instruction": "q", "output": "a"}"#,
+        "\n",
+    );
+    let (_dir, path) = write("d.jsonl", text.as_bytes());
+    let reader = DatasetReader::open(&path).unwrap();
+    check_same("special records", &reader, &read_dataset(&path).unwrap());
+    let lint = reader.lint(10).unwrap();
+    assert_eq!((lint.format, lint.records, lint.bad), (Some(Format::Alpaca), 1, 3));
+    let lines = lint.problem_lines();
+    assert!(lines[0].starts_with("line 1: \"chosen\": this is preference data"), "{lines:?}");
+    assert!(lines[1].starts_with("line 2: \"kto_tag\": this is KTO-labelled data"), "{lines:?}");
+    assert!(lines[2].starts_with("line 3: \"videos\": multimodal records"), "{lines:?}");
+}

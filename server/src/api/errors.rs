@@ -27,8 +27,8 @@ impl From<DatasetsError> for ApiError {
         match err {
             DatasetsError::NotFound(_) => ApiError::not_found(err.to_string()),
             DatasetsError::InUse { .. } => ApiError::conflict(err.to_string()),
-            DatasetsError::Unusable { message, problems } => {
-                ApiError::Unprocessable { message, problems }
+            DatasetsError::Unusable { message, problems, unlisted } => {
+                ApiError::Unprocessable { message, problems, unlisted }
             }
             DatasetsError::Database(err) => err.into(),
         }

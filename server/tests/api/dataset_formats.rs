@@ -87,6 +87,24 @@ async fn a_lenient_upload_lists_what_it_skips_and_its_jobs_skip_the_same() -> an
         admin.wait_job(job, 300, |j| j["status"] != "queued" && j["status"] != "running").await?;
     assert_eq!(done["status"], "completed", "{done}");
 
+    // 300 bad records among good ones: 100 are listed and the other 200 counted, never as a
+    // line of their own (a page listing fewer would count that line as one more problem).
+    let many: String = (1..=400)
+        .map(|i| if i % 4 == 0 { "{\"text\": \"fine\"}\n" } else { "{\"text\": 1}\n" })
+        .collect();
+    let strict = upload(&admin, "many.jsonl", many.as_bytes(), &[]).await?;
+    assert_eq!(strict.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", strict.text());
+    let body = strict.json()?;
+    assert_eq!(body["problems"].as_array().map(Vec::len), Some(100), "{body}");
+    assert_eq!(body["unlisted"], 200, "{body}");
+    assert!(!body.to_string().contains("more"), "{body}");
+    let reply = upload(&admin, "many.jsonl", many.as_bytes(), &[("skip_invalid", "true")]).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!((created["records"].as_i64(), created["skipped"].as_i64()), (Some(100), Some(300)));
+    let listed = created["skipped_records"].as_array().map(Vec::len).unwrap_or(0);
+    assert_eq!(created["skipped"].as_i64().unwrap_or(0) - listed as i64, 200, "{created}");
+
     // Nothing valid at all is refused even leniently.
     let none = "{\"conversations\": []}\nnot json\n";
     let reply = upload(&admin, "none.jsonl", none.as_bytes(), &[("skip_invalid", "on")]).await?;

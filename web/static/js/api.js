@@ -2,12 +2,16 @@
 // ApiError carrying the server's message, a POST whose answer streams as server-sent events, and
 // an upload with progress.
 
-/** An API answer that was not 2xx; `message` is meant for the user. */
+/**
+ * An API answer that was not 2xx; `message` is meant for the user. `problems` lists the first
+ * problems (a refused dataset's bad records) and `unlisted` counts the rest.
+ */
 export class ApiError extends Error {
-  constructor(status, message, problems = []) {
+  constructor(status, message, problems = [], unlisted = 0) {
     super(message);
     this.status = status;
     this.problems = problems;
+    this.unlisted = unlisted;
   }
 }
 
@@ -53,14 +57,16 @@ export function session() {
 async function errorFrom(response) {
   let message = `The server answered ${response.status} ${response.statusText}.`;
   let problems = [];
+  let unlisted = 0;
   try {
     const body = await response.json();
     if (body && typeof body.error === 'string') message = body.error;
     if (body && Array.isArray(body.problems)) problems = body.problems.map(String);
+    if (body && Number.isInteger(body.unlisted)) unlisted = body.unlisted;
   } catch {
     if (response.status === 413) message = 'The file is larger than this server accepts.';
   }
-  return new ApiError(response.status, message, problems);
+  return new ApiError(response.status, message, problems, unlisted);
 }
 
 /** The session expired (or the server restarted with new keys): log in again, then come back. */
@@ -240,7 +246,8 @@ export async function upload(path, form, onProgress) {
       let message = (body && body.error) || `The server answered ${xhr.status}.`;
       if (xhr.status === 413 && !(body && body.error)) message = 'The file is larger than this server accepts.';
       const problems = body && Array.isArray(body.problems) ? body.problems.map(String) : [];
-      reject(new ApiError(xhr.status, message, problems));
+      const unlisted = body && Number.isInteger(body.unlisted) ? body.unlisted : 0;
+      reject(new ApiError(xhr.status, message, problems, unlisted));
     };
     xhr.send(form);
   });

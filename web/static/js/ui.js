@@ -44,9 +44,13 @@ export function showError(container, err) {
     container.replaceChildren();
     return;
   }
-  const problems = Array.isArray(err.problems) && err.problems.length
-    ? el('ul', {}, err.problems.slice(0, 50).map((p) => el('li', {}, p)),
-      err.problems.length > 50 ? el('li', {}, `… and ${err.problems.length - 50} more`) : null)
+  // The server lists the first problems and counts the rest apart (`unlisted`); those beyond
+  // the 50 shown here are added to that count.
+  const listed = Array.isArray(err.problems) ? err.problems : [];
+  const more = Math.max(0, listed.length - 50) + (Number.isInteger(err.unlisted) ? err.unlisted : 0);
+  const problems = listed.length
+    ? el('ul', {}, listed.slice(0, 50).map((p) => el('li', {}, p)),
+      more > 0 ? el('li', {}, `… and ${fmtInt(more)} more`) : null)
     : null;
   fill(container, el('div', {}, err.message || String(err)), problems);
   container.className = 'alert error';
