@@ -163,6 +163,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let state = AppState::open(config).await?;
     crate::start(&state).await?;
     let local = listener.local_addr().context("cannot read the bound address")?;
+    let stop = shutdown_signal();
     let scheme = if tls.is_some() { "https" } else { "http" };
     info!(
         data_dir = %state.data_dir().display(),
@@ -179,9 +180,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             let listener = TlsListener::new(listener, acceptor)
                 .context("cannot read the bound address")?
                 .tap_io(|tls| no_delay(tls.get_ref().0));
-            serve_until_signal(listener, router).await
+            serve_until_signal(listener, router, stop).await
         }
-        None => serve_until_signal(listener.tap_io(|tcp| no_delay(tcp)), router).await,
+        None => serve_until_signal(listener.tap_io(|tcp| no_delay(tcp)), router, stop).await,
     }
 }
 
@@ -191,8 +192,12 @@ fn no_delay(tcp: &TcpStream) {
     }
 }
 
-/// Serves until Ctrl-C or SIGTERM, then lets in-flight requests finish.
-async fn serve_until_signal<L>(listener: L, router: Router) -> anyhow::Result<()>
+/// Serves until `stop` (Ctrl-C or SIGTERM), then lets in-flight requests finish.
+async fn serve_until_signal<L>(
+    listener: L,
+    router: Router,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()>
 where
     L: Listener<Addr = SocketAddr>,
     for<'a> SocketAddr: Connected<IncomingStream<'a, L>>,
@@ -200,7 +205,7 @@ where
     let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
     let service = router.into_make_service_with_connect_info::<SocketAddr>();
     let server = axum::serve(listener, service).with_graceful_shutdown(async move {
-        shutdown_signal().await;
+        stop.await;
         let _ = stopping_tx.send(true);
     });
     // Live event streams never finish by themselves: after the signal they get a few seconds,
@@ -314,35 +319,46 @@ impl Listener for TlsListener {
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; `axum::serve` then stops accepting connections and
-/// waits for in-flight requests. A signal that cannot be watched is logged and never fires, so
-/// the other one still works.
-async fn shutdown_signal() {
-    let ctrl_c = async {
+/// waits for in-flight requests. The watchers are registered here, when it is called, not when
+/// the future is first polled: the server calls it before it says it listens, so a signal sent
+/// from then on stops it gracefully rather than finding the default action (which kills the
+/// process). A signal that cannot be watched is logged and never fires, so the other still
+/// works.
+fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{Signal, SignalKind, signal};
+        let watch = |kind: SignalKind, name: &str| match signal(kind) {
+            Ok(watcher) => Some(watcher),
+            Err(err) => {
+                warn!("cannot watch for {name}: {err}");
+                None
+            }
+        };
+        async fn fired(watcher: Option<Signal>) {
+            match watcher {
+                Some(mut watcher) => {
+                    watcher.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        }
+        let interrupt = fired(watch(SignalKind::interrupt(), "Ctrl-C"));
+        let terminate = fired(watch(SignalKind::terminate(), "SIGTERM"));
+        async move {
+            tokio::select! {
+                () = interrupt => {}
+                () = terminate => {}
+            }
+            info!("shutting down: finishing in-flight requests");
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if let Err(err) = tokio::signal::ctrl_c().await {
             warn!("cannot watch for Ctrl-C: {err}");
             std::future::pending::<()>().await;
         }
-    };
-
-    #[cfg(unix)]
-    let terminate = async {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut sigterm) => {
-                sigterm.recv().await;
-            }
-            Err(err) => {
-                warn!("cannot watch for SIGTERM: {err}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
+        info!("shutting down: finishing in-flight requests");
     }
-    info!("shutting down: finishing in-flight requests");
 }
