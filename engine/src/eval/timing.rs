@@ -3,10 +3,9 @@
 //! priced by the machine's rates. Generation is priced at its worst, every answer running to
 //! `max_new_tokens`, so the figure is a bound an evaluation between steps stays under.
 
-use serde::{Deserialize, Serialize};
-
 use crate::generate::BatchLimits;
 use crate::generate::batch::groups;
+pub use crate::plan::EvalTime;
 use crate::plan::MachineRates;
 use crate::spec::ModelSpec;
 
@@ -17,25 +16,6 @@ pub enum EvalWork {
     Generate { prompts: Vec<usize>, new_tokens: usize },
     /// Sequences of these lengths (context and continuation), `wanted` logit rows of each.
     Score { lengths: Vec<usize>, wanted: Vec<usize> },
-}
-
-/// A predicted evaluation: its forwards and where their time goes.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct EvalTime {
-    pub forwards: usize,
-    /// Tokens run through the layers (prompts, continuations and generated tokens).
-    pub tokens: usize,
-    /// Logit rows read back: one per answer token picked, one per continuation token scored.
-    #[serde(default)]
-    pub rows: usize,
-    pub seconds: f64,
-    /// The layers' uploads when the weights stream from host memory (once per forward).
-    pub upload_s: f64,
-    /// The layers' and head's GEMMs and attention.
-    pub compute_s: f64,
-    /// The per-sequence work of each layer (a decode's small kernels), the logits' download,
-    /// and for scoring each scored row's log-softmax on the host.
-    pub overhead_s: f64,
 }
 
 /// One forward: `tokens` new tokens of `sequences` sequences after `past` cached positions in

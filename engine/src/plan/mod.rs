@@ -49,7 +49,7 @@ pub mod timing;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use crate::placement::{CheckpointTier, GradientTier, WeightSource};
 pub use budget::{Budget, Part, Tier, TierName};
@@ -316,6 +316,26 @@ pub struct Plan {
     pub eval: Option<EvalPlan>,
 }
 
+/// A predicted task evaluation (`eval::timing::predict`): its forwards and where their time
+/// goes. Defined here, below the evaluation layer, so a plan can carry it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalTime {
+    pub forwards: usize,
+    /// Tokens run through the layers (prompts, continuations and generated tokens).
+    pub tokens: usize,
+    /// Logit rows read back: one per answer token picked, one per continuation token scored.
+    #[serde(default)]
+    pub rows: usize,
+    pub seconds: f64,
+    /// The layers' uploads when the weights stream from host memory (once per forward).
+    pub upload_s: f64,
+    /// The layers' and head's GEMMs and attention.
+    pub compute_s: f64,
+    /// The per-sequence work of each layer (a decode's small kernels), the logits' download,
+    /// and for scoring each scored row's log-softmax on the host.
+    pub overhead_s: f64,
+}
+
 /// A task evaluation's cost beside the steps: the device memory the placement left it and its
 /// predicted time, at most, each time and over the run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -329,7 +349,7 @@ pub struct EvalPlan {
     pub new_tokens: usize,
     /// One evaluation, every answer running to `new_tokens`, the layers streamed from the
     /// host store.
-    pub each: crate::eval::EvalTime,
+    pub each: EvalTime,
     /// Evaluations over the run (the base model, every `eval_every` steps, the last step);
     /// `None` when the steps are not known before the data is read.
     pub evaluations: Option<u64>,
