@@ -64,6 +64,10 @@ impl AppState {
                 .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
         }
         let pool = db::open(&config.database_path()).await?;
+        // Jobs stored before their summaries were kept (migration 0010) get theirs now.
+        crate::store::jobs::summarise_again(&mut *pool.acquire().await?, None)
+            .await
+            .context("cannot summarise the jobs' metrics")?;
         let queue = Queue::default();
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let tryit = TryIt::default();

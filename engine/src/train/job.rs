@@ -791,7 +791,10 @@ impl JobSettings {
                 .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
                 .unwrap_or_default()
         };
-        let (mine, defaults) = (json(self), json(&JobSettings::default()));
+        // The defaults as JSON, made once: the job list asks this of every job it shows.
+        static DEFAULTS: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
+        let defaults = DEFAULTS.get_or_init(|| json(&JobSettings::default()));
+        let mine = json(self);
         Self::FIELDS
             .iter()
             .filter_map(|doc| {

@@ -463,6 +463,7 @@ pub async fn requeue(
     sqlx::query!("DELETE FROM metrics WHERE job_id = ? AND step > ?", id, step)
         .execute(&mut *tx)
         .await?;
+    summarise_again(&mut tx, Some(id)).await?;
     let [queued, running] = JobStatus::ACTIVE;
     let requeued = sqlx::query!(
         "UPDATE jobs SET status = ?1,
@@ -529,8 +530,122 @@ pub async fn record_step(pool: &SqlitePool, id: i64, step: i64, point: &str) -> 
     )
     .execute(&mut *tx)
     .await?;
+    summarise_step(&mut tx, id, step, point).await?;
     sqlx::query!("UPDATE jobs SET step = ? WHERE id = ?", step, id).execute(&mut *tx).await?;
     tx.commit().await?;
+    Ok(())
+}
+
+/// Folds step `step`'s `point` into job `id`'s summary (`job_summaries`) when it comes after the
+/// job's last summarised step, as steps do while a job runs; a step stored again is summarised
+/// from all the job's points instead, since a best or latest figure it replaces cannot be
+/// taken back out of the row.
+async fn summarise_step(
+    tx: &mut sqlx::SqliteConnection,
+    id: i64,
+    step: i64,
+    point: &str,
+) -> sqlx::Result<()> {
+    // In an upsert's SET, `s.` reads the row as it was before the update; a new best needs a
+    // figure, and beats the old one only when lower (ties keep the earlier step, as the
+    // summary from all the points does).
+    let folded = sqlx::query!(
+        "INSERT INTO job_summaries AS s (job_id, last_step, best_loss, best_loss_step,
+             final_loss, final_eval_loss, best_eval_loss, best_eval_step, task_before,
+             task_score, task_step, tokens_seen, trained_tokens, step_s)
+         SELECT ?1, ?2, p.loss, IIF(p.loss IS NULL, NULL, ?2), p.loss,
+                p.eval_loss, p.eval_loss, IIF(p.eval_loss IS NULL, NULL, ?2),
+                IIF(?2 = 0, p.task, NULL), IIF(?2 > 0, p.task, NULL),
+                IIF(?2 > 0 AND p.task IS NOT NULL, ?2, NULL),
+                p.tokens, p.trained, p.step_s
+         FROM (SELECT ?3 ->> '$.loss' AS loss, ?3 ->> '$.eval_loss' AS eval_loss,
+                      ?3 ->> '$.task_score' AS task, ?3 ->> '$.tokens' AS tokens,
+                      ?3 ->> '$.trained_tokens' AS trained, ?3 ->> '$.step_s' AS step_s) p
+         WHERE true
+         ON CONFLICT (job_id) DO UPDATE SET
+             last_step = excluded.last_step,
+             best_loss = IIF(excluded.best_loss < s.best_loss OR s.best_loss IS NULL,
+                             COALESCE(excluded.best_loss, s.best_loss), s.best_loss),
+             best_loss_step = IIF(excluded.best_loss < s.best_loss
+                                  OR (s.best_loss IS NULL AND excluded.best_loss IS NOT NULL),
+                                  excluded.best_loss_step, s.best_loss_step),
+             final_loss = excluded.final_loss,
+             final_eval_loss = COALESCE(excluded.final_eval_loss, s.final_eval_loss),
+             best_eval_loss = IIF(excluded.best_eval_loss < s.best_eval_loss
+                                  OR s.best_eval_loss IS NULL,
+                                  COALESCE(excluded.best_eval_loss, s.best_eval_loss),
+                                  s.best_eval_loss),
+             best_eval_step = IIF(excluded.best_eval_loss < s.best_eval_loss
+                                  OR (s.best_eval_loss IS NULL
+                                      AND excluded.best_eval_loss IS NOT NULL),
+                                  excluded.best_eval_step, s.best_eval_step),
+             task_score = COALESCE(excluded.task_score, s.task_score),
+             task_step = IIF(excluded.task_score IS NULL, s.task_step, excluded.task_step),
+             tokens_seen = IIF(excluded.tokens_seen IS NULL, s.tokens_seen,
+                               COALESCE(s.tokens_seen, 0) + excluded.tokens_seen),
+             trained_tokens = IIF(excluded.trained_tokens IS NULL, s.trained_tokens,
+                                  COALESCE(s.trained_tokens, 0) + excluded.trained_tokens),
+             step_s = IIF(excluded.step_s IS NULL, s.step_s,
+                          COALESCE(s.step_s, 0) + excluded.step_s)
+         WHERE excluded.last_step > s.last_step",
+        id,
+        step,
+        point,
+    )
+    .execute(&mut *tx)
+    .await?;
+    if folded.rows_affected() == 0 {
+        summarise_again(tx, Some(id)).await?;
+    }
+    Ok(())
+}
+
+/// Summarises job `id` from all its stored points, or with `None` every job that has points
+/// but no summary (those stored before summaries were kept; the server runs this at start).
+pub async fn summarise_again(
+    conn: &mut sqlx::SqliteConnection,
+    id: Option<i64>,
+) -> sqlx::Result<()> {
+    if let Some(id) = id {
+        sqlx::query!("DELETE FROM job_summaries WHERE job_id = ?", id).execute(&mut *conn).await?;
+    }
+    sqlx::query!(
+        "INSERT INTO job_summaries (job_id, last_step, best_loss, best_loss_step, final_loss,
+             final_eval_loss, best_eval_loss, best_eval_step, task_before, task_score,
+             task_step, tokens_seen, trained_tokens, step_s)
+         SELECT j.id,
+             (SELECT MAX(m.step) FROM metrics m WHERE m.job_id = j.id),
+             (SELECT MIN(m.point ->> '$.loss') FROM metrics m WHERE m.job_id = j.id),
+             (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                 AND m.point ->> '$.loss' IS NOT NULL
+                 ORDER BY m.point ->> '$.loss', m.step LIMIT 1),
+             (SELECT m.point ->> '$.loss' FROM metrics m WHERE m.job_id = j.id
+                 ORDER BY m.step DESC LIMIT 1),
+             (SELECT m.point ->> '$.eval_loss' FROM metrics m WHERE m.job_id = j.id
+                 AND m.point ->> '$.eval_loss' IS NOT NULL ORDER BY m.step DESC LIMIT 1),
+             (SELECT MIN(m.point ->> '$.eval_loss') FROM metrics m WHERE m.job_id = j.id),
+             (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                 AND m.point ->> '$.eval_loss' IS NOT NULL
+                 ORDER BY m.point ->> '$.eval_loss', m.step LIMIT 1),
+             (SELECT m.point ->> '$.task_score' FROM metrics m
+                 WHERE m.job_id = j.id AND m.step = 0),
+             (SELECT m.point ->> '$.task_score' FROM metrics m WHERE m.job_id = j.id
+                 AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
+                 ORDER BY m.step DESC LIMIT 1),
+             (SELECT m.step FROM metrics m WHERE m.job_id = j.id
+                 AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
+                 ORDER BY m.step DESC LIMIT 1),
+             (SELECT SUM(m.point ->> '$.tokens') FROM metrics m WHERE m.job_id = j.id),
+             (SELECT SUM(m.point ->> '$.trained_tokens') FROM metrics m WHERE m.job_id = j.id),
+             (SELECT SUM(m.point ->> '$.step_s') FROM metrics m WHERE m.job_id = j.id)
+         FROM jobs j
+         WHERE (?1 IS NULL OR j.id = ?1)
+           AND EXISTS (SELECT 1 FROM metrics m WHERE m.job_id = j.id)
+           AND NOT EXISTS (SELECT 1 FROM job_summaries s WHERE s.job_id = j.id)",
+        id,
+    )
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -711,7 +826,7 @@ pub async fn all_job_ids(pool: &SqlitePool) -> sqlx::Result<Vec<i64>> {
 }
 
 /// A job as the API lists it: its row with what the list shows beside it, all from one
-/// statement (names joined in, the rest as subqueries per row).
+/// statement (names joined in, the metric summary from `job_summaries`).
 #[derive(Debug)]
 pub struct Listed {
     pub row: JobRow,
@@ -742,8 +857,7 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
         Which::OwnedBy(owner) => (Some(owner), None),
         Which::One(job) => (None, Some(job)),
     };
-    // The metric summaries read the JSON points of each job's steps; `m.point ->> '$.x'` is
-    // SQLite's json_extract.
+    // The metric summaries are kept as the steps are stored (see `summarise_step`).
     let rows = sqlx::query!(
         r#"SELECT j.id AS "id!: i64", j.owner_id AS "owner_id!: i64", j.model AS "model!",
                 j.dataset_id, j.device AS "device!", j.config AS "config!",
@@ -760,46 +874,19 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
                      WHERE q.device = j.device AND q.status = ?1 AND q.queue_seq <= j.queue_seq)
                 END AS "position: i64",
                 (SELECT token FROM demo_links l WHERE l.job_id = j.id) AS "demo_token: String",
-                (SELECT MIN(m.point ->> '$.loss') FROM metrics m WHERE m.job_id = j.id)
-                    AS "best_loss: f64",
-                (SELECT m.step FROM metrics m WHERE m.job_id = j.id
-                    AND m.point ->> '$.loss' IS NOT NULL
-                    ORDER BY m.point ->> '$.loss', m.step LIMIT 1) AS "best_loss_step: i64",
-                (SELECT m.point ->> '$.loss' FROM metrics m WHERE m.job_id = j.id
-                    ORDER BY m.step DESC LIMIT 1) AS "final_loss: f64",
-                (SELECT m.point ->> '$.eval_loss' FROM metrics m WHERE m.job_id = j.id
-                    AND m.point ->> '$.eval_loss' IS NOT NULL
-                    ORDER BY m.step DESC LIMIT 1) AS "final_eval_loss: f64",
-                (SELECT MIN(m.point ->> '$.eval_loss') FROM metrics m WHERE m.job_id = j.id)
-                    AS "best_eval_loss: f64",
-                (SELECT m.step FROM metrics m WHERE m.job_id = j.id
-                    AND m.point ->> '$.eval_loss' IS NOT NULL
-                    ORDER BY m.point ->> '$.eval_loss', m.step LIMIT 1) AS "best_eval_step: i64",
-                (SELECT m.point ->> '$.task_score' FROM metrics m WHERE m.job_id = j.id
-                    AND m.step = 0) AS "task_before: f64",
-                -- Only a job with a task evaluation has one to look for: the others' points
-                -- are not read again.
-                CASE WHEN j.config ->> '$.eval_metric' != 'loss' THEN
-                    (SELECT m.point ->> '$.task_score' FROM metrics m WHERE m.job_id = j.id
-                     AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
-                     ORDER BY m.step DESC LIMIT 1)
-                END AS "task_score: f64",
-                CASE WHEN j.config ->> '$.eval_metric' != 'loss' THEN
-                    (SELECT m.step FROM metrics m WHERE m.job_id = j.id
-                     AND m.step > 0 AND m.point ->> '$.task_score' IS NOT NULL
-                     ORDER BY m.step DESC LIMIT 1)
-                END AS "task_step: i64",
-                (SELECT SUM(m.point ->> '$.tokens') FROM metrics m WHERE m.job_id = j.id)
-                    AS "tokens_seen: i64",
-                (SELECT SUM(m.point ->> '$.trained_tokens') FROM metrics m WHERE m.job_id = j.id)
-                    AS "trained_tokens: i64",
-                (SELECT CASE WHEN SUM(m.point ->> '$.step_s') > 0
-                        THEN SUM(m.point ->> '$.tokens') / SUM(m.point ->> '$.step_s') END
-                    FROM metrics m WHERE m.job_id = j.id) AS "tokens_per_s: f64"
+                s.best_loss AS "best_loss?: f64", s.best_loss_step AS "best_loss_step?: i64",
+                s.final_loss AS "final_loss?: f64", s.final_eval_loss AS "final_eval_loss?: f64",
+                s.best_eval_loss AS "best_eval_loss?: f64",
+                s.best_eval_step AS "best_eval_step?: i64",
+                s.task_before AS "task_before?: f64", s.task_score AS "task_score?: f64",
+                s.task_step AS "task_step?: i64", s.tokens_seen AS "tokens_seen?: i64",
+                s.trained_tokens AS "trained_tokens?: i64",
+                CASE WHEN s.step_s > 0 THEN s.tokens_seen / s.step_s END AS "tokens_per_s?: f64"
          FROM jobs j
          LEFT JOIN users u ON u.id = j.owner_id
          LEFT JOIN datasets d ON d.id = j.dataset_id
          LEFT JOIN datasets e ON e.id = j.eval_dataset_id
+         LEFT JOIN job_summaries s ON s.job_id = j.id
          WHERE (?2 IS NULL OR j.owner_id = ?2) AND (?3 IS NULL OR j.id = ?3)
          ORDER BY j.id DESC"#,
         JobStatus::Queued,
@@ -854,4 +941,98 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
             },
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Job 1's summary row, every column as SQL text (`quote`: NULL, types and full precision).
+    async fn summary(pool: &SqlitePool) -> Vec<String> {
+        let row: Option<(String,)> = sqlx::query_as(
+            "SELECT concat_ws(' ', quote(last_step), quote(best_loss), quote(best_loss_step), quote(final_loss), quote(final_eval_loss), quote(best_eval_loss), quote(best_eval_step), quote(task_before), quote(task_score), quote(task_step), quote(tokens_seen), quote(trained_tokens), quote(step_s))
+             FROM job_summaries WHERE job_id = 1",
+        )
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        row.map(|(text,)| text.split(' ').map(str::to_string).collect()).unwrap_or_default()
+    }
+
+    /// The summary kept step by step, against the one recomputed from all the points.
+    async fn check(pool: &SqlitePool, when: &str) {
+        let kept = summary(pool).await;
+        summarise_again(&mut *pool.acquire().await.unwrap(), Some(1)).await.unwrap();
+        assert_eq!(kept, summary(pool).await, "{when}");
+    }
+
+    /// A point as the runner stores it: figures missing on some steps, ties among the losses,
+    /// a per-unit timeline the summary ignores.
+    fn point(step: i64) -> String {
+        let loss = [2.5, 1.75, 2.0, 1.75, 0.5][step as usize % 5] + (step / 10) as f64;
+        let mut p = serde_json::json!({
+            "step": step,
+            "loss": loss,
+            "tokens": 1000 + step,
+            "step_s": 0.25,
+            "timeline": [{"unit": 0, "t": 0.1}],
+        });
+        if step % 7 == 6 {
+            p["loss"] = serde_json::Value::Null;
+        }
+        if step % 3 == 0 {
+            p["eval_loss"] = serde_json::json!([3.0, 2.0, 2.0, 2.5][step as usize % 4]);
+            p["trained_tokens"] = serde_json::json!(500 + step);
+        }
+        if step % 4 == 0 {
+            p["task_score"] = serde_json::json!(step as f64 / 100.0);
+        }
+        p.to_string()
+    }
+
+    #[tokio::test]
+    async fn the_summary_kept_step_by_step_is_the_one_from_all_the_points() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = crate::db::open(&dir.path().join("sluice.db")).await.unwrap();
+        for sql in [
+            "INSERT INTO users (id, username, password_hash, role, created_at)
+             VALUES (1, 'a', 'x', 'admin', 0)",
+            "INSERT INTO datasets (id, owner_id, name, file_name, format, records, size_bytes,
+                 created_at) VALUES (1, 1, 'd', 'd.jsonl', 'alpaca', 1, 1, 0)",
+            "INSERT INTO jobs (id, owner_id, model, dataset_id, device, config, status,
+                 queue_seq, created_at) VALUES (1, 1, 'preset:tiny', 1, 'cpu', '{}', 'running', 1, 0)",
+        ] {
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        }
+        assert!(summary(&pool).await.is_empty(), "a job with no points has no summary");
+        // Step 0 is stored twice (the base model's score, then the held-out loss beside it).
+        record_step(&pool, 1, 0, &point(0)).await.unwrap();
+        check(&pool, "step 0").await;
+        record_step(&pool, 1, 0, &point(3)).await.unwrap();
+        check(&pool, "step 0 stored again").await;
+        for step in 1..=40 {
+            record_step(&pool, 1, step, &point(step)).await.unwrap();
+            check(&pool, &format!("step {step}")).await;
+        }
+        // Resumed from step 17: later points go, and the summary with them.
+        sqlx::query("UPDATE jobs SET status = 'cancelled' WHERE id = 1")
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert!(requeue(&pool, 1, 1, 17, 10).await.unwrap());
+        let kept = summary(&pool).await;
+        assert_eq!(kept[0], "17", "{kept:?}");
+        assert_eq!(kept.len(), 13, "{kept:?}");
+        check(&pool, "after the resume").await;
+        for step in 18..=25 {
+            record_step(&pool, 1, step, &point(step)).await.unwrap();
+            check(&pool, &format!("step {step} after the resume")).await;
+        }
+        // Summaries of jobs stored before they were kept are made at start.
+        let before = summary(&pool).await;
+        assert_eq!(before[0], "25", "{before:?}");
+        sqlx::query("DELETE FROM job_summaries").execute(&pool).await.unwrap();
+        summarise_again(&mut *pool.acquire().await.unwrap(), None).await.unwrap();
+        assert_eq!(summary(&pool).await, before);
+    }
 }
