@@ -962,7 +962,7 @@ mod tests {
     /// The summary kept step by step, against the one recomputed from all the points.
     async fn check(pool: &SqlitePool, when: &str) {
         let kept = summary(pool).await;
-        summarise_again(&mut *pool.acquire().await.unwrap(), Some(1)).await.unwrap();
+        summarise_again(&mut pool.acquire().await.unwrap(), Some(1)).await.unwrap();
         assert_eq!(kept, summary(pool).await, "{when}");
     }
 
@@ -1032,7 +1032,7 @@ mod tests {
         let before = summary(&pool).await;
         assert_eq!(before[0], "25", "{before:?}");
         sqlx::query("DELETE FROM job_summaries").execute(&pool).await.unwrap();
-        summarise_again(&mut *pool.acquire().await.unwrap(), None).await.unwrap();
+        summarise_again(&mut pool.acquire().await.unwrap(), None).await.unwrap();
         assert_eq!(summary(&pool).await, before);
     }
 }
