@@ -96,6 +96,9 @@ pub enum Layout {
     /// Tab-separated values with a header row.
     Tsv,
     Parquet,
+    /// Plain text (`.txt`): one document per line, or per block of lines where blank lines
+    /// separate blocks of several lines; each is a `text` record numbered by its first line.
+    Text,
 }
 
 impl Layout {
@@ -103,7 +106,7 @@ impl Layout {
     /// Parquet file).
     pub fn unit(self) -> &'static str {
         match self {
-            Layout::JsonLines | Layout::Csv | Layout::Tsv => "line",
+            Layout::JsonLines | Layout::Csv | Layout::Tsv | Layout::Text => "line",
             Layout::JsonArray => "record",
             Layout::Parquet => "row",
         }
@@ -114,6 +117,21 @@ impl Layout {
         matches!(self, Layout::Csv | Layout::Tsv | Layout::Parquet)
     }
 
+    /// JSON Lines or a JSON array: records as they are written, each an object.
+    pub fn is_json(self) -> bool {
+        matches!(self, Layout::JsonLines | Layout::JsonArray)
+    }
+
+    /// Every layout, in the order [`Self::extension`]s are tried.
+    pub const ALL: [Layout; 6] = [
+        Layout::JsonLines,
+        Layout::JsonArray,
+        Layout::Csv,
+        Layout::Tsv,
+        Layout::Parquet,
+        Layout::Text,
+    ];
+
     /// The usual file extension, which is also how a file's layout is recognised first.
     pub fn extension(self) -> &'static str {
         match self {
@@ -122,10 +140,11 @@ impl Layout {
             Layout::Csv => "csv",
             Layout::Tsv => "tsv",
             Layout::Parquet => "parquet",
+            Layout::Text => "txt",
         }
     }
 
-    /// `jsonl`, `json`, `csv`, `tsv` or `parquet`, as [`Self::extension`] names them.
+    /// `jsonl`, `json`, `csv`, `tsv`, `parquet` or `txt`, as [`Self::extension`] names them.
     pub fn name(self) -> &'static str {
         self.extension()
     }
@@ -517,7 +536,12 @@ enum Fields {
         roles: Vec<(String, Role)>,
     },
     PromptCompletion,
-    Text,
+    /// Raw text in `text`, followed by `query` when a registry maps one (LLaMA-Factory joins a
+    /// prompt and its query with a newline).
+    Text {
+        text: String,
+        query: Option<String>,
+    },
 }
 
 impl Schema {
@@ -531,7 +555,7 @@ impl Schema {
         } else if object.contains_key("prompt") && object.contains_key("completion") {
             Some(Schema { format: Format::PromptCompletion, fields: Fields::PromptCompletion })
         } else if object.contains_key("text") {
-            Some(Schema { format: Format::Text, fields: Fields::Text })
+            Some(Schema::text("text", None))
         } else {
             None
         }
@@ -576,6 +600,10 @@ impl Schema {
                 roles,
             },
         }
+    }
+
+    fn text(text: &str, query: Option<String>) -> Schema {
+        Schema { format: Format::Text, fields: Fields::Text { text: text.into(), query } }
     }
 
     fn alpaca(columns: Map<String, Value>) -> Schema {
@@ -626,7 +654,20 @@ impl Schema {
                 return Err(format!("column or tag {key:?} must be a string"));
             }
         }
+        let named = |key: &str| columns.get(key).and_then(Value::as_str).map(str::to_string);
         match entry.get("formatting").map(|f| f.as_str()) {
+            // LLaMA-Factory leaves a column the mapping does not name unset: a prompt with no
+            // response is pretraining text (its README's `columns: {prompt: text}`).
+            None | Some(Some("alpaca"))
+                if entry.contains_key("columns") && named("response").is_none() =>
+            {
+                match named("prompt") {
+                    Some(prompt) => Ok(Schema::text(&prompt, named("query"))),
+                    None => Err("columns map neither \"prompt\" nor \"response\": \
+                                 nothing to train on"
+                        .into()),
+                }
+            }
             None | Some(Some("alpaca")) => Ok(Schema::alpaca(columns)),
             Some(Some("sharegpt")) => Ok(Schema::sharegpt(columns, tags)),
             Some(Some(other)) => {
@@ -751,12 +792,17 @@ impl Schema {
                     completion: completion.to_owned(),
                 })
             }
-            Fields::Text => {
-                let text = required_string(object, "text")?;
-                if text.trim().is_empty() {
-                    return Err("\"text\" is empty".into());
+            Fields::Text { text, query } => {
+                let mut document = required_string(object, text)?.to_owned();
+                if let Some(query) = query
+                    && let Some(more) = optional_string(object, query)?.filter(|q| !q.is_empty())
+                {
+                    document = format!("{document}\n{more}");
                 }
-                Ok(Record::Text(text.to_owned()))
+                if document.trim().is_empty() {
+                    return Err(format!("\"{text}\" is empty"));
+                }
+                Ok(Record::Text(document))
             }
         }
     }

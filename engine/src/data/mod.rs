@@ -26,6 +26,7 @@ pub mod prepare;
 pub mod stream;
 mod tabular;
 pub mod template;
+mod text;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
@@ -109,16 +110,14 @@ impl DatasetSource {
 
     /// Reads and lints the whole dataset into memory without tokenizing it; [`Self::open`]
     /// reads it record by record instead. Tables and mapped files are read through
-    /// [`DatasetReader`]; plain JSON whole, as it always was.
+    /// [`DatasetReader`], and so is text; plain JSON whole, as it always was.
     pub fn read(&self) -> Result<Parsed> {
         match self.parts() {
-            (Base::File(path), read)
-                if read.columns.is_empty() && !layout_of(path)?.is_tabular() =>
-            {
+            (Base::File(path), read) if read.columns.is_empty() && layout_of(path)?.is_json() => {
                 read_dataset(path)
             }
             (Base::Registry(registry, name), _)
-                if !layout_of(&formats::registry_file(registry, name)?.0)?.is_tabular() =>
+                if layout_of(&formats::registry_file(registry, name)?.0)?.is_json() =>
             {
                 read_registry_dataset(registry, name)
             }

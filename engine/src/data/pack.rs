@@ -2,8 +2,11 @@
 //!
 //! Samples go into rows in order (after an optional seeded shuffle); one that does not fit in
 //! what is left of the current row starts the next row, so a document never crosses a row; one
-//! longer than `seq_len` keeps its first `seq_len` tokens. What is left at the end of a row is
-//! padding, a document of its own that is never trained. Per row: ids, next-token targets
+//! longer than `seq_len` keeps its first `seq_len` tokens. Raw text is the exception
+//! ([`Sample::continues`], pretraining): it fills what is left of the row and goes on in the
+//! next, each part a document of its own, so nothing of it is cut and rows carry no padding
+//! between texts. What is left at the end of a row is padding, a document of its own that is
+//! never trained. Per row: ids, next-token targets
 //! (`targets[t] = ids[t + 1]` when `t + 1` is in the same document and trained, else
 //! [`IGNORE`]), positions restarting at 0 for each document, and document lengths.
 
@@ -44,6 +47,8 @@ pub struct Stats {
     /// Samples longer than `seq_len`, cut to their first `seq_len` tokens.
     pub truncated_samples: usize,
     pub dropped_tokens: usize,
+    /// Raw texts that go on over a row boundary (none of their tokens are cut).
+    pub continued_samples: usize,
     pub padding_tokens: usize,
     pub rows: usize,
     /// Conversations that never train the eos token (see [`Prepared::samples_without_eos`]).
@@ -125,6 +130,20 @@ impl Packed {
     }
 }
 
+/// What one sample gives training at `seq_len` were it to start a row, counted as [`pack`]
+/// counts: tokens kept, targets trained (a token is one when it is trained and follows another
+/// token of the same row part), tokens cut.
+pub fn sample_counts(sample: &Sample, seq_len: usize) -> (usize, usize, usize) {
+    let seq_len = seq_len.max(1);
+    let kept = if sample.continues { sample.ids.len() } else { sample.ids.len().min(seq_len) };
+    let trained = sample.trained[..kept.min(sample.trained.len())]
+        .iter()
+        .enumerate()
+        .filter(|&(t, &trained)| trained && t % seq_len != 0)
+        .count();
+    (kept, trained, sample.ids.len() - kept)
+}
+
 /// Packs prepared samples into rows. Errors when `seq_len` is 0 or when no token is trained.
 pub fn pack(prepared: Prepared, options: &PackOptions) -> Result<Packed> {
     let seq_len = options.seq_len;
@@ -144,7 +163,7 @@ pub fn pack(prepared: Prepared, options: &PackOptions) -> Result<Packed> {
     let mut rows = Vec::new();
     let mut row = RowBuilder::new(seq_len);
     for sample in &samples {
-        let Sample { ids, trained } = sample;
+        let Sample { ids, trained, continues } = sample;
         if ids.len() != trained.len() {
             return Err(Error::invalid(format!(
                 "sample has {} ids but {} trained flags",
@@ -153,6 +172,22 @@ pub fn pack(prepared: Prepared, options: &PackOptions) -> Result<Packed> {
             )));
         }
         if ids.is_empty() {
+            continue;
+        }
+        if *continues {
+            // Filled into what is left of the row, then on into fresh rows.
+            let (mut start, mut parts) = (0, 0);
+            while start < ids.len() {
+                if row.len() == seq_len {
+                    rows.push(row.finish(pad_id, &mut stats));
+                    row = RowBuilder::new(seq_len);
+                }
+                let end = ids.len().min(start + seq_len - row.len());
+                row.push_document(&ids[start..end], &trained[start..end])?;
+                (start, parts) = (end, parts + 1);
+            }
+            stats.tokens += ids.len();
+            stats.continued_samples += usize::from(parts > 1);
             continue;
         }
         let keep = ids.len().min(seq_len);

@@ -6,7 +6,7 @@ use super::*;
 const I: i32 = IGNORE;
 
 fn sample(ids: &[u32], trained: &[u8]) -> Sample {
-    Sample { ids: ids.to_vec(), trained: trained.iter().map(|&t| t == 1).collect() }
+    Sample::new(ids.to_vec(), trained.iter().map(|&t| t == 1).collect())
 }
 
 fn check(samples: Vec<Sample>, seq_len: usize) -> Result<Packed> {
@@ -47,6 +47,7 @@ fn hand_made_rows_targets_positions_and_documents() {
             trained_tokens: 5,
             truncated_samples: 0,
             dropped_tokens: 0,
+            continued_samples: 0,
             padding_tokens: 3,
             rows: 2,
             samples_without_eos: 0,
@@ -72,6 +73,42 @@ fn long_samples_are_truncated_and_counted() {
     assert_eq!(packed.stats.tokens, 6);
 }
 
+fn text(ids: std::ops::Range<u32>) -> Sample {
+    let ids: Vec<u32> = ids.collect();
+    Sample { trained: vec![true; ids.len()], ids, continues: true }
+}
+
+#[test]
+fn raw_text_goes_on_over_rows_and_nothing_of_it_is_cut() {
+    // 7 tokens of text, a 2-token conversation, then 6 more of text, in rows of 4: the first
+    // text fills row 0 and goes on in row 1; the conversation does not fit what is left of
+    // row 1 (1 token) and starts row 2, after which the second text fills the rest.
+    let packed = check(vec![text(1..8), sample(&[50, 51], &[0, 1]), text(20..26)], 4).unwrap();
+    let rows: Vec<_> = packed.rows.iter().map(|r| (r.ids.clone(), r.doc_lens.clone())).collect();
+    assert_eq!(
+        rows,
+        vec![
+            (vec![1, 2, 3, 4], vec![4]),
+            (vec![5, 6, 7, 0], vec![3, 1]),
+            (vec![50, 51, 20, 21], vec![2, 2]),
+            (vec![22, 23, 24, 25], vec![4]),
+        ]
+    );
+    // Each part is a document of its own: positions restart, and the first token of a part is
+    // not a target (what came before it is in another row).
+    assert_eq!(packed.rows[1].positions, vec![0, 1, 2, 0]);
+    assert_eq!(packed.rows[1].targets, vec![6, 7, I, I]);
+    assert_eq!(packed.rows[3].targets, vec![23, 24, 25, I]);
+    let stats = packed.stats;
+    assert_eq!((stats.tokens, stats.truncated_samples, stats.dropped_tokens), (15, 0, 0));
+    assert_eq!((stats.continued_samples, stats.padding_tokens), (2, 1));
+    // What a text gives training, counted alone as the preview counts it: every token kept,
+    // each part's first token untrained.
+    assert_eq!(sample_counts(&text(1..8), 4), (7, 5, 0));
+    assert_eq!(sample_counts(&sample(&[1, 2, 3, 4, 5, 6, 7], &[1; 7]), 4), (4, 3, 3));
+    assert_eq!(packed.stats.trained_tokens, 3 + 2 + 1 + 1 + 3);
+}
+
 #[test]
 fn no_document_crosses_a_row_and_padding_is_never_trained() {
     // Lengths 1..=9 in a pseudo-random order, all trained, into rows of 8.
@@ -79,7 +116,7 @@ fn no_document_crosses_a_row_and_padding_is_never_trained() {
         .map(|i| {
             let len = (i * 7 % 9 + 1) as usize;
             let ids: Vec<u32> = (0..len as u32).map(|t| 100 + i * 10 + t).collect();
-            Sample { trained: vec![true; len], ids }
+            Sample::new(ids, vec![true; len])
         })
         .collect();
     let packed = check(samples, 8).unwrap();

@@ -18,6 +18,17 @@ use crate::error::{Error, Result};
 pub struct Sample {
     pub ids: Vec<u32>,
     pub trained: Vec<bool>,
+    /// Raw text (pretraining), which packing continues over rows: a part that does not fit
+    /// the rest of a row goes on at the start of the next, and none of it is cut. Other
+    /// samples never cross a row, and one longer than a row is cut.
+    pub continues: bool,
+}
+
+impl Sample {
+    /// A sample that never crosses a row.
+    pub fn new(ids: Vec<u32>, trained: Vec<bool>) -> Sample {
+        Sample { ids, trained, continues: false }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -114,7 +125,9 @@ impl<'t> Preparer<'t> {
                     self.with_eos(&text, trained)
                 }
             },
-            Record::Text(text) => self.with_eos(text, 0..text.len()),
+            Record::Text(text) => {
+                Ok(Sample { continues: true, ..self.with_eos(text, 0..text.len())? })
+            }
         }
     }
 
@@ -132,7 +145,7 @@ impl<'t> Preparer<'t> {
         } else {
             mask(&encoding.offsets, &rendered.assistant_spans)
         };
-        Ok(Sample { ids: encoding.ids, trained })
+        Ok(Sample::new(encoding.ids, trained))
     }
 
     /// `text` then eos; tokens starting in `trained` and the eos are trained.
@@ -152,7 +165,7 @@ impl<'t> Preparer<'t> {
         let mut ids = encoding.ids;
         ids.push(eos);
         trained.push(true);
-        Ok(Sample { ids, trained })
+        Ok(Sample::new(ids, trained))
     }
 }
 

@@ -33,7 +33,7 @@ use super::formats::{
     Entry, Format, Layout, Parsed, Problem, Schema, check_record, no_records, registry_file,
     schema_of,
 };
-use super::{parquet, tabular};
+use super::{parquet, tabular, text};
 use crate::error::{Error, Result};
 
 /// The longest record read: a few times the longest conversation a 128k-token context holds,
@@ -54,7 +54,7 @@ pub struct DatasetReader {
     schema: Option<Schema>,
     /// The schema was detected from the file, not stated by a registry.
     detected: bool,
-    /// A table's column names; empty for JSON.
+    /// A table's column names; empty for JSON and text.
     names: Vec<String>,
     /// How columns are renamed before a record is checked.
     columns: Columns,
@@ -188,6 +188,15 @@ impl DatasetReader {
                 tabular::rows(path, reader, delimiter, |(line, value)| visit(line, value))
             }
             Layout::Parquet => parquet::rows(path, |(line, value)| visit(line, value)),
+            Layout::Text => text::documents(
+                path,
+                || {
+                    let mut reader = open(path)?;
+                    skip_bom(path, &mut reader)?;
+                    Ok(reader)
+                },
+                visit,
+            ),
         }
     }
 
@@ -282,8 +291,8 @@ fn skip_bom(path: &Path, reader: &mut BufReader<File>) -> Result<()> {
     Ok(())
 }
 
-/// How a file is laid out: by its extension (`.csv`, `.tsv`, `.parquet`, `.jsonl`, `.json`,
-/// as the appliance stores them), else by its first bytes: Parquet's magic, a JSON array's `[`
+/// How a file is laid out: by its extension (`.csv`, `.tsv`, `.parquet`, `.txt`, `.jsonl`,
+/// `.json`, as the appliance stores them), else by its first bytes: Parquet's magic, a JSON array's `[`
 /// or a record's `{`, a first line with a tab (TSV) or a comma (CSV); anything else is read as
 /// JSON Lines, so each bad line is reported as such.
 pub fn layout_of(path: &Path) -> Result<Layout> {
@@ -295,6 +304,7 @@ pub fn layout_of(path: &Path) -> Result<Layout> {
         Some("parquet") => return Ok(Layout::Parquet),
         Some("csv") => return Ok(Layout::Csv),
         Some("tsv") => return Ok(Layout::Tsv),
+        Some("txt") => return Ok(Layout::Text),
         Some("jsonl" | "ndjson" | "json") => {}
         _ if is_parquet => return Ok(Layout::Parquet),
         _ => {}
@@ -328,6 +338,7 @@ fn column_names(path: &Path, layout: Layout) -> Result<Vec<String>> {
             tabular::columns(path, reader, if layout == Layout::Csv { b',' } else { b'\t' })
         }
         Layout::Parquet => parquet::columns(path),
+        Layout::Text => Ok(Vec::new()),
     }
 }
 

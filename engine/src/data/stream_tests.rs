@@ -280,3 +280,91 @@ fn preference_kto_and_multimodal_records_are_refused_record_by_record() {
     assert!(lines[1].starts_with("line 2: \"kto_tag\": this is KTO-labelled data"), "{lines:?}");
     assert!(lines[2].starts_with("line 3: \"videos\": multimodal records"), "{lines:?}");
 }
+
+/// The documents of a text file: (first line, text) or (first line, problem).
+fn documents(text: &[u8]) -> (Vec<(usize, String)>, Vec<(usize, String)>) {
+    let (_dir, path) = write("corpus.txt", text);
+    let reader = DatasetReader::open(&path).unwrap();
+    assert_eq!((reader.layout(), reader.format()), (Layout::Text, Some(Format::Text)));
+    let (entries, problems) = read_all(&reader);
+    let entries = entries
+        .into_iter()
+        .map(|e| match e.record {
+            Record::Text(text) => (e.line, text),
+            other => panic!("not text: {other:?}"),
+        })
+        .collect();
+    // Training reads it the same way, through the reader.
+    let parsed = DatasetSource::File(path.clone()).read().unwrap();
+    assert_eq!(parsed.layout, Layout::Text);
+    (entries, problems.into_iter().map(|p| (p.line, p.message)).collect())
+}
+
+#[test]
+fn a_text_file_is_a_document_per_line_or_per_blank_line_block() {
+    // One per line, as Hugging Face's text loader reads it; blank lines are not documents,
+    // and neither line ends nor a byte-order mark are part of one.
+    let (docs, problems) = documents(b"\xef\xbb\xbfThe first.\r\n\nThe second.\n\n  \nThe third.");
+    let want = [(1, "The first."), (3, "The second."), (6, "The third.")];
+    assert_eq!(docs, want.map(|(l, t)| (l, t.to_string())));
+    assert!(problems.is_empty());
+    // Blank lines between blocks of several lines: a document per block, numbered by its
+    // first line, its lines joined.
+    let (docs, _) = documents(b"\nTitle\nbody one\nbody two\n\n\nSecond\n\nThird\nend\n");
+    let want = [(2, "Title\nbody one\nbody two"), (7, "Second"), (9, "Third\nend")];
+    assert_eq!(docs, want.map(|(l, t)| (l, t.to_string())));
+    // Lines with no blank between them stay documents of their own.
+    let (docs, _) = documents(b"a\nb\nc\n");
+    assert_eq!(docs.len(), 3);
+}
+
+#[test]
+fn a_bad_text_document_is_a_problem_of_its_own() {
+    let mut text = b"fine\n\nbad \xff byte\nstill bad\n\n".to_vec();
+    text.extend_from_slice(&vec![b'x'; MAX_RECORD_BYTES + 1]);
+    text.extend_from_slice(b"\n\nlast\nblock\n");
+    let (docs, problems) = documents(&text);
+    assert_eq!(docs, vec![(1, "fine".to_string()), (8, "last\nblock".to_string())]);
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert_eq!(problems[0].0, 3);
+    assert!(problems[0].1.starts_with("not valid UTF-8"), "{problems:?}");
+    assert_eq!(problems[1].0, 6);
+    assert!(problems[1].1.contains("longer than the 8.0 MiB a record may be"), "{problems:?}");
+}
+
+#[test]
+fn a_registry_that_maps_only_a_prompt_is_pretraining_text() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("c4.jsonl"),
+        "{\"text\": \"A document.\"}\n{\"text\": \"Another\", \"extra\": \"more\"}\n{\"text\": 3}\n",
+    )
+    .unwrap();
+    let registry = dir.path().join("dataset_info.json");
+    let entry = |columns: &str| {
+        std::fs::write(
+            &registry,
+            format!(r#"{{"c4": {{"file_name": "c4.jsonl", "columns": {columns}}}}}"#),
+        )
+        .unwrap();
+    };
+    // LLaMA-Factory's own pretraining entry (its data README's `columns: {prompt: text}`).
+    entry(r#"{"prompt": "text"}"#);
+    let parsed = read_registry_dataset(&registry, "c4").unwrap();
+    assert_eq!(parsed.format, Some(Format::Text));
+    let texts: Vec<_> = parsed.entries.iter().map(|e| e.record.clone()).collect();
+    assert_eq!(texts, vec![Record::Text("A document.".into()), Record::Text("Another".into())]);
+    assert_eq!(parsed.problems.len(), 1);
+    assert_eq!(parsed.problems[0].line, 3);
+    assert!(parsed.problems[0].message.contains("\"text\" must be a string"), "{parsed:?}");
+    let reader = DatasetReader::open_registry(&registry, "c4").unwrap();
+    check_same("registry text", &reader, &parsed);
+    // A query column joins the prompt with a newline, as LLaMA-Factory's prompt does.
+    entry(r#"{"prompt": "text", "query": "extra"}"#);
+    let parsed = read_registry_dataset(&registry, "c4").unwrap();
+    assert_eq!(parsed.entries[1].record, Record::Text("Another\nmore".into()));
+    // Neither a prompt nor a response: nothing to train on, said so.
+    entry(r#"{"system": "text"}"#);
+    let err = read_registry_dataset(&registry, "c4").unwrap_err().to_string();
+    assert!(err.contains("columns map neither \"prompt\" nor \"response\""), "{err}");
+}

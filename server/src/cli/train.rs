@@ -260,7 +260,7 @@ impl Observer for Printer {
                     *device_bytes as f64 / 1e6,
                 ));
                 self.line(format!(
-                    "model: {:.2}M parameters on {backend}; data: {} records, {} samples, {} rows, {} tokens ({} trained), {} truncated samples ({} tokens dropped)",
+                    "model: {:.2}M parameters on {backend}; data: {} records, {} samples, {} rows, {} tokens ({} trained), {} truncated samples ({} tokens dropped), {} texts continued over rows",
                     *params as f64 / 1e6,
                     data.records,
                     data.samples,
@@ -269,6 +269,7 @@ impl Observer for Printer {
                     data.trained_tokens,
                     data.truncated_samples,
                     data.dropped_tokens,
+                    data.continued_samples,
                 ));
                 let bar = ProgressBar::new(*total_steps);
                 bar.set_position(*resumed_at);

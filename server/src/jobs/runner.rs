@@ -386,7 +386,7 @@ impl Observer for Forwarder {
                     String::new()
                 };
                 let line = format!(
-                    "{from}model: {:.2}M parameters on {backend}; host store {:.2} GiB; data: {} records, {} rows, {} tokens ({} trained), {} truncated samples; steps {}..{}",
+                    "{from}model: {:.2}M parameters on {backend}; host store {:.2} GiB; data: {} records, {} rows, {} tokens ({} trained), {} truncated samples, {} texts continued over rows; steps {}..{}",
                     *params as f64 / 1e6,
                     host_store.total() as f64 / (1u64 << 30) as f64,
                     data.records,
@@ -394,6 +394,7 @@ impl Observer for Forwarder {
                     data.tokens,
                     data.trained_tokens,
                     data.truncated_samples,
+                    data.continued_samples,
                     resumed_at + 1,
                     total_steps,
                 );

@@ -312,3 +312,49 @@ async fn a_dataset_info_json_maps_an_upload_kept_beside_it_and_deleted_with_it()
     assert_eq!(stored_files(&app)?, Vec::<String>::new());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_file_is_pretraining_text_packed_across_rows_not_cut() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    // Paragraphs separated by blank lines (one of several lines); the last, long one.
+    let long = "word ".repeat(200);
+    let corpus = format!("The first paragraph,\nwritten over two lines.\n\nA second.\n\n{long}\n");
+    // A bad block is refused with its line, as a JSON record would be.
+    let bad = [corpus.as_bytes(), b"\n\xff broken\n"].concat();
+    let strict = upload(&admin, "corpus.txt", &bad, &[]).await?;
+    assert_eq!(strict.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", strict.text());
+    let body = strict.json()?;
+    assert!(body.to_string().contains("line 8: not valid UTF-8"), "{body}");
+    let reply = upload(&admin, "corpus.txt", corpus.as_bytes(), &[]).await?;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    let created = reply.json()?;
+    assert_eq!((created["format"].as_str(), created["records"].as_i64()), (Some("text"), Some(3)));
+    let id = created["id"].as_i64().unwrap_or(0);
+
+    // The long text goes on over rows: nothing cut, every token but each part's first trained.
+    let preview = admin
+        .get(&format!("/api/datasets/{id}/preview?model=preset:tiny&limit=3&seq_len=64"))
+        .await?;
+    assert_eq!(preview.status, StatusCode::OK, "{}", preview.text());
+    let preview = preview.json()?;
+    let stats = &preview["stats"];
+    assert_eq!((stats["truncated"].as_u64(), stats["continued"].as_u64()), (Some(0), Some(1)));
+    let lengths: Vec<u64> = preview["samples"]
+        .as_array()
+        .map(|s| s.iter().filter_map(|s| s["tokens"].as_u64()).collect())
+        .unwrap_or_default();
+    assert_eq!(stats["tokens"].as_u64(), Some(lengths.iter().sum()), "{preview}");
+    let parts: u64 = lengths.iter().map(|l| l.div_ceil(64)).sum();
+    assert_eq!(stats["trained_tokens"].as_u64(), Some(lengths.iter().sum::<u64>() - parts));
+    let first = preview["samples"][0]["segments"].to_string();
+    assert!(first.contains("The first paragraph,\\nwritten over two lines."), "{first}");
+
+    let job = admin.submit(tiny_job(id, 2)).await?;
+    let done =
+        admin.wait_job(job, 300, |j| j["status"] != "queued" && j["status"] != "running").await?;
+    assert_eq!(done["status"], "completed", "{done}");
+    let log = admin.get(&format!("/api/jobs/{job}/log")).await?.text();
+    assert!(log.contains("0 truncated samples, 1 texts continued over rows"), "{log}");
+    Ok(())
+}

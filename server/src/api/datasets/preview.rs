@@ -102,9 +102,12 @@ struct PreviewStats {
     measured: usize,
     /// Tokens kept after truncation to `seq_len`.
     tokens: usize,
+    /// Tokens a loss is computed on: trained, and after another token of the same row.
     trained_tokens: usize,
     /// Samples longer than `seq_len`, which lose their end.
     truncated: usize,
+    /// Texts longer than `seq_len`, which go on in the next row and lose nothing.
+    continued: usize,
     seq_len: usize,
     lengths: Vec<Bucket>,
 }
@@ -205,7 +208,7 @@ fn build(
 
     let mut samples = Vec::new();
     let mut lengths = Histogram::new(seq_len);
-    let (mut tokens, mut trained_tokens, mut truncated) = (0, 0, 0);
+    let (mut tokens, mut trained_tokens, mut truncated, mut continued) = (0, 0, 0, 0);
     let mut failed = None;
     let mut read = 0;
     reader
@@ -225,9 +228,14 @@ fn build(
                 .and_then(|sample| {
                     let len = sample.ids.len();
                     lengths.add(len);
-                    tokens += len.min(seq_len);
-                    trained_tokens += sample.trained.iter().take(seq_len).filter(|&&t| t).count();
-                    truncated += usize::from(len > seq_len);
+                    // Counted as training counts them (`pack`): a text longer than a row goes
+                    // on in the next, anything else is cut.
+                    let (kept, trained, cut) =
+                        sluice_engine::data::pack::sample_counts(&sample, seq_len);
+                    tokens += kept;
+                    trained_tokens += trained;
+                    truncated += usize::from(cut > 0);
+                    continued += usize::from(sample.continues && len > seq_len);
                     if samples.len() < limit {
                         let segments = segments(tokenizer, &sample).map_err(refuse)?;
                         samples.push(PreviewSample { line: entry.line, tokens: len, segments });
@@ -254,6 +262,7 @@ fn build(
         tokens,
         trained_tokens,
         truncated,
+        continued,
         seq_len,
         lengths: lengths.buckets(),
     };

@@ -231,8 +231,7 @@ fn read_options(upload: &Upload) -> ApiResult<ReadOptions> {
 /// The extension of a file name the engine reads as a layout, lowercased.
 fn known_extension(original: &str) -> Option<String> {
     let extension = Path::new(original).extension()?.to_str()?.to_ascii_lowercase();
-    let known = [Layout::JsonLines, Layout::JsonArray, Layout::Csv, Layout::Tsv, Layout::Parquet];
-    known.iter().any(|l| l.extension() == extension).then_some(extension)
+    Layout::ALL.iter().any(|l| l.extension() == extension).then_some(extension)
 }
 
 /// The uploaded file's own name, without any directory part, as the dataset's default name.

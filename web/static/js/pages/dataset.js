@@ -42,6 +42,10 @@ function renderStats(stats) {
     const [one, verb] = stats.truncated === 1 ? ['example is', 'loses its end'] : ['examples are', 'lose their ends'];
     notes.push(`${fmtInt(stats.truncated)} ${one} longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens (the sequence length)` : 'the sequence length'} and ${verb} in training.`);
   }
+  if (stats.continued > 0) {
+    const one = stats.continued === 1 ? 'text is' : 'texts are';
+    notes.push(`${fmtInt(stats.continued)} ${one} longer than ${typeof stats.seq_len === 'number' ? `${fmtInt(stats.seq_len)} tokens` : 'the sequence length'} and go${stats.continued === 1 ? 'es' : ''} on in the next row: text is packed, not cut.`);
+  }
   fill($('#stats-notes'), notes.join(' '));
 }
 
