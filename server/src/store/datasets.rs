@@ -201,10 +201,24 @@ pub async fn register_demo(pool: &SqlitePool, demo: &NewDataset<'_>) -> sqlx::Re
 }
 
 /// Deletes dataset `dataset_id` unless a queued or running job trains on it or evaluates with
-/// it, in one statement, so no submit or resume can slip in between the check and the delete.
-/// Says whether it was deleted.
+/// it, checked in the delete's own statement, so no submit or resume can slip in between the
+/// check and the delete; in the same transaction, the stopped jobs evaluating with it are marked
+/// no longer resumable (`resume_ended`). Says whether it was deleted.
 pub async fn delete_dataset_if_unused(pool: &SqlitePool, dataset_id: i64) -> sqlx::Result<bool> {
     let [queued, running] = JobStatus::ACTIVE;
+    let mut tx = pool.begin().await?;
+    // Before the delete clears their `eval_dataset_id`: afterwards nothing says they had one.
+    let why = "the job's evaluation dataset was deleted, and a resume must evaluate on the same \
+               data again";
+    sqlx::query!(
+        "UPDATE jobs SET resume_ended = ? WHERE eval_dataset_id = ? AND status IN (?, ?)",
+        why,
+        dataset_id,
+        JobStatus::Cancelled,
+        JobStatus::Interrupted,
+    )
+    .execute(&mut *tx)
+    .await?;
     let deleted = sqlx::query!(
         "DELETE FROM datasets WHERE id = ?1
            AND NOT EXISTS (SELECT 1 FROM jobs WHERE (dataset_id = ?1 OR eval_dataset_id = ?1)
@@ -213,7 +227,11 @@ pub async fn delete_dataset_if_unused(pool: &SqlitePool, dataset_id: i64) -> sql
         queued,
         running,
     )
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
-    Ok(deleted.rows_affected() == 1)
+    if deleted.rows_affected() != 1 {
+        return Ok(false);
+    }
+    tx.commit().await?;
+    Ok(true)
 }

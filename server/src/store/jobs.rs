@@ -80,6 +80,9 @@ pub struct JobRow {
     pub name: String,
     /// Its owner's note ("" when none).
     pub note: String,
+    /// Why it can no longer be resumed, when something it needs went (see
+    /// [`super::datasets::delete_dataset_if_unused`]).
+    pub resume_ended: Option<String>,
 }
 
 impl JobRow {
@@ -97,9 +100,17 @@ impl JobRow {
 
     /// Why a job stopped before its end cannot be resumed: its training dataset was deleted
     /// (the column is cleared with it), and a resume must read the same data again.
-    pub fn resume_blocked(&self) -> Option<&'static str> {
-        (self.is_resumable() && self.dataset_id.is_none())
-            .then_some("the job's dataset was deleted, and a resume must read the same data again")
+    pub fn resume_blocked(&self) -> Option<&str> {
+        if !self.is_resumable() {
+            return None;
+        }
+        match (self.dataset_id, &self.resume_ended) {
+            (None, _) => {
+                Some("the job's dataset was deleted, and a resume must read the same data again")
+            }
+            (_, Some(why)) => Some(why),
+            _ => None,
+        }
     }
 
     /// Seconds left, from the pace of the steps since the latest start.
@@ -138,7 +149,7 @@ async fn row(db: impl SqliteExecutor<'_>, id: i64) -> sqlx::Result<Option<JobRow
         JobRow,
         r#"SELECT id, owner_id, model, dataset_id, device, config, status AS "status: JobStatus",
                   queue_seq, error, total_steps, step, start_step, started_at, finished_at,
-                  resume_from, created_at, eval_dataset_id, placement, name, note
+                  resume_from, created_at, eval_dataset_id, placement, name, note, resume_ended
            FROM jobs WHERE id = ?"#,
         id
     )
@@ -419,11 +430,12 @@ pub async fn claim(pool: &SqlitePool, id: i64) -> sqlx::Result<Option<JobRow>> {
     Ok(job)
 }
 
-/// The cancelled or interrupted jobs (id, name) that train on dataset `dataset_id`, oldest
-/// first: deleting it ends their resume, which reads the same data again.
+/// The cancelled or interrupted jobs (id, name) that train or evaluate on dataset
+/// `dataset_id`, oldest first: deleting it ends their resume, which reads the same data again.
 pub async fn resumable_on(pool: &SqlitePool, dataset_id: i64) -> sqlx::Result<Vec<(i64, String)>> {
     let rows = sqlx::query!(
-        r#"SELECT id AS "id!", name FROM jobs WHERE dataset_id = ? AND status IN (?, ?) ORDER BY id"#,
+        r#"SELECT id AS "id!", name FROM jobs
+           WHERE (dataset_id = ?1 OR eval_dataset_id = ?1) AND status IN (?2, ?3) ORDER BY id"#,
         dataset_id,
         JobStatus::Cancelled,
         JobStatus::Interrupted,
@@ -471,6 +483,7 @@ pub async fn requeue(
              error = NULL, finished_at = NULL, step = ?2, start_step = ?2
          WHERE id = ?3 AND status IN (?4, ?5)
            AND EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.dataset_id)
+           AND jobs.resume_ended IS NULL
            AND (jobs.eval_dataset_id IS NULL
                 OR EXISTS (SELECT 1 FROM datasets d WHERE d.id = jobs.eval_dataset_id))
            AND (SELECT COUNT(*) FROM jobs WHERE owner_id = ?6 AND status IN (?1, ?7)) < ?8",
@@ -865,7 +878,7 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
                 j.total_steps AS "total_steps!: i64", j.step AS "step!: i64",
                 j.start_step AS "start_step!: i64", j.started_at, j.finished_at, j.resume_from,
                 j.created_at AS "created_at!: i64", j.eval_dataset_id, j.placement,
-                j.name AS "name!", j.note AS "note!",
+                j.name AS "name!", j.note AS "note!", j.resume_ended,
                 u.username AS "owner?",
                 d.name AS "dataset_name?",
                 e.name AS "eval_dataset_name?",
@@ -919,6 +932,7 @@ pub async fn listed(pool: &SqlitePool, which: Which) -> sqlx::Result<Vec<Listed>
                 placement: r.placement,
                 name: r.name,
                 note: r.note,
+                resume_ended: r.resume_ended,
             },
             owner: r.owner,
             dataset_name: r.dataset_name,

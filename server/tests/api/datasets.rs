@@ -308,5 +308,49 @@ async fn deleting_a_dataset_names_and_ends_the_resume_of_its_stopped_jobs() -> a
     assert!(finished["resume_blocked"].is_null(), "{finished}");
     let untouched = alice.get(&format!("/api/jobs/{elsewhere}")).await?.json()?;
     assert_eq!(untouched["resumable"], true, "{untouched}");
+
+    // A stopped job that evaluates with a dataset: deleting that one ends its resume too (the
+    // delete clears the job's evaluation dataset, which would otherwise resume without it).
+    let held_out = alice.upload("held-out.jsonl", GOOD.as_bytes(), None).await?.json()?;
+    let held_out = held_out["id"].as_i64().unwrap_or(0);
+    sqlx::query("UPDATE jobs SET eval_dataset_id = ? WHERE id = ?")
+        .bind(held_out)
+        .bind(elsewhere)
+        .execute(app.state.pool())
+        .await?;
+    let named = alice.get(&format!("/api/datasets/{held_out}/resumable-jobs")).await?.json()?;
+    assert_eq!(named, serde_json::json!([{"id": elsewhere, "name": "elsewhere"}]));
+    let deleted = alice.delete(&format!("/api/datasets/{held_out}")).await?.json()?;
+    assert_eq!(deleted["resume_ended"], serde_json::json!([elsewhere]), "{deleted}");
+    let job = alice.get(&format!("/api/jobs/{elsewhere}")).await?.json()?;
+    assert!(job["eval_dataset"].is_null(), "{job}");
+    assert_eq!(job["resumable"], false, "{job}");
+    let why = job["resume_blocked"].as_str().unwrap_or_default();
+    assert!(why.contains("evaluation dataset was deleted"), "{job}");
+    let refused =
+        alice.post(&format!("/api/jobs/{elsewhere}/resume"), serde_json::json!({})).await?;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+    assert!(refused.error().contains("evaluation dataset was deleted"), "{}", refused.text());
+    // A delete refused (a running job evaluates with it) ends no resume.
+    let kept = alice.upload("kept.jsonl", GOOD.as_bytes(), None).await?.json()?;
+    let kept = kept["id"].as_i64().unwrap_or(0);
+    sqlx::query("UPDATE jobs SET eval_dataset_id = ? WHERE id IN (?, ?)")
+        .bind(kept)
+        .bind(done)
+        .bind(stopped)
+        .execute(app.state.pool())
+        .await?;
+    sqlx::query("UPDATE jobs SET status = 'running' WHERE id = ?")
+        .bind(done)
+        .execute(app.state.pool())
+        .await?;
+    let refused = alice.delete(&format!("/api/datasets/{kept}")).await?;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.text());
+    let resume_ended: Option<String> =
+        sqlx::query_scalar("SELECT resume_ended FROM jobs WHERE id = ?")
+            .bind(stopped)
+            .fetch_one(app.state.pool())
+            .await?;
+    assert_eq!(resume_ended, None, "a refused delete rolls its marks back");
     Ok(())
 }
