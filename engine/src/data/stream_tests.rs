@@ -281,8 +281,11 @@ fn preference_kto_and_multimodal_records_are_refused_record_by_record() {
     assert!(lines[2].starts_with("line 3: \"videos\": multimodal records"), "{lines:?}");
 }
 
-/// The documents of a text file: (first line, text) or (first line, problem).
-fn documents(text: &[u8]) -> (Vec<(usize, String)>, Vec<(usize, String)>) {
+/// Texts or problems, each with the line it starts on.
+type Numbered = Vec<(usize, String)>;
+
+/// The documents of a text file: (first line, text) and (first line, problem).
+fn documents(text: &[u8]) -> (Numbered, Numbered) {
     let (_dir, path) = write("corpus.txt", text);
     let reader = DatasetReader::open(&path).unwrap();
     assert_eq!((reader.layout(), reader.format()), (Layout::Text, Some(Format::Text)));
