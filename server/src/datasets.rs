@@ -157,7 +157,12 @@ pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
         (problems, unlisted)
     };
     let Some(format) = lint.format else {
-        let message = if lint.column_names.is_empty() {
+        // One reason for every listed record (all preference pairs, say) is the file's own.
+        let reasons: std::collections::BTreeSet<&str> =
+            lint.problems.iter().map(|p| p.message.as_str()).collect();
+        let message = if let [reason] = Vec::from_iter(reasons).as_slice() {
+            format!("no record can be trained on: {reason}")
+        } else if lint.column_names.is_empty() {
             "no record is in a known format".to_string()
         } else {
             format!(

@@ -358,3 +358,30 @@ async fn a_text_file_is_pretraining_text_packed_across_rows_not_cut() -> anyhow:
     assert!(log.contains("0 truncated samples, 1 texts continued over rows"), "{log}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_preference_pairs_is_refused_for_what_it_is() -> anyhow::Result<()> {
+    let app = TestApp::new().await?;
+    let admin = app.admin().await?;
+    // LLaMA-Factory's DPO demo shape: every record a preference pair, none trainable by SFT.
+    let pairs: String = (0..3)
+        .map(|i| {
+            serde_json::json!({
+                "conversations": [{"from": "human", "value": format!("Question {i}?")}],
+                "chosen": {"from": "gpt", "value": "A careful answer."},
+                "rejected": {"from": "gpt", "value": "A careless one."},
+            })
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    let refused = upload(&admin, "dpo_en_demo.jsonl", pairs.as_bytes(), &[]).await?;
+    assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", refused.text());
+    let error = refused.error();
+    assert!(error.starts_with("no record can be trained on: \"chosen\""), "{error}");
+    assert!(error.contains("this is preference data"), "{error}");
+    assert!(!error.contains("known format"), "{error}");
+    let problems = refused.json()?["problems"].as_array().map(Vec::len);
+    assert_eq!(problems, Some(3), "{}", refused.text());
+    Ok(())
+}
