@@ -257,6 +257,7 @@ pub(super) fn registry_file(registry: &Path, name: &str) -> Result<(PathBuf, Sch
         }
         None => return Err(fail("missing file_name".into())),
     };
+    refuse_unhonoured_keys(entry).map_err(fail)?;
     let schema = Schema::from_registry(entry).map_err(fail)?;
     let dir = registry.parent().unwrap_or(Path::new("."));
     let file = dir.join(file_name);
@@ -267,6 +268,46 @@ pub(super) fn registry_file(registry: &Path, name: &str) -> Result<(PathBuf, Sch
         )));
     }
     Ok((file, schema))
+}
+
+/// Refuses, by name, a key of a LLaMA-Factory registry entry that reading its local file whole
+/// would not honour, or that LLaMA-Factory does not know: ignored, it would train on other data
+/// than the entry says.
+fn refuse_unhonoured_keys(entry: &Map<String, Value>) -> std::result::Result<(), String> {
+    for (key, value) in entry {
+        match key.as_str() {
+            "file_name" | "formatting" | "ranking" | "columns" | "tags" => {}
+            // Where LLaMA-Factory would fetch the dataset instead; the local file is what was
+            // given here.
+            "hf_hub_url" | "ms_hub_url" | "om_hub_url" | "script_url" | "cloud_file_name" => {}
+            // A local JSON, CSV, Parquet or text file has one split, `train`.
+            "split" if value.as_str() == Some("train") => {}
+            "split" => {
+                return Err(format!(
+                    "split {value}: a local file has only the train split; give that split's \
+                     own file"
+                ));
+            }
+            "subset" | "folder" => {
+                return Err(format!(
+                    "{key} {value}: names part of a hub dataset, but a local file is read whole"
+                ));
+            }
+            "num_samples" => {
+                return Err(format!(
+                    "num_samples {value}: sampling records is not supported; give a file of the \
+                     records to train on"
+                ));
+            }
+            other => {
+                return Err(format!(
+                    "unknown key {other:?} (LLaMA-Factory's entries have file_name, formatting, \
+                     ranking, columns, tags, split, subset, folder, num_samples and hub urls)"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A `dataset_info.json` registry reduced to the one entry an upload of one data file uses,

@@ -371,3 +371,30 @@ fn a_registry_that_maps_only_a_prompt_is_pretraining_text() {
     let err = read_registry_dataset(&registry, "c4").unwrap_err().to_string();
     assert!(err.contains("columns map neither \"prompt\" nor \"response\""), "{err}");
 }
+
+#[test]
+fn registry_keys_that_reading_the_file_would_not_honour_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.jsonl"), "{\"instruction\": \"q\", \"output\": \"a\"}\n")
+        .unwrap();
+    let registry = dir.path().join("dataset_info.json");
+    let read = |extra: &str| {
+        let entry = format!(r#"{{"a": {{"file_name": "a.jsonl"{extra}}}}}"#);
+        std::fs::write(&registry, entry).unwrap();
+        read_registry_dataset(&registry, "a").map(|p| p.entries.len()).map_err(|e| e.to_string())
+    };
+    // What LLaMA-Factory's own entries carry, read as it reads a local file.
+    assert_eq!(read(r#", "split": "train", "hf_hub_url": "org/a", "ranking": false"#), Ok(1));
+    for (extra, said) in [
+        (r#", "split": "test""#, "split \"test\": a local file has only the train split"),
+        (r#", "subset": "main""#, "subset \"main\": names part of a hub dataset"),
+        (r#", "folder": "x""#, "folder \"x\": names part of a hub dataset"),
+        (r#", "num_samples": 100"#, "num_samples 100: sampling records is not supported"),
+        (r#", "colums": {}"#, "unknown key \"colums\""),
+    ] {
+        let err = read(extra).unwrap_err();
+        assert!(err.contains(&format!("a: {said}")), "{extra}: {err}");
+        // The record-by-record reader refuses the same way.
+        assert!(DatasetReader::open_registry(&registry, "a").is_err(), "{extra}");
+    }
+}
