@@ -34,11 +34,15 @@ impl Role {
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// An assistant message that is a training target (LLaMA-Factory's per-message
+    /// `loss_weight` 1, the default); 0 keeps a reply as context only. Always true for the
+    /// other roles, which are never trained (but with `train_on_prompt`, which trains all).
+    pub trained: bool,
 }
 
 impl Message {
     pub fn new(role: Role, content: impl Into<String>) -> Message {
-        Message { role, content: content.into() }
+        Message { role, content: content.into(), trained: true }
     }
 }
 
@@ -811,7 +815,9 @@ impl Schema {
                         }
                         return Err(format!("message {n} ({}) is empty", role.as_str()));
                     }
-                    messages.push(Message::new(role, content));
+                    let trained = loss_weight(item.get("loss_weight"), role)
+                        .map_err(|e| format!("message {n}: \"loss_weight\" {e}"))?;
+                    messages.push(Message { trained, ..Message::new(role, content) });
                 }
                 match messages.last().map(|m| m.role) {
                     Some(Role::Assistant) => Ok(Record::Conversation(messages)),
@@ -887,15 +893,56 @@ fn optional_array<'a>(
 }
 
 /// A message's content: a string, or OpenAI's list of parts of which only text is supported.
+/// Whether a message with LLaMA-Factory's `loss_weight` is trained: 1 (an assistant
+/// message's default) or 0 (context only). Other weights would scale the message's loss,
+/// which training here does not do, so they are refused rather than rounded.
+fn loss_weight(value: Option<&Value>, role: Role) -> std::result::Result<bool, String> {
+    let assistant = role == Role::Assistant;
+    match value.map(|v| (v, v.as_f64())) {
+        None | Some((Value::Null, _)) => Ok(true),
+        // Only an assistant message's flag means anything; the others keep the default.
+        Some((_, Some(0.0))) => Ok(!assistant),
+        Some((_, Some(w))) if w == 1.0 && assistant => Ok(true),
+        Some((_, Some(_))) if !assistant => Err(format!(
+            "must be 0 on a {} message: only assistant messages are trained",
+            role.as_str()
+        )),
+        Some((v, Some(_))) => {
+            Err(format!("{v}: only 0 (context) or 1 (trained) is supported, not a weighted loss"))
+        }
+        Some((v, None)) => Err(format!("must be a number, found {}", kind(v))),
+    }
+}
+
+/// A message's text: a string, or a list of text parts (OpenAI's `{"type": "text", "text"}`
+/// or LLaMA-Factory v1's `{"type": "text", "value"}`), joined.
 fn message_content(value: Option<&Value>) -> std::result::Result<String, String> {
     match value {
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for part in parts {
-                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                let kind = part.get("type").and_then(Value::as_str);
+                let value = part.get("text").or_else(|| part.get("value")).and_then(Value::as_str);
+                match (kind, value) {
                     (Some("text"), Some(t)) => text.push_str(t),
-                    _ => return Err("parts must be {\"type\": \"text\", \"text\": string}; only text is supported".into()),
+                    (Some("reasoning"), _) => {
+                        return Err("has a reasoning part, which is not supported yet".into());
+                    }
+                    (Some("tool_call"), _) => {
+                        return Err("has a tool call, which is not supported yet".into());
+                    }
+                    (Some(media), _) if media.ends_with("_url") || media.starts_with("image") => {
+                        return Err(format!(
+                            "has a part of type {media}: multimodal records are not supported; \
+                             the models trained here read text only"
+                        ));
+                    }
+                    _ => {
+                        return Err("parts must be {\"type\": \"text\", \"text\" or \"value\": \
+                                    string}"
+                            .into());
+                    }
                 }
             }
             Ok(text)

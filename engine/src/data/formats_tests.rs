@@ -114,7 +114,8 @@ fn openai_content_parts_and_user_assistant_roles_in_sharegpt() {
         Record::Conversation(vec![user("Hi there"), assistant("Hello")])
     );
     assert_eq!(parsed.problems.len(), 1);
-    assert!(parsed.problems[0].message.contains("only text is supported"), "{:?}", parsed.problems);
+    let said = &parsed.problems[0].message;
+    assert!(said.contains("multimodal records are not supported"), "{said}");
 
     let (_dir, parsed) = check(
         "s.jsonl",
@@ -448,4 +449,45 @@ fn registry_entries_of_preference_kto_or_media_data_are_errors() {
     assert!(err.contains("columns map \"kto_tag\": KTO-labelled data"), "{err}");
     let err = read_registry_dataset(&registry, "mm").unwrap_err().to_string();
     assert!(err.contains("columns map \"images\": multimodal datasets"), "{err}");
+}
+
+#[test]
+fn llama_factory_v1_records_with_text_parts_and_per_message_loss_weights() {
+    // LLaMA-Factory v1's record: content a list of typed parts, a loss_weight per message.
+    let text = [
+        r#"{"messages": [{"role": "user", "content": [{"type": "text", "value": "Hi"}]}, {"role": "assistant", "content": [{"type": "text", "value": "Hel"}, {"type": "text", "value": "lo"}], "loss_weight": 0.0}, {"role": "user", "content": [{"type": "text", "value": "Again"}], "loss_weight": 0}, {"role": "assistant", "content": [{"type": "text", "value": "Hello again"}], "loss_weight": 1.0}]}"#,
+        r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss_weight": 0.5}]}"#,
+        r#"{"messages": [{"role": "user", "content": "q", "loss_weight": 1}, {"role": "assistant", "content": "a"}]}"#,
+        r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "reasoning", "value": "hmm"}, {"type": "text", "value": "a"}]}]}"#,
+        r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "value": "x.png"}]}, {"role": "assistant", "content": "a"}]}"#,
+        r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss_weight": "1"}]}"#,
+    ]
+    .join("\n");
+    let (_dir, parsed) = check("v1.jsonl", &text);
+    let parsed = parsed.unwrap();
+    assert_eq!(parsed.format, Some(Format::Messages));
+    let context = Message { trained: false, ..assistant("Hello") };
+    assert_eq!(
+        parsed.entries.iter().map(|e| e.record.clone()).collect::<Vec<_>>(),
+        vec![Record::Conversation(vec![
+            user("Hi"),
+            context,
+            user("Again"),
+            assistant("Hello again")
+        ])]
+    );
+    let problems: Vec<(usize, &str)> =
+        parsed.problems.iter().map(|p| (p.line, p.message.as_str())).collect();
+    let said = [
+        (2, "message 2: \"loss_weight\" 0.5: only 0 (context) or 1 (trained) is supported"),
+        (3, "message 1: \"loss_weight\" must be 0 on a user message"),
+        (4, "message 2: \"content\" has a reasoning part, which is not supported yet"),
+        (5, "message 1: \"content\" has a part of type image_url: multimodal records are not"),
+        (6, "message 2: \"loss_weight\" must be a number, found a string"),
+    ];
+    assert_eq!(problems.len(), said.len(), "{problems:?}");
+    for ((line, message), (want_line, want)) in problems.iter().zip(said) {
+        assert_eq!(*line, want_line);
+        assert!(message.starts_with(want), "line {line}: {message}");
+    }
 }

@@ -143,7 +143,16 @@ impl<'t> Preparer<'t> {
         let trained = if self.options.train_on_prompt {
             vec![true; encoding.ids.len()]
         } else {
-            mask(&encoding.offsets, &rendered.assistant_spans)
+            // One span per assistant message, in order; a reply kept as context is not trained.
+            let replies = messages.iter().filter(|m| m.role == Role::Assistant);
+            let spans: Vec<Range<usize>> = rendered
+                .assistant_spans
+                .iter()
+                .zip(replies)
+                .filter(|(_, reply)| reply.trained)
+                .map(|(span, _)| span.clone())
+                .collect();
+            mask(&encoding.offsets, &spans)
         };
         Ok(Sample::new(encoding.ids, trained))
     }

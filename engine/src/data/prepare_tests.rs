@@ -168,3 +168,24 @@ fn demo_dataset_prepares_with_the_tiny_tokenizer() {
         prepared.samples.iter().all(|s| s.ids.iter().all(|&id| (id as usize) < tok.vocab_size()));
     assert!(unk_free);
 }
+
+#[test]
+fn a_reply_with_loss_weight_zero_is_context_not_a_target() {
+    let tok = tiny_tokenizer().unwrap();
+    let conversation = |first_trained: bool| {
+        Record::Conversation(vec![
+            user("What is 12 + 7?"),
+            Message { trained: first_trained, ..assistant("It is 19.") },
+            user("And 12 + 8?"),
+            assistant("It is 20."),
+        ])
+    };
+    let both = check(&tok, conversation(true), PrepareOptions::default());
+    let last = check(&tok, conversation(false), PrepareOptions::default());
+    assert_eq!(both.ids, last.ids, "the same text either way");
+    assert_eq!(trained_runs(&tok, &both), vec!["It is 19.<|im_end|>\n", "It is 20.<|im_end|>\n"]);
+    assert_eq!(trained_runs(&tok, &last), vec!["It is 20.<|im_end|>\n"]);
+    // Training on the prompt trains everything, context replies included.
+    let all = check(&tok, conversation(false), PrepareOptions { train_on_prompt: true });
+    assert!(all.trained.iter().all(|&t| t));
+}

@@ -153,7 +153,7 @@ impl<B: Backend> Generator<B> {
         let text = match style {
             PromptStyle::Plain => prompt.to_string(),
             PromptStyle::Chat => {
-                return self.chat_ids(&[Message { role: Role::User, content: prompt.to_string() }]);
+                return self.chat_ids(&[Message::new(Role::User, prompt)]);
             }
         };
         Ok(tokenizer.encode(&text)?.ids)
