@@ -366,8 +366,44 @@ fn skip_whitespace(path: &Path, reader: &mut BufReader<File>) -> Result<Option<u
 
 fn lines(
     path: &Path,
-    mut reader: BufReader<File>,
+    reader: BufReader<File>,
     mut visit: impl FnMut(usize, std::result::Result<Value, String>) -> ControlFlow<()>,
+) -> Result<()> {
+    each_line(path, reader, |number, line| {
+        let value = match line {
+            _ if line.is_blank() => return ControlFlow::Continue(()),
+            Line::Text(bytes) => std::str::from_utf8(bytes)
+                .map_err(|e| format!("not valid UTF-8: {e}"))
+                .and_then(|text| {
+                    serde_json::from_str::<Value>(text).map_err(|e| format!("not valid JSON: {e}"))
+                }),
+            Line::TooLong(len) => Err(format!(
+                "the line is {}, longer than the {} a record may be",
+                mib(len),
+                mib(MAX_RECORD_BYTES)
+            )),
+        };
+        visit(number, value)
+    })
+}
+
+/// One line as read: its bytes without the line end, or its length when past the limit.
+pub(super) enum Line<'a> {
+    Text(&'a [u8]),
+    TooLong(usize),
+}
+
+impl Line<'_> {
+    pub(super) fn is_blank(&self) -> bool {
+        matches!(self, Line::Text(bytes) if bytes.iter().all(u8::is_ascii_whitespace))
+    }
+}
+
+/// Calls `visit` with each line's 1-based number, holding at most [`MAX_RECORD_BYTES`] of it.
+pub(super) fn each_line(
+    path: &Path,
+    mut reader: BufReader<File>,
+    mut visit: impl FnMut(usize, Line) -> ControlFlow<()>,
 ) -> Result<()> {
     let io = |e| Error::io(path, e);
     let mut line = Vec::new();
@@ -379,27 +415,13 @@ fn lines(
             break;
         }
         let ended = line.last() == Some(&b'\n');
-        if ended {
-            line.pop();
-        }
-        let value = if ended || line.len() <= MAX_RECORD_BYTES {
-            if line.iter().all(u8::is_ascii_whitespace) {
-                continue;
-            }
-            std::str::from_utf8(&line).map_err(|e| format!("not valid UTF-8: {e}")).and_then(
-                |text| {
-                    serde_json::from_str::<Value>(text).map_err(|e| format!("not valid JSON: {e}"))
-                },
-            )
+        let read = if ended || line.len() <= MAX_RECORD_BYTES {
+            let text = line.strip_suffix(b"\n").unwrap_or(&line);
+            Line::Text(text.strip_suffix(b"\r").unwrap_or(text))
         } else {
-            let rest = reader.skip_until(b'\n').map_err(io)?;
-            Err(format!(
-                "the line is {}, longer than the {} a record may be",
-                mib(line.len() + rest),
-                mib(MAX_RECORD_BYTES)
-            ))
+            Line::TooLong(line.len() + reader.skip_until(b'\n').map_err(io)?)
         };
-        if visit(number, value).is_break() {
+        if visit(number, read).is_break() {
             break;
         }
     }

@@ -6,55 +6,14 @@
 //! most [`MAX_RECORD_BYTES`]; a longer one is a problem of its own and reading goes on.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::BufReader;
 use std::ops::ControlFlow;
 use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::stream::{MAX_RECORD_BYTES, mib};
-use crate::error::{Error, Result};
-
-/// One line as read: its bytes without the line end, or its length when past the limit.
-enum Line<'a> {
-    Text(&'a [u8]),
-    TooLong(usize),
-}
-
-impl Line<'_> {
-    fn is_blank(&self) -> bool {
-        matches!(self, Line::Text(bytes) if bytes.iter().all(u8::is_ascii_whitespace))
-    }
-}
-
-/// Calls `visit` with each line's 1-based number, holding at most [`MAX_RECORD_BYTES`] of it.
-fn each_line(
-    path: &Path,
-    mut reader: BufReader<File>,
-    mut visit: impl FnMut(usize, Line) -> ControlFlow<()>,
-) -> Result<()> {
-    let io = |e| Error::io(path, e);
-    let mut line = Vec::new();
-    for number in 1.. {
-        line.clear();
-        // One byte past the limit tells a line of exactly the limit from a longer one.
-        let mut limited = reader.by_ref().take(MAX_RECORD_BYTES as u64 + 1);
-        if limited.read_until(b'\n', &mut line).map_err(io)? == 0 {
-            break;
-        }
-        let ended = line.last() == Some(&b'\n');
-        let read = if ended || line.len() <= MAX_RECORD_BYTES {
-            let text = line.strip_suffix(b"\n").unwrap_or(&line);
-            Line::Text(text.strip_suffix(b"\r").unwrap_or(text))
-        } else {
-            Line::TooLong(line.len() + reader.skip_until(b'\n').map_err(io)?)
-        };
-        if visit(number, read).is_break() {
-            break;
-        }
-    }
-    Ok(())
-}
+use super::stream::{Line, MAX_RECORD_BYTES, each_line, mib};
+use crate::error::Result;
 
 /// Whether `reader`'s documents are blocks: some blank line separates text, and some block has
 /// more than one line. Reads only as far as it takes to see both.
