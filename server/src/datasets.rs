@@ -157,19 +157,20 @@ pub fn lint(source: &DatasetSource) -> DatasetsResult<Linted> {
         (problems, unlisted)
     };
     let Some(format) = lint.format else {
-        // One reason for every listed record (all preference pairs, say) is the file's own.
+        // A table's columns are what to fix first; otherwise one reason for every listed record
+        // (all preference pairs, say) is the file's own.
         let reasons: std::collections::BTreeSet<&str> =
             lint.problems.iter().map(|p| p.message.as_str()).collect();
-        let message = if let [reason] = Vec::from_iter(reasons).as_slice() {
-            format!("no record can be trained on: {reason}")
-        } else if lint.column_names.is_empty() {
-            "no record is in a known format".to_string()
-        } else {
+        let message = if !lint.column_names.is_empty() {
             format!(
                 "the columns ({}) are not a known format's: map them to instruction/input/output, \
                  prompt/completion, text or messages",
                 lint.column_names.join(", ")
             )
+        } else if let [reason] = Vec::from_iter(reasons).as_slice() {
+            format!("no record can be trained on: {reason}")
+        } else {
+            "no record is in a known format".to_string()
         };
         let (problems, unlisted) = listed(&lint);
         return Err(DatasetsError::Unusable { message, problems, unlisted });
