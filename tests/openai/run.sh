@@ -106,7 +106,7 @@ fi
 step "lm_eval --model local-completions --tasks sluice_facts"
 model_args="model=$model,base_url=$url/v1/completions,tokenizer_backend=huggingface"
 model_args+=",tokenizer=$model_dir,tokenized_requests=True,max_length=2048"
-if ! OPENAI_API_KEY=$token timeout 1200 "$venv/bin/lm_eval" --model local-completions \
+if ! OPENAI_API_KEY=$token timeout 1200 "$python" -m lm_eval --model local-completions \
   --model_args "$model_args" --tasks sluice_facts --include_path tests/openai/tasks \
   --output_path "$data/lm_eval" >"$data/lm_eval.log" 2>&1; then
   tail -n 40 "$data/lm_eval.log" >&2
